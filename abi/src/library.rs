@@ -1,0 +1,76 @@
+use crate::error::{invalid_cstr, Result};
+use crate::sys::{api, check, BoxedKernel, TorchLibraryHandle};
+use crate::EXTENSION_BUILD_VERSION;
+use std::ffi::CString;
+
+/// The dispatch keys Keel registers kernels for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchKey {
+    /// Host tensors.
+    Cpu,
+    /// CUDA tensors.
+    Cuda,
+    /// Meta tensors (also what fake tensors and `torch.compile` use for shapes).
+    Meta,
+}
+
+impl DispatchKey {
+    fn name(self) -> &'static std::ffi::CStr {
+        match self {
+            DispatchKey::Cpu => c"CPU",
+            DispatchKey::Cuda => c"CUDA",
+            DispatchKey::Meta => c"Meta",
+        }
+    }
+}
+
+/// A torch library fragment: either the one that defines a namespace's
+/// schemas, or one that implements them for one dispatch key.
+///
+/// Registrations last as long as the handle; Keel's handles are kept for the
+/// life of the process (dropping one would unregister its ops).
+pub struct Library {
+    handle: TorchLibraryHandle,
+}
+
+// SAFETY: the handle is only used to register, under torch's own locking.
+unsafe impl Send for Library {}
+unsafe impl Sync for Library {}
+
+impl Library {
+    /// The defining fragment of namespace `ns` (`TORCH_LIBRARY(ns, m)`).
+    pub fn define_namespace(ns: &str) -> Result<Library> {
+        let ns = invalid_cstr(ns)?;
+        let mut h = std::ptr::null_mut();
+        // SAFETY: valid C strings; `h` receives a new library handle.
+        check("aoti_torch_library_init_def", unsafe {
+            (api()?.aoti_torch_library_init_def)(ns.as_ptr(), c"keel-ops".as_ptr(), line!(), &mut h)
+        })?;
+        Ok(Library { handle: h })
+    }
+
+    /// The implementing fragment of namespace `ns` for `key` (`TORCH_LIBRARY_IMPL(ns, key, m)`).
+    pub fn implement(ns: &str, key: DispatchKey) -> Result<Library> {
+        let ns = invalid_cstr(ns)?;
+        let mut h = std::ptr::null_mut();
+        // SAFETY: as above.
+        check("aoti_torch_library_init_impl", unsafe {
+            (api()?.aoti_torch_library_init_impl)(ns.as_ptr(), key.name().as_ptr(), c"keel-ops".as_ptr(), line!(), &mut h)
+        })?;
+        Ok(Library { handle: h })
+    }
+
+    /// Defines an op from its schema string (`"rms_norm(Tensor input, ...) -> Tensor"`).
+    pub fn def(&self, schema: &str) -> Result<()> {
+        let s = invalid_cstr(schema)?;
+        // SAFETY: live handle, valid C string.
+        check("aoti_torch_library_def", unsafe { (api()?.aoti_torch_library_def)(self.handle, s.as_ptr()) })
+    }
+
+    /// Registers the boxed kernel of op `name` (see [`crate::boxed`]).
+    pub fn impl_kernel(&self, name: &str, kernel: BoxedKernel) -> Result<()> {
+        let n: CString = invalid_cstr(name)?;
+        // SAFETY: live handle, valid C string, kernel has the boxed signature.
+        check("torch_library_impl", unsafe { (api()?.torch_library_impl)(self.handle, n.as_ptr(), kernel, EXTENSION_BUILD_VERSION) })
+    }
+}

@@ -1,0 +1,164 @@
+use crate::error::Result;
+use crate::sys::{api, check, AtenTensorHandle};
+use crate::types::{Device, DeviceType, ScalarType};
+use std::ffi::c_void;
+
+/// An owning handle to a torch tensor. Dropping it releases the reference.
+#[derive(Debug)]
+pub struct Tensor {
+    handle: AtenTensorHandle,
+}
+
+// SAFETY: an AtenTensorHandle is a heap pointer to an at::Tensor, whose
+// refcount is atomic; torch passes tensors between threads freely.
+unsafe impl Send for Tensor {}
+unsafe impl Sync for Tensor {}
+
+impl Tensor {
+    /// Takes ownership of a handle torch gave us (an op argument, a new tensor).
+    ///
+    /// # Safety
+    /// `handle` must be a valid owning `AtenTensorHandle` not owned by anything else.
+    pub unsafe fn from_raw(handle: AtenTensorHandle) -> Self {
+        Tensor { handle }
+    }
+
+    /// Gives up ownership (e.g. to return the tensor on the stack).
+    pub fn into_raw(self) -> AtenTensorHandle {
+        let h = self.handle;
+        std::mem::forget(self);
+        h
+    }
+
+    /// A new uninitialised contiguous tensor.
+    pub fn empty(sizes: &[i64], dtype: ScalarType, device: Device) -> Result<Tensor> {
+        let mut strides = vec![1i64; sizes.len()];
+        for i in (0..sizes.len().saturating_sub(1)).rev() {
+            strides[i] = strides[i + 1] * sizes[i + 1].max(1);
+        }
+        let a = api()?;
+        let mut out: AtenTensorHandle = std::ptr::null_mut();
+        // SAFETY: sizes/strides point to `len` i64s; `out` receives a new owning handle.
+        let code = unsafe {
+            (a.aoti_torch_empty_strided)(
+                sizes.len() as i64,
+                sizes.as_ptr(),
+                strides.as_ptr(),
+                dtype.code()?,
+                device.kind.code()?,
+                device.index.max(0),
+                &mut out,
+            )
+        };
+        check("aoti_torch_empty_strided", code)?;
+        // SAFETY: success gave us a fresh owning handle.
+        Ok(unsafe { Tensor::from_raw(out) })
+    }
+
+    /// A new uninitialised contiguous tensor with this one's sizes, dtype and device.
+    pub fn empty_like(&self) -> Result<Tensor> {
+        Tensor::empty(self.sizes()?, self.dtype()?, self.device()?)
+    }
+
+    fn get<T: Default>(&self, call: &'static str, f: unsafe extern "C-unwind" fn(AtenTensorHandle, *mut T) -> i32) -> Result<T> {
+        let mut v = T::default();
+        // SAFETY: `self.handle` is valid for our lifetime; `f` writes one T.
+        check(call, unsafe { f(self.handle, &mut v) })?;
+        Ok(v)
+    }
+
+    /// Number of dimensions.
+    pub fn dim(&self) -> Result<usize> {
+        Ok(self.get("aoti_torch_get_dim", api()?.aoti_torch_get_dim)? as usize)
+    }
+
+    fn borrowed_i64s(&self, call: &'static str, f: unsafe extern "C-unwind" fn(AtenTensorHandle, *mut *mut i64) -> i32) -> Result<&[i64]> {
+        let n = self.dim()?;
+        let mut p: *mut i64 = std::ptr::null_mut();
+        // SAFETY: valid handle; torch returns a pointer borrowed from the tensor.
+        check(call, unsafe { f(self.handle, &mut p) })?;
+        if n == 0 || p.is_null() {
+            return Ok(&[]);
+        }
+        // SAFETY: the tensor's metadata holds `dim` i64s and lives as long as `self`.
+        Ok(unsafe { std::slice::from_raw_parts(p, n) })
+    }
+
+    /// Sizes, one per dimension (borrowed from the tensor).
+    pub fn sizes(&self) -> Result<&[i64]> {
+        self.borrowed_i64s("aoti_torch_get_sizes", api()?.aoti_torch_get_sizes)
+    }
+
+    /// Strides in elements, one per dimension (borrowed from the tensor).
+    pub fn strides(&self) -> Result<&[i64]> {
+        self.borrowed_i64s("aoti_torch_get_strides", api()?.aoti_torch_get_strides)
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> Result<usize> {
+        Ok(self.sizes()?.iter().product::<i64>() as usize)
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> Result<ScalarType> {
+        ScalarType::from_code(self.get("aoti_torch_get_dtype", api()?.aoti_torch_get_dtype)?)
+    }
+
+    /// Device.
+    pub fn device(&self) -> Result<Device> {
+        let a = api()?;
+        let kind = DeviceType::from_code(self.get("aoti_torch_get_device_type", a.aoti_torch_get_device_type)?)?;
+        let index = self.get("aoti_torch_get_device_index", a.aoti_torch_get_device_index)?;
+        Ok(Device { kind, index })
+    }
+
+    /// Whether the tensor is contiguous in row-major order.
+    pub fn is_contiguous(&self) -> Result<bool> {
+        self.get("aoti_torch_is_contiguous", api()?.aoti_torch_is_contiguous)
+    }
+
+    /// Address of the first element (storage offset included); null for
+    /// tensors without memory (meta) and possibly for empty ones.
+    pub fn data_ptr(&self) -> Result<*mut c_void> {
+        self.get("aoti_torch_get_data_ptr", api()?.aoti_torch_get_data_ptr)
+    }
+
+    /// The elements of a contiguous CPU tensor as a slice.
+    ///
+    /// # Safety
+    /// The tensor must be contiguous, on the CPU, of element type `T`, and not
+    /// written through any other handle while the slice lives.
+    pub unsafe fn as_slice<T>(&self) -> Result<&[T]> {
+        let n = self.numel()?;
+        let p = self.data_ptr()?;
+        if n == 0 || p.is_null() {
+            return Ok(&[]);
+        }
+        // SAFETY: per this function's contract.
+        Ok(unsafe { std::slice::from_raw_parts(p as *const T, n) })
+    }
+
+    /// The elements of a contiguous CPU tensor as a mutable slice.
+    ///
+    /// # Safety
+    /// As [`Tensor::as_slice`], and no other slice of this tensor may be alive.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_slice<T>(&self) -> Result<&mut [T]> {
+        let n = self.numel()?;
+        let p = self.data_ptr()?;
+        if n == 0 || p.is_null() {
+            return Ok(&mut []);
+        }
+        // SAFETY: per this function's contract.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p as *mut T, n) })
+    }
+}
+
+impl Drop for Tensor {
+    fn drop(&mut self) {
+        if let Ok(a) = api() {
+            // SAFETY: we own the handle and release it exactly once.
+            let _ = unsafe { (a.aoti_torch_delete_tensor_object)(self.handle) };
+        }
+    }
+}

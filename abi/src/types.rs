@@ -1,0 +1,157 @@
+use crate::error::Result;
+use crate::sys::api;
+use std::fmt;
+
+/// A tensor element type (c10::ScalarType), as far as Keel's ops need to tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScalarType {
+    /// float16
+    F16,
+    /// bfloat16
+    BF16,
+    /// float32
+    F32,
+    /// float64
+    F64,
+    /// int64
+    I64,
+    /// int32
+    I32,
+    /// bool
+    Bool,
+    /// Any other type, by its shim code.
+    Other(i32),
+}
+
+impl ScalarType {
+    /// From the shim's dtype code.
+    pub fn from_code(code: i32) -> Result<Self> {
+        let a = api()?;
+        // SAFETY: these shim functions take no arguments and return a constant.
+        let table = unsafe {
+            [
+                ((a.aoti_torch_dtype_float16)(), ScalarType::F16),
+                ((a.aoti_torch_dtype_bfloat16)(), ScalarType::BF16),
+                ((a.aoti_torch_dtype_float32)(), ScalarType::F32),
+                ((a.aoti_torch_dtype_float64)(), ScalarType::F64),
+                ((a.aoti_torch_dtype_int64)(), ScalarType::I64),
+                ((a.aoti_torch_dtype_int32)(), ScalarType::I32),
+                ((a.aoti_torch_dtype_bool)(), ScalarType::Bool),
+            ]
+        };
+        Ok(table.iter().find(|(c, _)| *c == code).map_or(ScalarType::Other(code), |&(_, t)| t))
+    }
+
+    /// The shim's dtype code.
+    pub fn code(self) -> Result<i32> {
+        let a = api()?;
+        // SAFETY: argument-less constant getters.
+        Ok(unsafe {
+            match self {
+                ScalarType::F16 => (a.aoti_torch_dtype_float16)(),
+                ScalarType::BF16 => (a.aoti_torch_dtype_bfloat16)(),
+                ScalarType::F32 => (a.aoti_torch_dtype_float32)(),
+                ScalarType::F64 => (a.aoti_torch_dtype_float64)(),
+                ScalarType::I64 => (a.aoti_torch_dtype_int64)(),
+                ScalarType::I32 => (a.aoti_torch_dtype_int32)(),
+                ScalarType::Bool => (a.aoti_torch_dtype_bool)(),
+                ScalarType::Other(c) => c,
+            }
+        })
+    }
+
+    /// Bytes per element, for the types Keel computes with.
+    pub fn size(self) -> Option<usize> {
+        match self {
+            ScalarType::F16 | ScalarType::BF16 => Some(2),
+            ScalarType::F32 | ScalarType::I32 => Some(4),
+            ScalarType::F64 | ScalarType::I64 => Some(8),
+            ScalarType::Bool => Some(1),
+            ScalarType::Other(_) => None,
+        }
+    }
+}
+
+impl fmt::Display for ScalarType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ScalarType::F16 => f.write_str("torch.float16"),
+            ScalarType::BF16 => f.write_str("torch.bfloat16"),
+            ScalarType::F32 => f.write_str("torch.float32"),
+            ScalarType::F64 => f.write_str("torch.float64"),
+            ScalarType::I64 => f.write_str("torch.int64"),
+            ScalarType::I32 => f.write_str("torch.int32"),
+            ScalarType::Bool => f.write_str("torch.bool"),
+            ScalarType::Other(c) => write!(f, "dtype code {c}"),
+        }
+    }
+}
+
+/// Where a tensor lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceType {
+    /// Host memory.
+    Cpu,
+    /// An NVIDIA GPU.
+    Cuda,
+    /// No memory: shapes only (fake tensors, `torch.compile` tracing).
+    Meta,
+    /// Any other device type, by its shim code.
+    Other(i32),
+}
+
+impl DeviceType {
+    /// From the shim's device-type code.
+    pub fn from_code(code: i32) -> Result<Self> {
+        let a = api()?;
+        // SAFETY: argument-less constant getters.
+        let (cpu, cuda, meta) =
+            unsafe { ((a.aoti_torch_device_type_cpu)(), (a.aoti_torch_device_type_cuda)(), (a.aoti_torch_device_type_meta)()) };
+        Ok(match code {
+            c if c == cpu => DeviceType::Cpu,
+            c if c == cuda => DeviceType::Cuda,
+            c if c == meta => DeviceType::Meta,
+            c => DeviceType::Other(c),
+        })
+    }
+
+    /// The shim's device-type code.
+    pub fn code(self) -> Result<i32> {
+        let a = api()?;
+        // SAFETY: argument-less constant getters.
+        Ok(unsafe {
+            match self {
+                DeviceType::Cpu => (a.aoti_torch_device_type_cpu)(),
+                DeviceType::Cuda => (a.aoti_torch_device_type_cuda)(),
+                DeviceType::Meta => (a.aoti_torch_device_type_meta)(),
+                DeviceType::Other(c) => c,
+            }
+        })
+    }
+}
+
+/// A device: type and index (-1 for "the current one" / not applicable).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Device {
+    /// The device type.
+    pub kind: DeviceType,
+    /// The device index.
+    pub index: i32,
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self.kind {
+            DeviceType::Cpu => "cpu".to_string(),
+            DeviceType::Cuda => "cuda".to_string(),
+            DeviceType::Meta => "meta".to_string(),
+            DeviceType::Other(c) => format!("device type {c}"),
+        };
+        if self.index >= 0 && self.kind != DeviceType::Cpu {
+            write!(f, "{name}:{}", self.index)
+        } else {
+            f.write_str(&name)
+        }
+    }
+}
+

@@ -1,0 +1,24 @@
+//! Keel's CPU kernels over plain slices.
+//!
+//! Every kernel takes `&[T]` inputs, `&mut [T]` outputs (`T` in `f32`, `f64`,
+//! [`half::f16`], [`half::bf16`]) and an explicit [`Par`]: the caller decides
+//! whether work runs on the calling thread, on rayon's pool, or on a pool the
+//! caller owns (torch's intra-op pool when called from the torch operators).
+//! No kernel starts threads of its own or hides where its parallelism comes from.
+//!
+//! SIMD is chosen at run time ([`pulp::Arch`]): one binary uses AVX-512, AVX2+FMA
+//! or SSE, whichever the machine has. Each kernel sits beside a plain scalar
+//! reference with f64 accumulation (`*_ref`), which the property tests compare
+//! against.
+#![warn(missing_docs)]
+
+mod element;
+mod error;
+mod par;
+pub mod rms_norm;
+mod simd;
+
+pub use element::Element;
+pub use error::{Error, Result};
+pub use par::{Par, ParallelFor};
+pub use half::{bf16, f16};

@@ -1,0 +1,262 @@
+//! RMS normalisation over the last dimension.
+//!
+//! For a row `x` of `n` elements: `y = x / sqrt(mean(x^2) + eps) * w`, the same
+//! as `torch.nn.functional.rms_norm(x, (n,), w, eps)`.
+//!
+//! - Shapes: `x` and `out` hold `rows * cols` elements, row-major; `weight`
+//!   holds `cols`. `rows` may be 0.
+//! - Numerics: sums and products in `T::Acc` (f32 for f16/bf16/f32, f64 for
+//!   f64), rounded to `T` once at the end. Against the f64 reference
+//!   ([`forward_ref`]) the error is within one rounding of `T` plus the f32
+//!   accumulation error (about `1e-6 * sqrt(cols)` relative).
+//! - Parallelism: blocks of whole rows, spread by [`Par`]; the backward's
+//!   weight gradient is summed per block and the blocks are then added in
+//!   order, so for a given thread count the result is deterministic.
+use crate::element::{Acc, Element};
+use crate::error::{check_len, Error, Result};
+use crate::par::{rows_per_block, Par};
+use crate::simd::{dispatch, LANES};
+use std::sync::Mutex;
+
+const OP_FWD: &str = "rms_norm";
+const OP_BWD: &str = "rms_norm_backward";
+/// Below this many elements per block, work stays on one thread.
+const MIN_BLOCK_ELEMS: usize = 1 << 15;
+
+fn check_shape(op: &'static str, len: usize, cols: usize, eps: f64) -> Result<usize> {
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(Error::Shape { op, arg: "eps", msg: format!("must be finite and >= 0, got {eps}") });
+    }
+    if cols == 0 {
+        return if len == 0 {
+            Ok(0)
+        } else {
+            Err(Error::Shape { op, arg: "cols", msg: "is 0 but the input is not empty".into() })
+        };
+    }
+    if len % cols != 0 {
+        return Err(Error::Shape { op, arg: "input", msg: format!("length {len} is not a multiple of cols {cols}") });
+    }
+    Ok(len / cols)
+}
+
+/// Forward: writes `rms_norm(x) * weight` to `out`.
+///
+/// Errors if a length does not match `cols`, or `eps` is negative or not finite.
+pub fn forward<T: Element>(x: &[T], weight: Option<&[T]>, out: &mut [T], cols: usize, eps: f64, par: Par<'_>) -> Result<()> {
+    let rows = check_shape(OP_FWD, x.len(), cols, eps)?;
+    check_len(OP_FWD, "out", out.len(), x.len())?;
+    if let Some(w) = weight {
+        check_len(OP_FWD, "weight", w.len(), cols)?;
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let eps = T::Acc::from_f64(eps);
+    let block = rows_per_block(&par, rows, cols, MIN_BLOCK_ELEMS) * cols;
+    let blocks: Vec<Mutex<&mut [T]>> = out.chunks_mut(block).map(Mutex::new).collect();
+    par.for_each(blocks.len(), &|b| {
+        let mut y = blocks[b].lock().unwrap_or_else(|e| e.into_inner());
+        let x = &x[b * block..][..y.len()];
+        dispatch(|| {
+            for (x, y) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)) {
+                forward_row(x, weight, y, eps);
+            }
+        });
+    });
+    Ok(())
+}
+
+/// Backward: from `grad_out` and the forward's `x` and `weight`, writes
+/// `grad_input` and (when given) `grad_weight`.
+///
+/// `grad_weight` must be `Some` only when `weight` is.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    weight: Option<&[T]>,
+    grad_input: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check_shape(OP_BWD, x.len(), cols, eps)?;
+    check_len(OP_BWD, "grad_out", grad_out.len(), x.len())?;
+    check_len(OP_BWD, "grad_input", grad_input.len(), x.len())?;
+    if let Some(w) = weight {
+        check_len(OP_BWD, "weight", w.len(), cols)?;
+    }
+    match (&grad_weight, weight) {
+        (Some(gw), Some(_)) => check_len(OP_BWD, "grad_weight", gw.len(), cols)?,
+        (Some(_), None) => {
+            return Err(Error::Shape { op: OP_BWD, arg: "grad_weight", msg: "given but weight is None".into() });
+        }
+        _ => {}
+    }
+    let eps = T::Acc::from_f64(eps);
+    let rows_per = rows_per_block(&par, rows.max(1), cols, MIN_BLOCK_ELEMS);
+    let block = rows_per * cols;
+    let n_blocks = rows.div_ceil(rows_per);
+    let want_dw = grad_weight.is_some();
+    let mut partial = vec![T::Acc::ZERO; if want_dw { n_blocks * cols } else { 0 }];
+    {
+        let mut partial_blocks = partial.chunks_mut(cols.max(1));
+        let blocks: Vec<Mutex<(&mut [T], Option<&mut [T::Acc]>)>> = grad_input
+            .chunks_mut(block.max(1))
+            .map(|gi| Mutex::new((gi, if want_dw { partial_blocks.next() } else { None })))
+            .collect();
+        par.for_each(blocks.len(), &|b| {
+            let mut guard = blocks[b].lock().unwrap_or_else(|e| e.into_inner());
+            let (gi, dw) = &mut *guard;
+            let start = b * block;
+            let (x, dy) = (&x[start..][..gi.len()], &grad_out[start..][..gi.len()]);
+            dispatch(|| {
+                for ((x, dy), gi) in x.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(gi.chunks_exact_mut(cols)) {
+                    backward_row(x, dy, weight, gi, dw.as_deref_mut(), eps);
+                }
+            });
+        });
+    }
+    if let Some(gw) = grad_weight {
+        dispatch(|| {
+            for (j, g) in gw.iter_mut().enumerate() {
+                let mut s = T::Acc::ZERO;
+                for b in 0..n_blocks {
+                    s = s + partial[b * cols + j];
+                }
+                *g = T::from_acc(s);
+            }
+        });
+    }
+    Ok(())
+}
+
+/// Sum of `f(a_i, b_i)` with `LANES` independent accumulators, so the loop
+/// vectorises and is not bound by the latency of one add chain.
+#[inline(always)]
+fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc) -> T::Acc) -> T::Acc {
+    let mut acc = [T::Acc::ZERO; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (ca, cb) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] = acc[i] + f(ca[i].to_acc(), cb[i].to_acc());
+        }
+    }
+    let mut tail = T::Acc::ZERO;
+    for (a, b) in ra.iter().zip(rb) {
+        tail = tail + f(a.to_acc(), b.to_acc());
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] = acc[i] + acc[i + width];
+        }
+    }
+    acc[0] + tail
+}
+
+#[inline(always)]
+fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
+    A::ONE / (sum_sq / A::from_usize(cols) + eps).sqrt()
+}
+
+#[inline(always)]
+fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
+    let r = inv_rms(sum_pairs(x, x, |a, b| a * b), x.len(), eps);
+    match weight {
+        Some(w) => {
+            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                *y = T::from_acc(x.to_acc() * r * w.to_acc());
+            }
+        }
+        None => {
+            for (y, x) in y.iter_mut().zip(x) {
+                *y = T::from_acc(x.to_acc() * r);
+            }
+        }
+    }
+}
+
+/// With `r = inv_rms(x)`, `g = dy * w`:
+/// `dx = r * g - x * r^3 * sum(g * x) / n` and `dw += dy * x * r`.
+#[inline(always)]
+fn backward_row<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, dx: &mut [T], dw: Option<&mut [T::Acc]>, eps: T::Acc) {
+    let n = x.len();
+    let r = inv_rms(sum_pairs(x, x, |a, b| a * b), n, eps);
+    let gx = match weight {
+        Some(w) => {
+            // sum(dy * w * x) without a temporary: pair dy with x, weight applied per element.
+            let mut acc = T::Acc::ZERO;
+            let mut lanes = [T::Acc::ZERO; LANES];
+            let chunks = n / LANES * LANES;
+            for base in (0..chunks).step_by(LANES) {
+                for i in 0..LANES {
+                    let j = base + i;
+                    lanes[i] = lanes[i] + dy[j].to_acc() * w[j].to_acc() * x[j].to_acc();
+                }
+            }
+            for j in chunks..n {
+                acc = acc + dy[j].to_acc() * w[j].to_acc() * x[j].to_acc();
+            }
+            lanes.iter().fold(acc, |s, &v| s + v)
+        }
+        None => sum_pairs(dy, x, |a, b| a * b),
+    };
+    let c = r * r * r * gx / T::Acc::from_usize(n);
+    match weight {
+        Some(w) => {
+            for ((dx, x), (dy, w)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
+                *dx = T::from_acc(r * dy.to_acc() * w.to_acc() - x.to_acc() * c);
+            }
+        }
+        None => {
+            for ((dx, x), dy) in dx.iter_mut().zip(x).zip(dy) {
+                *dx = T::from_acc(r * dy.to_acc() - x.to_acc() * c);
+            }
+        }
+    }
+    if let Some(dw) = dw {
+        for ((dw, x), dy) in dw.iter_mut().zip(x).zip(dy) {
+            *dw = *dw + dy.to_acc() * x.to_acc() * r;
+        }
+    }
+}
+
+/// Reference forward: plain loops in f64 from the given values.
+pub fn forward_ref<T: Element>(x: &[T], weight: Option<&[T]>, cols: usize, eps: f64) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(cols.max(1)) {
+        let ms = row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / cols as f64;
+        let r = 1.0 / (ms + eps).sqrt();
+        for (j, v) in row.iter().enumerate() {
+            out.push(v.to_f64() * r * weight.map_or(1.0, |w| w[j].to_f64()));
+        }
+    }
+    out
+}
+
+/// Reference backward: `(grad_input, grad_weight)` in f64; `grad_weight` is
+/// `None` when `weight` is.
+pub fn backward_ref<T: Element>(grad_out: &[T], x: &[T], weight: Option<&[T]>, cols: usize, eps: f64) -> (Vec<f64>, Option<Vec<f64>>) {
+    let mut dx = Vec::with_capacity(x.len());
+    let mut dw = weight.map(|_| vec![0.0f64; cols]);
+    for (row, dy) in x.chunks(cols.max(1)).zip(grad_out.chunks(cols.max(1))) {
+        let n = cols as f64;
+        let r = 1.0 / (row.iter().map(|v| v.to_f64().powi(2)).sum::<f64>() / n + eps).sqrt();
+        let w = |j: usize| weight.map_or(1.0, |w| w[j].to_f64());
+        let gx: f64 = (0..cols).map(|j| dy[j].to_f64() * w(j) * row[j].to_f64()).sum();
+        for j in 0..cols {
+            dx.push(r * dy[j].to_f64() * w(j) - row[j].to_f64() * r.powi(3) * gx / n);
+        }
+        if let Some(dw) = dw.as_mut() {
+            for j in 0..cols {
+                dw[j] += dy[j].to_f64() * row[j].to_f64() * r;
+            }
+        }
+    }
+    (dx, dw)
+}

@@ -1,0 +1,24 @@
+//! Runtime SIMD dispatch.
+//!
+//! [`pulp::Arch::dispatch`] runs a closure inside a function compiled for the
+//! best instruction set this CPU has (AVX-512, AVX2+FMA, ...). The kernels' row
+//! loops are written with several independent accumulators and branch-free
+//! conversions, so that inside that function the compiler turns them into
+//! full-width vector code; the same binary still runs on any x86-64 or arm64.
+use std::sync::OnceLock;
+
+/// The best SIMD level of this machine, detected once.
+pub(crate) fn arch() -> pulp::Arch {
+    static ARCH: OnceLock<pulp::Arch> = OnceLock::new();
+    *ARCH.get_or_init(pulp::Arch::new)
+}
+
+/// Runs `f` compiled for the best SIMD level of this machine.
+#[inline(always)]
+pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
+    arch().dispatch(f)
+}
+
+/// Number of independent accumulators in reductions: enough lanes for two
+/// AVX-512 registers of f32, so the loop is not bound by add latency.
+pub(crate) const LANES: usize = 32;

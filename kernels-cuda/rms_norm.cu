@@ -1,0 +1,146 @@
+// rms_norm forward and backward over the last dimension.
+//
+// One block per row (grid-stride over rows), 128-bit vector loads when the
+// row length is a multiple of 16 bytes and the pointers are aligned (scalar
+// loads otherwise), f32 accumulation, block sums by warp shuffle.
+// Kernel symbols: rms_norm_{fwd,bwd,bwd_dw}_{f32,f16,bf16}.
+#include "common.cuh"
+
+using namespace keel;
+
+template <typename T>
+__device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
+                                             T* __restrict__ y, int64_t rows, int cols, float eps) {
+  __shared__ float scratch[32];
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(x) && aligned16(y) && (w == nullptr || aligned16(w));
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    T* yr = y + row * cols;
+    float ss = 0.f;
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> p = load_pack(xr + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          float f = to_f32(p.v[k]);
+          ss += f * f;
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float f = to_f32(xr[i]);
+        ss += f * f;
+      }
+    }
+    const float r = rsqrtf(block_sum(ss, scratch) / cols + eps);
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> p = load_pack(xr + i * N), o;
+        Pack<T> pw;
+        if (w) pw = load_pack(w + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * r * (w ? to_f32(pw.v[k]) : 1.f));
+        store_pack(yr + i * N, o);
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f));
+    }
+  }
+}
+
+// dx = r * dy * w - x * r^3 * sum(dy * w * x) / n. When dw_partial is given,
+// block b adds dy * x * r into dw_partial[b * cols + j] (its own row: no atomics);
+// rms_norm_bwd_dw then sums the gridDim.x rows.
+template <typename T>
+__device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
+                                             const T* __restrict__ w, T* __restrict__ dx,
+                                             float* __restrict__ dw_partial, int64_t rows, int cols, float eps) {
+  __shared__ float scratch[32];
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
+                   (w == nullptr || aligned16(w));
+  float* part = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
+  if (part) {
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
+    __syncthreads();  // the vector loop below maps columns to threads differently
+  }
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    const T* gr = dy + row * cols;
+    T* dxr = dx + row * cols;
+    float ss = 0.f, gx = 0.f;
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
+        if (w) pw = load_pack(w + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          float fx = to_f32(px.v[k]);
+          ss += fx * fx;
+          gx += to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f) * fx;
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float fx = to_f32(xr[i]);
+        ss += fx * fx;
+        gx += to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f) * fx;
+      }
+    }
+    ss = block_sum(ss, scratch);
+    gx = block_sum(gx, scratch);
+    const float r = rsqrtf(ss / cols + eps);
+    const float c = r * r * r * gx / cols;
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, o;
+        if (w) pw = load_pack(w + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          float fx = to_f32(px.v[k]), fg = to_f32(pg.v[k]);
+          o.v[k] = from_f32<T>(r * fg * (w ? to_f32(pw.v[k]) : 1.f) - fx * c);
+          if (part) part[i * N + k] += fg * fx * r;
+        }
+        store_pack(dxr + i * N, o);
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
+        dxr[i] = from_f32<T>(r * fg * (w ? to_f32(w[i]) : 1.f) - fx * c);
+        if (part) part[i] += fg * fx * r;
+      }
+    }
+  }
+}
+
+// dw[j] = sum over the `parts` rows of `partial` (column j), rounded to T.
+template <typename T>
+__device__ __forceinline__ void rms_norm_bwd_dw(const float* __restrict__ partial, T* __restrict__ dw,
+                                                int parts, int cols) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= cols) return;
+  float s = 0.f;
+  for (int p = 0; p < parts; ++p) s += partial[(int64_t)p * cols + j];
+  dw[j] = from_f32<T>(s);
+}
+
+#define KEEL_RMS_NORM(SUFFIX, T)                                                                  \
+  extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
+                                                   int cols, float eps) {                        \
+    rms_norm_fwd<T>(x, w, y, rows, cols, eps);                                                    \
+  }                                                                                               \
+  extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx,    \
+                                                   float* dw_partial, int64_t rows, int cols,     \
+                                                   float eps) {                                  \
+    rms_norm_bwd<T>(dy, x, w, dx, dw_partial, rows, cols, eps);                                   \
+  }                                                                                               \
+  extern "C" __global__ void rms_norm_bwd_dw_##SUFFIX(const float* partial, T* dw, int parts,     \
+                                                      int cols) {                                \
+    rms_norm_bwd_dw<T>(partial, dw, parts, cols);                                                 \
+  }
+
+KEEL_RMS_NORM(f32, float)
+KEEL_RMS_NORM(f16, __half)
+KEEL_RMS_NORM(bf16, __nv_bfloat16)

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# CI check: ptx/ matches kernels-cuda/ under the pinned nvcc, and ptxas reports
+# no register spills for sm_80 and sm_90.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+"$root/scripts/regen-ptx.sh" "$tmp" >/dev/null
+source "$root/scripts/nvcc-env.sh"
+if ! diff -r "$tmp" "$root/ptx" >/dev/null; then
+  echo "ptx/ is stale: run scripts/regen-ptx.sh and commit the result" >&2
+  diff -r "$tmp" "$root/ptx" | head -20 >&2
+  exit 1
+fi
+status=0
+for ptx in "$root"/ptx/*.ptx; do
+  for arch in sm_80 sm_90; do
+    report="$("$KEEL_PTXAS" -v -arch=$arch "$ptx" -o /dev/null 2>&1)"
+    spills="$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' <<<"$report" || true)"
+    if [ -n "$spills" ]; then
+      echo "ptxas $arch $(basename "$ptx"): register spills" >&2
+      echo "$spills" >&2
+      status=1
+    fi
+    kernels=$(grep -c "Compiling entry function" <<<"$report")
+    echo "ptxas -arch=$arch $(basename "$ptx"): $kernels kernels, no spills"
+  done
+done
+exit $status

@@ -1,0 +1,15 @@
+//! CUDA devices, the PTX module cache, and typed launches.
+//!
+//! Everything here works on any `cudarc` stream: one the caller created, or
+//! one that wraps a stream owned by someone else (torch's current stream, via
+//! [`Gpu::borrowed_stream`]). The driver library is loaded at run time: on a
+//! machine without CUDA, [`is_available`] is false and every entry point
+//! returns [`Error::NoCuda`] instead of panicking.
+mod device;
+mod dtype;
+mod launch;
+
+pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+pub use device::{device_count, gpu, is_available, Gpu};
+pub use dtype::{CudaElement, DType};
+pub(crate) use launch::{launch, rows_config, Arg};

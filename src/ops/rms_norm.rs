@@ -1,0 +1,249 @@
+//! RMS normalisation over the last dimension: `y = x / sqrt(mean(x^2) + eps) * w`.
+//!
+//! Matches `torch.nn.functional.rms_norm(x, (cols,), w, eps)`.
+//! - Shapes: `x`, `y`, `grad_*` hold `rows * cols` elements (row-major),
+//!   `weight` and `grad_weight` hold `cols`.
+//! - Dtypes: f32, f16, bf16 on CPU and CUDA; f64 on CPU.
+//! - Numerics: f32 accumulation (f64 for f64 inputs), one rounding to the
+//!   output type. Tolerance against an f64 reference: f32 `1e-5` abs + `1.3e-6`
+//!   rel per `sqrt(cols)`-sized sum, f16 `1e-3` rel, bf16 `1.6e-2` rel (the
+//!   `torch.testing` defaults; see `tests/rms_norm_cpu.rs`).
+//! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
+//!   sums the weight gradient per block into an f32 scratch
+//!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
+use crate::cpu::{Element, Par};
+use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::error::{Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use std::sync::Arc;
+
+const OP: &str = "rms_norm";
+const MODULE: (&str, &str) = ("rms_norm", crate::ptx::RMS_NORM);
+
+/// CPU forward: `out = rms_norm(x) * weight`. See [`keel_cpu::rms_norm::forward`].
+pub fn forward_cpu<T: Element>(x: &[T], weight: Option<&[T]>, out: &mut [T], cols: usize, eps: f64, par: Par<'_>) -> Result<()> {
+    Ok(keel_cpu::rms_norm::forward(x, weight, out, cols, eps, par)?)
+}
+
+/// CPU backward. See [`keel_cpu::rms_norm::backward`].
+#[allow(clippy::too_many_arguments)]
+pub fn backward_cpu<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    weight: Option<&[T]>,
+    grad_input: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::rms_norm::backward(grad_out, x, weight, grad_input, grad_weight, cols, eps, par)?)
+}
+
+fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
+    let bad = |arg, msg: String| Err(Error::Invalid { op: OP, arg, msg });
+    if cols > i32::MAX as usize {
+        return bad("cols", format!("{cols} exceeds the kernel's limit of 2^31-1"));
+    }
+    if cols == 0 && rows != 0 {
+        return bad("cols", "is 0 but rows is not".into());
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return bad("eps", format!("must be finite and >= 0, got {eps}"));
+    }
+    Ok(())
+}
+
+fn kernel(gpu: &Gpu, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFunction> {
+    gpu.function(MODULE, &format!("rms_norm_{which}_{}", dtype.suffix()))
+}
+
+fn elem_bytes(dtype: DType) -> usize {
+    if dtype == DType::F32 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Number of blocks (and of partial rows) the backward uses.
+fn bwd_parts(gpu: &Gpu, rows: usize) -> usize {
+    rows.min(gpu.sm_count() as usize * 2)
+}
+
+/// f32 elements of scratch that [`backward_cuda_raw`] needs.
+pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
+    bwd_parts(gpu, rows) * cols
+}
+
+/// CUDA forward on raw device pointers (`weight` 0 for none), launched on `stream`.
+///
+/// # Safety
+/// Every pointer must be a device address on `stream`'s device, valid for
+/// `rows * cols` (`cols` for `weight`) elements of `dtype`, and `out` must not
+/// overlap the inputs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn forward_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    weight: u64,
+    out: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    check_dims(rows, cols, eps)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = kernel(gpu, "fwd", dtype)?;
+    let cfg = rows_config(rows, cols, elem_bytes(dtype), gpu.sm_count() * 16);
+    let args = [Arg::Ptr(x), Arg::Ptr(weight), Arg::Ptr(out), Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(eps as f32)];
+    // SAFETY: the argument list matches rms_norm_fwd_*; pointers per our contract.
+    unsafe { launch("keel::rms_norm_fwd", stream, &f, cfg, &args) }
+}
+
+/// CUDA backward on raw device pointers (`weight`, `grad_weight` 0 for none).
+///
+/// # Safety
+/// As [`forward_cuda_raw`]; `scratch` must hold [`backward_scratch_len`] f32s
+/// when `grad_weight` is given.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    grad_out: u64,
+    x: u64,
+    weight: u64,
+    grad_input: u64,
+    grad_weight: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    check_dims(rows, cols, eps)?;
+    if grad_weight != 0 && weight == 0 {
+        return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
+    }
+    let parts = bwd_parts(gpu, rows);
+    let partial = if grad_weight != 0 { scratch } else { 0 };
+    if rows > 0 {
+        let f = kernel(gpu, "bwd", dtype)?;
+        let mut cfg = rows_config(rows, cols, elem_bytes(dtype), parts as u32);
+        cfg.grid_dim.0 = parts as u32;
+        let args = [
+            Arg::Ptr(grad_out),
+            Arg::Ptr(x),
+            Arg::Ptr(weight),
+            Arg::Ptr(grad_input),
+            Arg::Ptr(partial),
+            Arg::I64(rows as i64),
+            Arg::I32(cols as i32),
+            Arg::F32(eps as f32),
+        ];
+        // SAFETY: matches rms_norm_bwd_*; pointers per our contract.
+        unsafe { launch("keel::rms_norm_bwd", stream, &f, cfg, &args)? };
+    }
+    if grad_weight != 0 && cols > 0 {
+        let f = kernel(gpu, "bwd_dw", dtype)?;
+        let cfg = LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let args = [Arg::Ptr(partial), Arg::Ptr(grad_weight), Arg::I32(parts as i32), Arg::I32(cols as i32)];
+        // SAFETY: matches rms_norm_bwd_dw_*; `partial` holds parts * cols f32s.
+        unsafe { launch("keel::rms_norm_bwd_dw", stream, &f, cfg, &args)? };
+    }
+    Ok(())
+}
+
+fn check_len(arg: &'static str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(Error::Invalid { op: OP, arg, msg: format!("has {got} elements, expected {want}") })
+    }
+}
+
+fn rows_of(len: usize, cols: usize) -> Result<usize> {
+    if cols == 0 {
+        return if len == 0 { Ok(0) } else { Err(Error::Invalid { op: OP, arg: "cols", msg: "is 0".into() }) };
+    }
+    if len % cols != 0 {
+        return Err(Error::Invalid { op: OP, arg: "x", msg: format!("{len} elements is not a multiple of cols {cols}") });
+    }
+    Ok(len / cols)
+}
+
+/// CUDA forward on `cudarc` buffers, launched on `stream`.
+pub fn forward_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+    weight: Option<&CudaSlice<T>>,
+    out: &mut CudaSlice<T>,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    let rows = rows_of(x.len(), cols)?;
+    check_len("out", out.len(), x.len())?;
+    if let Some(w) = weight {
+        check_len("weight", w.len(), cols)?;
+    }
+    let gpu = gpu(stream.context().ordinal())?;
+    let (px, _gx) = x.device_ptr(stream);
+    let pw = weight.map(|w| w.device_ptr(stream));
+    let (po, _go) = out.device_ptr_mut(stream);
+    // SAFETY: lengths checked above; the buffers live on this stream's device
+    // and the guards keep cudarc's event tracking in order.
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, pw.as_ref().map_or(0, |p| p.0), po, rows, cols, eps) }
+}
+
+/// CUDA backward on `cudarc` buffers; allocates its scratch on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    grad_out: &CudaSlice<T>,
+    x: &CudaSlice<T>,
+    weight: Option<&CudaSlice<T>>,
+    grad_input: &mut CudaSlice<T>,
+    grad_weight: Option<&mut CudaSlice<T>>,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    let rows = rows_of(x.len(), cols)?;
+    check_len("grad_out", grad_out.len(), x.len())?;
+    check_len("grad_input", grad_input.len(), x.len())?;
+    if let Some(w) = weight {
+        check_len("weight", w.len(), cols)?;
+    }
+    if let Some(gw) = grad_weight.as_deref() {
+        check_len("grad_weight", gw.len(), cols)?;
+    }
+    let gpu = gpu(stream.context().ordinal())?;
+    let scratch: CudaSlice<f32> =
+        stream.alloc_zeros(backward_scratch_len(&gpu, rows, cols).max(1)).map_err(crate::error::driver("allocating scratch"))?;
+    let (pg, _g1) = grad_out.device_ptr(stream);
+    let (px, _g2) = x.device_ptr(stream);
+    let pw = weight.map(|w| w.device_ptr(stream));
+    let (pgi, _g3) = grad_input.device_ptr_mut(stream);
+    let pgw = grad_weight.map(|g| g.device_ptr_mut(stream));
+    let (ps, _g4) = scratch.device_ptr(stream);
+    // SAFETY: lengths checked above, scratch sized by backward_scratch_len.
+    unsafe {
+        backward_cuda_raw(
+            &gpu,
+            stream,
+            T::DTYPE,
+            pg,
+            px,
+            pw.as_ref().map_or(0, |p| p.0),
+            pgi,
+            pgw.as_ref().map_or(0, |p| p.0),
+            ps,
+            rows,
+            cols,
+            eps,
+        )
+    }
+}
