@@ -31,8 +31,11 @@ fn main() {
     let nvcc = if env::var_os("KEEL_NO_NVCC").is_some_and(|v| v != "0") { None } else { find_nvcc() };
     let origin = match &nvcc {
         Some(nvcc) => {
-            let flags: Vec<String> =
-                fs::read_to_string(src_dir.join("nvcc-flags.txt")).unwrap().split_whitespace().map(String::from).collect();
+            let flags: Vec<String> = fs::read_to_string(src_dir.join("nvcc-flags.txt"))
+                .unwrap()
+                .split_whitespace()
+                .map(String::from)
+                .collect();
             for src in &sources {
                 let ptx = out.join(src.with_extension("ptx").file_name().unwrap());
                 let status = Command::new(nvcc)
@@ -44,7 +47,11 @@ fn main() {
                     .arg(src)
                     .status()
                     .unwrap_or_else(|e| panic!("running {}: {e}", nvcc.display()));
-                assert!(status.success(), "nvcc failed on {} (set KEEL_NO_NVCC=1 to use the committed ptx/)", src.display());
+                assert!(
+                    status.success(),
+                    "nvcc failed on {} (set KEEL_NO_NVCC=1 to use the committed ptx/)",
+                    src.display()
+                );
             }
             format!("nvcc ({})", nvcc.display())
         }

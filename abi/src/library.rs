@@ -55,7 +55,13 @@ impl Library {
         let mut h = std::ptr::null_mut();
         // SAFETY: as above.
         check("aoti_torch_library_init_impl", unsafe {
-            (api()?.aoti_torch_library_init_impl)(ns.as_ptr(), key.name().as_ptr(), c"keel-ops".as_ptr(), line!(), &mut h)
+            (api()?.aoti_torch_library_init_impl)(
+                ns.as_ptr(),
+                key.name().as_ptr(),
+                c"keel-ops".as_ptr(),
+                line!(),
+                &mut h,
+            )
         })?;
         Ok(Library { handle: h })
     }
@@ -71,6 +77,8 @@ impl Library {
     pub fn impl_kernel(&self, name: &str, kernel: BoxedKernel) -> Result<()> {
         let n: CString = invalid_cstr(name)?;
         // SAFETY: live handle, valid C string, kernel has the boxed signature.
-        check("torch_library_impl", unsafe { (api()?.torch_library_impl)(self.handle, n.as_ptr(), kernel, EXTENSION_BUILD_VERSION) })
+        check("torch_library_impl", unsafe {
+            (api()?.torch_library_impl)(self.handle, n.as_ptr(), kernel, EXTENSION_BUILD_VERSION)
+        })
     }
 }

@@ -60,7 +60,11 @@ impl Tensor {
         Tensor::empty(self.sizes()?, self.dtype()?, self.device()?)
     }
 
-    fn get<T: Default>(&self, call: &'static str, f: unsafe extern "C-unwind" fn(AtenTensorHandle, *mut T) -> i32) -> Result<T> {
+    fn get<T: Default>(
+        &self,
+        call: &'static str,
+        f: unsafe extern "C-unwind" fn(AtenTensorHandle, *mut T) -> i32,
+    ) -> Result<T> {
         let mut v = T::default();
         // SAFETY: `self.handle` is valid for our lifetime; `f` writes one T.
         check(call, unsafe { f(self.handle, &mut v) })?;
@@ -72,7 +76,11 @@ impl Tensor {
         Ok(self.get("aoti_torch_get_dim", api()?.aoti_torch_get_dim)? as usize)
     }
 
-    fn borrowed_i64s(&self, call: &'static str, f: unsafe extern "C-unwind" fn(AtenTensorHandle, *mut *mut i64) -> i32) -> Result<&[i64]> {
+    fn borrowed_i64s(
+        &self,
+        call: &'static str,
+        f: unsafe extern "C-unwind" fn(AtenTensorHandle, *mut *mut i64) -> i32,
+    ) -> Result<&[i64]> {
         let n = self.dim()?;
         let mut p: *mut i64 = std::ptr::null_mut();
         // SAFETY: valid handle; torch returns a pointer borrowed from the tensor.

@@ -105,8 +105,9 @@ impl DeviceType {
     pub fn from_code(code: i32) -> Result<Self> {
         let a = api()?;
         // SAFETY: argument-less constant getters.
-        let (cpu, cuda, meta) =
-            unsafe { ((a.aoti_torch_device_type_cpu)(), (a.aoti_torch_device_type_cuda)(), (a.aoti_torch_device_type_meta)()) };
+        let (cpu, cuda, meta) = unsafe {
+            ((a.aoti_torch_device_type_cpu)(), (a.aoti_torch_device_type_cuda)(), (a.aoti_torch_device_type_meta)())
+        };
         Ok(match code {
             c if c == cpu => DeviceType::Cpu,
             c if c == cuda => DeviceType::Cuda,
@@ -154,4 +155,3 @@ impl fmt::Display for Device {
         }
     }
 }
-

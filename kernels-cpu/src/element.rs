@@ -11,7 +11,16 @@ use std::ops::{Add, Div, Mul, Sub};
 
 /// Accumulation arithmetic: `f32` for the 16/32-bit types, `f64` for `f64`.
 pub trait Acc:
-    Copy + Send + Sync + Default + PartialOrd + Add<Output = Self> + Sub<Output = Self> + Mul<Output = Self> + Div<Output = Self> + 'static
+    Copy
+    + Send
+    + Sync
+    + Default
+    + PartialOrd
+    + Add<Output = Self>
+    + Sub<Output = Self>
+    + Mul<Output = Self>
+    + Div<Output = Self>
+    + 'static
 {
     /// 0.
     const ZERO: Self;
@@ -69,7 +78,7 @@ impl Acc for f64 {
     }
 }
 
-/// A tensor element type: `f32`, `f64`, [`f16`] or [`bf16`].
+/// A tensor element type: `f32`, `f64`, [`struct@f16`] or [`bf16`].
 pub trait Element: Copy + Send + Sync + Default + 'static {
     /// The type sums and products are computed in.
     type Acc: Acc;

@@ -1,7 +1,7 @@
 //! Keel's CPU kernels over plain slices.
 //!
 //! Every kernel takes `&[T]` inputs, `&mut [T]` outputs (`T` in `f32`, `f64`,
-//! [`half::f16`], [`half::bf16`]) and an explicit [`Par`]: the caller decides
+//! [`struct@half::f16`], [`half::bf16`]) and an explicit [`Par`]: the caller decides
 //! whether work runs on the calling thread, on rayon's pool, or on a pool the
 //! caller owns (torch's intra-op pool when called from the torch operators).
 //! No kernel starts threads of its own or hides where its parallelism comes from.
@@ -20,5 +20,5 @@ mod simd;
 
 pub use element::Element;
 pub use error::{Error, Result};
-pub use par::{Par, ParallelFor};
 pub use half::{bf16, f16};
+pub use par::{Par, ParallelFor};

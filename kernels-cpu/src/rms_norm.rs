@@ -40,10 +40,20 @@ fn check_shape(op: &'static str, len: usize, cols: usize, eps: f64) -> Result<us
     Ok(len / cols)
 }
 
+/// One block of backward work: its rows of `grad_input` and its partial weight gradient.
+type BwdBlock<'a, T> = Mutex<(&'a mut [T], Option<&'a mut [<T as Element>::Acc]>)>;
+
 /// Forward: writes `rms_norm(x) * weight` to `out`.
 ///
 /// Errors if a length does not match `cols`, or `eps` is negative or not finite.
-pub fn forward<T: Element>(x: &[T], weight: Option<&[T]>, out: &mut [T], cols: usize, eps: f64, par: Par<'_>) -> Result<()> {
+pub fn forward<T: Element>(
+    x: &[T],
+    weight: Option<&[T]>,
+    out: &mut [T],
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
     let rows = check_shape(OP_FWD, x.len(), cols, eps)?;
     check_len(OP_FWD, "out", out.len(), x.len())?;
     if let Some(w) = weight {
@@ -103,7 +113,7 @@ pub fn backward<T: Element>(
     let mut partial = vec![T::Acc::ZERO; if want_dw { n_blocks * cols } else { 0 }];
     {
         let mut partial_blocks = partial.chunks_mut(cols.max(1));
-        let blocks: Vec<Mutex<(&mut [T], Option<&mut [T::Acc]>)>> = grad_input
+        let blocks: Vec<BwdBlock<'_, T>> = grad_input
             .chunks_mut(block.max(1))
             .map(|gi| Mutex::new((gi, if want_dw { partial_blocks.next() } else { None })))
             .collect();
@@ -183,8 +193,17 @@ fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::A
 
 /// With `r = inv_rms(x)`, `g = dy * w`:
 /// `dx = r * g - x * r^3 * sum(g * x) / n` and `dw += dy * x * r`.
+// Indexed loops over fixed-width lane arrays are what vectorises here.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn backward_row<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, dx: &mut [T], dw: Option<&mut [T::Acc]>, eps: T::Acc) {
+fn backward_row<T: Element>(
+    x: &[T],
+    dy: &[T],
+    weight: Option<&[T]>,
+    dx: &mut [T],
+    dw: Option<&mut [T::Acc]>,
+    eps: T::Acc,
+) {
     let n = x.len();
     let r = inv_rms(sum_pairs(x, x, |a, b| a * b), n, eps);
     let gx = match weight {
@@ -241,7 +260,13 @@ pub fn forward_ref<T: Element>(x: &[T], weight: Option<&[T]>, cols: usize, eps: 
 
 /// Reference backward: `(grad_input, grad_weight)` in f64; `grad_weight` is
 /// `None` when `weight` is.
-pub fn backward_ref<T: Element>(grad_out: &[T], x: &[T], weight: Option<&[T]>, cols: usize, eps: f64) -> (Vec<f64>, Option<Vec<f64>>) {
+pub fn backward_ref<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    weight: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+) -> (Vec<f64>, Option<Vec<f64>>) {
     let mut dx = Vec::with_capacity(x.len());
     let mut dw = weight.map(|_| vec![0.0f64; cols]);
     for (row, dy) in x.chunks(cols.max(1)).zip(grad_out.chunks(cols.max(1))) {

@@ -1,1 +1,27 @@
+//! Keel's PyTorch operators (namespace `keel`), registered through the stable
+//! C ABI when torch loads this library (`torch.ops.load_library`).
+//!
+//! The only crate that knows both torch (`keel-abi`) and the kernels (`keel`).
+//! Each op is one file: schema, argument checks, and one body that serves the
+//! CPU, CUDA and Meta dispatch keys (Meta allocates outputs only, after the
+//! same checks, so fake tensors and `torch.compile` see the same errors).
+#![warn(missing_docs)]
 
+mod checks;
+mod device;
+mod registry;
+mod rms_norm;
+mod torch_pool;
+
+/// Runs when the library is loaded: registers every op. Must not unwind.
+extern "C" fn init() {
+    match std::panic::catch_unwind(registry::register_all) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => eprintln!("keel: registering ops failed: {e}"),
+        Err(_) => eprintln!("keel: registering ops panicked"),
+    }
+}
+
+#[used]
+#[cfg_attr(target_os = "linux", link_section = ".init_array")]
+static INIT: extern "C" fn() = init;

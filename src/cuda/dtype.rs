@@ -23,7 +23,7 @@ impl DType {
 }
 
 /// A Rust element type with a CUDA kernel.
-pub trait CudaElement: cudarc::driver::DeviceRepr + Copy {
+pub trait CudaElement: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy {
     /// Its [`DType`].
     const DTYPE: DType;
 }

@@ -20,7 +20,13 @@ pub(crate) enum Arg {
 /// # Safety
 /// `args` must match the kernel's parameter list, and every pointer must be
 /// valid for what the kernel reads and writes under `cfg`, on `stream`'s device.
-pub(crate) unsafe fn launch(name: &str, stream: &CudaStream, func: &CudaFunction, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+pub(crate) unsafe fn launch(
+    name: &str,
+    stream: &CudaStream,
+    func: &CudaFunction,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
     #[cfg(feature = "nvtx")]
     let _range = nvtx::Range::new(nvtx::Str::from_str_lossy(name));
     let mut b = stream.launch_builder(func);

@@ -4,7 +4,7 @@
 //! one that wraps a stream owned by someone else (torch's current stream, via
 //! [`Gpu::borrowed_stream`]). The driver library is loaded at run time: on a
 //! machine without CUDA, [`is_available`] is false and every entry point
-//! returns [`Error::NoCuda`] instead of panicking.
+//! returns [`crate::Error::NoCuda`] instead of panicking.
 mod device;
 mod dtype;
 mod launch;

@@ -21,7 +21,14 @@ const OP: &str = "rms_norm";
 const MODULE: (&str, &str) = ("rms_norm", crate::ptx::RMS_NORM);
 
 /// CPU forward: `out = rms_norm(x) * weight`. See [`keel_cpu::rms_norm::forward`].
-pub fn forward_cpu<T: Element>(x: &[T], weight: Option<&[T]>, out: &mut [T], cols: usize, eps: f64, par: Par<'_>) -> Result<()> {
+pub fn forward_cpu<T: Element>(
+    x: &[T],
+    weight: Option<&[T]>,
+    out: &mut [T],
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
     Ok(keel_cpu::rms_norm::forward(x, weight, out, cols, eps, par)?)
 }
 
@@ -100,7 +107,14 @@ pub unsafe fn forward_cuda_raw(
     }
     let f = kernel(gpu, "fwd", dtype)?;
     let cfg = rows_config(rows, cols, elem_bytes(dtype), gpu.sm_count() * 16);
-    let args = [Arg::Ptr(x), Arg::Ptr(weight), Arg::Ptr(out), Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(eps as f32)];
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(weight),
+        Arg::Ptr(out),
+        Arg::I64(rows as i64),
+        Arg::I32(cols as i32),
+        Arg::F32(eps as f32),
+    ];
     // SAFETY: the argument list matches rms_norm_fwd_*; pointers per our contract.
     unsafe { launch("keel::rms_norm_fwd", stream, &f, cfg, &args) }
 }
@@ -150,7 +164,8 @@ pub unsafe fn backward_cuda_raw(
     }
     if grad_weight != 0 && cols > 0 {
         let f = kernel(gpu, "bwd_dw", dtype)?;
-        let cfg = LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let args = [Arg::Ptr(partial), Arg::Ptr(grad_weight), Arg::I32(parts as i32), Arg::I32(cols as i32)];
         // SAFETY: matches rms_norm_bwd_dw_*; `partial` holds parts * cols f32s.
         unsafe { launch("keel::rms_norm_bwd_dw", stream, &f, cfg, &args)? };
@@ -171,7 +186,11 @@ fn rows_of(len: usize, cols: usize) -> Result<usize> {
         return if len == 0 { Ok(0) } else { Err(Error::Invalid { op: OP, arg: "cols", msg: "is 0".into() }) };
     }
     if len % cols != 0 {
-        return Err(Error::Invalid { op: OP, arg: "x", msg: format!("{len} elements is not a multiple of cols {cols}") });
+        return Err(Error::Invalid {
+            op: OP,
+            arg: "x",
+            msg: format!("{len} elements is not a multiple of cols {cols}"),
+        });
     }
     Ok(len / cols)
 }
@@ -221,8 +240,9 @@ pub fn backward_cuda<T: CudaElement>(
         check_len("grad_weight", gw.len(), cols)?;
     }
     let gpu = gpu(stream.context().ordinal())?;
-    let scratch: CudaSlice<f32> =
-        stream.alloc_zeros(backward_scratch_len(&gpu, rows, cols).max(1)).map_err(crate::error::driver("allocating scratch"))?;
+    let scratch: CudaSlice<f32> = stream
+        .alloc_zeros(backward_scratch_len(&gpu, rows, cols).max(1))
+        .map_err(crate::error::driver("allocating scratch"))?;
     let (pg, _g1) = grad_out.device_ptr(stream);
     let (px, _g2) = x.device_ptr(stream);
     let pw = weight.map(|w| w.device_ptr(stream));

@@ -1,0 +1,117 @@
+//! Argument checks shared by the ops. Every message names the op and the argument.
+use keel_abi::{Device, DeviceType, Error, Result, ScalarType, Tensor};
+
+pub(crate) fn invalid(op: &str, arg: &str, msg: impl std::fmt::Display) -> Error {
+    Error::Invalid(format!("keel::{op}: argument '{arg}' {msg}"))
+}
+
+/// A floating-point dtype Keel computes with on `device` (f64 on CPU and Meta only).
+pub(crate) fn float_dtype(op: &str, arg: &str, t: &Tensor, device: Device) -> Result<ScalarType> {
+    let dt = t.dtype()?;
+    match dt {
+        ScalarType::F32 | ScalarType::F16 | ScalarType::BF16 => Ok(dt),
+        ScalarType::F64 if device.kind != DeviceType::Cuda => Ok(dt),
+        ScalarType::F64 => Err(invalid(op, arg, "has dtype torch.float64, which Keel supports on CPU only")),
+        other => Err(invalid(op, arg, format!("must be float32, float16, bfloat16 or float64, got {other}"))),
+    }
+}
+
+/// The device all tensors of a call run on; CPU, CUDA or Meta.
+pub(crate) fn supported_device(op: &str, arg: &str, t: &Tensor) -> Result<Device> {
+    let d = t.device()?;
+    match d.kind {
+        DeviceType::Cpu | DeviceType::Cuda | DeviceType::Meta => Ok(d),
+        DeviceType::Other(_) => Err(invalid(op, arg, format!("is on {d}, which Keel does not support"))),
+    }
+}
+
+pub(crate) fn same_device(op: &str, arg: &str, t: &Tensor, main_arg: &str, device: Device) -> Result<()> {
+    let d = t.device()?;
+    if d == device {
+        Ok(())
+    } else {
+        Err(invalid(op, arg, format!("is on {d} but '{main_arg}' is on {device}")))
+    }
+}
+
+pub(crate) fn same_dtype(op: &str, arg: &str, t: &Tensor, main_arg: &str, dtype: ScalarType) -> Result<()> {
+    let d = t.dtype()?;
+    if d == dtype {
+        Ok(())
+    } else {
+        Err(invalid(op, arg, format!("has dtype {d} but '{main_arg}' has {dtype}")))
+    }
+}
+
+pub(crate) fn contiguous(op: &str, arg: &str, t: &Tensor) -> Result<()> {
+    if t.is_contiguous()? {
+        Ok(())
+    } else {
+        Err(invalid(op, arg, "must be contiguous (call .contiguous() first; the Python API keel.* does)"))
+    }
+}
+
+pub(crate) fn same_shape(op: &str, arg: &str, t: &Tensor, main_arg: &str, sizes: &[i64]) -> Result<()> {
+    let s = t.sizes()?;
+    if s == sizes {
+        Ok(())
+    } else {
+        Err(invalid(op, arg, format!("has shape {s:?} but '{main_arg}' has {sizes:?}")))
+    }
+}
+
+pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {
+    if eps.is_finite() && eps >= 0.0 {
+        Ok(())
+    } else {
+        Err(invalid(op, "eps", format!("must be finite and >= 0, got {eps}")))
+    }
+}
+
+/// For an op over the last dimension: (rows, cols) of a contiguous input of
+/// at least one dimension.
+pub(crate) fn rows_cols(op: &str, arg: &str, t: &Tensor) -> Result<(usize, usize)> {
+    let s = t.sizes()?;
+    let Some(&cols) = s.last() else {
+        return Err(invalid(op, arg, "must have at least 1 dimension, got a 0-dim tensor"));
+    };
+    let cols = cols as usize;
+    let rows = t.numel()?.checked_div(cols).unwrap_or(0);
+    Ok((rows, cols))
+}
+
+/// Runs `$body` with `$T` bound to the Rust element type of `$dtype`.
+macro_rules! with_float_type {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            keel_abi::ScalarType::F32 => {
+                type $T = f32;
+                $body
+            }
+            keel_abi::ScalarType::F64 => {
+                type $T = f64;
+                $body
+            }
+            keel_abi::ScalarType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            keel_abi::ScalarType::BF16 => {
+                type $T = half::bf16;
+                $body
+            }
+            other => return Err(keel_abi::Error::Invalid(format!("keel: internal error: no kernel for {other}"))),
+        }
+    };
+}
+pub(crate) use with_float_type;
+
+/// The CUDA kernels' dtype for a checked float dtype.
+pub(crate) fn cuda_dtype(dtype: ScalarType) -> Result<keel::cuda::DType> {
+    match dtype {
+        ScalarType::F32 => Ok(keel::cuda::DType::F32),
+        ScalarType::F16 => Ok(keel::cuda::DType::F16),
+        ScalarType::BF16 => Ok(keel::cuda::DType::BF16),
+        other => Err(Error::Invalid(format!("keel: internal error: no CUDA kernel for {other}"))),
+    }
+}

@@ -1,0 +1,42 @@
+//! The list of ops and their registration with torch.
+use keel_abi::{boxed, BoxedOp, DispatchKey, Library, Result};
+use std::sync::OnceLock;
+
+/// One op: its schema and its boxed kernel (served for CPU, CUDA and Meta).
+struct OpDef {
+    schema: &'static str,
+    name: &'static str,
+    kernel: keel_abi::sys::BoxedKernel,
+}
+
+const fn op<K: BoxedOp>(schema: &'static str) -> OpDef {
+    OpDef { schema, name: K::NAME, kernel: boxed::<K> }
+}
+
+const OPS: &[OpDef] = &[
+    op::<crate::rms_norm::RmsNorm>("rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor"),
+    op::<crate::rms_norm::RmsNormBackward>(
+        "rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps) -> (Tensor, Tensor)",
+    ),
+];
+
+/// Keeps the library fragments alive for the life of the process (dropping
+/// one would unregister its kernels).
+static LIBRARIES: OnceLock<Vec<Library>> = OnceLock::new();
+
+pub(crate) fn register_all() -> Result<()> {
+    let def = Library::define_namespace("keel")?;
+    for op in OPS {
+        def.def(op.schema)?;
+    }
+    let mut libs = vec![def];
+    for key in [DispatchKey::Cpu, DispatchKey::Cuda, DispatchKey::Meta] {
+        let lib = Library::implement("keel", key)?;
+        for op in OPS {
+            lib.impl_kernel(op.name, op.kernel)?;
+        }
+        libs.push(lib);
+    }
+    let _ = LIBRARIES.set(libs);
+    Ok(())
+}

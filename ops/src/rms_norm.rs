@@ -1,0 +1,154 @@
+//! `keel::rms_norm` and `keel::rms_norm_backward`.
+//!
+//! `rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor`
+//! matches `torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)`.
+//! `rms_norm_backward(grad_out, input, weight, eps) -> (grad_input, grad_weight)`;
+//! `grad_weight` has shape `[0]` when `weight` is None.
+use crate::checks::{self, with_float_type};
+use crate::device::{kernel_err, ptr, CudaCall};
+use crate::torch_pool::with_torch_par;
+use keel_abi::{BoxedOp, Device, DeviceType, Result, ScalarType, Tensor};
+
+const OP: &str = "rms_norm";
+const OP_BWD: &str = "rms_norm_backward";
+
+/// What the checks established about a call.
+struct Checked {
+    device: Device,
+    dtype: ScalarType,
+    rows: usize,
+    cols: usize,
+}
+
+/// Checks `input` and `weight` (and `eps`) the same way on every device.
+fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Checked> {
+    let device = checks::supported_device(op, "input", input)?;
+    let dtype = checks::float_dtype(op, "input", input, device)?;
+    let (rows, cols) = checks::rows_cols(op, "input", input)?;
+    checks::contiguous(op, "input", input)?;
+    if let Some(w) = weight {
+        checks::same_device(op, "weight", w, "input", device)?;
+        checks::same_dtype(op, "weight", w, "input", dtype)?;
+        let ws = w.sizes()?;
+        if ws != [cols as i64] {
+            return Err(checks::invalid(
+                op,
+                "weight",
+                format!("must have shape [{cols}] (input's last dim), got {ws:?}"),
+            ));
+        }
+        checks::contiguous(op, "weight", w)?;
+    }
+    checks::eps(op, eps)?;
+    Ok(Checked { device, dtype, rows, cols })
+}
+
+/// The forward op.
+pub(crate) struct RmsNorm;
+
+impl BoxedOp for RmsNorm {
+    const NAME: &'static str = OP;
+    type Args = (Tensor, Option<Tensor>, f64);
+    type Out = (Tensor,);
+
+    fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
+        let c = check(OP, &input, weight.as_ref(), eps)?;
+        let out = input.empty_like()?;
+        match c.device.kind {
+            DeviceType::Cpu => with_float_type!(c.dtype, T => {
+                // SAFETY: checked contiguous CPU tensors of element type T; `out`
+                // is freshly allocated, so no other slice of it exists.
+                let (x, w, y) = unsafe {
+                    (input.as_slice::<T>()?, weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?, out.as_mut_slice::<T>()?)
+                };
+                with_torch_par(|par| keel::ops::rms_norm::forward_cpu(x, w, y, c.cols, eps, par))?.map_err(kernel_err)?
+            }),
+            DeviceType::Cuda => {
+                let call = CudaCall::new(OP, c.device)?;
+                // SAFETY: checked contiguous CUDA tensors of this dtype and shape on
+                // the guarded device; `out` is a fresh allocation.
+                unsafe {
+                    keel::ops::rms_norm::forward_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        checks::cuda_dtype(c.dtype)?,
+                        ptr(Some(&input))?,
+                        ptr(weight.as_ref())?,
+                        ptr(Some(&out))?,
+                        c.rows,
+                        c.cols,
+                        eps,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
+            DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        Ok((out,))
+    }
+}
+
+/// The backward op, used by the autograd formula registered in Python.
+pub(crate) struct RmsNormBackward;
+
+impl BoxedOp for RmsNormBackward {
+    const NAME: &'static str = OP_BWD;
+    type Args = (Tensor, Tensor, Option<Tensor>, f64);
+    type Out = (Tensor, Tensor);
+
+    fn run((grad_out, input, weight, eps): Self::Args) -> Result<Self::Out> {
+        let c = check(OP_BWD, &input, weight.as_ref(), eps)?;
+        checks::same_device(OP_BWD, "grad_out", &grad_out, "input", c.device)?;
+        checks::same_dtype(OP_BWD, "grad_out", &grad_out, "input", c.dtype)?;
+        checks::same_shape(OP_BWD, "grad_out", &grad_out, "input", input.sizes()?)?;
+        checks::contiguous(OP_BWD, "grad_out", &grad_out)?;
+        let grad_input = input.empty_like()?;
+        let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
+        match c.device.kind {
+            DeviceType::Cpu => with_float_type!(c.dtype, T => {
+                // SAFETY: checked contiguous CPU tensors of element type T; the
+                // two outputs are fresh, distinct allocations.
+                let (dy, x, w, dx, dw) = unsafe {
+                    (
+                        grad_out.as_slice::<T>()?,
+                        input.as_slice::<T>()?,
+                        weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?,
+                        grad_input.as_mut_slice::<T>()?,
+                        if weight.is_some() { Some(grad_weight.as_mut_slice::<T>()?) } else { None },
+                    )
+                };
+                with_torch_par(|par| keel::ops::rms_norm::backward_cpu(dy, x, w, dx, dw, c.cols, eps, par))?.map_err(kernel_err)?
+            }),
+            DeviceType::Cuda => {
+                let call = CudaCall::new(OP_BWD, c.device)?;
+                let scratch_len = keel::ops::rms_norm::backward_scratch_len(&call.gpu, c.rows, c.cols);
+                let scratch = if weight.is_some() {
+                    Some(Tensor::empty(&[scratch_len.max(1) as i64], ScalarType::F32, c.device)?)
+                } else {
+                    None
+                };
+                // SAFETY: as in the forward; `scratch` holds scratch_len f32s and
+                // comes from torch's caching allocator on this stream's device.
+                unsafe {
+                    keel::ops::rms_norm::backward_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        checks::cuda_dtype(c.dtype)?,
+                        ptr(Some(&grad_out))?,
+                        ptr(Some(&input))?,
+                        ptr(weight.as_ref())?,
+                        ptr(Some(&grad_input))?,
+                        if weight.is_some() { ptr(Some(&grad_weight))? } else { 0 },
+                        ptr(scratch.as_ref())?,
+                        c.rows,
+                        c.cols,
+                        eps,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
+            DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        Ok((grad_input, grad_weight))
+    }
+}

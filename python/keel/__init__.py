@@ -1,0 +1,20 @@
+"""Keel: fused GPU and CPU kernels for PyTorch, written in Rust against torch's
+stable C ABI, so one wheel serves every torch from 2.10 on.
+
+Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``) and
+drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
+and work under ``torch.compile``.
+"""
+from . import _load
+
+LIBRARY_PATH = _load.load()
+
+from . import _autograd  # noqa: E402
+
+_autograd.register()
+
+from . import nn  # noqa: E402
+from .functional import rms_norm  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["rms_norm", "nn", "LIBRARY_PATH"]

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+import keel  # noqa: F401  (loads the ops and registers autograd before any test)
+
+# torch.testing's defaults (vLLM / Liger use the same): (atol, rtol) per dtype.
+TOL = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-5, 1.3e-6),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1.6e-2),
+}
+
+CPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def devices():
+    """cpu always; cuda when a GPU is usable, else a skipped case that says why."""
+    out = ["cpu"]
+    if torch.cuda.is_available():
+        out.append("cuda")
+    else:
+        out.append(pytest.param("cuda", marks=pytest.mark.skip(reason="no CUDA GPU on this machine (torch.cuda.is_available() is False)")))
+    return out
+
+
+def assert_close(actual, expected, dtype, scale=1.0):
+    """Compares with the dtype's tolerance; `scale` widens it for results
+    that are sums over many rounded terms."""
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol * scale, rtol=rtol * scale)

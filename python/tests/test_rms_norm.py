@@ -1,0 +1,204 @@
+"""keel.rms_norm against torch: values, gradients, opcheck, gradcheck,
+torch.compile, bad input, the nn module and threads."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import keel
+from conftest import CPU_DTYPES, CUDA_DTYPES, assert_close, devices
+
+SHAPES = [(1, 7), (3, 33), (2, 3, 129), (5, 4096), (4, 1), (0, 16), (2, 0, 8), (1, 8193)]
+
+
+def reference(x, w, eps):
+    """f64 reference from the already-rounded inputs."""
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    return y if w is None else y * w.double()
+
+
+def dtypes_for(device):
+    return CPU_DTYPES if device == "cpu" else CUDA_DTYPES
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_forward_matches_reference_and_torch(device, shape, with_weight):
+    for dtype in dtypes_for(device):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(shape, generator=g).to(dtype).to(device)
+        w = torch.randn(shape[-1], generator=g).to(dtype).to(device) if with_weight else None
+        y = keel.rms_norm(x, w, 1e-6)
+        assert y.shape == x.shape and y.dtype == dtype and y.device == x.device
+        assert_close(y, reference(x, w, 1e-6), dtype)
+        # torch rounds to dtype before multiplying by the weight: allow two roundings.
+        assert_close(y, F.rms_norm(x, (shape[-1],), w, 1e-6), dtype, scale=2.0)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape", [(3, 33), (2, 3, 129), (6, 1024), (0, 5)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_gradients_match_reference(device, shape, with_weight):
+    for dtype in dtypes_for(device):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(shape, generator=g).to(dtype).to(device)
+        w = torch.randn(shape[-1], generator=g).to(dtype).to(device) if with_weight else None
+        dy = torch.randn(shape, generator=g).to(dtype).to(device)
+
+        xk = x.clone().requires_grad_()
+        wk = w.clone().requires_grad_() if with_weight else None
+        keel.rms_norm(xk, wk, 1e-5).backward(dy)
+
+        xr = x.double().requires_grad_()
+        wr = w.double().requires_grad_() if with_weight else None
+        reference(xr, wr, 1e-5).backward(dy.double())
+        assert_close(xk.grad, xr.grad, dtype, scale=4.0)
+        if with_weight:
+            # grad_weight sums over every row: its rounding error grows with the row count.
+            assert_close(wk.grad, wr.grad, dtype, scale=4.0 * max(1, x.numel() // shape[-1]) ** 0.5)
+
+
+def test_gradcheck_f64():
+    x = torch.randn(4, 11, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: keel.rms_norm(a, b, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(lambda a: keel.rms_norm(a, None, 1e-5), (x,))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_opcheck(device, with_weight):
+    from torch.library import opcheck
+
+    x = torch.randn(3, 17, device=device, requires_grad=True)
+    w = torch.randn(17, device=device, requires_grad=True) if with_weight else None
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    opcheck(torch.ops.keel.rms_norm.default, (x, w, 1e-6), test_utils=utils)
+    dy = torch.randn(3, 17, device=device)
+    opcheck(torch.ops.keel.rms_norm_backward.default, (dy, x.detach(), None if w is None else w.detach(), 1e-6), test_utils=utils)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    def block(x, w):
+        return keel.rms_norm(x * 2.0, w, 1e-6) + 1.0
+
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
+    out = compiled(x, w)
+    torch.testing.assert_close(out, block(x, w))
+    out.sum().backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    block(x, w).sum().backward()
+    torch.testing.assert_close(gx, x.grad)
+    torch.testing.assert_close(gw, w.grad)
+
+
+def test_meta_shapes_and_checks():
+    x = torch.empty(2, 3, 8, device="meta")
+    y = torch.ops.keel.rms_norm(x, torch.empty(8, device="meta"), 1e-6)
+    assert y.shape == (2, 3, 8) and y.device.type == "meta"
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' must have shape \[8\]"):
+        torch.ops.keel.rms_norm(x, torch.empty(7, device="meta"), 1e-6)
+
+
+BAD = [
+    ("integer input", lambda: (torch.ones(2, 4, dtype=torch.int64), None, 1e-6), r"argument 'input' must be float32"),
+    ("weight shape", lambda: (torch.randn(2, 4), torch.randn(5), 1e-6), r"argument 'weight' must have shape \[4\]"),
+    ("weight 2-d", lambda: (torch.randn(2, 4), torch.randn(1, 4), 1e-6), r"argument 'weight' must have shape \[4\]"),
+    ("weight dtype", lambda: (torch.randn(2, 4), torch.randn(4, dtype=torch.float64), 1e-6), r"argument 'weight' has dtype torch.float64"),
+    ("devices differ", lambda: (torch.randn(2, 4), torch.randn(4, device="meta"), 1e-6), r"argument 'weight' is on meta but 'input' is on cpu"),
+    ("0-dim", lambda: (torch.tensor(1.0), None, 1e-6), r"argument 'input' must have at least 1 dimension"),
+    ("non-contiguous", lambda: (torch.randn(4, 6).t(), None, 1e-6), r"argument 'input' must be contiguous"),
+    ("negative eps", lambda: (torch.randn(2, 4), None, -1.0), r"argument 'eps' must be finite and >= 0"),
+    ("nan eps", lambda: (torch.randn(2, 4), None, float("nan")), r"argument 'eps' must be finite and >= 0"),
+]
+
+
+@pytest.mark.parametrize("name,make,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_runtime_error_naming_op_and_argument(name, make, msg):
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm: " + msg):
+        torch.ops.keel.rms_norm(*make())
+
+
+def test_bad_input_to_backward():
+    x = torch.randn(2, 4)
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm_backward: argument 'grad_out' has shape \[2, 5\]"):
+        torch.ops.keel.rms_norm_backward(torch.randn(2, 5), x, None, 1e-6)
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm_backward: argument 'grad_out' has dtype torch.float16"):
+        torch.ops.keel.rms_norm_backward(torch.randn(2, 4).half(), x, None, 1e-6)
+
+
+def test_python_api_accepts_non_contiguous_input():
+    x = torch.randn(6, 4).t()
+    torch.testing.assert_close(keel.rms_norm(x), F.rms_norm(x, (6,), None, 1e-6))
+
+
+def test_nan_and_inf_propagate_like_torch():
+    x = torch.tensor([[1.0, float("nan"), 2.0], [1.0, 2.0, 3.0], [float("inf"), 1.0, 1.0]])
+    ours, theirs = keel.rms_norm(x), F.rms_norm(x, (3,), None, 1e-6)
+    torch.testing.assert_close(ours, theirs, equal_nan=True)
+
+
+def test_error_leaves_no_leak_of_inputs():
+    x = torch.randn(2, 4)
+    w = torch.randn(5)
+    for _ in range(100):
+        with pytest.raises(RuntimeError):
+            torch.ops.keel.rms_norm(x, w, 1e-6)
+    # Every argument handle was released: only our own references remain.
+    import sys
+
+    assert sys.getrefcount(x) == 2 and sys.getrefcount(w) == 2
+    assert x._version == 0
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape,eps", [(7, None), ((3, 5), 1e-5), (64, 1e-6)])
+def test_nn_rmsnorm_is_a_drop_in_for_torch(device, shape, eps):
+    torch.manual_seed(0)
+    ours = keel.nn.RMSNorm(shape, eps=eps, device=device)
+    theirs = torch.nn.RMSNorm(shape, eps=eps, device=device)
+    with torch.no_grad():
+        theirs.weight.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    dims = (shape,) if isinstance(shape, int) else shape
+    x = torch.randn(2, 3, *dims, device=device, requires_grad=True)
+    torch.testing.assert_close(ours(x), theirs(x))
+    ours(x).sum().backward()
+    g_ours = (x.grad.clone(), ours.weight.grad.clone())
+    x.grad = None
+    theirs(x).sum().backward()
+    torch.testing.assert_close(g_ours[0], x.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(g_ours[1], theirs.weight.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_same_result_for_any_thread_count():
+    x = torch.randn(300, 1000)
+    w = torch.randn(1000, requires_grad=True)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            y = keel.rms_norm(x, w)
+            (gw,) = torch.autograd.grad(y.sum(), w)
+            results.append((y, gw))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-4, rtol=1e-5)
+
+
+def test_older_torch_is_refused_with_a_clear_message():
+    from keel._load import check_torch_version
+
+    with pytest.raises(ImportError, match=r"keel needs torch >= 2.10 .* this is torch 2.9.1"):
+        check_torch_version("2.9.1")
+    check_torch_version("2.10.0")
+    check_torch_version("3.0.0a0+git")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job: build the wheel, install it beside the newest torch, and run the
+# demo, which checks every Keel op against torch and prints the speed of each,
+# with and without torch's huge-page allocator.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+source scripts/torch-env.sh
+build_wheel
+torch_env "${KEEL_TORCH_VERSION:-latest}"
+"$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
+"$PY" examples/demo.py
+THP_MEM_ALLOC_ENABLE=1 "$PY" examples/demo.py --thp

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Every test, from nothing: Rust lint and tests, the CUDA build checks, then the
+# wheel built once and tested under torch 2.10 and under the newest torch.
+# CUDA tests skip (saying why) where no GPU is found.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+source scripts/torch-env.sh
+step() { printf '\n=== %s\n' "$*"; }
+
+step "cargo fmt / clippy"
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets -q -- -D warnings
+
+step "cargo test (CPU kernels, property tests, CUDA tests skip without a GPU)"
+cargo test --workspace --release -q 2>&1 | grep -Ev '^$|^running 0 tests' || true
+cargo test --workspace --release -q >/dev/null 2>&1 || { cargo test --workspace --release; exit 1; }
+
+step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
+scripts/check-ptx.sh
+
+step "cargo doc (public items documented)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
+
+step "build the wheel once"
+build_wheel
+echo "$WHEEL"
+
+for ver in ${KEEL_TORCH_VERSIONS:-2.10.0 latest}; do
+  step "python tests under torch $ver"
+  torch_env "$ver"
+  "$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
+  "$PY" -c "import torch; print('torch', torch.__version__)"
+  (cd "$root" && "$PY" -m pytest -q -p no:cacheprovider python/tests)
+done

@@ -1,0 +1,42 @@
+//! Shared test helpers: per-dtype tolerances and comparison with a reference.
+#![allow(dead_code)]
+use keel::cpu::{bf16, f16, Element};
+
+/// Absolute and relative tolerance of one dtype (torch.testing's defaults).
+#[derive(Debug, Clone, Copy)]
+pub struct Tolerance {
+    pub atol: f64,
+    pub rtol: f64,
+}
+
+pub trait Tol: Element {
+    const TOL: Tolerance;
+}
+impl Tol for f64 {
+    const TOL: Tolerance = Tolerance { atol: 1e-12, rtol: 1e-12 };
+}
+impl Tol for f32 {
+    const TOL: Tolerance = Tolerance { atol: 1e-5, rtol: 1.3e-6 };
+}
+impl Tol for f16 {
+    const TOL: Tolerance = Tolerance { atol: 1e-3, rtol: 1e-3 };
+}
+impl Tol for bf16 {
+    const TOL: Tolerance = Tolerance { atol: 1e-2, rtol: 1.6e-2 };
+}
+
+/// Asserts `|got - want| <= scale * (atol + rtol * |want|)` element-wise.
+pub fn assert_close<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let t = T::TOL;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f64();
+        let bound = scale * (t.atol + t.rtol * w.abs());
+        assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
+    }
+}
+
+/// Rounds f64 samples to T (so the reference sees exactly the kernel's inputs).
+pub fn to_elems<T: Element>(v: &[f64]) -> Vec<T> {
+    v.iter().map(|&x| T::from_f64(x)).collect()
+}

@@ -1,0 +1,129 @@
+//! Property tests: the CPU rms_norm kernels against the f64 reference, for
+//! every dtype, widths that are not multiples of the SIMD width, one row, zero
+//! rows, and every kind of parallelism.
+mod common;
+
+use common::{assert_close, to_elems, Tol};
+use keel::cpu::{bf16, f16, Par};
+use keel::ops::rms_norm::{backward_cpu, forward_cpu};
+use keel_cpu::rms_norm::{backward_ref, forward_ref};
+use proptest::prelude::*;
+
+fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<f64>, Vec<f64>, bool, f64)> {
+    // cols: 1..=300 covers every remainder mod 8/16/32; rows: 0..=9.
+    (0usize..=9, 1usize..=300, any::<bool>(), prop_oneof![Just(1e-6), Just(1e-5), Just(0.1)]).prop_flat_map(
+        |(rows, cols, w, eps)| {
+            let v = |n| prop::collection::vec(-4.0f64..4.0, n);
+            (Just(rows), Just(cols), v(rows * cols), v(cols), v(rows * cols), Just(w), Just(eps))
+        },
+    )
+}
+
+fn pars() -> [Par<'static>; 2] {
+    [Par::Seq, Par::Rayon]
+}
+
+fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], w: &[f64], dy: &[f64], with_w: bool, eps: f64) {
+    let (x, w, dy) = (to_elems::<T>(x), to_elems::<T>(w), to_elems::<T>(dy));
+    let w = with_w.then_some(&w[..]);
+    let want = forward_ref(&x, w, cols, eps);
+    let (want_dx, want_dw) = backward_ref(&dy, &x, w, cols, eps);
+    for par in pars() {
+        let mut y = vec![T::default(); rows * cols];
+        forward_cpu(&x, w, &mut y, cols, eps, par).unwrap();
+        // f32 accumulation over `cols` terms: allow sqrt(cols) roundings of f32.
+        let scale = 1.0 + (cols as f64).sqrt() * f32::EPSILON as f64 / T::TOL.rtol;
+        assert_close(&y, &want, scale, "forward");
+
+        let mut dx = vec![T::default(); rows * cols];
+        let mut dw = vec![T::default(); cols];
+        backward_cpu(&dy, &x, w, &mut dx, w.map(|_| &mut dw[..]), cols, eps, par).unwrap();
+        // The gradient subtracts two terms of similar size: bound by the
+        // magnitude of the terms, not of the result.
+        let mag: Vec<f64> = want_dx.iter().map(|v| v.abs() + 1.0).collect();
+        let err_dx: Vec<f64> = dx.iter().zip(&want_dx).map(|(a, b)| (a.to_f64() - b).abs()).collect();
+        for (i, (e, m)) in err_dx.iter().zip(&mag).enumerate() {
+            let bound = 4.0 * scale * (T::TOL.atol + T::TOL.rtol * m);
+            assert!(*e <= bound, "grad_input [{}] at {i}: err {e} > {bound}", T::NAME);
+        }
+        if let Some(want_dw) = &want_dw {
+            let s = 4.0 * scale * (rows.max(1) as f64).sqrt();
+            let mag: Vec<f64> = want_dw.iter().map(|v| v.abs() + rows as f64).collect();
+            for (j, ((g, want), m)) in dw.iter().zip(want_dw).zip(&mag).enumerate() {
+                let bound = s * (T::TOL.atol + T::TOL.rtol * m);
+                assert!(
+                    (g.to_f64() - want).abs() <= bound,
+                    "grad_weight [{}] at {j}: {} vs {want}",
+                    T::NAME,
+                    g.to_f64()
+                );
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+
+    #[test]
+    fn f32_matches_reference((rows, cols, x, w, dy, with_w, eps) in case()) {
+        check::<f32>(rows, cols, &x, &w, &dy, with_w, eps);
+    }
+
+    #[test]
+    fn f64_matches_reference((rows, cols, x, w, dy, with_w, eps) in case()) {
+        check::<f64>(rows, cols, &x, &w, &dy, with_w, eps);
+    }
+
+    #[test]
+    fn f16_matches_reference((rows, cols, x, w, dy, with_w, eps) in case()) {
+        check::<f16>(rows, cols, &x, &w, &dy, with_w, eps);
+    }
+
+    #[test]
+    fn bf16_matches_reference((rows, cols, x, w, dy, with_w, eps) in case()) {
+        check::<bf16>(rows, cols, &x, &w, &dy, with_w, eps);
+    }
+}
+
+#[test]
+fn large_rows_are_split_across_threads_with_the_same_result() {
+    let (rows, cols) = (257, 1031);
+    let x: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 250.0).collect();
+    let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 7) as f32 / 7.0).collect();
+    let mut a = vec![0f32; rows * cols];
+    let mut b = vec![0f32; rows * cols];
+    forward_cpu(&x, Some(&w), &mut a, cols, 1e-6, Par::Seq).unwrap();
+    forward_cpu(&x, Some(&w), &mut b, cols, 1e-6, Par::Rayon).unwrap();
+    assert_eq!(a, b, "row results must not depend on how rows are split");
+    assert_close(&a, &forward_ref(&x, Some(&w), cols, 1e-6), 2.0, "forward");
+}
+
+#[test]
+fn bad_lengths_and_eps_are_errors_naming_the_argument() {
+    let x = vec![1f32; 12];
+    let mut y = vec![0f32; 12];
+    let err = |r: keel::Result<()>| r.unwrap_err().to_string();
+    assert_eq!(
+        err(forward_cpu(&x, Some(&[1.0; 5]), &mut y, 4, 1e-6, Par::Seq)),
+        "rms_norm: argument 'weight' has length 5, expected 4"
+    );
+    assert_eq!(
+        err(forward_cpu(&x, None, &mut y[..8], 4, 1e-6, Par::Seq)),
+        "rms_norm: argument 'out' has length 8, expected 12"
+    );
+    assert!(err(forward_cpu(&x, None, &mut y, 5, 1e-6, Par::Seq)).contains("not a multiple of cols 5"));
+    assert!(err(forward_cpu(&x, None, &mut y, 4, -1.0, Par::Seq)).contains("argument 'eps'"));
+    assert!(err(forward_cpu(&x, None, &mut y, 0, 1e-6, Par::Seq)).contains("argument 'cols'"));
+    let mut dx = vec![0f32; 12];
+    let mut dw = vec![0f32; 4];
+    assert!(err(backward_cpu(&x, &x, None, &mut dx, Some(&mut dw), 4, 1e-6, Par::Seq))
+        .contains("argument 'grad_weight': given but weight is None"));
+}
+
+#[test]
+fn zero_rows_give_zero_weight_gradient() {
+    let mut dw = vec![f32::NAN; 3];
+    backward_cpu::<f32>(&[], &[], Some(&[1.0; 3]), &mut [], Some(&mut dw), 3, 1e-6, Par::Rayon).unwrap();
+    assert_eq!(dw, vec![0.0; 3]);
+}
