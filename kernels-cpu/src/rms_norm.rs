@@ -68,11 +68,14 @@ pub fn forward<T: Element>(
     par.for_each(blocks.len(), &|b| {
         let mut y = blocks[b].lock().unwrap_or_else(|e| e.into_inner());
         let x = &x[b * block..][..y.len()];
-        dispatch(|| {
-            for (x, y) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)) {
-                forward_row(x, weight, y, eps);
-            }
-        });
+        dispatch(
+            #[inline(always)]
+            || {
+                for (x, y) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)) {
+                    forward_row(x, weight, y, eps);
+                }
+            },
+        );
     });
     Ok(())
 }
@@ -122,23 +125,30 @@ pub fn backward<T: Element>(
             let (gi, dw) = &mut *guard;
             let start = b * block;
             let (x, dy) = (&x[start..][..gi.len()], &grad_out[start..][..gi.len()]);
-            dispatch(|| {
-                for ((x, dy), gi) in x.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(gi.chunks_exact_mut(cols)) {
-                    backward_row(x, dy, weight, gi, dw.as_deref_mut(), eps);
-                }
-            });
+            dispatch(
+                #[inline(always)]
+                || {
+                    for ((x, dy), gi) in x.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(gi.chunks_exact_mut(cols))
+                    {
+                        backward_row(x, dy, weight, gi, dw.as_deref_mut(), eps);
+                    }
+                },
+            );
         });
     }
     if let Some(gw) = grad_weight {
-        dispatch(|| {
-            for (j, g) in gw.iter_mut().enumerate() {
-                let mut s = T::Acc::ZERO;
-                for b in 0..n_blocks {
-                    s = s + partial[b * cols + j];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (j, g) in gw.iter_mut().enumerate() {
+                    let mut s = T::Acc::ZERO;
+                    for b in 0..n_blocks {
+                        s = s + partial[b * cols + j];
+                    }
+                    *g = T::from_acc(s);
                 }
-                *g = T::from_acc(s);
-            }
-        });
+            },
+        );
     }
     Ok(())
 }

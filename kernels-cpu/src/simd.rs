@@ -14,6 +14,11 @@ pub(crate) fn arch() -> pulp::Arch {
 }
 
 /// Runs `f` compiled for the best SIMD level of this machine.
+///
+/// Mark the closure `#[inline(always)]`: only code inlined into pulp's
+/// target-feature function is compiled for that SIMD level. Without it the
+/// closure stayed an out-of-line SSE2 function (measured: f32 rms_norm 2.2x,
+/// bf16 2.6x, f16 3.2x slower).
 #[inline(always)]
 pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
     arch().dispatch(f)

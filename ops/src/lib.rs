@@ -7,6 +7,7 @@
 //! same checks, so fake tensors and `torch.compile` see the same errors).
 #![warn(missing_docs)]
 
+mod abi_selftest;
 mod checks;
 mod device;
 mod registry;

@@ -14,6 +14,9 @@ const fn op<K: BoxedOp>(schema: &'static str) -> OpDef {
 }
 
 const OPS: &[OpDef] = &[
+    op::<crate::abi_selftest::AbiSelfTest>(
+        "_abi_selftest(Tensor anchor, Tensor? t, int i, float f, bool b, str s, int[] l, ScalarType dtype) -> (Tensor, Tensor)",
+    ),
     op::<crate::rms_norm::RmsNorm>("rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor"),
     op::<crate::rms_norm::RmsNormBackward>(
         "rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps) -> (Tensor, Tensor)",
