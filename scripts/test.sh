@@ -20,6 +20,17 @@ cargo test --workspace --release -q >/dev/null 2>&1 || { cargo test --workspace 
 step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
 scripts/check-ptx.sh
 
+step "cargo check --features nvtx (NVTX ranges around launches; needs libclang)"
+find_libclang() { ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* 2>/dev/null | head -n1; }
+if [ -z "$(find_libclang)" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get install -y -q libclang-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libclang-dev >/dev/null 2>&1; }) || true
+fi
+if lib="$(find_libclang)" && [ -n "$lib" ]; then
+  LIBCLANG_PATH="$(dirname "$lib")" cargo check -q -p keel-ops --features nvtx && echo "nvtx feature builds"
+else
+  echo "SKIPPED: no libclang on this machine and it could not be installed"
+fi
+
 step "cargo doc (public items documented)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
