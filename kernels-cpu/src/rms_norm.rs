@@ -40,6 +40,45 @@ fn check_shape(op: &'static str, len: usize, cols: usize, eps: f64) -> Result<us
     Ok(len / cols)
 }
 
+/// Checks the buffer lengths of a forward call (`weight` is the weight's
+/// length, if given) against `cols`, and `eps`; returns the number of rows.
+/// Shared by the CPU kernel and the CUDA entry points of the root crate.
+pub fn check_forward(x: usize, weight: Option<usize>, out: usize, cols: usize, eps: f64) -> Result<usize> {
+    let rows = check_shape(OP_FWD, x, cols, eps)?;
+    check_len(OP_FWD, "out", out, x)?;
+    if let Some(w) = weight {
+        check_len(OP_FWD, "weight", w, cols)?;
+    }
+    Ok(rows)
+}
+
+/// Checks the buffer lengths of a backward call, as [`check_forward`];
+/// `grad_weight` may be given only when `weight` is.
+pub fn check_backward(
+    grad_out: usize,
+    x: usize,
+    weight: Option<usize>,
+    grad_input: usize,
+    grad_weight: Option<usize>,
+    cols: usize,
+    eps: f64,
+) -> Result<usize> {
+    let rows = check_shape(OP_BWD, x, cols, eps)?;
+    check_len(OP_BWD, "grad_out", grad_out, x)?;
+    check_len(OP_BWD, "grad_input", grad_input, x)?;
+    if let Some(w) = weight {
+        check_len(OP_BWD, "weight", w, cols)?;
+    }
+    match (grad_weight, weight) {
+        (Some(gw), Some(_)) => check_len(OP_BWD, "grad_weight", gw, cols)?,
+        (Some(_), None) => {
+            return Err(Error::Shape { op: OP_BWD, arg: "grad_weight", msg: "given but weight is None".into() });
+        }
+        _ => {}
+    }
+    Ok(rows)
+}
+
 /// One block of backward work: its rows of `grad_input` and its partial weight gradient.
 type BwdBlock<'a, T> = Mutex<(&'a mut [T], Option<&'a mut [<T as Element>::Acc]>)>;
 
@@ -54,11 +93,7 @@ pub fn forward<T: Element>(
     eps: f64,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check_shape(OP_FWD, x.len(), cols, eps)?;
-    check_len(OP_FWD, "out", out.len(), x.len())?;
-    if let Some(w) = weight {
-        check_len(OP_FWD, "weight", w.len(), cols)?;
-    }
+    let rows = check_forward(x.len(), weight.map(<[T]>::len), out.len(), cols, eps)?;
     if rows == 0 {
         return Ok(());
     }
@@ -95,19 +130,15 @@ pub fn backward<T: Element>(
     eps: f64,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check_shape(OP_BWD, x.len(), cols, eps)?;
-    check_len(OP_BWD, "grad_out", grad_out.len(), x.len())?;
-    check_len(OP_BWD, "grad_input", grad_input.len(), x.len())?;
-    if let Some(w) = weight {
-        check_len(OP_BWD, "weight", w.len(), cols)?;
-    }
-    match (&grad_weight, weight) {
-        (Some(gw), Some(_)) => check_len(OP_BWD, "grad_weight", gw.len(), cols)?,
-        (Some(_), None) => {
-            return Err(Error::Shape { op: OP_BWD, arg: "grad_weight", msg: "given but weight is None".into() });
-        }
-        _ => {}
-    }
+    let rows = check_backward(
+        grad_out.len(),
+        x.len(),
+        weight.map(<[T]>::len),
+        grad_input.len(),
+        grad_weight.as_deref().map(<[T]>::len),
+        cols,
+        eps,
+    )?;
     let eps = T::Acc::from_f64(eps);
     let rows_per = rows_per_block(&par, rows.max(1), cols, MIN_BLOCK_ELEMS);
     let block = rows_per * cols;

@@ -47,6 +47,7 @@ pub fn backward_cpu<T: Element>(
     Ok(keel_cpu::rms_norm::backward(grad_out, x, weight, grad_input, grad_weight, cols, eps, par)?)
 }
 
+/// The kernels' own limits, then the shape and `eps` checks the CPU kernel uses.
 fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     let bad = |arg, msg: String| Err(Error::Invalid { op: OP, arg, msg });
     if cols > i32::MAX as usize {
@@ -55,9 +56,8 @@ fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     if cols == 0 && rows != 0 {
         return bad("cols", "is 0 but rows is not".into());
     }
-    if !(eps.is_finite() && eps >= 0.0) {
-        return bad("eps", format!("must be finite and >= 0, got {eps}"));
-    }
+    let n = rows.saturating_mul(cols);
+    keel_cpu::rms_norm::check_forward(n, None, n, cols, eps)?;
     Ok(())
 }
 
@@ -173,28 +173,6 @@ pub unsafe fn backward_cuda_raw(
     Ok(())
 }
 
-fn check_len(arg: &'static str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(Error::Invalid { op: OP, arg, msg: format!("has {got} elements, expected {want}") })
-    }
-}
-
-fn rows_of(len: usize, cols: usize) -> Result<usize> {
-    if cols == 0 {
-        return if len == 0 { Ok(0) } else { Err(Error::Invalid { op: OP, arg: "cols", msg: "is 0".into() }) };
-    }
-    if len % cols != 0 {
-        return Err(Error::Invalid {
-            op: OP,
-            arg: "x",
-            msg: format!("{len} elements is not a multiple of cols {cols}"),
-        });
-    }
-    Ok(len / cols)
-}
-
 /// CUDA forward on `cudarc` buffers, launched on `stream`.
 pub fn forward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
@@ -204,11 +182,7 @@ pub fn forward_cuda<T: CudaElement>(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
-    let rows = rows_of(x.len(), cols)?;
-    check_len("out", out.len(), x.len())?;
-    if let Some(w) = weight {
-        check_len("weight", w.len(), cols)?;
-    }
+    let rows = keel_cpu::rms_norm::check_forward(x.len(), weight.map(|w| w.len()), out.len(), cols, eps)?;
     let gpu = gpu(stream.context().ordinal())?;
     let (px, _gx) = x.device_ptr(stream);
     let pw = weight.map(|w| w.device_ptr(stream));
@@ -230,15 +204,15 @@ pub fn backward_cuda<T: CudaElement>(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
-    let rows = rows_of(x.len(), cols)?;
-    check_len("grad_out", grad_out.len(), x.len())?;
-    check_len("grad_input", grad_input.len(), x.len())?;
-    if let Some(w) = weight {
-        check_len("weight", w.len(), cols)?;
-    }
-    if let Some(gw) = grad_weight.as_deref() {
-        check_len("grad_weight", gw.len(), cols)?;
-    }
+    let rows = keel_cpu::rms_norm::check_backward(
+        grad_out.len(),
+        x.len(),
+        weight.map(|w| w.len()),
+        grad_input.len(),
+        grad_weight.as_deref().map(|g| g.len()),
+        cols,
+        eps,
+    )?;
     let gpu = gpu(stream.context().ordinal())?;
     let scratch: CudaSlice<f32> = stream
         .alloc_zeros(backward_scratch_len(&gpu, rows, cols).max(1))
