@@ -88,7 +88,8 @@ proptest! {
 
 #[test]
 fn large_rows_are_split_across_threads_with_the_same_result() {
-    let (rows, cols) = (257, 1031);
+    // Large enough to be split over several blocks.
+    let (rows, cols) = (600, 1031);
     let x: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 250.0).collect();
     let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 7) as f32 / 7.0).collect();
     let mut a = vec![0f32; rows * cols];

@@ -16,6 +16,7 @@ mod element;
 mod error;
 mod par;
 pub mod rms_norm;
+mod rows;
 mod simd;
 
 pub use element::Element;

@@ -14,14 +14,12 @@
 //!   order, so for a given thread count the result is deterministic.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
-use crate::par::{rows_per_block, Par};
+use crate::par::Par;
+use crate::rows::{Blocks, Split};
 use crate::simd::{dispatch, LANES};
-use std::sync::Mutex;
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
-/// Below this many elements per block, work stays on one thread.
-const MIN_BLOCK_ELEMS: usize = 1 << 15;
 
 fn check_shape(op: &'static str, len: usize, cols: usize, eps: f64) -> Result<usize> {
     if !(eps.is_finite() && eps >= 0.0) {
@@ -79,9 +77,6 @@ pub fn check_backward(
     Ok(rows)
 }
 
-/// One block of backward work: its rows of `grad_input` and its partial weight gradient.
-type BwdBlock<'a, T> = Mutex<(&'a mut [T], Option<&'a mut [<T as Element>::Acc]>)>;
-
 /// Forward: writes `rms_norm(x) * weight` to `out`.
 ///
 /// Errors if a length does not match `cols`, or `eps` is negative or not finite.
@@ -98,11 +93,11 @@ pub fn forward<T: Element>(
         return Ok(());
     }
     let eps = T::Acc::from_f64(eps);
-    let block = rows_per_block(&par, rows, cols, MIN_BLOCK_ELEMS) * cols;
-    let blocks: Vec<Mutex<&mut [T]>> = out.chunks_mut(block).map(Mutex::new).collect();
-    par.for_each(blocks.len(), &|b| {
-        let mut y = blocks[b].lock().unwrap_or_else(|e| e.into_inner());
-        let x = &x[b * block..][..y.len()];
+    let blocks = Blocks::new(&par, rows, cols);
+    let ys = Split::new(out, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let mut y = ys.get(b);
+        let x = &x[blocks.rows(b).start * cols..][..y.len()];
         dispatch(
             #[inline(always)]
             || {
@@ -139,49 +134,71 @@ pub fn backward<T: Element>(
         cols,
         eps,
     )?;
+    backward_unchecked(grad_out, None, x, weight, grad_input, grad_weight, rows, cols, eps, par);
+    Ok(())
+}
+
+/// The backward over checked lengths, adding `grad_add` (when given, same
+/// shape as `x`) to `grad_input`: `fused_add_rms_norm`'s gradient through its
+/// second output.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_unchecked<T: Element>(
+    grad_out: &[T],
+    grad_add: Option<&[T]>,
+    x: &[T],
+    weight: Option<&[T]>,
+    grad_input: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) {
     let eps = T::Acc::from_f64(eps);
-    let rows_per = rows_per_block(&par, rows.max(1), cols, MIN_BLOCK_ELEMS);
-    let block = rows_per * cols;
-    let n_blocks = rows.div_ceil(rows_per);
-    let want_dw = grad_weight.is_some();
-    let mut partial = vec![T::Acc::ZERO; if want_dw { n_blocks * cols } else { 0 }];
+    let blocks = Blocks::new(&par, rows, cols);
+    let mut partial = vec![T::Acc::ZERO; if grad_weight.is_some() { blocks.count * cols } else { 0 }];
     {
-        let mut partial_blocks = partial.chunks_mut(cols.max(1));
-        let blocks: Vec<BwdBlock<'_, T>> = grad_input
-            .chunks_mut(block.max(1))
-            .map(|gi| Mutex::new((gi, if want_dw { partial_blocks.next() } else { None })))
-            .collect();
-        par.for_each(blocks.len(), &|b| {
-            let mut guard = blocks[b].lock().unwrap_or_else(|e| e.into_inner());
-            let (gi, dw) = &mut *guard;
-            let start = b * block;
-            let (x, dy) = (&x[start..][..gi.len()], &grad_out[start..][..gi.len()]);
+        let dxs = Split::new(grad_input, blocks.per * cols);
+        let dws = Split::new(&mut partial, cols);
+        let want_dw = grad_weight.is_some();
+        par.for_each(blocks.count, &|b| {
+            let mut dx = dxs.get(b);
+            let mut dw = want_dw.then(|| dws.get(b));
+            let at = blocks.rows(b).start * cols;
+            let n = dx.len();
+            let (x, dy, add) = (&x[at..][..n], &grad_out[at..][..n], grad_add.map(|a| &a[at..][..n]));
             dispatch(
                 #[inline(always)]
                 || {
-                    for ((x, dy), gi) in x.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(gi.chunks_exact_mut(cols))
-                    {
-                        backward_row(x, dy, weight, gi, dw.as_deref_mut(), eps);
+                    for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
+                        let row = r * cols..(r + 1) * cols;
+                        let (x, dy, add) = (&x[row.clone()], &dy[row.clone()], add.map(|a| &a[row]));
+                        backward_row(x, dy, add, weight, dx, dw.as_deref_mut().map(|d| &mut d[..]), eps);
                     }
                 },
             );
         });
     }
     if let Some(gw) = grad_weight {
-        dispatch(
-            #[inline(always)]
-            || {
-                for (j, g) in gw.iter_mut().enumerate() {
-                    let mut s = T::Acc::ZERO;
-                    for b in 0..n_blocks {
-                        s = s + partial[b * cols + j];
-                    }
-                    *g = T::from_acc(s);
-                }
-            },
-        );
+        sum_partials(&partial, gw, cols);
     }
-    Ok(())
+}
+
+/// `out[j] = sum over blocks b of partial[b * cols + j]`, in block order
+/// (deterministic for a given block count); zeros when there are no blocks.
+pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: usize) {
+    dispatch(
+        #[inline(always)]
+        || {
+            for (j, g) in out.iter_mut().enumerate() {
+                let mut s = T::Acc::ZERO;
+                for p in partial.chunks_exact(cols) {
+                    s = s + p[j];
+                }
+                *g = T::from_acc(s);
+            }
+        },
+    );
 }
 
 /// Sum of `f(a_i, b_i)` with `LANES` independent accumulators, so the loop
@@ -216,7 +233,7 @@ fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
 }
 
 #[inline(always)]
-fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
+pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
     let r = inv_rms(sum_pairs(x, x, |a, b| a * b), x.len(), eps);
     match weight {
         Some(w) => {
@@ -233,13 +250,14 @@ fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::A
 }
 
 /// With `r = inv_rms(x)`, `g = dy * w`:
-/// `dx = r * g - x * r^3 * sum(g * x) / n` and `dw += dy * x * r`.
+/// `dx = r * g - x * r^3 * sum(g * x) / n (+ add)` and `dw += dy * x * r`.
 // Indexed loops over fixed-width lane arrays are what vectorises here.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn backward_row<T: Element>(
     x: &[T],
     dy: &[T],
+    add: Option<&[T]>,
     weight: Option<&[T]>,
     dx: &mut [T],
     dw: Option<&mut [T::Acc]>,
@@ -267,15 +285,25 @@ fn backward_row<T: Element>(
         None => sum_pairs(dy, x, |a, b| a * b),
     };
     let c = r * r * r * gx / T::Acc::from_usize(n);
-    match weight {
-        Some(w) => {
+    match (weight, add) {
+        (Some(w), None) => {
             for ((dx, x), (dy, w)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
                 *dx = T::from_acc(r * dy.to_acc() * w.to_acc() - x.to_acc() * c);
             }
         }
-        None => {
+        (None, None) => {
             for ((dx, x), dy) in dx.iter_mut().zip(x).zip(dy) {
                 *dx = T::from_acc(r * dy.to_acc() - x.to_acc() * c);
+            }
+        }
+        (Some(w), Some(a)) => {
+            for ((dx, x), ((dy, w), a)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w).zip(a)) {
+                *dx = T::from_acc(r * dy.to_acc() * w.to_acc() - x.to_acc() * c + a.to_acc());
+            }
+        }
+        (None, Some(a)) => {
+            for ((dx, x), (dy, a)) in dx.iter_mut().zip(x).zip(dy.iter().zip(a)) {
+                *dx = T::from_acc(r * dy.to_acc() - x.to_acc() * c + a.to_acc());
             }
         }
     }

@@ -1,0 +1,68 @@
+//! The shared skeleton of the row kernels: blocks of whole rows spread over a
+//! [`Par`], and each block's own piece of every output.
+//!
+//! Outputs are written with ordinary stores. Non-temporal (streaming) stores
+//! were tried for large outputs and were slower (rms_norm f32 4096x4096 into a
+//! fresh tensor: 5.2 ms against 4.3 ms with huge pages, 1.35x against 1.15x of
+//! `x.clone()` without): the kernel zeroes each fresh page just before the
+//! first store to it, so the lines are already in cache and write-allocate
+//! costs little.
+use crate::par::{rows_per_block, Par};
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
+
+/// Below this many elements per block, work stays on one thread.
+pub(crate) const MIN_BLOCK_ELEMS: usize = 1 << 15;
+
+/// How `rows` rows are cut into blocks for a [`Par`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Blocks {
+    rows: usize,
+    /// Rows per block (the last block may have fewer).
+    pub per: usize,
+    /// Number of blocks (0 when there are no rows).
+    pub count: usize,
+}
+
+impl Blocks {
+    /// Blocks of at least [`MIN_BLOCK_ELEMS`] elements of `cols`-wide rows.
+    pub(crate) fn new(par: &Par<'_>, rows: usize, cols: usize) -> Blocks {
+        let per = rows_per_block(par, rows, cols, MIN_BLOCK_ELEMS);
+        Blocks { rows, per, count: rows.div_ceil(per) }
+    }
+
+    /// The rows of block `b`.
+    pub(crate) fn rows(&self, b: usize) -> Range<usize> {
+        b * self.per..((b + 1) * self.per).min(self.rows)
+    }
+}
+
+/// A mutable slice cut into consecutive chunks, one per parallel task, each
+/// taken by exactly one task.
+pub(crate) struct Split<'a, T>(Vec<Mutex<&'a mut [T]>>);
+
+impl<'a, T> Split<'a, T> {
+    /// Chunks of `chunk` elements (the last may be shorter).
+    pub(crate) fn new(s: &'a mut [T], chunk: usize) -> Self {
+        Split(s.chunks_mut(chunk.max(1)).map(Mutex::new).collect())
+    }
+
+    /// Chunk `b`. Each task takes only its own chunk, so the lock never waits.
+    pub(crate) fn get(&self, b: usize) -> MutexGuard<'_, &'a mut [T]> {
+        self.0[b].lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_cover_all_rows_once() {
+        for rows in [0usize, 1, 5, 1000] {
+            let b = Blocks::new(&Par::Rayon, rows, 4096);
+            let covered: Vec<usize> = (0..b.count).flat_map(|i| b.rows(i)).collect();
+            assert_eq!(covered, (0..rows).collect::<Vec<_>>());
+        }
+    }
+}
