@@ -56,4 +56,16 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// out[j] = sum over the `parts` rows of `partial` (column j), rounded to T:
+// the second step of a deterministic parameter gradient.
+template <typename T>
+__device__ __forceinline__ void sum_parts(const float* __restrict__ partial, T* __restrict__ out, int parts,
+                                          int cols) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= cols) return;
+  float s = 0.f;
+  for (int p = 0; p < parts; ++p) s += partial[(int64_t)p * cols + j];
+  out[j] = from_f32<T>(s);
+}
+
 }  // namespace keel

@@ -50,17 +50,19 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
   }
 }
 
-// dx = r * dy * w - x * r^3 * sum(dy * w * x) / n. When dw_partial is given,
+// dx = r * dy * w - x * r^3 * sum(dy * w * x) / n (+ add, when given: the
+// gradient arriving at fused_add_rms_norm's sum output). When dw_partial is given,
 // block b adds dy * x * r into dw_partial[b * cols + j] (its own row: no atomics);
 // rms_norm_bwd_dw then sums the gridDim.x rows.
 template <typename T>
-__device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
-                                             const T* __restrict__ w, T* __restrict__ dx,
+__device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ add,
+                                             const T* __restrict__ x, const T* __restrict__ w,
+                                             T* __restrict__ dx,
                                              float* __restrict__ dw_partial, int64_t rows, int cols, float eps) {
   __shared__ float scratch[32];
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
-                   (w == nullptr || aligned16(w));
+                   (w == nullptr || aligned16(w)) && (add == nullptr || aligned16(add));
   float* part = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
   if (part) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
@@ -69,6 +71,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
     const T* gr = dy + row * cols;
+    const T* ar = add ? add + row * cols : nullptr;
     T* dxr = dx + row * cols;
     float ss = 0.f, gx = 0.f;
     if (vec) {
@@ -95,12 +98,13 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     const float c = r * r * r * gx / cols;
     if (vec) {
       for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, o;
+        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, pa, o;
         if (w) pw = load_pack(w + i * N);
+        if (ar) pa = load_pack(ar + i * N);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           float fx = to_f32(px.v[k]), fg = to_f32(pg.v[k]);
-          o.v[k] = from_f32<T>(r * fg * (w ? to_f32(pw.v[k]) : 1.f) - fx * c);
+          o.v[k] = from_f32<T>(r * fg * (w ? to_f32(pw.v[k]) : 1.f) - fx * c + (ar ? to_f32(pa.v[k]) : 0.f));
           if (part) part[i * N + k] += fg * fx * r;
         }
         store_pack(dxr + i * N, o);
@@ -108,22 +112,11 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     } else {
       for (int i = threadIdx.x; i < cols; i += blockDim.x) {
         float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
-        dxr[i] = from_f32<T>(r * fg * (w ? to_f32(w[i]) : 1.f) - fx * c);
+        dxr[i] = from_f32<T>(r * fg * (w ? to_f32(w[i]) : 1.f) - fx * c + (ar ? to_f32(ar[i]) : 0.f));
         if (part) part[i] += fg * fx * r;
       }
     }
   }
-}
-
-// dw[j] = sum over the `parts` rows of `partial` (column j), rounded to T.
-template <typename T>
-__device__ __forceinline__ void rms_norm_bwd_dw(const float* __restrict__ partial, T* __restrict__ dw,
-                                                int parts, int cols) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= cols) return;
-  float s = 0.f;
-  for (int p = 0; p < parts; ++p) s += partial[(int64_t)p * cols + j];
-  dw[j] = from_f32<T>(s);
 }
 
 #define KEEL_RMS_NORM(SUFFIX, T)                                                                  \
@@ -131,14 +124,14 @@ __device__ __forceinline__ void rms_norm_bwd_dw(const float* __restrict__ partia
                                                    int cols, float eps) {                        \
     rms_norm_fwd<T>(x, w, y, rows, cols, eps);                                                    \
   }                                                                                               \
-  extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx,    \
-                                                   float* dw_partial, int64_t rows, int cols,     \
-                                                   float eps) {                                  \
-    rms_norm_bwd<T>(dy, x, w, dx, dw_partial, rows, cols, eps);                                   \
+  extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
+                                                   const T* w, T* dx, float* dw_partial,          \
+                                                   int64_t rows, int cols, float eps) {          \
+    rms_norm_bwd<T>(dy, add, x, w, dx, dw_partial, rows, cols, eps);                              \
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_dw_##SUFFIX(const float* partial, T* dw, int parts,     \
                                                       int cols) {                                \
-    rms_norm_bwd_dw<T>(partial, dw, parts, cols);                                                 \
+    sum_parts<T>(partial, dw, parts, cols);                                                       \
   }
 
 KEEL_RMS_NORM(f32, float)

@@ -34,6 +34,12 @@ pub trait Acc:
     fn sqrt(self) -> Self;
     /// Count as this type.
     fn from_usize(n: usize) -> Self;
+    /// `e^x` (vectorisable for f32; see `math`).
+    fn exp(self) -> Self;
+    /// The error function.
+    fn erf(self) -> Self;
+    /// Hyperbolic tangent.
+    fn tanh(self) -> Self;
 }
 
 impl Acc for f32 {
@@ -55,6 +61,18 @@ impl Acc for f32 {
     fn from_usize(n: usize) -> Self {
         n as f32
     }
+    #[inline(always)]
+    fn exp(self) -> Self {
+        crate::math::exp_f32(self)
+    }
+    #[inline(always)]
+    fn erf(self) -> Self {
+        crate::math::erf_f32(self)
+    }
+    #[inline(always)]
+    fn tanh(self) -> Self {
+        crate::math::tanh_f32(self)
+    }
 }
 
 impl Acc for f64 {
@@ -75,6 +93,18 @@ impl Acc for f64 {
     #[inline(always)]
     fn from_usize(n: usize) -> Self {
         n as f64
+    }
+    #[inline(always)]
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    #[inline(always)]
+    fn erf(self) -> Self {
+        libm::erf(self)
+    }
+    #[inline(always)]
+    fn tanh(self) -> Self {
+        f64::tanh(self)
     }
 }
 

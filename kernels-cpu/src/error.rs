@@ -38,3 +38,32 @@ pub(crate) fn check_len(op: &'static str, arg: &'static str, got: usize, expecte
         Err(Error::Length { op, arg, got, expected })
     }
 }
+
+/// For `len` elements in rows of `cols`: the row count, after checking that
+/// `len` is a whole number of rows and that `eps` is finite and >= 0.
+pub(crate) fn check_rows(op: &'static str, len: usize, cols: usize, eps: f64) -> Result<usize> {
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(Error::Shape { op, arg: "eps", msg: format!("must be finite and >= 0, got {eps}") });
+    }
+    if cols == 0 {
+        return if len == 0 {
+            Ok(0)
+        } else {
+            Err(Error::Shape { op, arg: "cols", msg: "is 0 but the input is not empty".into() })
+        };
+    }
+    if len % cols != 0 {
+        return Err(Error::Shape { op, arg: "input", msg: format!("length {len} is not a multiple of cols {cols}") });
+    }
+    Ok(len / cols)
+}
+
+impl Error {
+    /// The same error reported for the op `op` (a kernel that runs another's checks).
+    pub(crate) fn renamed(self, op: &'static str) -> Self {
+        match self {
+            Error::Length { arg, got, expected, .. } => Error::Length { op, arg, got, expected },
+            Error::Shape { arg, msg, .. } => Error::Shape { op, arg, msg },
+        }
+    }
+}

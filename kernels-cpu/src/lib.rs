@@ -14,6 +14,10 @@
 
 mod element;
 mod error;
+pub mod fused_add_rms_norm;
+pub mod gated;
+pub mod layer_norm;
+mod math;
 mod par;
 pub mod rms_norm;
 mod rows;

@@ -13,36 +13,19 @@
 //!   weight gradient is summed per block and the blocks are then added in
 //!   order, so for a given thread count the result is deterministic.
 use crate::element::{Acc, Element};
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{Blocks, Split};
-use crate::simd::{dispatch, LANES};
+use crate::simd::{dispatch, sum_pairs, LANES};
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
-
-fn check_shape(op: &'static str, len: usize, cols: usize, eps: f64) -> Result<usize> {
-    if !(eps.is_finite() && eps >= 0.0) {
-        return Err(Error::Shape { op, arg: "eps", msg: format!("must be finite and >= 0, got {eps}") });
-    }
-    if cols == 0 {
-        return if len == 0 {
-            Ok(0)
-        } else {
-            Err(Error::Shape { op, arg: "cols", msg: "is 0 but the input is not empty".into() })
-        };
-    }
-    if len % cols != 0 {
-        return Err(Error::Shape { op, arg: "input", msg: format!("length {len} is not a multiple of cols {cols}") });
-    }
-    Ok(len / cols)
-}
 
 /// Checks the buffer lengths of a forward call (`weight` is the weight's
 /// length, if given) against `cols`, and `eps`; returns the number of rows.
 /// Shared by the CPU kernel and the CUDA entry points of the root crate.
 pub fn check_forward(x: usize, weight: Option<usize>, out: usize, cols: usize, eps: f64) -> Result<usize> {
-    let rows = check_shape(OP_FWD, x, cols, eps)?;
+    let rows = check_rows(OP_FWD, x, cols, eps)?;
     check_len(OP_FWD, "out", out, x)?;
     if let Some(w) = weight {
         check_len(OP_FWD, "weight", w, cols)?;
@@ -61,7 +44,7 @@ pub fn check_backward(
     cols: usize,
     eps: f64,
 ) -> Result<usize> {
-    let rows = check_shape(OP_BWD, x, cols, eps)?;
+    let rows = check_rows(OP_BWD, x, cols, eps)?;
     check_len(OP_BWD, "grad_out", grad_out, x)?;
     check_len(OP_BWD, "grad_input", grad_input, x)?;
     if let Some(w) = weight {
@@ -199,32 +182,6 @@ pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: 
             }
         },
     );
-}
-
-/// Sum of `f(a_i, b_i)` with `LANES` independent accumulators, so the loop
-/// vectorises and is not bound by the latency of one add chain.
-#[inline(always)]
-fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc) -> T::Acc) -> T::Acc {
-    let mut acc = [T::Acc::ZERO; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ra, rb) = (ca.remainder(), cb.remainder());
-    for (ca, cb) in ca.zip(cb) {
-        for i in 0..LANES {
-            acc[i] = acc[i] + f(ca[i].to_acc(), cb[i].to_acc());
-        }
-    }
-    let mut tail = T::Acc::ZERO;
-    for (a, b) in ra.iter().zip(rb) {
-        tail = tail + f(a.to_acc(), b.to_acc());
-    }
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] = acc[i] + acc[i + width];
-        }
-    }
-    acc[0] + tail
 }
 
 #[inline(always)]

@@ -5,6 +5,7 @@
 //! loops are written with several independent accumulators and branch-free
 //! conversions, so that inside that function the compiler turns them into
 //! full-width vector code; the same binary still runs on any x86-64 or arm64.
+use crate::element::{Acc, Element};
 use std::sync::OnceLock;
 
 /// The best SIMD level of this machine, detected once.
@@ -27,3 +28,29 @@ pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
 /// Number of independent accumulators in reductions: enough lanes for two
 /// AVX-512 registers of f32, so the loop is not bound by add latency.
 pub(crate) const LANES: usize = 32;
+
+/// Sum of `f(a_i, b_i)` with `LANES` independent accumulators, so the loop
+/// vectorises and is not bound by the latency of one add chain.
+#[inline(always)]
+pub(crate) fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc) -> T::Acc) -> T::Acc {
+    let mut acc = [T::Acc::ZERO; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (ca, cb) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] = acc[i] + f(ca[i].to_acc(), cb[i].to_acc());
+        }
+    }
+    let mut tail = T::Acc::ZERO;
+    for (a, b) in ra.iter().zip(rb) {
+        tail = tail + f(a.to_acc(), b.to_acc());
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] = acc[i] + acc[i + width];
+        }
+    }
+    acc[0] + tail
+}

@@ -20,6 +20,14 @@ impl DType {
             DType::BF16 => "bf16",
         }
     }
+
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
 }
 
 /// A Rust element type with a CUDA kernel.

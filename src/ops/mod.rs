@@ -1,4 +1,42 @@
 //! One module per operator, each with CPU entry points (over slices) and CUDA
 //! entry points (over `cudarc` buffers, or raw device pointers for callers that
 //! own their memory, such as the torch operators).
+pub mod fused_add_rms_norm;
+pub mod gated;
+pub mod layer_norm;
 pub mod rms_norm;
+
+use crate::cuda::{launch, Arg};
+use crate::error::{Error, Result};
+use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+
+/// The row kernels take `cols` as a C `int`.
+pub(crate) fn check_cols(op: &'static str, rows: usize, cols: usize) -> Result<()> {
+    if cols > i32::MAX as usize {
+        return Err(Error::Invalid { op, arg: "cols", msg: format!("{cols} exceeds the kernel's limit of 2^31-1") });
+    }
+    if cols == 0 && rows != 0 {
+        return Err(Error::Invalid { op, arg: "cols", msg: "is 0 but rows is not".into() });
+    }
+    Ok(())
+}
+
+/// Launches a `sum_parts` kernel: `out[j] = sum_p partial[p * cols + j]`.
+///
+/// # Safety
+/// `partial` must hold `parts * cols` f32s and `out` `cols` elements of the
+/// kernel's type, on `stream`'s device.
+pub(crate) unsafe fn sum_parts(
+    name: &str,
+    stream: &CudaStream,
+    f: &CudaFunction,
+    partial: u64,
+    out: u64,
+    parts: usize,
+    cols: usize,
+) -> Result<()> {
+    let cfg = LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let args = [Arg::Ptr(partial), Arg::Ptr(out), Arg::I32(parts as i32), Arg::I32(cols as i32)];
+    // SAFETY: matches the sum_parts kernels; sizes per this function's contract.
+    unsafe { launch(name, stream, f, cfg, &args) }
+}

@@ -11,10 +11,11 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight gradient per block into an f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
+use super::sum_parts;
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::{Error, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 const OP: &str = "rms_norm";
@@ -49,28 +50,14 @@ pub fn backward_cpu<T: Element>(
 
 /// The kernels' own limits, then the shape and `eps` checks the CPU kernel uses.
 fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
-    let bad = |arg, msg: String| Err(Error::Invalid { op: OP, arg, msg });
-    if cols > i32::MAX as usize {
-        return bad("cols", format!("{cols} exceeds the kernel's limit of 2^31-1"));
-    }
-    if cols == 0 && rows != 0 {
-        return bad("cols", "is 0 but rows is not".into());
-    }
-    let n = rows.saturating_mul(cols);
+    super::check_cols(OP, rows, cols)?;
+    let n = rows * cols;
     keel_cpu::rms_norm::check_forward(n, None, n, cols, eps)?;
     Ok(())
 }
 
 fn kernel(gpu: &Gpu, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFunction> {
     gpu.function(MODULE, &format!("rms_norm_{which}_{}", dtype.suffix()))
-}
-
-fn elem_bytes(dtype: DType) -> usize {
-    if dtype == DType::F32 {
-        4
-    } else {
-        2
-    }
 }
 
 /// Number of blocks (and of partial rows) the backward uses.
@@ -106,7 +93,7 @@ pub unsafe fn forward_cuda_raw(
         return Ok(());
     }
     let f = kernel(gpu, "fwd", dtype)?;
-    let cfg = rows_config(rows, cols, elem_bytes(dtype), gpu.sm_count() * 16);
+    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(weight),
@@ -139,6 +126,47 @@ pub unsafe fn backward_cuda_raw(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract, with no addend.
+    unsafe {
+        backward_add_cuda_raw(
+            gpu,
+            stream,
+            dtype,
+            grad_out,
+            0,
+            x,
+            weight,
+            grad_input,
+            grad_weight,
+            scratch,
+            rows,
+            cols,
+            eps,
+        )
+    }
+}
+
+/// [`backward_cuda_raw`] adding `grad_add` (0 for none; `rows * cols`
+/// elements) to `grad_input`: the backward of `fused_add_rms_norm`.
+///
+/// # Safety
+/// As [`backward_cuda_raw`], and `grad_add` valid like `grad_out`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward_add_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    grad_out: u64,
+    grad_add: u64,
+    x: u64,
+    weight: u64,
+    grad_input: u64,
+    grad_weight: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
     check_dims(rows, cols, eps)?;
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
@@ -147,10 +175,11 @@ pub unsafe fn backward_cuda_raw(
     let partial = if grad_weight != 0 { scratch } else { 0 };
     if rows > 0 {
         let f = kernel(gpu, "bwd", dtype)?;
-        let mut cfg = rows_config(rows, cols, elem_bytes(dtype), parts as u32);
+        let mut cfg = rows_config(rows, cols, dtype.size(), parts as u32);
         cfg.grid_dim.0 = parts as u32;
         let args = [
             Arg::Ptr(grad_out),
+            Arg::Ptr(grad_add),
             Arg::Ptr(x),
             Arg::Ptr(weight),
             Arg::Ptr(grad_input),
@@ -164,11 +193,8 @@ pub unsafe fn backward_cuda_raw(
     }
     if grad_weight != 0 && cols > 0 {
         let f = kernel(gpu, "bwd_dw", dtype)?;
-        let cfg =
-            LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let args = [Arg::Ptr(partial), Arg::Ptr(grad_weight), Arg::I32(parts as i32), Arg::I32(cols as i32)];
-        // SAFETY: matches rms_norm_bwd_dw_*; `partial` holds parts * cols f32s.
-        unsafe { launch("keel::rms_norm_bwd_dw", stream, &f, cfg, &args)? };
+        // SAFETY: `partial` holds parts * cols f32s, `grad_weight` cols elements.
+        unsafe { sum_parts("keel::rms_norm_bwd_dw", stream, &f, partial, grad_weight, parts, cols)? };
     }
     Ok(())
 }

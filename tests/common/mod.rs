@@ -40,3 +40,21 @@ pub fn assert_close<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
 pub fn to_elems<T: Element>(v: &[f64]) -> Vec<T> {
     v.iter().map(|&x| T::from_f64(x)).collect()
 }
+
+/// As [`assert_close`], with the relative part measured against `|want| + floor`:
+/// for results that are differences of terms of size about `floor`.
+pub fn assert_close_floor<T: Tol>(got: &[T], want: &[f64], scale: f64, floor: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let t = T::TOL;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f64();
+        let bound = scale * (t.atol + t.rtol * (w.abs() + floor));
+        assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
+    }
+}
+
+/// Scale for a result that sums `n` f32-rounded terms: sqrt(n) f32 roundings
+/// on top of the dtype's own tolerance.
+pub fn sum_scale<T: Tol>(n: usize) -> f64 {
+    1.0 + (n as f64).sqrt() * f32::EPSILON as f64 / T::TOL.rtol
+}

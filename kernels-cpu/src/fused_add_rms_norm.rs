@@ -1,0 +1,141 @@
+//! `s = x + residual` and `rms_norm(s) * w` in one pass over memory: the
+//! pre-norm step of every transformer block (vLLM's `fused_add_rms_norm`,
+//! here out of place).
+//!
+//! - Forward writes `out = rms_norm(s) * w` and `sum = s`, where `s` is
+//!   rounded to `T` first, exactly as `s = x + r; F.rms_norm(s)` in torch, so
+//!   `out` is the rms_norm of the `sum` returned.
+//! - Backward: `grad_sum = rms_norm_backward(grad_out, s, w) + grad_sum_out`,
+//!   which is the gradient of both `x` and `residual`; `grad_weight` as for
+//!   rms_norm. It is [`crate::rms_norm`]'s backward with the extra addend.
+use crate::element::{Acc, Element};
+use crate::error::{check_len, Result};
+use crate::par::Par;
+use crate::rms_norm::{self, forward_row};
+use crate::rows::{Blocks, Split};
+use crate::simd::dispatch;
+
+const OP_FWD: &str = "fused_add_rms_norm";
+const OP_BWD: &str = "fused_add_rms_norm_backward";
+
+/// Checks the lengths of a forward call; returns the number of rows.
+pub fn check_forward(
+    x: usize,
+    residual: usize,
+    weight: Option<usize>,
+    out: usize,
+    sum: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<usize> {
+    let rows = rms_norm::check_forward(x, weight, out, cols, eps).map_err(|e| e.renamed(OP_FWD))?;
+    check_len(OP_FWD, "residual", residual, x)?;
+    check_len(OP_FWD, "sum", sum, x)?;
+    Ok(rows)
+}
+
+/// Checks the lengths of a backward call; returns the number of rows.
+#[allow(clippy::too_many_arguments)]
+pub fn check_backward(
+    grad_out: usize,
+    grad_sum_out: Option<usize>,
+    sum: usize,
+    weight: Option<usize>,
+    grad_sum: usize,
+    grad_weight: Option<usize>,
+    cols: usize,
+    eps: f64,
+) -> Result<usize> {
+    let rows = rms_norm::check_backward(grad_out, sum, weight, grad_sum, grad_weight, cols, eps)
+        .map_err(|e| e.renamed(OP_BWD))?;
+    if let Some(g) = grad_sum_out {
+        check_len(OP_BWD, "grad_sum_out", g, sum)?;
+    }
+    Ok(rows)
+}
+
+/// Forward: `sum = x + residual` (rounded to `T`), `out = rms_norm(sum) * weight`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<T: Element>(
+    x: &[T],
+    residual: &[T],
+    weight: Option<&[T]>,
+    out: &mut [T],
+    sum: &mut [T],
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check_forward(x.len(), residual.len(), weight.map(<[T]>::len), out.len(), sum.len(), cols, eps)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let eps = T::Acc::from_f64(eps);
+    let blocks = Blocks::new(&par, rows, cols);
+    let ys = Split::new(out, blocks.per * cols);
+    let ss = Split::new(sum, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let (mut y, mut s) = (ys.get(b), ss.get(b));
+        let at = blocks.rows(b).start * cols;
+        let (x, r) = (&x[at..][..y.len()], &residual[at..][..y.len()]);
+        dispatch(
+            #[inline(always)]
+            || {
+                for ((x, r), (y, s)) in x
+                    .chunks_exact(cols)
+                    .zip(r.chunks_exact(cols))
+                    .zip(y.chunks_exact_mut(cols).zip(s.chunks_exact_mut(cols)))
+                {
+                    for ((s, x), r) in s.iter_mut().zip(x).zip(r) {
+                        *s = T::from_acc(x.to_acc() + r.to_acc());
+                    }
+                    // `s` is still in L1: the norm reads it from there.
+                    forward_row(s, weight, y, eps);
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// Backward: `grad_sum` (the gradient of both `x` and `residual`) and, when
+/// given, `grad_weight`, from the forward's `sum` output. `grad_sum_out` is
+/// the gradient arriving at the `sum` output (None for zero).
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    grad_out: &[T],
+    grad_sum_out: Option<&[T]>,
+    sum: &[T],
+    weight: Option<&[T]>,
+    grad_sum: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check_backward(
+        grad_out.len(),
+        grad_sum_out.map(<[T]>::len),
+        sum.len(),
+        weight.map(<[T]>::len),
+        grad_sum.len(),
+        grad_weight.as_deref().map(<[T]>::len),
+        cols,
+        eps,
+    )?;
+    rms_norm::backward_unchecked(grad_out, grad_sum_out, sum, weight, grad_sum, grad_weight, rows, cols, eps, par);
+    Ok(())
+}
+
+/// Reference forward in f64: `(out, sum)`, with `sum` rounded to `T` as the
+/// kernel does.
+pub fn forward_ref<T: Element>(
+    x: &[T],
+    residual: &[T],
+    weight: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+) -> (Vec<f64>, Vec<T>) {
+    let s: Vec<T> = x.iter().zip(residual).map(|(a, b)| T::from_f64(a.to_f64() + b.to_f64())).collect();
+    (rms_norm::forward_ref(&s, weight, cols, eps), s)
+}

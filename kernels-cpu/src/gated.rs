@@ -1,0 +1,262 @@
+//! Gated activations: `act(a) * b` for an input whose last dimension is
+//! `[a | b]`, each half `d` wide (SwiGLU with `silu`, GeGLU with `gelu`).
+//!
+//! - Shapes: `input` and `grad_input` hold `rows * 2d` elements, `out` and
+//!   `grad_out` hold `rows * d`. `rows` may be 0.
+//! - Numerics: the activation and product in `T::Acc`, one rounding to `T`
+//!   (torch rounds `act(a)` first, then the product). f32 uses the
+//!   vectorised `exp`/`erf`/`tanh` of `math` (within 5e-7 absolute).
+//! - Backward: `grad_a = dy * b * act'(a)`, `grad_b = dy * act(a)`.
+use crate::element::{Acc, Element};
+use crate::error::{check_len, Error, Result};
+use crate::par::Par;
+use crate::rows::{Blocks, Split};
+use crate::simd::dispatch;
+
+/// The activation applied to the first half.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x * sigmoid(x)` (SwiGLU).
+    Silu,
+    /// `x * Phi(x)`, the exact gelu (`approximate="none"`).
+    Gelu,
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (`approximate="tanh"`).
+    GeluTanh,
+}
+
+impl Activation {
+    /// The op this activation belongs to, for messages.
+    pub fn op(self) -> &'static str {
+        match self {
+            Activation::Silu => "silu_and_mul",
+            Activation::Gelu | Activation::GeluTanh => "gelu_and_mul",
+        }
+    }
+
+    /// The gelu for torch's `approximate` argument: `"none"` or `"tanh"`.
+    pub fn gelu(approximate: &str) -> Result<Activation> {
+        match approximate {
+            "none" => Ok(Activation::Gelu),
+            "tanh" => Ok(Activation::GeluTanh),
+            other => Err(Error::Shape {
+                op: "gelu_and_mul",
+                arg: "approximate",
+                msg: format!("must be \"none\" or \"tanh\", got {other:?}"),
+            }),
+        }
+    }
+
+    /// The activation and its derivative at `x`, in f64 (for references).
+    pub fn eval_ref(self, x: f64) -> (f64, f64) {
+        match self {
+            Activation::Silu => {
+                let s = 1.0 / (1.0 + (-x).exp());
+                (x * s, s * (1.0 + x * (1.0 - s)))
+            }
+            Activation::Gelu => {
+                let cdf = 0.5 * (1.0 + libm::erf(x / std::f64::consts::SQRT_2));
+                let pdf = (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt();
+                (x * cdf, cdf + x * pdf)
+            }
+            Activation::GeluTanh => {
+                let k = (2.0 / std::f64::consts::PI).sqrt();
+                let t = (k * (x + 0.044715 * x * x * x)).tanh();
+                (0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * 0.044715 * x * x))
+            }
+        }
+    }
+}
+
+/// One activation, monomorphised so each compiles to its own vector loop.
+trait Act {
+    fn f<A: Acc>(x: A) -> A;
+    /// `(f(x), f'(x))`.
+    fn f_df<A: Acc>(x: A) -> (A, A);
+}
+
+struct Silu;
+struct Gelu;
+struct GeluTanh;
+
+impl Act for Silu {
+    #[inline(always)]
+    fn f<A: Acc>(x: A) -> A {
+        x / (A::ONE + (A::ZERO - x).exp())
+    }
+    #[inline(always)]
+    fn f_df<A: Acc>(x: A) -> (A, A) {
+        let s = A::ONE / (A::ONE + (A::ZERO - x).exp());
+        (x * s, s * (A::ONE + x * (A::ONE - s)))
+    }
+}
+
+const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
+/// 1 / sqrt(2 pi)
+const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
+/// sqrt(2 / pi)
+const SQRT_2_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_C: f64 = 0.044715;
+
+impl Act for Gelu {
+    #[inline(always)]
+    fn f<A: Acc>(x: A) -> A {
+        let half = A::from_f64(0.5);
+        half * x * (A::ONE + (x * A::from_f64(FRAC_1_SQRT_2)).erf())
+    }
+    #[inline(always)]
+    fn f_df<A: Acc>(x: A) -> (A, A) {
+        let half = A::from_f64(0.5);
+        let cdf = half * (A::ONE + (x * A::from_f64(FRAC_1_SQRT_2)).erf());
+        let pdf = (A::ZERO - half * x * x).exp() * A::from_f64(FRAC_1_SQRT_2PI);
+        (x * cdf, cdf + x * pdf)
+    }
+}
+
+impl Act for GeluTanh {
+    #[inline(always)]
+    fn f<A: Acc>(x: A) -> A {
+        let half = A::from_f64(0.5);
+        let t = (A::from_f64(SQRT_2_PI) * (x + A::from_f64(GELU_C) * x * x * x)).tanh();
+        half * x * (A::ONE + t)
+    }
+    #[inline(always)]
+    fn f_df<A: Acc>(x: A) -> (A, A) {
+        let (half, k, c) = (A::from_f64(0.5), A::from_f64(SQRT_2_PI), A::from_f64(GELU_C));
+        let t = (k * (x + c * x * x * x)).tanh();
+        let dt = (A::ONE - t * t) * k * (A::ONE + A::from_f64(3.0) * c * x * x);
+        (half * x * (A::ONE + t), half * (A::ONE + t) + half * x * dt)
+    }
+}
+
+/// Checks lengths: `input` is `rows * 2d`, `out` is `rows * d`; returns `rows`.
+pub fn check(op: &'static str, input: usize, out_arg: &'static str, out: usize, d: usize) -> Result<usize> {
+    if d == 0 {
+        return if input == 0 && out == 0 {
+            Ok(0)
+        } else {
+            Err(Error::Shape { op, arg: "d", msg: "is 0 but the input is not empty".into() })
+        };
+    }
+    if input % (2 * d) != 0 {
+        return Err(Error::Shape {
+            op,
+            arg: "input",
+            msg: format!("length {input} is not a multiple of 2d = {}", 2 * d),
+        });
+    }
+    let rows = input / (2 * d);
+    check_len(op, out_arg, out, rows * d)?;
+    Ok(rows)
+}
+
+/// Forward: `out[r, j] = act(input[r, j]) * input[r, d + j]`.
+pub fn forward<T: Element>(act: Activation, input: &[T], out: &mut [T], d: usize, par: Par<'_>) -> Result<()> {
+    let rows = check(act.op(), input.len(), "out", out.len(), d)?;
+    match act {
+        Activation::Silu => forward_with::<Silu, T>(input, out, rows, d, par),
+        Activation::Gelu => forward_with::<Gelu, T>(input, out, rows, d, par),
+        Activation::GeluTanh => forward_with::<GeluTanh, T>(input, out, rows, d, par),
+    }
+    Ok(())
+}
+
+/// Backward: `grad_input = [grad_out * b * act'(a) | grad_out * act(a)]`.
+pub fn backward<T: Element>(
+    act: Activation,
+    grad_out: &[T],
+    input: &[T],
+    grad_input: &mut [T],
+    d: usize,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check(act.op(), input.len(), "grad_out", grad_out.len(), d)?;
+    check_len(act.op(), "grad_input", grad_input.len(), input.len())?;
+    match act {
+        Activation::Silu => backward_with::<Silu, T>(grad_out, input, grad_input, rows, d, par),
+        Activation::Gelu => backward_with::<Gelu, T>(grad_out, input, grad_input, rows, d, par),
+        Activation::GeluTanh => backward_with::<GeluTanh, T>(grad_out, input, grad_input, rows, d, par),
+    }
+    Ok(())
+}
+
+fn forward_with<F: Act, T: Element>(input: &[T], out: &mut [T], rows: usize, d: usize, par: Par<'_>) {
+    if rows == 0 {
+        return;
+    }
+    let blocks = Blocks::new(&par, rows, 2 * d);
+    let ys = Split::new(out, blocks.per * d);
+    par.for_each(blocks.count, &|b| {
+        let mut y = ys.get(b);
+        let x = &input[blocks.rows(b).start * 2 * d..][..2 * y.len()];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (x, y) in x.chunks_exact(2 * d).zip(y.chunks_exact_mut(d)) {
+                    let (a, g) = x.split_at(d);
+                    for ((y, a), g) in y.iter_mut().zip(a).zip(g) {
+                        *y = T::from_acc(F::f(a.to_acc()) * g.to_acc());
+                    }
+                }
+            },
+        );
+    });
+}
+
+fn backward_with<F: Act, T: Element>(
+    grad_out: &[T],
+    input: &[T],
+    grad_input: &mut [T],
+    rows: usize,
+    d: usize,
+    par: Par<'_>,
+) {
+    if rows == 0 {
+        return;
+    }
+    let blocks = Blocks::new(&par, rows, 2 * d);
+    let dxs = Split::new(grad_input, blocks.per * 2 * d);
+    par.for_each(blocks.count, &|b| {
+        let mut dx = dxs.get(b);
+        let start = blocks.rows(b).start;
+        let x = &input[start * 2 * d..][..dx.len()];
+        let dy = &grad_out[start * d..][..dx.len() / 2];
+        dispatch(
+            #[inline(always)]
+            || {
+                for ((x, dy), dx) in x.chunks_exact(2 * d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(2 * d)) {
+                    let (a, g) = x.split_at(d);
+                    let (da, dg) = dx.split_at_mut(d);
+                    for (((da, dg), (a, g)), dy) in da.iter_mut().zip(dg).zip(a.iter().zip(g)).zip(dy) {
+                        let (f, df) = F::f_df(a.to_acc());
+                        let dy = dy.to_acc();
+                        *da = T::from_acc(dy * g.to_acc() * df);
+                        *dg = T::from_acc(dy * f);
+                    }
+                }
+            },
+        );
+    });
+}
+
+/// Reference forward in f64.
+pub fn forward_ref<T: Element>(act: Activation, input: &[T], d: usize) -> Vec<f64> {
+    input
+        .chunks(2 * d.max(1))
+        .flat_map(|row| {
+            let (a, g) = row.split_at(d);
+            a.iter().zip(g).map(move |(a, g)| act.eval_ref(a.to_f64()).0 * g.to_f64())
+        })
+        .collect()
+}
+
+/// Reference backward in f64: `grad_input`.
+pub fn backward_ref<T: Element>(act: Activation, grad_out: &[T], input: &[T], d: usize) -> Vec<f64> {
+    let mut out = Vec::with_capacity(input.len());
+    for (row, dy) in input.chunks(2 * d.max(1)).zip(grad_out.chunks(d.max(1))) {
+        let (a, g) = row.split_at(d);
+        let e: Vec<(f64, f64)> = a.iter().map(|a| act.eval_ref(a.to_f64())).collect();
+        out.extend(e.iter().zip(g).zip(dy).map(|((e, g), dy)| dy.to_f64() * g.to_f64() * e.1));
+        out.extend(e.iter().zip(dy).map(|(e, dy)| dy.to_f64() * e.0));
+    }
+    out
+}

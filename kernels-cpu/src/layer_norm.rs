@@ -1,0 +1,339 @@
+//! Layer normalisation over the last dimension.
+//!
+//! For a row `x` of `n` elements: `y = (x - mean) / sqrt(var + eps) * w + b`
+//! with the biased variance, the same as
+//! `torch.nn.functional.layer_norm(x, (n,), w, b, eps)`.
+//!
+//! - Shapes: `x`, `out`, `grad_*` (but `grad_weight`, `grad_bias`) hold
+//!   `rows * cols` elements, row-major; `weight`, `bias` and their gradients
+//!   hold `cols`. `rows` may be 0.
+//! - Numerics: mean and variance in two passes over the row (which is in L1
+//!   by then), in `T::Acc`; one rounding to `T` at the end.
+//! - The backward recomputes each row's mean and variance rather than taking
+//!   them from the forward: a row is re-read from cache, and the op keeps the
+//!   signature of torch's functional form.
+//! - Parallelism: blocks of whole rows; the weight and bias gradients are
+//!   summed per block and then over blocks in order (deterministic).
+use crate::element::{Acc, Element};
+use crate::error::{check_len, check_rows, Error, Result};
+use crate::par::Par;
+use crate::rms_norm::sum_partials;
+use crate::rows::{Blocks, Split};
+use crate::simd::{dispatch, sum_pairs};
+
+const OP_FWD: &str = "layer_norm";
+const OP_BWD: &str = "layer_norm_backward";
+
+/// Checks the lengths of a forward call against `cols`, and `eps`; returns
+/// the number of rows. Shared by the CPU kernel and the CUDA entry points.
+pub fn check_forward(
+    x: usize,
+    weight: Option<usize>,
+    bias: Option<usize>,
+    out: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<usize> {
+    let rows = check_rows(OP_FWD, x, cols, eps)?;
+    check_len(OP_FWD, "out", out, x)?;
+    check_params(OP_FWD, weight, bias, cols)?;
+    Ok(rows)
+}
+
+fn check_params(op: &'static str, weight: Option<usize>, bias: Option<usize>, cols: usize) -> Result<()> {
+    if let Some(w) = weight {
+        check_len(op, "weight", w, cols)?;
+    }
+    if let Some(b) = bias {
+        check_len(op, "bias", b, cols)?;
+    }
+    Ok(())
+}
+
+/// Checks the lengths of a backward call, as [`check_forward`]. A gradient
+/// of `weight` or `bias` may be asked for only when that parameter is given.
+#[allow(clippy::too_many_arguments)]
+pub fn check_backward(
+    grad_out: usize,
+    x: usize,
+    weight: Option<usize>,
+    bias: Option<usize>,
+    grad_input: usize,
+    grad_weight: Option<usize>,
+    grad_bias: Option<usize>,
+    cols: usize,
+    eps: f64,
+) -> Result<usize> {
+    let rows = check_rows(OP_BWD, x, cols, eps)?;
+    check_len(OP_BWD, "grad_out", grad_out, x)?;
+    check_len(OP_BWD, "grad_input", grad_input, x)?;
+    check_params(OP_BWD, weight, bias, cols)?;
+    for (arg, grad, param) in [("grad_weight", grad_weight, weight), ("grad_bias", grad_bias, bias)] {
+        match (grad, param) {
+            (Some(g), Some(_)) => check_len(OP_BWD, arg, g, cols)?,
+            (Some(_), None) => {
+                return Err(Error::Shape { op: OP_BWD, arg, msg: "given but its parameter is None".into() })
+            }
+            _ => {}
+        }
+    }
+    Ok(rows)
+}
+
+/// Forward: writes `layer_norm(x) * weight + bias` to `out`.
+///
+/// Errors if a length does not match `cols`, or `eps` is negative or not finite.
+pub fn forward<T: Element>(
+    x: &[T],
+    weight: Option<&[T]>,
+    bias: Option<&[T]>,
+    out: &mut [T],
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check_forward(x.len(), weight.map(<[T]>::len), bias.map(<[T]>::len), out.len(), cols, eps)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let eps = T::Acc::from_f64(eps);
+    let blocks = Blocks::new(&par, rows, cols);
+    let ys = Split::new(out, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let mut y = ys.get(b);
+        let x = &x[blocks.rows(b).start * cols..][..y.len()];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (x, y) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)) {
+                    forward_row(x, weight, bias, y, eps);
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// Backward: from `grad_out` and the forward's `x`, `weight`, `bias`, writes
+/// `grad_input` and (when given) `grad_weight` and `grad_bias`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    weight: Option<&[T]>,
+    bias: Option<&[T]>,
+    grad_input: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    grad_bias: Option<&mut [T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check_backward(
+        grad_out.len(),
+        x.len(),
+        weight.map(<[T]>::len),
+        bias.map(<[T]>::len),
+        grad_input.len(),
+        grad_weight.as_deref().map(<[T]>::len),
+        grad_bias.as_deref().map(<[T]>::len),
+        cols,
+        eps,
+    )?;
+    let eps = T::Acc::from_f64(eps);
+    let blocks = Blocks::new(&par, rows, cols);
+    let (want_dw, want_db) = (grad_weight.is_some(), grad_bias.is_some());
+    let mut dw_part = vec![T::Acc::ZERO; if want_dw { blocks.count * cols } else { 0 }];
+    let mut db_part = vec![T::Acc::ZERO; if want_db { blocks.count * cols } else { 0 }];
+    {
+        let dxs = Split::new(grad_input, blocks.per * cols);
+        let (dws, dbs) = (Split::new(&mut dw_part, cols), Split::new(&mut db_part, cols));
+        par.for_each(blocks.count, &|b| {
+            let mut dx = dxs.get(b);
+            let mut dw = want_dw.then(|| dws.get(b));
+            let mut db = want_db.then(|| dbs.get(b));
+            let at = blocks.rows(b).start * cols;
+            let (x, dy) = (&x[at..][..dx.len()], &grad_out[at..][..dx.len()]);
+            dispatch(
+                #[inline(always)]
+                || {
+                    for ((x, dy), dx) in x.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols))
+                    {
+                        let (dw, db) = (dw.as_deref_mut().map(|d| &mut d[..]), db.as_deref_mut().map(|d| &mut d[..]));
+                        backward_row(x, dy, weight, dx, dw, db, eps);
+                    }
+                },
+            );
+        });
+    }
+    if let Some(gw) = grad_weight {
+        sum_partials(&dw_part, gw, cols);
+    }
+    if let Some(gb) = grad_bias {
+        sum_partials(&db_part, gb, cols);
+    }
+    Ok(())
+}
+
+/// `(mean, 1 / sqrt(var + eps))` of a row.
+#[inline(always)]
+fn moments<T: Element>(x: &[T], eps: T::Acc) -> (T::Acc, T::Acc) {
+    let n = T::Acc::from_usize(x.len());
+    let mean = sum_pairs(x, x, |a, _| a) / n;
+    let var = sum_pairs(x, x, |a, _| (a - mean) * (a - mean)) / n;
+    (mean, T::Acc::ONE / (var + eps).sqrt())
+}
+
+#[inline(always)]
+fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, bias: Option<&[T]>, y: &mut [T], eps: T::Acc) {
+    let (mean, rstd) = moments(x, eps);
+    // x * rstd - mean * rstd: one multiply-add per element.
+    let shift = T::Acc::ZERO - mean * rstd;
+    match (weight, bias) {
+        (Some(w), Some(b)) => {
+            for ((y, x), (w, b)) in y.iter_mut().zip(x).zip(w.iter().zip(b)) {
+                *y = T::from_acc((x.to_acc() * rstd + shift) * w.to_acc() + b.to_acc());
+            }
+        }
+        (Some(w), None) => {
+            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                *y = T::from_acc((x.to_acc() * rstd + shift) * w.to_acc());
+            }
+        }
+        (None, Some(b)) => {
+            for ((y, x), b) in y.iter_mut().zip(x).zip(b) {
+                *y = T::from_acc(x.to_acc() * rstd + shift + b.to_acc());
+            }
+        }
+        (None, None) => {
+            for (y, x) in y.iter_mut().zip(x) {
+                *y = T::from_acc(x.to_acc() * rstd + shift);
+            }
+        }
+    }
+}
+
+/// With `xh = (x - mean) * rstd` and `g = dy * w`:
+/// `dx = rstd * (g - mean(g) - xh * mean(g * xh))`, `dw += dy * xh`, `db += dy`.
+#[inline(always)]
+fn backward_row<T: Element>(
+    x: &[T],
+    dy: &[T],
+    weight: Option<&[T]>,
+    dx: &mut [T],
+    dw: Option<&mut [T::Acc]>,
+    db: Option<&mut [T::Acc]>,
+    eps: T::Acc,
+) {
+    let n = T::Acc::from_usize(x.len());
+    let (mean, rstd) = moments(x, eps);
+    let (sum_g, sum_gxh) = match weight {
+        Some(w) => (
+            sum_pairs(dy, w, |d, w| d * w),
+            // sum(dy * w * (x - mean)) * rstd, weight applied per element.
+            weighted_sum(dy, w, x, mean) * rstd,
+        ),
+        None => (sum_pairs(dy, dy, |d, _| d), sum_pairs(dy, x, |d, x| d * (x - mean)) * rstd),
+    };
+    let (mg, mgx) = (sum_g / n, sum_gxh / n);
+    match weight {
+        Some(w) => {
+            for ((dx, x), (dy, w)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
+                let xh = (x.to_acc() - mean) * rstd;
+                *dx = T::from_acc(rstd * (dy.to_acc() * w.to_acc() - mg - xh * mgx));
+            }
+        }
+        None => {
+            for ((dx, x), dy) in dx.iter_mut().zip(x).zip(dy) {
+                let xh = (x.to_acc() - mean) * rstd;
+                *dx = T::from_acc(rstd * (dy.to_acc() - mg - xh * mgx));
+            }
+        }
+    }
+    if let Some(dw) = dw {
+        for ((dw, x), dy) in dw.iter_mut().zip(x).zip(dy) {
+            *dw = *dw + dy.to_acc() * (x.to_acc() - mean) * rstd;
+        }
+    }
+    if let Some(db) = db {
+        for (db, dy) in db.iter_mut().zip(dy) {
+            *db = *db + dy.to_acc();
+        }
+    }
+}
+
+/// `sum(dy * w * (x - mean))` with independent accumulators.
+// Indexed loops over fixed-width lane arrays are what vectorises here.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+fn weighted_sum<T: Element>(dy: &[T], w: &[T], x: &[T], mean: T::Acc) -> T::Acc {
+    use crate::simd::LANES;
+    let n = x.len();
+    let mut lanes = [T::Acc::ZERO; LANES];
+    let chunks = n / LANES * LANES;
+    for base in (0..chunks).step_by(LANES) {
+        for i in 0..LANES {
+            let j = base + i;
+            lanes[i] = lanes[i] + dy[j].to_acc() * w[j].to_acc() * (x[j].to_acc() - mean);
+        }
+    }
+    let mut acc = T::Acc::ZERO;
+    for j in chunks..n {
+        acc = acc + dy[j].to_acc() * w[j].to_acc() * (x[j].to_acc() - mean);
+    }
+    lanes.iter().fold(acc, |s, &v| s + v)
+}
+
+/// Reference forward: plain loops in f64 from the given values.
+pub fn forward_ref<T: Element>(x: &[T], weight: Option<&[T]>, bias: Option<&[T]>, cols: usize, eps: f64) -> Vec<f64> {
+    let mut out = Vec::with_capacity(x.len());
+    for row in x.chunks(cols.max(1)) {
+        let n = cols as f64;
+        let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / n;
+        let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+        let rstd = 1.0 / (var + eps).sqrt();
+        for (j, v) in row.iter().enumerate() {
+            let y = (v.to_f64() - mean) * rstd * weight.map_or(1.0, |w| w[j].to_f64());
+            out.push(y + bias.map_or(0.0, |b| b[j].to_f64()));
+        }
+    }
+    out
+}
+
+/// Reference backward in f64: `(grad_input, grad_weight, grad_bias)`, the
+/// last two `None` when their parameter is.
+pub fn backward_ref<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    weight: Option<&[T]>,
+    bias: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+) -> (Vec<f64>, Option<Vec<f64>>, Option<Vec<f64>>) {
+    let mut dx = Vec::with_capacity(x.len());
+    let mut dw = weight.map(|_| vec![0.0f64; cols]);
+    let mut db = bias.map(|_| vec![0.0f64; cols]);
+    let w = |j: usize| weight.map_or(1.0, |w| w[j].to_f64());
+    for (row, dy) in x.chunks(cols.max(1)).zip(grad_out.chunks(cols.max(1))) {
+        let n = cols as f64;
+        let mean = row.iter().map(|v| v.to_f64()).sum::<f64>() / n;
+        let var = row.iter().map(|v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+        let rstd = 1.0 / (var + eps).sqrt();
+        let xh: Vec<f64> = row.iter().map(|v| (v.to_f64() - mean) * rstd).collect();
+        let g: Vec<f64> = (0..cols).map(|j| dy[j].to_f64() * w(j)).collect();
+        let mg = g.iter().sum::<f64>() / n;
+        let mgx = g.iter().zip(&xh).map(|(g, x)| g * x).sum::<f64>() / n;
+        for j in 0..cols {
+            dx.push(rstd * (g[j] - mg - xh[j] * mgx));
+        }
+        for j in 0..cols {
+            if let Some(dw) = dw.as_mut() {
+                dw[j] += dy[j].to_f64() * xh[j];
+            }
+            if let Some(db) = db.as_mut() {
+                db[j] += dy[j].to_f64();
+            }
+        }
+    }
+    (dx, dw, db)
+}

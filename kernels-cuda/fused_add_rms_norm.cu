@@ -1,0 +1,69 @@
+// fused_add_rms_norm forward: s = x + r (rounded to T, stored), y = rms_norm(s) * w.
+//
+// One block per row (grid-stride over rows), 128-bit vector access when the
+// row length is a multiple of 16 bytes and every pointer is aligned. Each
+// thread re-reads only the elements of s it stored itself, so no barrier is
+// needed between the two passes. The backward is rms_norm_bwd with `add`.
+// Kernel symbols: fused_add_rms_norm_fwd_{f32,f16,bf16}.
+#include "common.cuh"
+
+using namespace keel;
+
+template <typename T>
+__device__ __forceinline__ void fused_add_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ r,
+                                                       const T* __restrict__ w, T* __restrict__ y,
+                                                       T* __restrict__ s, int64_t rows, int cols, float eps) {
+  __shared__ float scratch[32];
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(x) && aligned16(r) && aligned16(y) && aligned16(s) &&
+                   (w == nullptr || aligned16(w));
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    const T* rr = r + row * cols;
+    T* yr = y + row * cols;
+    T* sr = s + row * cols;
+    float ss = 0.f;
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> px = load_pack(xr + i * N), pr = load_pack(rr + i * N), o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          o.v[k] = from_f32<T>(to_f32(px.v[k]) + to_f32(pr.v[k]));
+          const float f = to_f32(o.v[k]);
+          ss += f * f;
+        }
+        store_pack(sr + i * N, o);
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const T v = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
+        sr[i] = v;
+        ss += to_f32(v) * to_f32(v);
+      }
+    }
+    const float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        // Written by this thread above: an ordinary (not __ldg) load.
+        Pack<T> p = *reinterpret_cast<const Pack<T>*>(sr + i * N), pw, o;
+        if (w) pw = load_pack(w + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * inv * (w ? to_f32(pw.v[k]) : 1.f));
+        store_pack(yr + i * N, o);
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        yr[i] = from_f32<T>(to_f32(sr[i]) * inv * (w ? to_f32(w[i]) : 1.f));
+    }
+  }
+}
+
+#define KEEL_FUSED_ADD_RMS_NORM(SUFFIX, T)                                                            \
+  extern "C" __global__ void fused_add_rms_norm_fwd_##SUFFIX(const T* x, const T* r, const T* w, T* y, \
+                                                             T* s, int64_t rows, int cols, float eps) { \
+    fused_add_rms_norm_fwd<T>(x, r, w, y, s, rows, cols, eps);                                          \
+  }
+
+KEEL_FUSED_ADD_RMS_NORM(f32, float)
+KEEL_FUSED_ADD_RMS_NORM(f16, __half)
+KEEL_FUSED_ADD_RMS_NORM(bf16, __nv_bfloat16)

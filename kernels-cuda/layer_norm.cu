@@ -1,0 +1,164 @@
+// layer_norm forward and backward over the last dimension.
+//
+// One block per row (grid-stride over rows), 128-bit vector loads when the
+// row length is a multiple of 16 bytes and every pointer is aligned, f32
+// accumulation. Mean and variance in two passes (the second re-reads the row
+// from L1/L2). The backward recomputes them and sums dw/db per block into f32
+// scratch rows, summed by layer_norm_bwd_sum (deterministic).
+// Kernel symbols: layer_norm_{fwd,bwd,bwd_sum}_{f32,f16,bf16}.
+#include "common.cuh"
+
+using namespace keel;
+
+// Mean and 1/sqrt(var + eps) of one row, returned to every thread.
+template <typename T>
+__device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols, bool vec, float eps,
+                                              float* scratch) {
+  constexpr int N = Pack<T>::N;
+  float s = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      Pack<T> p = load_pack(xr + i * N);
+#pragma unroll
+      for (int k = 0; k < N; ++k) s += to_f32(p.v[k]);
+    }
+  } else {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) s += to_f32(xr[i]);
+  }
+  const float mean = block_sum(s, scratch) / cols;
+  float v = 0.f;
+  if (vec) {
+    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      Pack<T> p = load_pack(xr + i * N);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        float d = to_f32(p.v[k]) - mean;
+        v += d * d;
+      }
+    }
+  } else {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+      float d = to_f32(xr[i]) - mean;
+      v += d * d;
+    }
+  }
+  return make_float2(mean, rsqrtf(block_sum(v, scratch) / cols + eps));
+}
+
+template <typename T>
+__device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
+                                               const T* __restrict__ b, T* __restrict__ y, int64_t rows,
+                                               int cols, float eps) {
+  __shared__ float scratch[32];
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(x) && aligned16(y) && (w == nullptr || aligned16(w)) &&
+                   (b == nullptr || aligned16(b));
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    T* yr = y + row * cols;
+    const float2 m = row_moments(xr, cols, vec, eps, scratch);
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> p = load_pack(xr + i * N), pw, pb, o;
+        if (w) pw = load_pack(w + i * N);
+        if (b) pb = load_pack(b + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+          o.v[k] = from_f32<T>((to_f32(p.v[k]) - m.x) * m.y * (w ? to_f32(pw.v[k]) : 1.f) +
+                               (b ? to_f32(pb.v[k]) : 0.f));
+        store_pack(yr + i * N, o);
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        yr[i] = from_f32<T>((to_f32(xr[i]) - m.x) * m.y * (w ? to_f32(w[i]) : 1.f) + (b ? to_f32(b[i]) : 0.f));
+    }
+  }
+}
+
+// With xh = (x - mean) * rstd, g = dy * w:
+// dx = rstd * (g - mean(g) - xh * mean(g * xh)); block b adds dy * xh and dy
+// into row b of dw_partial / db_partial (when given).
+template <typename T>
+__device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
+                                               const T* __restrict__ w, T* __restrict__ dx,
+                                               float* __restrict__ dw_partial, float* __restrict__ db_partial,
+                                               int64_t rows, int cols, float eps) {
+  __shared__ float scratch[32];
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
+                   (w == nullptr || aligned16(w));
+  float* pw_ = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
+  float* pb_ = db_partial ? db_partial + (int64_t)blockIdx.x * cols : nullptr;
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+    if (pw_) pw_[j] = 0.f;
+    if (pb_) pb_[j] = 0.f;
+  }
+  __syncthreads();  // the vector loop below maps columns to threads differently
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    const T* gr = dy + row * cols;
+    T* dxr = dx + row * cols;
+    const float2 m = row_moments(xr, cols, vec, eps, scratch);
+    float sg = 0.f, sgx = 0.f;
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
+        if (w) pw = load_pack(w + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          float g = to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f);
+          sg += g;
+          sgx += g * (to_f32(px.v[k]) - m.x) * m.y;
+        }
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float g = to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f);
+        sg += g;
+        sgx += g * (to_f32(xr[i]) - m.x) * m.y;
+      }
+    }
+    const float mg = block_sum(sg, scratch) / cols;
+    const float mgx = block_sum(sgx, scratch) / cols;
+    if (vec) {
+      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, o;
+        if (w) pw = load_pack(w + i * N);
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float xh = (to_f32(px.v[k]) - m.x) * m.y, fg = to_f32(pg.v[k]);
+          o.v[k] = from_f32<T>(m.y * (fg * (w ? to_f32(pw.v[k]) : 1.f) - mg - xh * mgx));
+          if (pw_) pw_[i * N + k] += fg * xh;
+          if (pb_) pb_[i * N + k] += fg;
+        }
+        store_pack(dxr + i * N, o);
+      }
+    } else {
+      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        const float xh = (to_f32(xr[i]) - m.x) * m.y, fg = to_f32(gr[i]);
+        dxr[i] = from_f32<T>(m.y * (fg * (w ? to_f32(w[i]) : 1.f) - mg - xh * mgx));
+        if (pw_) pw_[i] += fg * xh;
+        if (pb_) pb_[i] += fg;
+      }
+    }
+  }
+}
+
+#define KEEL_LAYER_NORM(SUFFIX, T)                                                                 \
+  extern "C" __global__ void layer_norm_fwd_##SUFFIX(const T* x, const T* w, const T* b, T* y,     \
+                                                     int64_t rows, int cols, float eps) {          \
+    layer_norm_fwd<T>(x, w, b, y, rows, cols, eps);                                                \
+  }                                                                                                \
+  extern "C" __global__ void layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx,   \
+                                                     float* dw_partial, float* db_partial,         \
+                                                     int64_t rows, int cols, float eps) {          \
+    layer_norm_bwd<T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);                      \
+  }                                                                                                \
+  extern "C" __global__ void layer_norm_bwd_sum_##SUFFIX(const float* partial, T* out, int parts,  \
+                                                         int cols) {                               \
+    sum_parts<T>(partial, out, parts, cols);                                                       \
+  }
+
+KEEL_LAYER_NORM(f32, float)
+KEEL_LAYER_NORM(f16, __half)
+KEEL_LAYER_NORM(bf16, __nv_bfloat16)

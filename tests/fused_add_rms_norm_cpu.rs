@@ -1,0 +1,88 @@
+//! Property tests: the CPU fused_add_rms_norm kernels against the f64
+//! reference (rms_norm of the rounded sum), every dtype, odd widths, zero and
+//! one row, sequential and on rayon.
+mod common;
+
+use common::{assert_close, assert_close_floor, sum_scale, to_elems, Tol};
+use keel::cpu::{bf16, f16, Par};
+use keel::ops::fused_add_rms_norm::{backward_cpu, forward_cpu};
+use keel_cpu::fused_add_rms_norm::forward_ref;
+use keel_cpu::rms_norm::backward_ref;
+use proptest::prelude::*;
+
+type Case = (usize, usize, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, bool, bool);
+
+fn case() -> impl Strategy<Value = Case> {
+    (0usize..=9, 1usize..=300, any::<bool>(), any::<bool>()).prop_flat_map(|(rows, cols, w, gs)| {
+        let v = |n| prop::collection::vec(-4.0f64..4.0, n);
+        let n = rows * cols;
+        (Just(rows), Just(cols), v(n), v(n), v(cols), v(n), v(n), Just(w), Just(gs))
+    })
+}
+
+fn check<T: Tol>(c: &Case) {
+    let (rows, cols, x, r, w, dy, ds, with_w, with_gs) = c;
+    let (rows, cols, eps) = (*rows, *cols, 1e-6);
+    let (x, r, w, dy, ds) =
+        (to_elems::<T>(x), to_elems::<T>(r), to_elems::<T>(w), to_elems::<T>(dy), to_elems::<T>(ds));
+    let w = with_w.then_some(&w[..]);
+    let ds = with_gs.then_some(&ds[..]);
+    let (want_y, want_s) = forward_ref(&x, &r, w, cols, eps);
+    let (mut want_dx, want_dw) = backward_ref(&dy, &want_s, w, cols, eps);
+    if let Some(ds) = ds {
+        want_dx.iter_mut().zip(ds).for_each(|(g, d)| *g += d.to_f64());
+    }
+    let scale = sum_scale::<T>(cols);
+    for par in [Par::Seq, Par::Rayon] {
+        let (mut y, mut s) = (vec![T::default(); rows * cols], vec![T::default(); rows * cols]);
+        forward_cpu(&x, &r, w, &mut y, &mut s, cols, eps, par).unwrap();
+        assert_eq!(
+            s.iter().map(|v| v.to_f64()).collect::<Vec<_>>(),
+            want_s.iter().map(|v| v.to_f64()).collect::<Vec<_>>()
+        );
+        assert_close(&y, &want_y, scale, "forward");
+
+        let (mut dx, mut dw) = (vec![T::default(); rows * cols], vec![T::default(); cols]);
+        backward_cpu(&dy, ds, &s, w, &mut dx, w.map(|_| &mut dw[..]), cols, eps, par).unwrap();
+        assert_close_floor(&dx, &want_dx, 4.0 * scale, 1.0, "grad_sum");
+        if let Some(want_dw) = &want_dw {
+            assert_close_floor(&dw, want_dw, 4.0 * scale * (rows.max(1) as f64).sqrt(), rows as f64, "grad_weight");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_matches_reference(c in case()) { check::<f32>(&c); }
+
+    #[test]
+    fn f64_matches_reference(c in case()) { check::<f64>(&c); }
+
+    #[test]
+    fn f16_matches_reference(c in case()) { check::<f16>(&c); }
+
+    #[test]
+    fn bf16_matches_reference(c in case()) { check::<bf16>(&c); }
+}
+
+#[test]
+fn bad_lengths_are_errors_naming_op_and_argument() {
+    let x = vec![1f32; 12];
+    let (mut y, mut s) = (vec![0f32; 12], vec![0f32; 12]);
+    let err = |r: keel::Result<()>| r.unwrap_err().to_string();
+    assert_eq!(
+        err(forward_cpu(&x, &x[..8], None, &mut y, &mut s, 4, 1e-6, Par::Seq)),
+        "fused_add_rms_norm: argument 'residual' has length 8, expected 12"
+    );
+    assert_eq!(
+        err(forward_cpu(&x, &x, Some(&[1.0; 3]), &mut y, &mut s, 4, 1e-6, Par::Seq)),
+        "fused_add_rms_norm: argument 'weight' has length 3, expected 4"
+    );
+    let mut dx = vec![0f32; 12];
+    assert_eq!(
+        err(backward_cpu(&x, Some(&x[..4]), &x, None, &mut dx, None, 4, 1e-6, Par::Seq)),
+        "fused_add_rms_norm_backward: argument 'grad_sum_out' has length 4, expected 12"
+    );
+}

@@ -1,0 +1,111 @@
+//! Property tests: the CPU layer_norm kernels against the f64 reference, for
+//! every dtype, odd widths, zero and one row, with and without weight and
+//! bias, sequential and on rayon.
+mod common;
+
+use common::{assert_close, assert_close_floor, sum_scale, to_elems, Tol};
+use keel::cpu::{bf16, f16, Par};
+use keel::ops::layer_norm::{backward_cpu, forward_cpu};
+use keel_cpu::layer_norm::{backward_ref, forward_ref};
+use proptest::prelude::*;
+
+type Case = (usize, usize, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, bool, bool, f64);
+
+fn case() -> impl Strategy<Value = Case> {
+    (0usize..=9, 1usize..=300, any::<bool>(), any::<bool>(), prop_oneof![Just(1e-5), Just(1e-3), Just(0.1)])
+        .prop_flat_map(|(rows, cols, w, b, eps)| {
+            let v = |n| prop::collection::vec(-4.0f64..4.0, n);
+            (Just(rows), Just(cols), v(rows * cols), v(cols), v(cols), v(rows * cols), Just(w), Just(b), Just(eps))
+        })
+}
+
+fn check<T: Tol>(c: &Case) {
+    let (rows, cols, x, w, b, dy, with_w, with_b, eps) = c;
+    let (rows, cols, eps) = (*rows, *cols, *eps);
+    let (x, w, b, dy) = (to_elems::<T>(x), to_elems::<T>(w), to_elems::<T>(b), to_elems::<T>(dy));
+    let (w, b) = (with_w.then_some(&w[..]), with_b.then_some(&b[..]));
+    let want = forward_ref(&x, w, b, cols, eps);
+    let (want_dx, want_dw, want_db) = backward_ref(&dy, &x, w, b, cols, eps);
+    // Normalised values reach sqrt(cols); variance and sums add `cols` terms.
+    let scale = sum_scale::<T>(cols) * 2.0;
+    for par in [Par::Seq, Par::Rayon] {
+        let mut y = vec![T::default(); rows * cols];
+        forward_cpu(&x, w, b, &mut y, cols, eps, par).unwrap();
+        assert_close_floor(&y, &want, scale, 1.0, "forward");
+
+        let mut dx = vec![T::default(); rows * cols];
+        let (mut dw, mut db) = (vec![T::default(); cols], vec![T::default(); cols]);
+        backward_cpu(&dy, &x, w, b, &mut dx, w.map(|_| &mut dw[..]), b.map(|_| &mut db[..]), cols, eps, par).unwrap();
+        // dx subtracts terms of the size of rstd * |dy * w|: bound each row by those.
+        for r in 0..rows {
+            let row = r * cols..(r + 1) * cols;
+            let xs: Vec<f64> = x[row.clone()].iter().map(|v| v.to_f64()).collect();
+            let mean = xs.iter().sum::<f64>() / cols as f64;
+            let var = xs.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
+            let g_max = (0..cols).map(|j| (dy[r * cols + j].to_f64() * w.map_or(1.0, |w| w[j].to_f64())).abs());
+            let floor = 4.0 * g_max.fold(0.0, f64::max) / (var + eps).sqrt();
+            assert_close_floor(&dx[row.clone()], &want_dx[row], 4.0 * scale, floor, "grad_input");
+        }
+        let s = 4.0 * scale * (rows.max(1) as f64).sqrt();
+        if let Some(want_dw) = &want_dw {
+            assert_close_floor(&dw, want_dw, s, 4.0 * rows as f64, "grad_weight");
+        }
+        if let Some(want_db) = &want_db {
+            assert_close_floor(&db, want_db, s, 4.0 * rows as f64, "grad_bias");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_matches_reference(c in case()) { check::<f32>(&c); }
+
+    #[test]
+    fn f64_matches_reference(c in case()) { check::<f64>(&c); }
+
+    #[test]
+    fn f16_matches_reference(c in case()) { check::<f16>(&c); }
+
+    #[test]
+    fn bf16_matches_reference(c in case()) { check::<bf16>(&c); }
+}
+
+#[test]
+fn large_input_split_over_blocks_gives_the_same_rows() {
+    let (rows, cols) = (600, 1031);
+    let x: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 2001) as f32 - 1000.0) / 250.0 + 3.0).collect();
+    let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 7) as f32 / 7.0).collect();
+    let (mut a, mut b) = (vec![0f32; rows * cols], vec![0f32; rows * cols]);
+    forward_cpu(&x, Some(&w), Some(&w), &mut a, cols, 1e-5, Par::Seq).unwrap();
+    forward_cpu(&x, Some(&w), Some(&w), &mut b, cols, 1e-5, Par::Rayon).unwrap();
+    assert_eq!(a, b);
+    assert_close(&a, &forward_ref(&x, Some(&w), Some(&w), cols, 1e-5), 4.0, "forward");
+}
+
+#[test]
+fn bad_lengths_are_errors_naming_the_argument() {
+    let x = vec![1f32; 12];
+    let mut y = vec![0f32; 12];
+    let err = |r: keel::Result<()>| r.unwrap_err().to_string();
+    assert_eq!(
+        err(forward_cpu(&x, None, Some(&[0.0; 3]), &mut y, 4, 1e-5, Par::Seq)),
+        "layer_norm: argument 'bias' has length 3, expected 4"
+    );
+    assert!(err(forward_cpu(&x, None, None, &mut y, 4, f64::NAN, Par::Seq)).contains("argument 'eps'"));
+    let mut dx = vec![0f32; 12];
+    let mut db = vec![0f32; 4];
+    assert!(err(backward_cpu(&x, &x, None, None, &mut dx, None, Some(&mut db), 4, 1e-5, Par::Seq))
+        .contains("layer_norm_backward: argument 'grad_bias': given but its parameter is None"));
+}
+
+#[test]
+fn constant_rows_give_the_bias() {
+    // var = 0: y = b exactly (x - mean is exactly 0), as in torch.
+    let x = vec![3.5f32; 8];
+    let b: Vec<f32> = (0..4).map(|i| i as f32).collect();
+    let mut y = vec![f32::NAN; 8];
+    forward_cpu(&x, None, Some(&b), &mut y, 4, 1e-5, Par::Seq).unwrap();
+    assert_eq!(y, [b.clone(), b].concat());
+}

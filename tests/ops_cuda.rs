@@ -1,0 +1,107 @@
+//! CUDA layer_norm, fused_add_rms_norm and the gated activations against the
+//! CPU kernels (themselves checked against f64 references). Skips, saying
+//! why, where no GPU is usable.
+use keel::cpu::{bf16, f16, Element, Par};
+use keel::cuda::{gpu, is_available, CudaElement, CudaSlice, CudaStream};
+use keel::ops::{fused_add_rms_norm, gated, layer_norm};
+use std::sync::Arc;
+
+fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
+    (0..n).map(|i| T::from_f64((((i + seed) * 7919 % 2001) as f64 - 1000.0) / 400.0)).collect()
+}
+
+fn close<T: Element>(got: &[T], want: &[T], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let (a, b) = (a.to_f64(), b.to_f64());
+        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what} {} at {i}: {a} vs {b}", T::NAME);
+    }
+}
+
+fn up<T: CudaElement>(s: &Arc<CudaStream>, v: &[T]) -> CudaSlice<T> {
+    s.clone_htod(v).unwrap()
+}
+
+fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
+    let s = gpu(0).unwrap().new_stream().unwrap();
+    let n = rows * cols;
+    let (x, r, w, b, dy) = (data::<T>(n, 0), data::<T>(n, 3), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
+    let (xd, rd, wd, bd, dyd) = (up(&s, &x), up(&s, &r), up(&s, &w), up(&s, &b), up(&s, &dy));
+    let zeros = |len| s.alloc_zeros::<T>(len).unwrap();
+    let cpu = |len| vec![T::default(); len];
+
+    // layer_norm
+    let mut y = zeros(n);
+    layer_norm::forward_cuda(&s, &xd, Some(&wd), Some(&bd), &mut y, cols, 1e-5).unwrap();
+    let mut want = cpu(n);
+    layer_norm::forward_cpu(&x, Some(&w), Some(&b), &mut want, cols, 1e-5, Par::Seq).unwrap();
+    close(&s.clone_dtoh(&y).unwrap(), &want, tol, "layer_norm");
+    let (mut dx, mut dw, mut db) = (zeros(n), zeros(cols), zeros(cols));
+    layer_norm::backward_cuda(&s, &dyd, &xd, Some(&wd), &mut dx, Some(&mut dw), Some(&mut db), cols, 1e-5).unwrap();
+    let (mut wdx, mut wdw, mut wdb) = (cpu(n), cpu(cols), cpu(cols));
+    layer_norm::backward_cpu(
+        &dy,
+        &x,
+        Some(&w),
+        Some(&b),
+        &mut wdx,
+        Some(&mut wdw),
+        Some(&mut wdb),
+        cols,
+        1e-5,
+        Par::Seq,
+    )
+    .unwrap();
+    close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, "layer_norm grad_input");
+    let sum_tol = 4.0 * tol * (rows as f64).sqrt();
+    close(&s.clone_dtoh(&dw).unwrap(), &wdw, sum_tol, "layer_norm grad_weight");
+    close(&s.clone_dtoh(&db).unwrap(), &wdb, sum_tol, "layer_norm grad_bias");
+
+    // fused_add_rms_norm
+    let (mut y, mut sum) = (zeros(n), zeros(n));
+    fused_add_rms_norm::forward_cuda(&s, &xd, &rd, Some(&wd), &mut y, &mut sum, cols, 1e-6).unwrap();
+    let (mut wy, mut ws) = (cpu(n), cpu(n));
+    fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, Par::Seq).unwrap();
+    close(&s.clone_dtoh(&sum).unwrap(), &ws, 0.0, "fused_add_rms_norm sum");
+    close(&s.clone_dtoh(&y).unwrap(), &wy, tol, "fused_add_rms_norm");
+    let (mut dx, mut dw) = (zeros(n), zeros(cols));
+    fused_add_rms_norm::backward_cuda(&s, &dyd, Some(&rd), &sum, Some(&wd), &mut dx, Some(&mut dw), cols, 1e-6)
+        .unwrap();
+    let (mut wdx, mut wdw) = (cpu(n), cpu(cols));
+    fused_add_rms_norm::backward_cpu(&dy, Some(&r), &ws, Some(&w), &mut wdx, Some(&mut wdw), cols, 1e-6, Par::Seq)
+        .unwrap();
+    close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, "fused_add_rms_norm grad");
+    close(&s.clone_dtoh(&dw).unwrap(), &wdw, sum_tol, "fused_add_rms_norm grad_weight");
+
+    // gated: input [rows, cols] is [a | b] with d = cols / 2
+    if cols % 2 == 0 {
+        let d = cols / 2;
+        let dyh = &dy[..rows * d];
+        let dyhd = up(&s, dyh);
+        for act in [gated::Activation::Silu, gated::Activation::Gelu, gated::Activation::GeluTanh] {
+            let mut y = zeros(rows * d);
+            gated::forward_cuda(&s, act, &xd, &mut y, d).unwrap();
+            let mut want = cpu(rows * d);
+            gated::forward_cpu(act, &x, &mut want, d, Par::Seq).unwrap();
+            close(&s.clone_dtoh(&y).unwrap(), &want, tol, &format!("{act:?}"));
+            let mut dx = zeros(n);
+            gated::backward_cuda(&s, act, &dyhd, &xd, &mut dx, d).unwrap();
+            let mut wdx = cpu(n);
+            gated::backward_cpu(act, dyh, &x, &mut wdx, d, Par::Seq).unwrap();
+            close(&s.clone_dtoh(&dx).unwrap(), &wdx, 2.0 * tol, &format!("{act:?} grad"));
+        }
+    }
+}
+
+#[test]
+fn cuda_matches_cpu() {
+    if !is_available() {
+        eprintln!("SKIPPED cuda_matches_cpu: no usable CUDA device on this machine");
+        return;
+    }
+    for (rows, cols) in [(1, 7), (3, 34), (64, 4096), (5, 4094), (1000, 130), (2, 8200)] {
+        run::<f32>(rows, cols, 2e-5);
+        run::<f16>(rows, cols, 2e-3);
+        run::<bf16>(rows, cols, 1.6e-2);
+    }
+}
