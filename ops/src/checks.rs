@@ -60,6 +60,49 @@ pub(crate) fn same_shape(op: &str, arg: &str, t: &Tensor, main_arg: &str, sizes:
     }
 }
 
+/// A per-column parameter (weight, bias): on `device`, of `dtype`, shape `[cols]`, contiguous.
+pub(crate) fn param(op: &str, arg: &str, t: &Tensor, device: Device, dtype: ScalarType, cols: usize) -> Result<()> {
+    same_device(op, arg, t, "input", device)?;
+    same_dtype(op, arg, t, "input", dtype)?;
+    let s = t.sizes()?;
+    if s != [cols as i64] {
+        return Err(invalid(op, arg, format!("must have shape [{cols}] (input's last dim), got {s:?}")));
+    }
+    contiguous(op, arg, t)
+}
+
+/// A tensor that must match `input` in device, dtype and shape, and be contiguous.
+pub(crate) fn like_input(
+    op: &str,
+    arg: &str,
+    t: &Tensor,
+    input: &Tensor,
+    device: Device,
+    dtype: ScalarType,
+) -> Result<()> {
+    same_device(op, arg, t, "input", device)?;
+    same_dtype(op, arg, t, "input", dtype)?;
+    same_shape(op, arg, t, "input", input.sizes()?)?;
+    contiguous(op, arg, t)
+}
+
+/// What the checks of a row op established about its `input`.
+pub(crate) struct Rows {
+    pub device: Device,
+    pub dtype: ScalarType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The checks every op over the last dimension makes of its `input`.
+pub(crate) fn rows_input(op: &str, input: &Tensor) -> Result<Rows> {
+    let device = supported_device(op, "input", input)?;
+    let dtype = float_dtype(op, "input", input, device)?;
+    let (rows, cols) = rows_cols(op, "input", input)?;
+    contiguous(op, "input", input)?;
+    Ok(Rows { device, dtype, rows, cols })
+}
+
 pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {
     if eps.is_finite() && eps >= 0.0 {
         Ok(())

@@ -10,6 +10,9 @@
 mod abi_selftest;
 mod checks;
 mod device;
+mod fused_add_rms_norm;
+mod gated;
+mod layer_norm;
 mod registry;
 mod rms_norm;
 mod torch_pool;

@@ -21,6 +21,24 @@ const OPS: &[OpDef] = &[
     op::<crate::rms_norm::RmsNormBackward>(
         "rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps) -> (Tensor, Tensor)",
     ),
+    op::<crate::layer_norm::LayerNorm>(
+        "layer_norm(Tensor input, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor",
+    ),
+    op::<crate::layer_norm::LayerNormBackward>(
+        "layer_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
+    ),
+    op::<crate::fused_add_rms_norm::FusedAddRmsNorm>(
+        "fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06) -> (Tensor, Tensor)",
+    ),
+    op::<crate::fused_add_rms_norm::FusedAddRmsNormBackward>(
+        "fused_add_rms_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor? weight, float eps) -> (Tensor, Tensor)",
+    ),
+    op::<crate::gated::SiluAndMul>("silu_and_mul(Tensor input) -> Tensor"),
+    op::<crate::gated::SiluAndMulBackward>("silu_and_mul_backward(Tensor grad_out, Tensor input) -> Tensor"),
+    op::<crate::gated::GeluAndMul>("gelu_and_mul(Tensor input, str approximate=\"none\") -> Tensor"),
+    op::<crate::gated::GeluAndMulBackward>(
+        "gelu_and_mul_backward(Tensor grad_out, Tensor input, str approximate=\"none\") -> Tensor",
+    ),
 ];
 
 /// Keeps the library fragments alive for the life of the process (dropping

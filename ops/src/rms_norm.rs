@@ -4,43 +4,22 @@
 //! matches `torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)`.
 //! `rms_norm_backward(grad_out, input, weight, eps) -> (grad_input, grad_weight)`;
 //! `grad_weight` has shape `[0]` when `weight` is None.
-use crate::checks::{self, with_float_type};
+use crate::checks::{self, with_float_type, Rows};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
-use keel_abi::{BoxedOp, Device, DeviceType, Result, ScalarType, Tensor};
+use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 const OP: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
 
-/// What the checks established about a call.
-struct Checked {
-    device: Device,
-    dtype: ScalarType,
-    rows: usize,
-    cols: usize,
-}
-
 /// Checks `input` and `weight` (and `eps`) the same way on every device.
-fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Checked> {
-    let device = checks::supported_device(op, "input", input)?;
-    let dtype = checks::float_dtype(op, "input", input, device)?;
-    let (rows, cols) = checks::rows_cols(op, "input", input)?;
-    checks::contiguous(op, "input", input)?;
+fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
+    let c = checks::rows_input(op, input)?;
     if let Some(w) = weight {
-        checks::same_device(op, "weight", w, "input", device)?;
-        checks::same_dtype(op, "weight", w, "input", dtype)?;
-        let ws = w.sizes()?;
-        if ws != [cols as i64] {
-            return Err(checks::invalid(
-                op,
-                "weight",
-                format!("must have shape [{cols}] (input's last dim), got {ws:?}"),
-            ));
-        }
-        checks::contiguous(op, "weight", w)?;
+        checks::param(op, "weight", w, c.device, c.dtype, c.cols)?;
     }
     checks::eps(op, eps)?;
-    Ok(Checked { device, dtype, rows, cols })
+    Ok(c)
 }
 
 /// The forward op.
@@ -98,10 +77,7 @@ impl BoxedOp for RmsNormBackward {
 
     fn run((grad_out, input, weight, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP_BWD, &input, weight.as_ref(), eps)?;
-        checks::same_device(OP_BWD, "grad_out", &grad_out, "input", c.device)?;
-        checks::same_dtype(OP_BWD, "grad_out", &grad_out, "input", c.dtype)?;
-        checks::same_shape(OP_BWD, "grad_out", &grad_out, "input", input.sizes()?)?;
-        checks::contiguous(OP_BWD, "grad_out", &grad_out)?;
+        checks::like_input(OP_BWD, "grad_out", &grad_out, &input, c.device, c.dtype)?;
         let grad_input = input.empty_like()?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {

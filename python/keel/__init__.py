@@ -1,8 +1,9 @@
 """Keel: fused GPU and CPU kernels for PyTorch, written in Rust against torch's
 stable C ABI, so one wheel serves every torch from 2.10 on.
 
-Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``) and
-drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
+Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``,
+``keel.layer_norm``, ``keel.fused_add_rms_norm``, ``keel.silu_and_mul``,
+``keel.gelu_and_mul``) and drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
 and work under ``torch.compile``.
 """
 from . import _load
@@ -14,7 +15,7 @@ from . import _autograd  # noqa: E402
 _autograd.register()
 
 from . import nn  # noqa: E402
-from .functional import rms_norm  # noqa: E402
+from .functional import fused_add_rms_norm, gelu_and_mul, layer_norm, rms_norm, silu_and_mul  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["rms_norm", "nn", "LIBRARY_PATH"]
+__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "nn", "LIBRARY_PATH"]

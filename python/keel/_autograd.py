@@ -2,8 +2,16 @@
 
 The stable C ABI cannot register autograd, so it is done here, once, at import
 and before any op is used (registering after first use breaks AOT dispatch).
+Each formula calls the op's own backward operator.
 """
 import torch
+
+ops = torch.ops.keel
+
+
+def _grad(ctx, i, g):
+    """`g` if input `i` needs a gradient, else None."""
+    return g if ctx.needs_input_grad[i] else None
 
 
 def _rms_norm_setup(ctx, inputs, output):
@@ -14,13 +22,71 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    grad_input, grad_weight = torch.ops.keel.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
+    gx, gw = ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
+    return _grad(ctx, 0, gx), _grad(ctx, 1, gw) if weight is not None else None, None
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.eps = eps
+
+
+def _layer_norm_backward(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb = ops.layer_norm_backward(grad.contiguous(), x, weight, bias, ctx.eps)
     return (
-        grad_input if ctx.needs_input_grad[0] else None,
-        grad_weight if weight is not None and ctx.needs_input_grad[1] else None,
+        _grad(ctx, 0, gx),
+        _grad(ctx, 1, gw) if weight is not None else None,
+        _grad(ctx, 2, gb) if bias is not None else None,
         None,
     )
 
 
+def _fused_add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, eps = inputs
+    ctx.save_for_backward(output[1], weight)
+    ctx.eps = eps
+    ctx.set_materialize_grads(False)
+
+
+def _fused_add_rms_norm_backward(ctx, grad_out, grad_sum):
+    s, weight = ctx.saved_tensors
+    if grad_out is None and grad_sum is None:
+        return None, None, None, None
+    if grad_out is None:
+        grad_out = torch.zeros_like(s)
+    grad_sum = None if grad_sum is None else grad_sum.contiguous()
+    g, gw = ops.fused_add_rms_norm_backward(grad_out.contiguous(), grad_sum, s, weight, ctx.eps)
+    # input and residual get the same gradient; a second tensor, so that an in-place
+    # update of one .grad cannot change the other.
+    gr = g.clone() if ctx.needs_input_grad[0] and ctx.needs_input_grad[1] else g
+    return _grad(ctx, 0, g), _grad(ctx, 1, gr), _grad(ctx, 2, gw) if weight is not None else None, None
+
+
+def _silu_and_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _silu_and_mul_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _grad(ctx, 0, ops.silu_and_mul_backward(grad.contiguous(), x))
+
+
+def _gelu_and_mul_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.approximate = inputs[1]
+
+
+def _gelu_and_mul_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return _grad(ctx, 0, ops.gelu_and_mul_backward(grad.contiguous(), x, ctx.approximate)), None
+
+
 def register() -> None:
-    torch.library.register_autograd("keel::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    reg = torch.library.register_autograd
+    reg("keel::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
+    reg("keel::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
+    reg("keel::fused_add_rms_norm", _fused_add_rms_norm_backward, setup_context=_fused_add_rms_norm_setup)
+    reg("keel::silu_and_mul", _silu_and_mul_backward, setup_context=_silu_and_mul_setup)
+    reg("keel::gelu_and_mul", _gelu_and_mul_backward, setup_context=_gelu_and_mul_setup)

@@ -30,3 +30,19 @@ def assert_close(actual, expected, dtype, scale=1.0):
     that are sums over many rounded terms."""
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(actual.double(), expected.double(), atol=atol * scale, rtol=rtol * scale)
+
+
+def dtypes_for(device):
+    return CPU_DTYPES if device == "cpu" else CUDA_DTYPES
+
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+# Leading dims of 0, 1 and several; odd and even widths (the gated ops need even).
+LEADING = [(0,), (1,), (3,), (2, 3)]
+
+
+def make(shape, dtype, device, seed, scale=1.0):
+    """Reproducible normal samples, rounded to dtype on the CPU then moved."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)

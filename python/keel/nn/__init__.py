@@ -5,9 +5,28 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..functional import rms_norm
+from ..functional import layer_norm, rms_norm, silu_and_mul
 
-__all__ = ["RMSNorm"]
+__all__ = ["RMSNorm", "LayerNorm", "SwiGLU"]
+
+
+def _shape(normalized_shape) -> tuple:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    return tuple(normalized_shape)
+
+
+def _flat(module_name: str, x: Tensor, normalized_shape: tuple) -> tuple:
+    """(x as [..., n], n) for the trailing normalized_shape dims of x."""
+    k = len(normalized_shape)
+    if tuple(x.shape[x.dim() - k:]) != normalized_shape:
+        raise RuntimeError(
+            f"{module_name}: input of shape {tuple(x.shape)} does not end in normalized_shape {normalized_shape}"
+        )
+    n = 1
+    for s in normalized_shape:
+        n *= s
+    return x.reshape(*x.shape[: x.dim() - k], n), n
 
 
 class RMSNorm(nn.Module):
@@ -27,9 +46,7 @@ class RMSNorm(nn.Module):
         dtype=None,
     ) -> None:
         super().__init__()
-        if isinstance(normalized_shape, numbers.Integral):
-            normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
+        self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
@@ -43,17 +60,99 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        k = len(self.normalized_shape)
-        if tuple(x.shape[x.dim() - k:]) != self.normalized_shape:
-            raise RuntimeError(
-                f"keel.nn.RMSNorm: input of shape {tuple(x.shape)} does not end in normalized_shape {self.normalized_shape}"
-            )
+        flat, n = _flat("keel.nn.RMSNorm", x, self.normalized_shape)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        n = 1
-        for s in self.normalized_shape:
-            n *= s
         w = None if self.weight is None else self.weight.reshape(n)
-        return rms_norm(x.reshape(*x.shape[: x.dim() - k], n), w, eps).reshape(x.shape)
+        return rms_norm(flat, w, eps).reshape(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class LayerNorm(nn.Module):
+    """Keel's ``torch.nn.LayerNorm``: same constructor, parameters and state dict.
+
+    ``normalized_shape`` may span several trailing dimensions (normalised
+    together, as in torch); ``bias=False`` or ``elementwise_affine=False`` drop
+    the parameters as torch does.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = _shape(normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        kw = {"device": device, "dtype": dtype}
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+        else:
+            self.register_parameter("weight", None)
+        if elementwise_affine and bias:
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat, n = _flat("keel.nn.LayerNorm", x, self.normalized_shape)
+        w = None if self.weight is None else self.weight.reshape(n)
+        b = None if self.bias is None else self.bias.reshape(n)
+        return layer_norm(flat, w, b, self.eps).reshape(x.shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class SwiGLU(nn.Module):
+    """The SwiGLU feed-forward of Llama-style models, gated by ``keel.silu_and_mul``.
+
+    ``down(silu(gate(x)) * up(x))`` with the gate and up projections fused in one
+    ``gate_up_proj`` (``[gate; up]`` stacked, vLLM's layout), so the activation reads
+    one ``[..., 2 * hidden]`` tensor. ``SwiGLU.from_linears(gate, up, down)`` converts
+    an existing MLP (e.g. a Hugging Face ``LlamaMLP``'s ``gate_proj``, ``up_proj``,
+    ``down_proj``) with the same result.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
+                 bias: bool = False, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.hidden_features = hidden_features
+        self.gate_up_proj = nn.Linear(in_features, 2 * hidden_features, bias=bias, **kw)
+        self.down_proj = nn.Linear(hidden_features, out_features or in_features, bias=bias, **kw)
+
+    @classmethod
+    def from_linears(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> "SwiGLU":
+        """A SwiGLU computing ``down(silu(gate(x)) * up(x))`` from those three layers' weights."""
+        if gate.weight.shape != up.weight.shape or down.in_features != gate.out_features:
+            raise ValueError("keel.nn.SwiGLU.from_linears: gate and up must have the same shape, "
+                             "and down must take their output")
+        bias = gate.bias is not None
+        if (up.bias is not None) != bias or (down.bias is not None) != bias:
+            raise ValueError("keel.nn.SwiGLU.from_linears: gate, up and down must all have a bias or none")
+        m = cls(gate.in_features, gate.out_features, down.out_features, bias=bias,
+                device=gate.weight.device, dtype=gate.weight.dtype)
+        with torch.no_grad():
+            m.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight], 0))
+            m.down_proj.weight.copy_(down.weight)
+            if bias:
+                m.gate_up_proj.bias.copy_(torch.cat([gate.bias, up.bias], 0))
+                m.down_proj.bias.copy_(down.bias)
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -1,0 +1,153 @@
+//! `keel::fused_add_rms_norm` and its backward.
+//!
+//! `fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06) -> (Tensor, Tensor)`
+//! returns `(rms_norm(input + residual), input + residual)`.
+//! `fused_add_rms_norm_backward(grad_out, grad_sum?, sum, weight, eps) -> (grad, grad_weight)`:
+//! `grad` is the gradient of both `input` and `residual`; `grad_weight` is
+//! `[0]` when `weight` is None.
+use crate::checks::{self, with_float_type, Rows};
+use crate::device::{kernel_err, ptr, CudaCall};
+use crate::torch_pool::with_torch_par;
+use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
+
+const OP: &str = "fused_add_rms_norm";
+const OP_BWD: &str = "fused_add_rms_norm_backward";
+
+fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
+    let c = checks::rows_input(op, input)?;
+    if let Some(w) = weight {
+        checks::param(op, "weight", w, c.device, c.dtype, c.cols)?;
+    }
+    checks::eps(op, eps)?;
+    Ok(c)
+}
+
+/// The forward op.
+pub(crate) struct FusedAddRmsNorm;
+
+impl BoxedOp for FusedAddRmsNorm {
+    const NAME: &'static str = OP;
+    type Args = (Tensor, Tensor, Option<Tensor>, f64);
+    type Out = (Tensor, Tensor);
+
+    fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
+        let c = check(OP, &input, weight.as_ref(), eps)?;
+        checks::like_input(OP, "residual", &residual, &input, c.device, c.dtype)?;
+        let (out, sum) = (input.empty_like()?, input.empty_like()?);
+        match c.device.kind {
+            DeviceType::Cpu => with_float_type!(c.dtype, T => {
+                // SAFETY: checked contiguous CPU tensors of element type T; the
+                // two outputs are fresh, distinct allocations.
+                let (x, r, w, y, s) = unsafe {
+                    (
+                        input.as_slice::<T>()?,
+                        residual.as_slice::<T>()?,
+                        weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?,
+                        out.as_mut_slice::<T>()?,
+                        sum.as_mut_slice::<T>()?,
+                    )
+                };
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_cpu(x, r, w, y, s, c.cols, eps, par))?
+                    .map_err(kernel_err)?
+            }),
+            DeviceType::Cuda => {
+                let call = CudaCall::new(OP, c.device)?;
+                // SAFETY: checked contiguous CUDA tensors of this dtype and shape
+                // on the guarded device; the outputs are fresh allocations.
+                unsafe {
+                    keel::ops::fused_add_rms_norm::forward_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        checks::cuda_dtype(c.dtype)?,
+                        ptr(Some(&input))?,
+                        ptr(Some(&residual))?,
+                        ptr(weight.as_ref())?,
+                        ptr(Some(&out))?,
+                        ptr(Some(&sum))?,
+                        c.rows,
+                        c.cols,
+                        eps,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
+            DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        Ok((out, sum))
+    }
+}
+
+/// The backward op, used by the autograd formula registered in Python.
+pub(crate) struct FusedAddRmsNormBackward;
+
+impl BoxedOp for FusedAddRmsNormBackward {
+    const NAME: &'static str = OP_BWD;
+    type Args = (Tensor, Option<Tensor>, Tensor, Option<Tensor>, f64);
+    type Out = (Tensor, Tensor);
+
+    fn run((grad_out, grad_sum, sum, weight, eps): Self::Args) -> Result<Self::Out> {
+        // `sum` plays the part of rms_norm's input; messages call it `sum`.
+        let c = check(OP_BWD, &sum, weight.as_ref(), eps).map_err(|e| rename_input(e, "sum"))?;
+        checks::like_input(OP_BWD, "grad_out", &grad_out, &sum, c.device, c.dtype)
+            .map_err(|e| rename_input(e, "sum"))?;
+        if let Some(g) = &grad_sum {
+            checks::like_input(OP_BWD, "grad_sum", g, &sum, c.device, c.dtype).map_err(|e| rename_input(e, "sum"))?;
+        }
+        let grad = sum.empty_like()?;
+        let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
+        match c.device.kind {
+            DeviceType::Cpu => with_float_type!(c.dtype, T => {
+                // SAFETY: checked contiguous CPU tensors of element type T; the
+                // outputs are fresh, distinct allocations.
+                let (dy, ds, s, w, dx, dw) = unsafe {
+                    (
+                        grad_out.as_slice::<T>()?,
+                        grad_sum.as_ref().map(|g| g.as_slice::<T>()).transpose()?,
+                        sum.as_slice::<T>()?,
+                        weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?,
+                        grad.as_mut_slice::<T>()?,
+                        if weight.is_some() { Some(grad_weight.as_mut_slice::<T>()?) } else { None },
+                    )
+                };
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::backward_cpu(dy, ds, s, w, dx, dw, c.cols, eps, par))?
+                    .map_err(kernel_err)?
+            }),
+            DeviceType::Cuda => {
+                let call = CudaCall::new(OP_BWD, c.device)?;
+                let len = keel::ops::rms_norm::backward_scratch_len(&call.gpu, c.rows, c.cols).max(1) as i64;
+                let scratch = weight.as_ref().map(|_| Tensor::empty(&[len], ScalarType::F32, c.device)).transpose()?;
+                // SAFETY: as in the forward; scratch holds backward_scratch_len f32s.
+                unsafe {
+                    keel::ops::rms_norm::backward_add_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        checks::cuda_dtype(c.dtype)?,
+                        ptr(Some(&grad_out))?,
+                        ptr(grad_sum.as_ref())?,
+                        ptr(Some(&sum))?,
+                        ptr(weight.as_ref())?,
+                        ptr(Some(&grad))?,
+                        if weight.is_some() { ptr(Some(&grad_weight))? } else { 0 },
+                        ptr(scratch.as_ref())?,
+                        c.rows,
+                        c.cols,
+                        eps,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
+            DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        Ok((grad, grad_weight))
+    }
+}
+
+/// The shared checks name the main tensor `input`; here it is `sum`.
+fn rename_input(e: keel_abi::Error, name: &str) -> keel_abi::Error {
+    match e {
+        keel_abi::Error::Invalid(m) => keel_abi::Error::Invalid(
+            m.replace("argument 'input'", &format!("argument '{name}'")).replace("'input' ", &format!("'{name}' ")),
+        ),
+        other => other,
+    }
+}
