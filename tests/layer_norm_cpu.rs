@@ -109,3 +109,21 @@ fn constant_rows_give_the_bias() {
     forward_cpu(&x, None, Some(&b), &mut y, 4, 1e-5, Par::Seq).unwrap();
     assert_eq!(y, [b.clone(), b].concat());
 }
+
+#[test]
+fn rows_far_from_zero_or_with_outliers_keep_full_accuracy() {
+    // Rows whose mean dwarfs their spread, and rows whose first elements are
+    // outliers: the cases where one-pass moments would lose digits.
+    let cols = 1031;
+    let noise = |i: usize| ((i * 7919 % 2001) as f64 - 1000.0) / 1000.0;
+    let mut rows: Vec<Vec<f32>> = vec![
+        (0..cols).map(|i| (1000.0 + noise(i)) as f32).collect(),
+        (0..cols).map(|i| (-3e4 + 0.01 * noise(i)) as f32).collect(),
+    ];
+    rows.push((0..cols).map(|i| if i < 16 { 1e4 } else { noise(i) as f32 }).collect());
+    for x in rows {
+        let mut y = vec![0f32; cols];
+        forward_cpu(&x, None, None, &mut y, cols, 1e-5, Par::Seq).unwrap();
+        assert_close(&y, &forward_ref(&x, None, None, cols, 1e-5), 4.0, "forward");
+    }
+}

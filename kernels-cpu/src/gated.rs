@@ -226,16 +226,38 @@ fn backward_with<F: Act, T: Element>(
                 for ((x, dy), dx) in x.chunks_exact(2 * d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(2 * d)) {
                     let (a, g) = x.split_at(d);
                     let (da, dg) = dx.split_at_mut(d);
-                    for (((da, dg), (a, g)), dy) in da.iter_mut().zip(dg).zip(a.iter().zip(g)).zip(dy) {
-                        let (f, df) = F::f_df(a.to_acc());
-                        let dy = dy.to_acc();
-                        *da = T::from_acc(dy * g.to_acc() * df);
-                        *dg = T::from_acc(dy * f);
-                    }
+                    backward_row::<F, T>(a, g, dy, da, dg);
                 }
             },
         );
     });
+}
+
+/// One row of the backward, in chunks computed into local arrays: with five
+/// slices in one loop the compiler gave up on vectorising the f32 version
+/// (measured 1.35 ns per element, 10x the bf16 one); locals cannot alias.
+#[inline(always)]
+fn backward_row<F: Act, T: Element>(a: &[T], g: &[T], dy: &[T], da: &mut [T], dg: &mut [T]) {
+    const CHUNK: usize = 64;
+    let mut start = 0;
+    while start < a.len() {
+        let len = CHUNK.min(a.len() - start);
+        let (mut ta, mut tg) = ([T::Acc::ZERO; CHUNK], [T::Acc::ZERO; CHUNK]);
+        let (a, g, dy) = (&a[start..start + len], &g[start..start + len], &dy[start..start + len]);
+        for (((ta, tg), (a, g)), dy) in ta.iter_mut().zip(tg.iter_mut()).zip(a.iter().zip(g)).zip(dy) {
+            let (f, df) = F::f_df(a.to_acc());
+            let dy = dy.to_acc();
+            *ta = dy * g.to_acc() * df;
+            *tg = dy * f;
+        }
+        for (o, t) in da[start..start + len].iter_mut().zip(&ta) {
+            *o = T::from_acc(*t);
+        }
+        for (o, t) in dg[start..start + len].iter_mut().zip(&tg) {
+            *o = T::from_acc(*t);
+        }
+        start += len;
+    }
 }
 
 /// Reference forward in f64.
