@@ -60,47 +60,44 @@ pub(crate) fn same_shape(op: &str, arg: &str, t: &Tensor, main_arg: &str, sizes:
     }
 }
 
-/// A per-column parameter (weight, bias): on `device`, of `dtype`, shape `[cols]`, contiguous.
-pub(crate) fn param(op: &str, arg: &str, t: &Tensor, device: Device, dtype: ScalarType, cols: usize) -> Result<()> {
-    same_device(op, arg, t, "input", device)?;
-    same_dtype(op, arg, t, "input", dtype)?;
-    let s = t.sizes()?;
+/// A per-column parameter (weight, bias) of the row tensor `c`: on its
+/// device, of its dtype, shape `[cols]`, contiguous.
+pub(crate) fn param(op: &str, arg: &str, t: &Tensor, c: &Rows) -> Result<()> {
+    same_device(op, arg, t, c.arg, c.device)?;
+    same_dtype(op, arg, t, c.arg, c.dtype)?;
+    let (s, cols) = (t.sizes()?, c.cols);
     if s != [cols as i64] {
-        return Err(invalid(op, arg, format!("must have shape [{cols}] (input's last dim), got {s:?}")));
+        return Err(invalid(op, arg, format!("must have shape [{cols}] ({}'s last dim), got {s:?}", c.arg)));
     }
     contiguous(op, arg, t)
 }
 
-/// A tensor that must match `input` in device, dtype and shape, and be contiguous.
-pub(crate) fn like_input(
-    op: &str,
-    arg: &str,
-    t: &Tensor,
-    input: &Tensor,
-    device: Device,
-    dtype: ScalarType,
-) -> Result<()> {
-    same_device(op, arg, t, "input", device)?;
-    same_dtype(op, arg, t, "input", dtype)?;
-    same_shape(op, arg, t, "input", input.sizes()?)?;
+/// A tensor that must match the row tensor `main` (checked as `c`) in
+/// device, dtype and shape, and be contiguous.
+pub(crate) fn like(op: &str, arg: &str, t: &Tensor, main: &Tensor, c: &Rows) -> Result<()> {
+    same_device(op, arg, t, c.arg, c.device)?;
+    same_dtype(op, arg, t, c.arg, c.dtype)?;
+    same_shape(op, arg, t, c.arg, main.sizes()?)?;
     contiguous(op, arg, t)
 }
 
-/// What the checks of a row op established about its `input`.
+/// What the checks of a row op established about its main tensor.
 pub(crate) struct Rows {
+    /// The argument's name in the schema (`input`, or `sum` for a backward).
+    pub arg: &'static str,
     pub device: Device,
     pub dtype: ScalarType,
     pub rows: usize,
     pub cols: usize,
 }
 
-/// The checks every op over the last dimension makes of its `input`.
-pub(crate) fn rows_input(op: &str, input: &Tensor) -> Result<Rows> {
-    let device = supported_device(op, "input", input)?;
-    let dtype = float_dtype(op, "input", input, device)?;
-    let (rows, cols) = rows_cols(op, "input", input)?;
-    contiguous(op, "input", input)?;
-    Ok(Rows { device, dtype, rows, cols })
+/// The checks every op over the last dimension makes of its main tensor `arg`.
+pub(crate) fn rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result<Rows> {
+    let device = supported_device(op, arg, t)?;
+    let dtype = float_dtype(op, arg, t, device)?;
+    let (rows, cols) = rows_cols(op, arg, t)?;
+    contiguous(op, arg, t)?;
+    Ok(Rows { arg, device, dtype, rows, cols })
 }
 
 pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {

@@ -5,22 +5,14 @@
 //! `fused_add_rms_norm_backward(grad_out, grad_sum?, sum, weight, eps) -> (grad, grad_weight)`:
 //! `grad` is the gradient of both `input` and `residual`; `grad_weight` is
 //! `[0]` when `weight` is None.
-use crate::checks::{self, with_float_type, Rows};
+use crate::checks::{self, with_float_type};
 use crate::device::{kernel_err, ptr, CudaCall};
+use crate::rms_norm::check;
 use crate::torch_pool::with_torch_par;
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 const OP: &str = "fused_add_rms_norm";
 const OP_BWD: &str = "fused_add_rms_norm_backward";
-
-fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
-    let c = checks::rows_input(op, input)?;
-    if let Some(w) = weight {
-        checks::param(op, "weight", w, c.device, c.dtype, c.cols)?;
-    }
-    checks::eps(op, eps)?;
-    Ok(c)
-}
 
 /// The forward op.
 pub(crate) struct FusedAddRmsNorm;
@@ -31,8 +23,8 @@ impl BoxedOp for FusedAddRmsNorm {
     type Out = (Tensor, Tensor);
 
     fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP, &input, weight.as_ref(), eps)?;
-        checks::like_input(OP, "residual", &residual, &input, c.device, c.dtype)?;
+        let c = check(OP, "input", &input, weight.as_ref(), eps)?;
+        checks::like(OP, "residual", &residual, &input, &c)?;
         let (out, sum) = (input.empty_like()?, input.empty_like()?);
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -86,12 +78,10 @@ impl BoxedOp for FusedAddRmsNormBackward {
     type Out = (Tensor, Tensor);
 
     fn run((grad_out, grad_sum, sum, weight, eps): Self::Args) -> Result<Self::Out> {
-        // `sum` plays the part of rms_norm's input; messages call it `sum`.
-        let c = check(OP_BWD, &sum, weight.as_ref(), eps).map_err(|e| rename_input(e, "sum"))?;
-        checks::like_input(OP_BWD, "grad_out", &grad_out, &sum, c.device, c.dtype)
-            .map_err(|e| rename_input(e, "sum"))?;
+        let c = check(OP_BWD, "sum", &sum, weight.as_ref(), eps)?;
+        checks::like(OP_BWD, "grad_out", &grad_out, &sum, &c)?;
         if let Some(g) = &grad_sum {
-            checks::like_input(OP_BWD, "grad_sum", g, &sum, c.device, c.dtype).map_err(|e| rename_input(e, "sum"))?;
+            checks::like(OP_BWD, "grad_sum", g, &sum, &c)?;
         }
         let grad = sum.empty_like()?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
@@ -139,15 +129,5 @@ impl BoxedOp for FusedAddRmsNormBackward {
             DeviceType::Meta | DeviceType::Other(_) => {}
         }
         Ok((grad, grad_weight))
-    }
-}
-
-/// The shared checks name the main tensor `input`; here it is `sum`.
-fn rename_input(e: keel_abi::Error, name: &str) -> keel_abi::Error {
-    match e {
-        keel_abi::Error::Invalid(m) => keel_abi::Error::Invalid(
-            m.replace("argument 'input'", &format!("argument '{name}'")).replace("'input' ", &format!("'{name}' ")),
-        ),
-        other => other,
     }
 }

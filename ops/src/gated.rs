@@ -12,7 +12,7 @@ use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
 
 /// Checks `input` (last dim even) and returns it with `d`.
 fn check(op: &str, input: &Tensor) -> Result<(Rows, usize)> {
-    let c = checks::rows_input(op, input)?;
+    let c = checks::rows_of(op, "input", input)?;
     if c.cols % 2 != 0 {
         return Err(invalid(op, "input", format!("must have an even last dimension (2d), got {}", c.cols)));
     }

@@ -13,10 +13,10 @@ const OP: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
 
 fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Rows> {
-    let c = checks::rows_input(op, input)?;
+    let c = checks::rows_of(op, "input", input)?;
     for (arg, p) in [("weight", weight), ("bias", bias)] {
         if let Some(p) = p {
-            checks::param(op, arg, p, c.device, c.dtype, c.cols)?;
+            checks::param(op, arg, p, &c)?;
         }
     }
     checks::eps(op, eps)?;
@@ -83,7 +83,7 @@ impl BoxedOp for LayerNormBackward {
 
     fn run((grad_out, input, weight, bias, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP_BWD, &input, weight.as_ref(), bias.as_ref(), eps)?;
-        checks::like_input(OP_BWD, "grad_out", &grad_out, &input, c.device, c.dtype)?;
+        checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
         let grad_input = input.empty_like()?;
         let param_grad =
             |p: &Option<Tensor>| Tensor::empty(&[if p.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device);

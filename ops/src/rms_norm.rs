@@ -12,11 +12,12 @@ use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 const OP: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
 
-/// Checks `input` and `weight` (and `eps`) the same way on every device.
-fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
-    let c = checks::rows_input(op, input)?;
+/// Checks the normalised tensor (named `arg` in the schema), `weight` and
+/// `eps` the same way on every device; shared with `fused_add_rms_norm`.
+pub(crate) fn check(op: &str, arg: &'static str, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
+    let c = checks::rows_of(op, arg, x)?;
     if let Some(w) = weight {
-        checks::param(op, "weight", w, c.device, c.dtype, c.cols)?;
+        checks::param(op, "weight", w, &c)?;
     }
     checks::eps(op, eps)?;
     Ok(c)
@@ -31,7 +32,7 @@ impl BoxedOp for RmsNorm {
     type Out = (Tensor,);
 
     fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP, &input, weight.as_ref(), eps)?;
+        let c = check(OP, "input", &input, weight.as_ref(), eps)?;
         let out = input.empty_like()?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -76,8 +77,8 @@ impl BoxedOp for RmsNormBackward {
     type Out = (Tensor, Tensor);
 
     fn run((grad_out, input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP_BWD, &input, weight.as_ref(), eps)?;
-        checks::like_input(OP_BWD, "grad_out", &grad_out, &input, c.device, c.dtype)?;
+        let c = check(OP_BWD, "input", &input, weight.as_ref(), eps)?;
+        checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
         let grad_input = input.empty_like()?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {
