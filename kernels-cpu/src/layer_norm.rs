@@ -18,8 +18,7 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
-use crate::rms_norm::sum_partials;
-use crate::rows::{Blocks, Split};
+use crate::rows::{sum_partials, Blocks, Split};
 use crate::simd::{dispatch, sum_pairs, LANES};
 
 const OP_FWD: &str = "layer_norm";

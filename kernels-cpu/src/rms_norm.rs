@@ -15,7 +15,7 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
-use crate::rows::{Blocks, Split};
+use crate::rows::{sum_partials, Blocks, Split};
 use crate::simd::{dispatch, sum_pairs, LANES};
 
 const OP_FWD: &str = "rms_norm";
@@ -165,23 +165,6 @@ pub(crate) fn backward_unchecked<T: Element>(
     if let Some(gw) = grad_weight {
         sum_partials(&partial, gw, cols);
     }
-}
-
-/// `out[j] = sum over blocks b of partial[b * cols + j]`, in block order
-/// (deterministic for a given block count); zeros when there are no blocks.
-pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: usize) {
-    dispatch(
-        #[inline(always)]
-        || {
-            for (j, g) in out.iter_mut().enumerate() {
-                let mut s = T::Acc::ZERO;
-                for p in partial.chunks_exact(cols) {
-                    s = s + p[j];
-                }
-                *g = T::from_acc(s);
-            }
-        },
-    );
 }
 
 #[inline(always)]

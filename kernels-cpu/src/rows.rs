@@ -7,7 +7,9 @@
 //! `x.clone()` without): the kernel zeroes each fresh page just before the
 //! first store to it, so the lines are already in cache and write-allocate
 //! costs little.
+use crate::element::{Acc, Element};
 use crate::par::{rows_per_block, Par};
+use crate::simd::dispatch;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
 
@@ -51,6 +53,23 @@ impl<'a, T> Split<'a, T> {
     pub(crate) fn get(&self, b: usize) -> MutexGuard<'_, &'a mut [T]> {
         self.0[b].lock().unwrap_or_else(|e| e.into_inner())
     }
+}
+
+/// `out[j] = sum over blocks b of partial[b * cols + j]`, in block order
+/// (deterministic for a given block count); zeros when there are no blocks.
+pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: usize) {
+    dispatch(
+        #[inline(always)]
+        || {
+            for (j, g) in out.iter_mut().enumerate() {
+                let mut s = T::Acc::ZERO;
+                for p in partial.chunks_exact(cols) {
+                    s = s + p[j];
+                }
+                *g = T::from_acc(s);
+            }
+        },
+    );
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight and bias gradients per block in f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks: deterministic.
-use super::{check_cols, sum_parts};
+use super::{check_cols, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::Result;
@@ -61,13 +61,9 @@ fn kernel(gpu: &Gpu, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFu
     gpu.function(MODULE, &format!("layer_norm_{which}_{}", dtype.suffix()))
 }
 
-fn bwd_parts(gpu: &Gpu, rows: usize) -> usize {
-    rows.min(gpu.sm_count() as usize * 2)
-}
-
 /// f32 elements of scratch [`backward_cuda_raw`] needs per parameter gradient.
 pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
-    bwd_parts(gpu, rows) * cols
+    reduce_parts(gpu, rows) * cols
 }
 
 /// CUDA forward on raw device pointers (`weight`, `bias` 0 for none).
@@ -132,7 +128,7 @@ pub unsafe fn backward_cuda_raw(
     eps: f64,
 ) -> Result<()> {
     check_dims(rows, cols, eps)?;
-    let parts = bwd_parts(gpu, rows);
+    let parts = reduce_parts(gpu, rows);
     let pw = if grad_weight != 0 { scratch_w } else { 0 };
     let pb = if grad_bias != 0 { scratch_b } else { 0 };
     if rows > 0 {

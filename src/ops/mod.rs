@@ -21,6 +21,12 @@ pub(crate) fn check_cols(op: &'static str, rows: usize, cols: usize) -> Result<(
     Ok(())
 }
 
+/// Blocks (and rows of f32 partial sums) of a backward that reduces a
+/// parameter gradient over rows: two per SM, at most one per row.
+pub(crate) fn reduce_parts(gpu: &crate::cuda::Gpu, rows: usize) -> usize {
+    rows.min(gpu.sm_count() as usize * 2)
+}
+
 /// Launches a `sum_parts` kernel: `out[j] = sum_p partial[p * cols + j]`.
 ///
 /// # Safety

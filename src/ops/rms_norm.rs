@@ -11,7 +11,7 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight gradient per block into an f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
-use super::sum_parts;
+use super::{reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::{Error, Result};
@@ -60,14 +60,9 @@ fn kernel(gpu: &Gpu, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFu
     gpu.function(MODULE, &format!("rms_norm_{which}_{}", dtype.suffix()))
 }
 
-/// Number of blocks (and of partial rows) the backward uses.
-fn bwd_parts(gpu: &Gpu, rows: usize) -> usize {
-    rows.min(gpu.sm_count() as usize * 2)
-}
-
 /// f32 elements of scratch that [`backward_cuda_raw`] needs.
 pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
-    bwd_parts(gpu, rows) * cols
+    reduce_parts(gpu, rows) * cols
 }
 
 /// CUDA forward on raw device pointers (`weight` 0 for none), launched on `stream`.
@@ -171,7 +166,7 @@ pub unsafe fn backward_add_cuda_raw(
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
-    let parts = bwd_parts(gpu, rows);
+    let parts = reduce_parts(gpu, rows);
     let partial = if grad_weight != 0 { scratch } else { 0 };
     if rows > 0 {
         let f = kernel(gpu, "bwd", dtype)?;
