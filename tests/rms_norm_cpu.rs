@@ -3,7 +3,7 @@
 //! rows, and every kind of parallelism.
 mod common;
 
-use common::{assert_close, to_elems, Tol};
+use common::{assert_close, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
 use keel::ops::rms_norm::{backward_cpu, forward_cpu};
 use keel_cpu::rms_norm::{backward_ref, forward_ref};
@@ -32,7 +32,7 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], w: &[f64], dy: &[f64], wit
         let mut y = vec![T::default(); rows * cols];
         forward_cpu(&x, w, &mut y, cols, eps, par).unwrap();
         // f32 accumulation over `cols` terms: allow sqrt(cols) roundings of f32.
-        let scale = 1.0 + (cols as f64).sqrt() * f32::EPSILON as f64 / T::TOL.rtol;
+        let scale = sum_scale::<T>(cols);
         assert_close(&y, &want, scale, "forward");
 
         let mut dx = vec![T::default(); rows * cols];
