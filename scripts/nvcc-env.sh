@@ -8,7 +8,7 @@ _venv="$_root/.venv-nvcc"
 if [ ! -x "$_venv/bin/python" ] || [ "$(cat "$_venv/.pins" 2>/dev/null)" != "$KEEL_NVCC_PINS" ]; then
   python3 -m venv "$_venv"
   # shellcheck disable=SC2086
-  "$_venv/bin/pip" install -q --disable-pip-version-check $KEEL_NVCC_PINS
+  PIP_NO_CACHE_DIR=1 "$_venv/bin/pip" install -q --disable-pip-version-check $KEEL_NVCC_PINS
   echo "$KEEL_NVCC_PINS" > "$_venv/.pins"
 fi
 _cu="$("$_venv/bin/python" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13'))")"

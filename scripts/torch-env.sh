@@ -1,24 +1,73 @@
 # Sourced by the scripts: `torch_env VERSION` makes (once) and activates a venv
 # .venv-torch-VERSION holding that torch ("latest" = newest on PyPI) and the
 # test tools, and sets $PY to its python.
+#
+# torch with its CUDA libraries is ~5.5 GB installed, and a plain `pip install`
+# holds every downloaded wheel (~3.5 GB more) until the end, plus a cached copy.
+# A CI machine's free disk varies (one run died here with ENOSPC), so the install
+# is frugal: no pip cache, one wheel at a time (peak = installed + the largest
+# wheel), and when the disk is short the other torch venvs go first.
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+KEEL_TORCH_NEED_MB="${KEEL_TORCH_NEED_MB:-7000}"
+
+_free_mb() { df -Pm "$_root" | awk 'NR==2 {print $4}'; }
+
+# Frees room for a new torch venv: removes the other .venv-torch-* venvs (they are
+# rebuilt when next used) and the debug build, only while space is short.
+_make_room() {
+  local keep="$1" v
+  for v in "$_root"/.venv-torch-*; do
+    [ "$(_free_mb)" -ge "$KEEL_TORCH_NEED_MB" ] && return 0
+    [ -d "$v" ] && [ "$v" != "$keep" ] || continue
+    echo "low disk ($(_free_mb) MB free): removing $v"
+    rm -rf "$v"
+  done
+  if [ "$(_free_mb)" -lt "$KEEL_TORCH_NEED_MB" ] && [ -d "$_root/target/debug" ]; then
+    echo "low disk ($(_free_mb) MB free): removing target/debug"
+    rm -rf "$_root/target/debug"
+  fi
+  if [ "$(_free_mb)" -lt "$KEEL_TORCH_NEED_MB" ]; then
+    echo "warning: $(_free_mb) MB free, torch needs about $KEEL_TORCH_NEED_MB MB; trying anyway" >&2
+  fi
+}
+
+# Installs the resolved set one wheel at a time into the venv at $1.
+_install_frugal() {
+  local venv="$1"; shift
+  local report="$venv/.resolve.json" url
+  PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check \
+    --dry-run --ignore-installed --report "$report" "$@"
+  "$venv/bin/python" - "$report" > "$venv/.urls" <<'EOF'
+import json, sys
+for item in json.load(open(sys.argv[1]))["install"]:
+    print(item["download_info"]["url"])
+EOF
+  while read -r url; do
+    PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$url"
+  done < "$venv/.urls"
+}
+
+# True when PyPI has a newer torch than the venv at $1 holds (offline: false).
+_newer_torch() {
+  local out
+  out="$("$1/bin/pip" install -q --disable-pip-version-check --dry-run --upgrade \
+    --no-deps --report - torch 2>/dev/null)" || return 1
+  "$1/bin/python" -c 'import json, sys; sys.exit(0 if json.loads(sys.argv[1])["install"] else 1)' "$out"
+}
+
 torch_env() {
   local ver="$1" venv="$_root/.venv-torch-$1" spec
   if [ "$ver" = latest ]; then spec="torch"; else spec="torch==$ver"; fi
+  if [ "$ver" = latest ] && [ -f "$venv/.ready" ] && _newer_torch "$venv"; then
+    echo "a newer torch is out: rebuilding $venv"
+    rm -f "$venv/.ready"
+  fi
   if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.ready" ]; then
     rm -rf "$venv"
+    _make_room "$venv"
     python3 -m venv "$venv"
-    "$venv/bin/pip" install -q --disable-pip-version-check "$spec" numpy pytest expecttest
+    _install_frugal "$venv" "$spec" numpy pytest expecttest
     touch "$venv/.ready"
-  elif [ "$ver" = latest ]; then
-    "$venv/bin/pip" install -q --disable-pip-version-check --upgrade torch
   fi
   PY="$venv/bin/python"
-}
-# Builds the wheel once (Rust cdylib inside, not tied to a torch or Python version)
-# and sets $WHEEL.
-build_wheel() {
-  rm -rf "$_root/dist"
-  python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$_root/dist" "$_root"
-  WHEEL="$(ls "$_root"/dist/keel-*.whl)"
 }
