@@ -56,6 +56,87 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// Maximum of `v` over the block (NaN ignored, as fmaxf), returned to every thread.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < warps ? scratch[lane] : -INFINITY;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// Calls f(i, x[i]) (as f32) for the elements of a row this thread owns: 16-byte
+// loads when `vec` (cols a multiple of Pack<T>::N, row 16-byte aligned).
+template <typename T, typename F>
+__device__ __forceinline__ void row_each(const T* __restrict__ x, int cols, bool vec, F f) {
+  constexpr int N = Pack<T>::N;
+  if (vec) {
+    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      const Pack<T> p = load_pack(x + i * N);
+#pragma unroll
+      for (int k = 0; k < N; ++k) f(i * N + k, to_f32(p.v[k]));
+    }
+  } else {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) f(i, to_f32(x[i]));
+  }
+}
+
+// As row_each over two rows at once: f(i, a[i], b[i]).
+template <typename T, typename F>
+__device__ __forceinline__ void row_each2(const T* __restrict__ a, const T* __restrict__ b, int cols, bool vec, F f) {
+  constexpr int N = Pack<T>::N;
+  if (vec) {
+    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      const Pack<T> p = load_pack(a + i * N), q = load_pack(b + i * N);
+#pragma unroll
+      for (int k = 0; k < N; ++k) f(i * N + k, to_f32(p.v[k]), to_f32(q.v[k]));
+    }
+  } else {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) f(i, to_f32(a[i]), to_f32(b[i]));
+  }
+}
+
+// y[i] = f(i, x[i]) over a row, with the same thread-to-element map as row_each.
+template <typename T, typename F>
+__device__ __forceinline__ void row_map(const T* __restrict__ x, T* __restrict__ y, int cols, bool vec, F f) {
+  constexpr int N = Pack<T>::N;
+  if (vec) {
+    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      const Pack<T> p = load_pack(x + i * N);
+      Pack<T> o;
+#pragma unroll
+      for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(f(i * N + k, to_f32(p.v[k])));
+      store_pack(y + i * N, o);
+    }
+  } else {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) y[i] = from_f32<T>(f(i, to_f32(x[i])));
+  }
+}
+
+// As row_map with two input rows: y[i] = f(i, a[i], b[i]).
+template <typename T, typename F>
+__device__ __forceinline__ void row_map2(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,
+                                         int cols, bool vec, F f) {
+  constexpr int N = Pack<T>::N;
+  if (vec) {
+    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      const Pack<T> p = load_pack(a + i * N), q = load_pack(b + i * N);
+      Pack<T> o;
+#pragma unroll
+      for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(f(i * N + k, to_f32(p.v[k]), to_f32(q.v[k])));
+      store_pack(y + i * N, o);
+    }
+  } else {
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) y[i] = from_f32<T>(f(i, to_f32(a[i]), to_f32(b[i])));
+  }
+}
+
 // out[j] = sum over the `parts` rows of `partial` (column j), rounded to T:
 // the second step of a deterministic parameter gradient.
 template <typename T>

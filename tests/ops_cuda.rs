@@ -1,9 +1,10 @@
-//! CUDA layer_norm, fused_add_rms_norm and the gated activations against the
+//! CUDA layer_norm, fused_add_rms_norm, the gated activations, softmax,
+//! cross_entropy and rotary_embedding against the
 //! CPU kernels (themselves checked against f64 references). Skips, saying
 //! why, where no GPU is usable.
 use keel::cpu::{bf16, f16, Element, Par};
 use keel::cuda::{gpu, is_available, CudaElement, CudaSlice, CudaStream};
-use keel::ops::{fused_add_rms_norm, gated, layer_norm};
+use keel::ops::{cross_entropy, fused_add_rms_norm, gated, layer_norm, rotary, softmax};
 use std::sync::Arc;
 
 fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
@@ -89,6 +90,68 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
             let mut wdx = cpu(n);
             gated::backward_cpu(act, dyh, &x, &mut wdx, d, Par::Seq).unwrap();
             close(&s.clone_dtoh(&dx).unwrap(), &wdx, 2.0 * tol, &format!("{act:?} grad"));
+        }
+    }
+
+    // softmax, scaled
+    let mut y = zeros(n);
+    softmax::forward_cuda(&s, &xd, &mut y, cols, 0.7).unwrap();
+    let mut want = cpu(n);
+    softmax::forward_cpu(&x, &mut want, cols, 0.7, Par::Seq).unwrap();
+    close(&s.clone_dtoh(&y).unwrap(), &want, tol, "softmax");
+    let mut dx = zeros(n);
+    softmax::backward_cuda(&s, &dyd, &up(&s, &want), &mut dx, cols, 0.7).unwrap();
+    let mut wdx = cpu(n);
+    softmax::backward_cpu(&dy, &want, &mut wdx, cols, 0.7, Par::Seq).unwrap();
+    close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, "softmax grad");
+
+    // cross_entropy: every third row ignored, label smoothing 0.1, each reduction
+    let target: Vec<i64> = (0..rows).map(|i| if i % 3 == 1 { -100 } else { ((i * 7919) % cols) as i64 }).collect();
+    let td = s.clone_htod(&target).unwrap();
+    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
+        let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction };
+        let m = reduction.out_len(rows);
+        let mut out = zeros(m);
+        cross_entropy::forward_cuda(&s, &xd, &td, &mut out, cols, opts).unwrap();
+        let mut want = cpu(m);
+        cross_entropy::forward_cpu(&x, &target, &mut want, cols, opts, Par::Seq).unwrap();
+        let got = s.clone_dtoh(&out).unwrap();
+        close(&got, &want, 4.0 * tol * (cols as f64).log2().max(1.0), &format!("cross_entropy {reduction:?}"));
+        let grad = data::<T>(m, 13);
+        let mut dx = zeros(n);
+        cross_entropy::backward_cuda(&s, &up(&s, &grad), &xd, &td, &mut dx, cols, opts).unwrap();
+        let mut wdx = cpu(n);
+        cross_entropy::backward_cpu(&grad, &x, &target, &mut wdx, cols, opts, Par::Seq).unwrap();
+        close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("cross_entropy {reduction:?} grad"));
+    }
+    let bad: Vec<i64> = (0..rows).map(|i| if i == rows - 1 { cols as i64 } else { 0 }).collect();
+    let opts =
+        cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
+    let err =
+        cross_entropy::forward_cuda(&s, &xd, &s.clone_htod(&bad).unwrap(), &mut zeros(1), cols, opts).unwrap_err();
+    assert!(err.to_string().contains("argument 'target'"), "{err}");
+
+    // rotary: rows = batch * seq * heads with heads 1, seq = rows; both layouts, both directions
+    if cols % 2 == 0 {
+        let half = (cols / 2).min(40);
+        let shape = rotary::Shape { batch: 1, seq: rows, heads: 1, head_dim: cols, rotary_dim: 2 * half };
+        let angles: Vec<f64> = (0..rows * half).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
+        let cos: Vec<T> = angles.iter().map(|a| T::from_f64(a.cos())).collect();
+        let sin: Vec<T> = angles.iter().map(|a| T::from_f64(a.sin())).collect();
+        let (cd, sd) = (up(&s, &cos), up(&s, &sin));
+        for interleaved in [false, true] {
+            for inverse in [false, true] {
+                let mut y = zeros(n);
+                rotary::apply_cuda(&s, &xd, &cd, &sd, &mut y, shape, interleaved, inverse).unwrap();
+                let mut want = cpu(n);
+                rotary::apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
+                close(
+                    &s.clone_dtoh(&y).unwrap(),
+                    &want,
+                    tol,
+                    &format!("rotary interleaved={interleaved} inverse={inverse}"),
+                );
+            }
         }
     }
 }

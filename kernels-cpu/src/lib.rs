@@ -12,6 +12,7 @@
 //! against.
 #![warn(missing_docs)]
 
+pub mod cross_entropy;
 mod element;
 mod error;
 pub mod fused_add_rms_norm;
@@ -20,8 +21,10 @@ pub mod layer_norm;
 mod math;
 mod par;
 pub mod rms_norm;
+pub mod rotary;
 mod rows;
 mod simd;
+pub mod softmax;
 
 pub use element::Element;
 pub use error::{Error, Result};

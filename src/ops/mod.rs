@@ -1,10 +1,13 @@
 //! One module per operator, each with CPU entry points (over slices) and CUDA
 //! entry points (over `cudarc` buffers, or raw device pointers for callers that
 //! own their memory, such as the torch operators).
+pub mod cross_entropy;
 pub mod fused_add_rms_norm;
 pub mod gated;
 pub mod layer_norm;
 pub mod rms_norm;
+pub mod rotary;
+pub mod softmax;
 
 use crate::cuda::{launch, Arg};
 use crate::error::{Error, Result};

@@ -1,0 +1,290 @@
+//! Fused cross-entropy over logits `[n, v]` and class targets `[n]`.
+//!
+//! Row loss, as `torch.nn.functional.cross_entropy` (no class weights), with
+//! label smoothing `eps`: `lse(x) - (1 - eps) x[t] - eps * mean(x)`, where
+//! `lse` is the log-sum-exp; a row whose target is `ignore_index` has loss 0
+//! and no gradient. Reductions: per-row (`None`), `Sum`, or `Mean` over the rows
+//! not ignored (all ignored gives NaN, as torch).
+//!
+//! Fused: no log-softmax is stored. The forward reads the logits once (max,
+//! then exp-sum from cache); the backward recomputes each row's `lse` the same
+//! way and writes `dx = g (softmax(x) - eps / v) - g (1 - eps) [j = t]`. The
+//! only logits-sized buffer of forward + backward is the gradient itself.
+//!
+//! Targets must lie in `[0, v)` or equal `ignore_index`: anything else is an
+//! error naming `target`, never a wrong loss.
+use crate::element::{Acc, Element};
+use crate::error::{check_len, Error, Result};
+use crate::par::Par;
+use crate::rows::{Blocks, Split};
+use crate::simd::{dispatch, sum_pairs};
+use crate::softmax::{exp_into, row_max};
+
+const OP_FWD: &str = "cross_entropy";
+const OP_BWD: &str = "cross_entropy_backward";
+
+/// How the row losses are reduced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// One loss per row (`"none"`).
+    None,
+    /// The mean over the rows that are not ignored (`"mean"`).
+    Mean,
+    /// The sum over all rows (`"sum"`).
+    Sum,
+}
+
+impl Reduction {
+    /// torch's `reduction` argument: `"none"`, `"mean"` or `"sum"`.
+    pub fn parse(op: &'static str, s: &str) -> Result<Reduction> {
+        match s {
+            "none" => Ok(Reduction::None),
+            "mean" => Ok(Reduction::Mean),
+            "sum" => Ok(Reduction::Sum),
+            other => Err(Error::Shape {
+                op,
+                arg: "reduction",
+                msg: format!("must be \"mean\", \"sum\" or \"none\", got {other:?}"),
+            }),
+        }
+    }
+
+    /// Number of loss values for `rows` rows: `rows` for `None`, else 1.
+    pub fn out_len(self, rows: usize) -> usize {
+        if self == Reduction::None {
+            rows
+        } else {
+            1
+        }
+    }
+}
+
+/// The scalar arguments of a call.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// Rows with this target are skipped.
+    pub ignore_index: i64,
+    /// In `[0, 1]`.
+    pub label_smoothing: f64,
+    /// The reduction.
+    pub reduction: Reduction,
+}
+
+/// Checks the shapes and options; `target` values are checked by [`check_targets`].
+/// Returns the number of rows.
+pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, opts: &Options) -> Result<usize> {
+    let ls = opts.label_smoothing;
+    if !(0.0..=1.0).contains(&ls) {
+        return Err(Error::Shape { op, arg: "label_smoothing", msg: format!("must be in [0, 1], got {ls}") });
+    }
+    if cols == 0 {
+        return Err(Error::Shape { op, arg: "logits", msg: "must have at least one class (v > 0)".into() });
+    }
+    if logits % cols != 0 {
+        return Err(Error::Shape {
+            op,
+            arg: "logits",
+            msg: format!("length {logits} is not a multiple of v = {cols}"),
+        });
+    }
+    let rows = logits / cols;
+    check_len(op, "target", target, rows)?;
+    Ok(rows)
+}
+
+/// Errors on the first target outside `[0, cols)` that is not `ignore_index`;
+/// returns the number of rows not ignored.
+pub fn check_targets(op: &'static str, target: &[i64], cols: usize, ignore_index: i64) -> Result<usize> {
+    let mut count = 0;
+    for (i, &t) in target.iter().enumerate() {
+        if t == ignore_index {
+            continue;
+        }
+        if t < 0 || t as u64 >= cols as u64 {
+            return Err(Error::Shape {
+                op,
+                arg: "target",
+                msg: format!(
+                    "target[{i}] = {t} is out of range for {cols} classes (and is not ignore_index = {ignore_index})"
+                ),
+            });
+        }
+        count += 1;
+    }
+    Ok(count)
+}
+
+/// Forward: writes the loss (`rows` values for [`Reduction::None`], else one).
+pub fn forward<T: Element>(
+    logits: &[T],
+    target: &[i64],
+    out: &mut [T],
+    cols: usize,
+    opts: Options,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check(OP_FWD, logits.len(), target.len(), cols, &opts)?;
+    check_len(OP_FWD, "out", out.len(), opts.reduction.out_len(rows))?;
+    let count = check_targets(OP_FWD, target, cols, opts.ignore_index)?;
+    let mut losses = vec![0f64; rows];
+    if rows > 0 {
+        let blocks = Blocks::new(&par, rows, cols);
+        let ls = Split::new(&mut losses, blocks.per);
+        par.for_each(blocks.count, &|b| {
+            let mut l = ls.get(b);
+            let r = blocks.rows(b);
+            let x = &logits[r.start * cols..r.end * cols];
+            let mut scratch = vec![T::Acc::ZERO; cols];
+            dispatch(
+                #[inline(always)]
+                || {
+                    for ((x, &t), l) in x.chunks_exact(cols).zip(&target[r.clone()]).zip(l.iter_mut()) {
+                        if t != opts.ignore_index {
+                            *l = row_loss(x, t as usize, &mut scratch, opts.label_smoothing);
+                        }
+                    }
+                },
+            );
+        });
+    }
+    match opts.reduction {
+        Reduction::None => out.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::from_f64(*l)),
+        Reduction::Sum => out[0] = T::from_f64(losses.iter().sum()),
+        Reduction::Mean => out[0] = T::from_f64(losses.iter().sum::<f64>() / count as f64),
+    }
+    Ok(())
+}
+
+/// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
+/// [`Reduction::None`], else one) and the forward's inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[i64],
+    grad_logits: &mut [T],
+    cols: usize,
+    opts: Options,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check(OP_BWD, logits.len(), target.len(), cols, &opts)?;
+    check_len(OP_BWD, "grad", grad.len(), opts.reduction.out_len(rows))?;
+    check_len(OP_BWD, "grad_logits", grad_logits.len(), logits.len())?;
+    let count = check_targets(OP_BWD, target, cols, opts.ignore_index)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let row_grad = |i: usize| -> f64 {
+        match opts.reduction {
+            Reduction::None => grad[i].to_f64(),
+            Reduction::Sum => grad[0].to_f64(),
+            Reduction::Mean => grad[0].to_f64() / count as f64,
+        }
+    };
+    let blocks = Blocks::new(&par, rows, cols);
+    let dxs = Split::new(grad_logits, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let mut dx = dxs.get(b);
+        let r = blocks.rows(b);
+        let x = &logits[r.start * cols..r.end * cols];
+        let mut scratch = vec![T::Acc::ZERO; cols];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (i, (x, dx)) in x.chunks_exact(cols).zip(dx.chunks_exact_mut(cols)).enumerate() {
+                    let (row, t) = (r.start + i, target[r.start + i]);
+                    if t == opts.ignore_index {
+                        dx.iter_mut().for_each(|d| *d = T::default());
+                    } else {
+                        row_grad_into(x, t as usize, dx, &mut scratch, row_grad(row), opts.label_smoothing);
+                    }
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// One row's loss: `lse - (1 - eps) x[t] - eps mean(x)`, in f64 from `Acc` sums.
+#[inline(always)]
+fn row_loss<T: Element>(x: &[T], t: usize, scratch: &mut [T::Acc], eps: f64) -> f64 {
+    let one = T::Acc::ONE;
+    let m = row_max(x, one);
+    let s = exp_into(x, scratch, one, m);
+    let lse = m.to_f64() + s.to_f64().ln();
+    let mut loss = lse - (1.0 - eps) * x[t].to_f64();
+    if eps > 0.0 {
+        loss -= eps * row_sum(x).to_f64() / x.len() as f64;
+    }
+    loss
+}
+
+/// Sum of a row.
+#[inline(always)]
+fn row_sum<T: Element>(x: &[T]) -> T::Acc {
+    sum_pairs(x, x, |a, _| a)
+}
+
+/// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`.
+#[inline(always)]
+fn row_grad_into<T: Element>(x: &[T], t: usize, dx: &mut [T], scratch: &mut [T::Acc], g: f64, eps: f64) {
+    let one = T::Acc::ONE;
+    let m = row_max(x, one);
+    let s = exp_into(x, scratch, one, m);
+    let (gs, off) = (T::Acc::from_f64(g / s.to_f64()), T::Acc::from_f64(g * eps / x.len() as f64));
+    for (d, e) in dx.iter_mut().zip(scratch.iter()) {
+        *d = T::from_acc(*e * gs - off);
+    }
+    let p = scratch[t].to_f64() / s.to_f64();
+    dx[t] = T::from_f64(g * (p - eps / x.len() as f64) - g * (1.0 - eps));
+}
+
+/// Reference forward in f64: the reduced loss (`rows` values for `None`).
+pub fn forward_ref<T: Element>(logits: &[T], target: &[i64], cols: usize, opts: Options) -> Vec<f64> {
+    let mut losses = vec![];
+    let mut count = 0usize;
+    for (x, &t) in logits.chunks(cols).zip(target) {
+        if t == opts.ignore_index {
+            losses.push(0.0);
+            continue;
+        }
+        count += 1;
+        let x: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
+        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + x.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+        let mean = x.iter().sum::<f64>() / cols as f64;
+        let eps = opts.label_smoothing;
+        losses.push(lse - (1.0 - eps) * x[t as usize] - eps * mean);
+    }
+    match opts.reduction {
+        Reduction::None => losses,
+        Reduction::Sum => vec![losses.iter().sum()],
+        Reduction::Mean => vec![losses.iter().sum::<f64>() / count as f64],
+    }
+}
+
+/// Reference backward in f64.
+pub fn backward_ref<T: Element>(grad: &[T], logits: &[T], target: &[i64], cols: usize, opts: Options) -> Vec<f64> {
+    let count = target.iter().filter(|&&t| t != opts.ignore_index).count() as f64;
+    let mut out = vec![];
+    for (i, (x, &t)) in logits.chunks(cols).zip(target).enumerate() {
+        if t == opts.ignore_index {
+            out.extend(std::iter::repeat_n(0.0, cols));
+            continue;
+        }
+        let g = match opts.reduction {
+            Reduction::None => grad[i].to_f64(),
+            Reduction::Sum => grad[0].to_f64(),
+            Reduction::Mean => grad[0].to_f64() / count,
+        };
+        let x: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
+        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let s: f64 = x.iter().map(|v| (v - m).exp()).sum();
+        let eps = opts.label_smoothing;
+        for (j, v) in x.iter().enumerate() {
+            let hot = if j == t as usize { 1.0 - eps } else { 0.0 };
+            out.push(g * ((v - m).exp() / s - eps / cols as f64 - hot));
+        }
+    }
+    out
+}

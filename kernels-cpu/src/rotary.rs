@@ -1,0 +1,152 @@
+//! Rotary position embedding for `x[batch, seq, heads, head_dim]` with
+//! `cos`, `sin` of shape `[seq, rotary_dim / 2]`.
+//!
+//! The first `rotary_dim` dims of each head are rotated in pairs by the angle of
+//! their position and frequency; dims from `rotary_dim` on pass through.
+//! - Non-interleaved (GPT-NeoX, Llama): pair `(i, i + rotary_dim/2)`.
+//! - Interleaved (GPT-J): pair `(2i, 2i + 1)`.
+//!
+//! Each pair `(a, b)` becomes `(a cos - b sin, b cos + a sin)`, computed in
+//! `T::Acc` and rounded once. The backward is the rotation by the opposite
+//! angle (`sin` negated), which [`apply`] does with `inverse = true`.
+use crate::element::{Acc, Element};
+use crate::error::{check_len, Error, Result};
+use crate::par::Par;
+use crate::rows::{Blocks, Split};
+use crate::simd::dispatch;
+
+/// The shape of a call: `x` is `[batch, seq, heads, head_dim]`, `cos`/`sin` are
+/// `[seq, rotary_dim / 2]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    /// Batch size.
+    pub batch: usize,
+    /// Sequence length (positions).
+    pub seq: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Elements per head.
+    pub head_dim: usize,
+    /// Rotated elements per head: even, at most `head_dim`.
+    pub rotary_dim: usize,
+}
+
+impl Shape {
+    /// Elements of `x`.
+    pub fn numel(&self) -> usize {
+        self.batch * self.seq * self.heads * self.head_dim
+    }
+
+    /// Checks `rotary_dim` and the slice lengths, naming `op` and the argument.
+    pub fn check(&self, op: &'static str, x: usize, cos: usize, sin: usize, out: usize) -> Result<()> {
+        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+            return Err(Error::Shape {
+                op,
+                arg: "cos",
+                msg: format!(
+                    "gives rotary_dim = {} (2 x its last dim), which must be even and at most head_dim = {}",
+                    self.rotary_dim, self.head_dim
+                ),
+            });
+        }
+        check_len(op, "x", x, self.numel())?;
+        check_len(op, "cos", cos, self.seq * self.rotary_dim / 2)?;
+        check_len(op, "sin", sin, self.seq * self.rotary_dim / 2)?;
+        check_len(op, "out", out, self.numel())
+    }
+}
+
+/// Writes the rotation of `x` to `out` (by the opposite angle when `inverse`:
+/// the backward, applied to the output gradient).
+#[allow(clippy::too_many_arguments)]
+pub fn apply<T: Element>(
+    x: &[T],
+    cos: &[T],
+    sin: &[T],
+    out: &mut [T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
+    shape.check(op, x.len(), cos.len(), sin.len(), out.len())?;
+    let (d, half, heads, seq) = (shape.head_dim, shape.rotary_dim / 2, shape.heads, shape.seq);
+    let rows = shape.batch * seq * heads;
+    if rows == 0 || d == 0 {
+        return Ok(());
+    }
+    let sign = if inverse { T::Acc::ZERO - T::Acc::ONE } else { T::Acc::ONE };
+    let blocks = Blocks::new(&par, rows, d);
+    let ys = Split::new(out, blocks.per * d);
+    par.for_each(blocks.count, &|b| {
+        let mut y = ys.get(b);
+        let start = blocks.rows(b).start;
+        let x = &x[start * d..][..y.len()];
+        dispatch(
+            #[inline(always)]
+            || {
+                for (i, (x, y)) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).enumerate() {
+                    let pos = ((start + i) / heads) % seq;
+                    let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+                    if interleaved {
+                        rotate_pairs(x, y, c, s, sign);
+                    } else {
+                        rotate_halves(x, y, c, s, sign);
+                    }
+                    y[2 * half..].copy_from_slice(&x[2 * half..]);
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// NeoX layout: `(x[i], x[i + h])` for `i < h`.
+#[inline(always)]
+fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
+    let h = c.len();
+    let (x1, x2) = (&x[..h], &x[h..2 * h]);
+    let (y1, y2) = y[..2 * h].split_at_mut(h);
+    for ((((y1, y2), (a, b)), c), s) in y1.iter_mut().zip(y2.iter_mut()).zip(x1.iter().zip(x2)).zip(c).zip(s) {
+        let (a, b, c, s) = (a.to_acc(), b.to_acc(), c.to_acc(), s.to_acc() * sign);
+        *y1 = T::from_acc(a * c - b * s);
+        *y2 = T::from_acc(b * c + a * s);
+    }
+}
+
+/// GPT-J layout: `(x[2i], x[2i + 1])`.
+#[inline(always)]
+fn rotate_pairs<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
+    let h = c.len();
+    for (((y, x), c), s) in y[..2 * h].chunks_exact_mut(2).zip(x[..2 * h].chunks_exact(2)).zip(c).zip(s) {
+        let (a, b, c, s) = (x[0].to_acc(), x[1].to_acc(), c.to_acc(), s.to_acc() * sign);
+        y[0] = T::from_acc(a * c - b * s);
+        y[1] = T::from_acc(b * c + a * s);
+    }
+}
+
+/// Reference in f64.
+pub fn apply_ref<T: Element>(
+    x: &[T],
+    cos: &[T],
+    sin: &[T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Vec<f64> {
+    let (d, half) = (shape.head_dim, shape.rotary_dim / 2);
+    let mut out: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
+    for (row, y) in out.chunks_mut(d.max(1)).enumerate() {
+        let pos = (row / shape.heads) % shape.seq;
+        for i in 0..half {
+            let (c, s) = (cos[pos * half + i].to_f64(), sin[pos * half + i].to_f64());
+            let s = if inverse { -s } else { s };
+            let (ia, ib) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+            let (a, b) = (y[ia], y[ib]);
+            y[ia] = a * c - b * s;
+            y[ib] = b * c + a * s;
+        }
+    }
+    out
+}

@@ -1,0 +1,143 @@
+// Fused cross-entropy over logits [rows, cols] and int64 targets [rows], with
+// label smoothing ls and ignore_index; no log-softmax is stored.
+//
+// Forward, two launches:
+//   cross_entropy_rows_*: one block per row, loss[row] (f32) =
+//     lse - (1 - ls) x[t] - ls * mean(x); 0 for an ignored row, NaN for a bad
+//     target (outside [0, cols) and not ignore_index).
+//   cross_entropy_reduce_*: one block; counts the rows (status[0] = bad
+//     targets, status[1] = rows not ignored) and writes the output: the row
+//     losses cast to T (reduction 0 = "none"), or their mean (1) or sum (2).
+// Backward: cross_entropy_count (one block, the same status), then
+//   cross_entropy_bwd_*: one block per row, recomputing the row's lse:
+//   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
+//   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
+//   ignored and bad rows.
+// The caller reads status[0] back and raises an error when it is not 0.
+#include "common.cuh"
+
+using namespace keel;
+
+__device__ __forceinline__ bool bad_target(int64_t t, int cols) { return t < 0 || t >= cols; }
+
+// status[0] = bad targets, status[1] = rows not ignored (bad ones excluded).
+__device__ __forceinline__ void count_targets(const int64_t* __restrict__ target, int* __restrict__ status,
+                                              int64_t rows, int cols, int64_t ignore, float* scratch) {
+  float bad = 0.f, valid = 0.f;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    const int64_t t = target[i];
+    if (t == ignore) continue;
+    if (bad_target(t, cols)) bad += 1.f; else valid += 1.f;
+  }
+  bad = block_sum(bad, scratch);
+  valid = block_sum(valid, scratch);
+  if (threadIdx.x == 0) {
+    status[0] = (int)bad;
+    status[1] = (int)valid;
+  }
+}
+
+// (max, sum of exp(x - max)) of a row, to every thread of the block.
+template <typename T>
+__device__ __forceinline__ float2 row_lse_parts(const T* __restrict__ xr, int cols, bool vec, float* scratch) {
+  float m = -INFINITY;
+  row_each(xr, cols, vec, [&](int, float v) { m = fmaxf(m, v); });
+  m = block_max(m, scratch);
+  float s = 0.f;
+  row_each(xr, cols, vec, [&](int, float v) { s += expf(v - m); });
+  return make_float2(m, block_sum(s, scratch));
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* __restrict__ target,
+                                        float* __restrict__ loss, int64_t rows, int cols, int64_t ignore, float ls) {
+  __shared__ float scratch[32];
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(x);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t t = target[row];
+    if (t == ignore || bad_target(t, cols)) {
+      if (threadIdx.x == 0) loss[row] = t == ignore ? 0.f : NAN;
+      continue;
+    }
+    const T* xr = x + row * cols;
+    const float2 ms = row_lse_parts(xr, cols, vec, scratch);
+    float sx = 0.f;
+    if (ls > 0.f) {
+      row_each(xr, cols, vec, [&](int, float v) { sx += v; });
+      sx = block_sum(sx, scratch);
+    }
+    if (threadIdx.x == 0) loss[row] = ms.x + logf(ms.y) - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const int64_t* __restrict__ target,
+                                          int* __restrict__ status, T* __restrict__ out, int64_t rows, int cols,
+                                          int64_t ignore, int reduction) {
+  __shared__ float scratch[32];
+  count_targets(target, status, rows, cols, ignore, scratch);
+  if (reduction == 0) {
+    for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) out[i] = from_f32<T>(loss[i]);
+    return;
+  }
+  float s = 0.f, valid = 0.f;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
+    const int64_t t = target[i];
+    if (t != ignore && !bad_target(t, cols)) {
+      s += loss[i];
+      valid += 1.f;
+    }
+  }
+  s = block_sum(s, scratch);
+  valid = block_sum(valid, scratch);
+  if (threadIdx.x == 0) out[0] = from_f32<T>(reduction == 1 ? s / valid : s);
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __restrict__ x,
+                                       const int64_t* __restrict__ target, const int* __restrict__ status,
+                                       T* __restrict__ dx, int64_t rows, int cols, int64_t ignore, float ls,
+                                       int reduction) {
+  __shared__ float scratch[32];
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(dx);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t t = target[row];
+    const T* xr = x + row * cols;
+    T* dr = dx + row * cols;
+    if (t == ignore || bad_target(t, cols)) {
+      row_map(xr, dr, cols, vec, [&](int, float) { return 0.f; });
+      continue;
+    }
+    float g = to_f32(grad[reduction == 0 ? row : 0]);
+    if (reduction == 1) g /= (float)status[1];
+    const float2 ms = row_lse_parts(xr, cols, vec, scratch);
+    const float gs = g / ms.y, off = g * ls / cols, hot = g * (1.f - ls);
+    row_map(xr, dr, cols, vec, [&](int j, float v) { return expf(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
+  }
+}
+
+extern "C" __global__ void cross_entropy_count(const int64_t* target, int* status, int64_t rows, int cols,
+                                               int64_t ignore) {
+  __shared__ float scratch[32];
+  count_targets(target, status, rows, cols, ignore, scratch);
+}
+
+#define KEEL_CROSS_ENTROPY(SUFFIX, T)                                                                          \
+  extern "C" __global__ void cross_entropy_rows_##SUFFIX(const T* x, const int64_t* target, float* loss,      \
+                                                         int64_t rows, int cols, int64_t ignore, float ls) {  \
+    ce_rows<T>(x, target, loss, rows, cols, ignore, ls);                                                       \
+  }                                                                                                            \
+  extern "C" __global__ void cross_entropy_reduce_##SUFFIX(const float* loss, const int64_t* target,          \
+                                                           int* status, T* out, int64_t rows, int cols,       \
+                                                           int64_t ignore, int reduction) {                   \
+    ce_reduce<T>(loss, target, status, out, rows, cols, ignore, reduction);                                    \
+  }                                                                                                            \
+  extern "C" __global__ void cross_entropy_bwd_##SUFFIX(const T* grad, const T* x, const int64_t* target,     \
+                                                        const int* status, T* dx, int64_t rows, int cols,     \
+                                                        int64_t ignore, float ls, int reduction) {            \
+    ce_bwd<T>(grad, x, target, status, dx, rows, cols, ignore, ls, reduction);                                 \
+  }
+
+KEEL_CROSS_ENTROPY(f32, float)
+KEEL_CROSS_ENTROPY(f16, __half)
+KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)

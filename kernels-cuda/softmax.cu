@@ -1,0 +1,54 @@
+// softmax over the last dimension of x * scale, and its backward from the
+// output: dx = scale * y * (dy - sum(dy * y)).
+//
+// One block per row (grid-stride over rows): a max pass, an exp-sum pass and
+// the store, the row re-read from L1/L2; 16-byte loads when the row length is
+// a multiple of 16 bytes and the pointers are aligned. f32 math with expf.
+// Kernel symbols: softmax_{fwd,bwd}_{f32,f16,bf16}.
+#include "common.cuh"
+
+using namespace keel;
+
+template <typename T>
+__device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int cols,
+                                            float scale) {
+  __shared__ float scratch[32];
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(y);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    float m = -INFINITY;
+    row_each(xr, cols, vec, [&](int, float v) { m = fmaxf(m, v * scale); });
+    m = block_max(m, scratch);
+    float s = 0.f;
+    row_each(xr, cols, vec, [&](int, float v) { s += expf(v * scale - m); });
+    const float inv = 1.f / block_sum(s, scratch);
+    row_map(xr, y + row * cols, cols, vec, [&](int, float v) { return expf(v * scale - m) * inv; });
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void softmax_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
+                                            int64_t rows, int cols, float scale) {
+  __shared__ float scratch[32];
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(dy) && aligned16(y) && aligned16(dx);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T *gr = dy + row * cols, *yr = y + row * cols;
+    float dot = 0.f;
+    row_each2(gr, yr, cols, vec, [&](int, float g, float v) { dot += g * v; });
+    dot = block_sum(dot, scratch);
+    row_map2(gr, yr, dx + row * cols, cols, vec, [&](int, float g, float v) { return scale * v * (g - dot); });
+  }
+}
+
+#define KEEL_SOFTMAX(SUFFIX, T)                                                                                 \
+  extern "C" __global__ void softmax_fwd_##SUFFIX(const T* x, T* y, int64_t rows, int cols, float scale) {    \
+    softmax_fwd<T>(x, y, rows, cols, scale);                                                                    \
+  }                                                                                                             \
+  extern "C" __global__ void softmax_bwd_##SUFFIX(const T* dy, const T* y, T* dx, int64_t rows, int cols,     \
+                                                  float scale) {                                               \
+    softmax_bwd<T>(dy, y, dx, rows, cols, scale);                                                               \
+  }
+
+KEEL_SOFTMAX(f32, float)
+KEEL_SOFTMAX(f16, __half)
+KEEL_SOFTMAX(bf16, __nv_bfloat16)

@@ -1,0 +1,259 @@
+//! Fused cross-entropy over logits `[rows, cols]` and int64 class targets
+//! `[rows]`, with `ignore_index`, label smoothing and the reductions `none`,
+//! `mean`, `sum`: the same as `torch.nn.functional.cross_entropy` (no class
+//! weights). No log-softmax is stored; the backward recomputes each row's
+//! log-sum-exp from the logits, so forward + backward need one logits-sized
+//! buffer (the gradient) beyond their inputs.
+//!
+//! Targets outside `[0, cols)` that are not `ignore_index` are an error. On
+//! CUDA that check reads a count back from the device, so the CUDA entry
+//! points synchronise `stream` once per call.
+pub use keel_cpu::cross_entropy::{Options, Reduction};
+
+use super::check_cols;
+use crate::cpu::{Element, Par};
+use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::error::{driver, Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use std::sync::Arc;
+
+const MODULE: (&str, &str) = ("cross_entropy", crate::ptx::CROSS_ENTROPY);
+
+/// CPU forward: the loss (`rows` values for [`Reduction::None`], else one).
+pub fn forward_cpu<T: Element>(
+    logits: &[T],
+    target: &[i64],
+    out: &mut [T],
+    cols: usize,
+    opts: Options,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::cross_entropy::forward(logits, target, out, cols, opts, par)?)
+}
+
+/// CPU backward: `grad_logits` from the loss gradient `grad`.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_cpu<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[i64],
+    grad_logits: &mut [T],
+    cols: usize,
+    opts: Options,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::cross_entropy::backward(grad, logits, target, grad_logits, cols, opts, par)?)
+}
+
+/// f32 elements of device scratch the CUDA entry points need: the row losses
+/// and two counters.
+pub fn scratch_len(rows: usize) -> usize {
+    rows + 2
+}
+
+fn reduction_code(r: Reduction) -> i32 {
+    match r {
+        Reduction::None => 0,
+        Reduction::Mean => 1,
+        Reduction::Sum => 2,
+    }
+}
+
+fn single_block() -> LaunchConfig {
+    LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Reads the bad-target count that the kernels left after the row losses in
+/// `scratch` (synchronising `stream`), and turns a non-zero count into an error.
+///
+/// # Safety
+/// `scratch` must hold [`scratch_len`]`(rows)` f32s on `stream`'s device.
+unsafe fn check_status(
+    op: &'static str,
+    stream: &CudaStream,
+    scratch: u64,
+    rows: usize,
+    opts: &Options,
+    cols: usize,
+) -> Result<()> {
+    let mut status = [0i32; 2];
+    // SAFETY: the two counters follow the rows f32 losses in scratch.
+    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut status, scratch + 4 * rows as u64, stream.cu_stream()) }
+        .map_err(driver("reading cross_entropy's target check"))?;
+    stream.synchronize().map_err(driver("synchronising after cross_entropy"))?;
+    if status[0] != 0 {
+        return Err(Error::Invalid {
+            op,
+            arg: "target",
+            msg: format!(
+                "{} target(s) out of range for {cols} classes (and not ignore_index = {})",
+                status[0], opts.ignore_index
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Result<()> {
+    check_cols(op, rows, cols)?;
+    keel_cpu::cross_entropy::check(op, rows * cols, rows, cols, opts)?;
+    Ok(())
+}
+
+/// CUDA forward on raw device pointers; synchronises `stream` to check the targets.
+///
+/// # Safety
+/// `logits` (`rows * cols` of `dtype`), `target` (`rows` i64), `out`
+/// (`opts.reduction.out_len(rows)` of `dtype`) and `scratch`
+/// ([`scratch_len`] f32s) must be device addresses on `stream`'s device; `out`
+/// and `scratch` must not overlap anything else.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn forward_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    logits: u64,
+    target: u64,
+    out: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    opts: Options,
+) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    check_dims(OP, rows, cols, &opts)?;
+    let s = dtype.suffix();
+    let (r, c, ii) = (Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index));
+    if rows > 0 {
+        let f = gpu.function(MODULE, &format!("cross_entropy_rows_{s}"))?;
+        let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
+        let args =
+            [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), r, c, ii, Arg::F32(opts.label_smoothing as f32)];
+        // SAFETY: matches cross_entropy_rows_*; pointers per our contract.
+        unsafe { launch("keel::cross_entropy_rows", stream, &f, cfg, &args)? };
+    }
+    let f = gpu.function(MODULE, &format!("cross_entropy_reduce_{s}"))?;
+    let args = [
+        Arg::Ptr(scratch),
+        Arg::Ptr(target),
+        Arg::Ptr(scratch + 4 * rows as u64),
+        Arg::Ptr(out),
+        Arg::I64(rows as i64),
+        Arg::I32(cols as i32),
+        Arg::I64(opts.ignore_index),
+        Arg::I32(reduction_code(opts.reduction)),
+    ];
+    // SAFETY: matches cross_entropy_reduce_*; pointers per our contract.
+    unsafe { launch("keel::cross_entropy_reduce", stream, &f, single_block(), &args)? };
+    // SAFETY: scratch per our contract.
+    unsafe { check_status(OP, stream, scratch, rows, &opts, cols) }
+}
+
+/// CUDA backward on raw device pointers; synchronises `stream` to check the targets.
+///
+/// # Safety
+/// As [`forward_cuda_raw`], with `grad` (`opts.reduction.out_len(rows)`
+/// elements) in place of `out` and `grad_logits` (`rows * cols`) not
+/// overlapping the inputs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    grad: u64,
+    logits: u64,
+    target: u64,
+    grad_logits: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    opts: Options,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    check_dims(OP, rows, cols, &opts)?;
+    let status = scratch + 4 * rows as u64;
+    let f = gpu.function(MODULE, "cross_entropy_count")?;
+    let args =
+        [Arg::Ptr(target), Arg::Ptr(status), Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index)];
+    // SAFETY: matches cross_entropy_count; pointers per our contract.
+    unsafe { launch("keel::cross_entropy_count", stream, &f, single_block(), &args)? };
+    if rows > 0 {
+        let f = gpu.function(MODULE, &format!("cross_entropy_bwd_{}", dtype.suffix()))?;
+        let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
+        let args = [
+            Arg::Ptr(grad),
+            Arg::Ptr(logits),
+            Arg::Ptr(target),
+            Arg::Ptr(status),
+            Arg::Ptr(grad_logits),
+            Arg::I64(rows as i64),
+            Arg::I32(cols as i32),
+            Arg::I64(opts.ignore_index),
+            Arg::F32(opts.label_smoothing as f32),
+            Arg::I32(reduction_code(opts.reduction)),
+        ];
+        // SAFETY: matches cross_entropy_bwd_*; pointers per our contract.
+        unsafe { launch("keel::cross_entropy_bwd", stream, &f, cfg, &args)? };
+    }
+    // SAFETY: scratch per our contract.
+    unsafe { check_status(OP, stream, scratch, rows, &opts, cols) }
+}
+
+fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {
+    stream.alloc_zeros::<f32>(scratch_len(rows)).map_err(driver("allocating cross_entropy scratch"))
+}
+
+/// CUDA forward on `cudarc` buffers, launched on `stream` (which it synchronises).
+pub fn forward_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    logits: &CudaSlice<T>,
+    target: &CudaSlice<i64>,
+    out: &mut CudaSlice<T>,
+    cols: usize,
+    opts: Options,
+) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
+    if out.len() != opts.reduction.out_len(rows) {
+        let msg = format!("has length {}, expected {}", out.len(), opts.reduction.out_len(rows));
+        return Err(Error::Invalid { op: OP, arg: "out", msg });
+    }
+    let gpu = gpu(stream.context().ordinal())?;
+    let sc = scratch(stream, rows)?;
+    let (pl, _g1) = logits.device_ptr(stream);
+    let (pt, _g2) = target.device_ptr(stream);
+    let (po, _g3) = out.device_ptr_mut(stream);
+    let (ps, _g4) = sc.device_ptr(stream);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, pl, pt, po, ps, rows, cols, opts) }
+}
+
+/// CUDA backward on `cudarc` buffers, launched on `stream` (which it synchronises).
+pub fn backward_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    grad: &CudaSlice<T>,
+    logits: &CudaSlice<T>,
+    target: &CudaSlice<i64>,
+    grad_logits: &mut CudaSlice<T>,
+    cols: usize,
+    opts: Options,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
+    for (arg, got, want) in
+        [("grad", grad.len(), opts.reduction.out_len(rows)), ("grad_logits", grad_logits.len(), logits.len())]
+    {
+        if got != want {
+            return Err(Error::Invalid { op: OP, arg, msg: format!("has length {got}, expected {want}") });
+        }
+    }
+    let gpu = gpu(stream.context().ordinal())?;
+    let sc = scratch(stream, rows)?;
+    let (pg, _g1) = grad.device_ptr(stream);
+    let (pl, _g2) = logits.device_ptr(stream);
+    let (pt, _g3) = target.device_ptr(stream);
+    let (pd, _g4) = grad_logits.device_ptr_mut(stream);
+    let (ps, _g5) = sc.device_ptr(stream);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { backward_cuda_raw(&gpu, stream, T::DTYPE, pg, pl, pt, pd, ps, rows, cols, opts) }
+}

@@ -1,0 +1,111 @@
+//! Rotary position embedding for `x[batch, seq, heads, head_dim]` with `cos`,
+//! `sin` of shape `[seq, rotary_dim / 2]`: GPT-NeoX (rotate halves) or GPT-J
+//! (interleaved pairs) layout; dims past `rotary_dim` pass through. The
+//! backward is the same rotation by the opposite angle (`inverse`).
+//!
+//! - Numerics: f32 math (f64 for f64), one rounding.
+//! - CUDA: element-wise grid-stride loop over the rotated pairs.
+pub use keel_cpu::rotary::Shape;
+
+use crate::cpu::{Element, Par};
+use crate::cuda::{gpu, launch, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::error::{Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+use std::sync::Arc;
+
+const MODULE: (&str, &str) = ("rotary", crate::ptx::ROTARY);
+
+/// CPU: `out` = `x` rotated (by the opposite angle when `inverse`).
+#[allow(clippy::too_many_arguments)]
+pub fn apply_cpu<T: Element>(
+    x: &[T],
+    cos: &[T],
+    sin: &[T],
+    out: &mut [T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::rotary::apply(x, cos, sin, out, shape, interleaved, inverse, par)?)
+}
+
+fn check_limits(op: &'static str, shape: &Shape) -> Result<()> {
+    for (arg, v) in [("seq", shape.seq), ("heads", shape.heads), ("head_dim", shape.head_dim)] {
+        if v > i32::MAX as usize {
+            return Err(Error::Invalid { op, arg, msg: format!("{v} exceeds the kernel's limit of 2^31-1") });
+        }
+    }
+    Ok(())
+}
+
+/// CUDA on raw device pointers.
+///
+/// # Safety
+/// `x` and `out` must be device addresses on `stream`'s device holding
+/// `shape.numel()` elements of `dtype`, `cos` and `sin` `seq * rotary_dim / 2`;
+/// `out` must not overlap the inputs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn apply_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    cos: u64,
+    sin: u64,
+    out: u64,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
+    check_limits(op, &shape)?;
+    let (n, half) = (shape.numel(), shape.rotary_dim / 2);
+    shape.check(op, n, shape.seq * half, shape.seq * half, n)?;
+    if n == 0 {
+        return Ok(());
+    }
+    let rows = shape.batch * shape.seq * shape.heads;
+    let items = (rows * half.max(shape.head_dim - 2 * half)).max(1);
+    let blocks = items.div_ceil(256).clamp(1, gpu.sm_count() as usize * 8);
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let f = gpu.function(MODULE, &format!("rotary_{}", dtype.suffix()))?;
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(cos),
+        Arg::Ptr(sin),
+        Arg::Ptr(out),
+        Arg::I64(rows as i64),
+        Arg::I32(shape.seq as i32),
+        Arg::I32(shape.heads as i32),
+        Arg::I32(shape.head_dim as i32),
+        Arg::I32(half as i32),
+        Arg::I32(interleaved as i32),
+        Arg::F32(if inverse { -1.0 } else { 1.0 }),
+    ];
+    // SAFETY: the argument list matches rotary_*; pointers per our contract.
+    unsafe { launch("keel::rotary", stream, &f, cfg, &args) }
+}
+
+/// CUDA on `cudarc` buffers, launched on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+    cos: &CudaSlice<T>,
+    sin: &CudaSlice<T>,
+    out: &mut CudaSlice<T>,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
+    shape.check(op, x.len(), cos.len(), sin.len(), out.len())?;
+    let gpu = gpu(stream.context().ordinal())?;
+    let (px, _g1) = x.device_ptr(stream);
+    let (pc, _g2) = cos.device_ptr(stream);
+    let (ps, _g3) = sin.device_ptr(stream);
+    let (po, _g4) = out.device_ptr_mut(stream);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { apply_cuda_raw(&gpu, stream, T::DTYPE, px, pc, ps, po, shape, interleaved, inverse) }
+}

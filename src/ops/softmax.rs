@@ -1,0 +1,153 @@
+//! Softmax over the last dimension of `x * scale`, and its backward from the
+//! output. Matches `torch.softmax(x * scale, -1)`.
+//!
+//! - Shapes: every buffer holds `rows * cols` elements, row-major.
+//! - Numerics: max-subtracted, f32 math (f64 for f64), one rounding; an all
+//!   `-inf` row gives NaN, as in torch.
+//! - CUDA: one block per row, max / exp-sum / store passes, 128-bit loads.
+use super::check_cols;
+use crate::cpu::{Element, Par};
+use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::error::{Error, Result};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+const MODULE: (&str, &str) = ("softmax", crate::ptx::SOFTMAX);
+
+/// CPU forward. See [`keel_cpu::softmax::forward`].
+pub fn forward_cpu<T: Element>(x: &[T], out: &mut [T], cols: usize, scale: f64, par: Par<'_>) -> Result<()> {
+    Ok(keel_cpu::softmax::forward(x, out, cols, scale, par)?)
+}
+
+/// CPU backward from the forward's output `y`. See [`keel_cpu::softmax::backward`].
+pub fn backward_cpu<T: Element>(
+    grad_out: &[T],
+    y: &[T],
+    grad_input: &mut [T],
+    cols: usize,
+    scale: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::softmax::backward(grad_out, y, grad_input, cols, scale, par)?)
+}
+
+/// CUDA launch on raw device pointers: `which` is `fwd` (`a` = x, `b` unused)
+/// or `bwd` (`a` = grad_out, `b` = y).
+///
+/// # Safety
+/// Every pointer must be a device address on `stream`'s device holding
+/// `rows * cols` elements of `dtype`; `out` must not overlap the inputs.
+#[allow(clippy::too_many_arguments)]
+unsafe fn run_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    which: &str,
+    dtype: DType,
+    a: u64,
+    b: u64,
+    out: u64,
+    rows: usize,
+    cols: usize,
+    scale: f64,
+) -> Result<()> {
+    let op = if which == "fwd" { "softmax" } else { "softmax_backward" };
+    check_cols(op, rows, cols)?;
+    keel_cpu::softmax::check(op, rows * cols, cols, scale)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let f = gpu.function(MODULE, &format!("softmax_{which}_{}", dtype.suffix()))?;
+    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
+    let (rows, cols, scale) = (Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(scale as f32));
+    let args: Vec<Arg> = if which == "fwd" {
+        vec![Arg::Ptr(a), Arg::Ptr(out), rows, cols, scale]
+    } else {
+        vec![Arg::Ptr(a), Arg::Ptr(b), Arg::Ptr(out), rows, cols, scale]
+    };
+    // SAFETY: the argument lists match softmax_{fwd,bwd}_*; pointers per our contract.
+    unsafe { launch(if which == "fwd" { "keel::softmax_fwd" } else { "keel::softmax_bwd" }, stream, &f, cfg, &args) }
+}
+
+/// CUDA forward on raw device pointers.
+///
+/// # Safety
+/// `x` and `out` must be device addresses on `stream`'s device holding
+/// `rows * cols` elements of `dtype`, not overlapping.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn forward_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    out: u64,
+    rows: usize,
+    cols: usize,
+    scale: f64,
+) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { run_raw(gpu, stream, "fwd", dtype, x, 0, out, rows, cols, scale) }
+}
+
+/// CUDA backward on raw device pointers, from the forward's output `y`.
+///
+/// # Safety
+/// As [`forward_cuda_raw`] for `grad_out`, `y` and `grad_input`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    grad_out: u64,
+    y: u64,
+    grad_input: u64,
+    rows: usize,
+    cols: usize,
+    scale: f64,
+) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { run_raw(gpu, stream, "bwd", dtype, grad_out, y, grad_input, rows, cols, scale) }
+}
+
+fn rows_of(op: &'static str, len: usize, cols: usize, others: &[(&'static str, usize)]) -> Result<usize> {
+    for &(arg, n) in others {
+        if n != len {
+            return Err(Error::Invalid { op, arg, msg: format!("has length {n}, expected {len}") });
+        }
+    }
+    Ok(keel_cpu::softmax::check(op, len, cols, 0.0)?)
+}
+
+/// CUDA forward on `cudarc` buffers, launched on `stream`.
+pub fn forward_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+    out: &mut CudaSlice<T>,
+    cols: usize,
+    scale: f64,
+) -> Result<()> {
+    let rows = rows_of("softmax", x.len(), cols, &[("out", out.len())])?;
+    let gpu = gpu(stream.context().ordinal())?;
+    let (px, _g1) = x.device_ptr(stream);
+    let (po, _g2) = out.device_ptr_mut(stream);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, po, rows, cols, scale) }
+}
+
+/// CUDA backward on `cudarc` buffers, launched on `stream`.
+pub fn backward_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    grad_out: &CudaSlice<T>,
+    y: &CudaSlice<T>,
+    grad_input: &mut CudaSlice<T>,
+    cols: usize,
+    scale: f64,
+) -> Result<()> {
+    let rows =
+        rows_of("softmax_backward", y.len(), cols, &[("grad_out", grad_out.len()), ("grad_input", grad_input.len())])?;
+    let gpu = gpu(stream.context().ordinal())?;
+    let (pg, _g1) = grad_out.device_ptr(stream);
+    let (py, _g2) = y.device_ptr(stream);
+    let (pd, _g3) = grad_input.device_ptr_mut(stream);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { backward_cuda_raw(&gpu, stream, T::DTYPE, pg, py, pd, rows, cols, scale) }
+}

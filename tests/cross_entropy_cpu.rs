@@ -1,0 +1,115 @@
+//! Property tests: the CPU fused cross-entropy (loss and gradient) against the
+//! f64 reference for every reduction, with ignored rows and label smoothing,
+//! every dtype, sequential and on rayon; plus torch's edge cases and bad targets.
+mod common;
+
+use common::{assert_close_floor, sum_scale, to_elems, Tol};
+use keel::cpu::{bf16, f16, Par};
+use keel::ops::cross_entropy::{backward_cpu, forward_cpu, Options, Reduction};
+use keel_cpu::cross_entropy::{backward_ref, forward_ref};
+use proptest::prelude::*;
+
+const IGNORE: i64 = -100;
+
+#[allow(clippy::type_complexity)]
+fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<i64>, f64, f64)> {
+    (0usize..=7, 1usize..=300, prop_oneof![Just(0.0), 0.0f64..=1.0]).prop_flat_map(|(rows, cols, ls)| {
+        let x = prop::collection::vec(prop_oneof![-5.0f64..5.0, -40.0f64..40.0], rows * cols);
+        let t = prop::collection::vec(prop_oneof![3 => 0..cols as i64, 1 => Just(IGNORE)], rows);
+        (Just(rows), Just(cols), x, t, Just(ls), -2.0f64..2.0)
+    })
+}
+
+fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], target: &[i64], ls: f64, g: f64) {
+    let x = to_elems::<T>(x);
+    // Terms of size |x| enter each loss: compare relative to the row's scale.
+    let floor = x.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs()));
+    for reduction in [Reduction::None, Reduction::Mean, Reduction::Sum] {
+        let opts = Options { ignore_index: IGNORE, label_smoothing: ls, reduction };
+        let n = reduction.out_len(rows);
+        let grad = to_elems::<T>(&(0..n).map(|i| g + i as f64 * 0.25).collect::<Vec<_>>());
+        let want = forward_ref(&x, target, cols, opts);
+        let want_dx = backward_ref(&grad, &x, target, cols, opts);
+        for par in [Par::Seq, Par::Rayon] {
+            let mut out = vec![T::default(); n];
+            forward_cpu(&x, target, &mut out, cols, opts, par).unwrap();
+            if reduction == Reduction::Mean && target.iter().all(|&t| t == IGNORE) {
+                assert!(out[0].to_f64().is_nan(), "mean over no rows is NaN");
+                continue;
+            }
+            let scale = 2.0 * sum_scale::<T>(cols * rows.max(1));
+            assert_close_floor(
+                &out,
+                &want,
+                scale,
+                floor * if reduction == Reduction::None { 1.0 } else { rows as f64 },
+                &format!("{reduction:?} loss"),
+            );
+            let mut dx = vec![T::default(); rows * cols];
+            backward_cpu(&grad, &x, target, &mut dx, cols, opts, par).unwrap();
+            assert_close_floor(
+                &dx,
+                &want_dx,
+                2.0 * sum_scale::<T>(cols),
+                g.abs() + 1.0,
+                &format!("{reduction:?} grad"),
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(40))]
+
+    #[test]
+    fn f32_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f32>(rows, cols, &x, &t, ls, g); }
+
+    #[test]
+    fn f64_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f64>(rows, cols, &x, &t, ls, g); }
+
+    #[test]
+    fn f16_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f16>(rows, cols, &x, &t, ls, g); }
+
+    #[test]
+    fn bf16_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<bf16>(rows, cols, &x, &t, ls, g); }
+}
+
+#[test]
+fn known_value_and_ignored_rows() {
+    // Uniform logits over 4 classes: loss ln 4 per row; the ignored row adds nothing.
+    let x = [0f32; 12];
+    let t = [1, IGNORE, 3];
+    let mut out = [0f32];
+    let opts = Options { ignore_index: IGNORE, label_smoothing: 0.0, reduction: Reduction::Mean };
+    forward_cpu(&x, &t, &mut out, 4, opts, Par::Seq).unwrap();
+    assert!((out[0] as f64 - 4f64.ln()).abs() < 1e-6, "{}", out[0]);
+    let mut dx = [1f32; 12];
+    backward_cpu(&[1.0f32], &x, &t, &mut dx, 4, opts, Par::Seq).unwrap();
+    assert_eq!(&dx[4..8], &[0.0; 4], "ignored row has no gradient");
+    assert!((dx[1] + 0.375).abs() < 1e-7 && (dx[0] - 0.125).abs() < 1e-7, "{dx:?}");
+}
+
+#[test]
+fn bad_targets_and_options_are_errors() {
+    let err = |r: keel::Result<()>| r.unwrap_err().to_string();
+    let opts = Options { ignore_index: IGNORE, label_smoothing: 0.0, reduction: Reduction::Sum };
+    let mut out = [0f32];
+    assert_eq!(
+        err(forward_cpu(&[0f32; 8], &[0, 4], &mut out, 4, opts, Par::Seq)),
+        "cross_entropy: argument 'target': target[1] = 4 is out of range for 4 classes (and is not ignore_index = -100)"
+    );
+    assert!(err(forward_cpu(&[0f32; 8], &[-1, 0], &mut out, 4, opts, Par::Seq)).contains("target[0] = -1"));
+    let bad_ls = Options { label_smoothing: 1.5, ..opts };
+    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], &mut out, 4, bad_ls, Par::Seq))
+        .contains("'label_smoothing': must be in [0, 1]"));
+    assert!(
+        err(forward_cpu(&[0f32; 8], &[0], &mut out, 4, opts, Par::Seq)).contains("'target' has length 1, expected 2")
+    );
+    let mut dx = [0f32; 8];
+    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 9], &mut dx, 4, opts, Par::Seq))
+        .contains("cross_entropy_backward: argument 'target'"));
+    assert_eq!(
+        keel_cpu::cross_entropy::Reduction::parse("cross_entropy", "avg").unwrap_err().to_string(),
+        "cross_entropy: argument 'reduction': must be \"mean\", \"sum\" or \"none\", got \"avg\""
+    );
+}

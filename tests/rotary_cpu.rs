@@ -1,0 +1,91 @@
+//! Property tests: the CPU rotary embedding (both layouts, forward and the
+//! inverse rotation) against the f64 reference, every dtype, partial rotary
+//! dims, sequential and on rayon; and that the inverse undoes the forward.
+mod common;
+
+use common::{assert_close, to_elems, Tol};
+use keel::cpu::{bf16, f16, Par};
+use keel::ops::rotary::{apply_cpu, Shape};
+use keel_cpu::rotary::apply_ref;
+use proptest::prelude::*;
+
+fn case() -> impl Strategy<Value = (Shape, Vec<f64>, Vec<f64>)> {
+    (0usize..=2, 1usize..=5, 1usize..=3, 1usize..=40, 0usize..=20).prop_flat_map(|(batch, seq, heads, hd, r)| {
+        let head_dim = 2 * hd;
+        let rotary_dim = 2 * (r % (hd + 1));
+        let shape = Shape { batch, seq, heads, head_dim, rotary_dim };
+        let x = prop::collection::vec(-4.0f64..4.0, shape.numel());
+        let angles = prop::collection::vec(-10.0f64..10.0, seq * rotary_dim / 2);
+        (Just(shape), x, angles)
+    })
+}
+
+fn check<T: Tol>(shape: Shape, x: &[f64], angles: &[f64]) {
+    let x = to_elems::<T>(x);
+    let cos = to_elems::<T>(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>());
+    let sin = to_elems::<T>(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>());
+    for interleaved in [false, true] {
+        for inverse in [false, true] {
+            let want = apply_ref(&x, &cos, &sin, shape, interleaved, inverse);
+            for par in [Par::Seq, Par::Rayon] {
+                let mut y = vec![T::default(); shape.numel()];
+                apply_cpu(&x, &cos, &sin, &mut y, shape, interleaved, inverse, par).unwrap();
+                // Two products and a sum in f32, one rounding: |a| + |b| <= 8 sets the floor.
+                assert_close(&y, &want, 8.0, &format!("interleaved={interleaved} inverse={inverse}"));
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_matches_reference((shape, x, a) in case()) { check::<f32>(shape, &x, &a); }
+
+    #[test]
+    fn f64_matches_reference((shape, x, a) in case()) { check::<f64>(shape, &x, &a); }
+
+    #[test]
+    fn f16_matches_reference((shape, x, a) in case()) { check::<f16>(shape, &x, &a); }
+
+    #[test]
+    fn bf16_matches_reference((shape, x, a) in case()) { check::<bf16>(shape, &x, &a); }
+}
+
+#[test]
+fn inverse_undoes_forward_and_layouts_pair_the_right_dims() {
+    let shape = Shape { batch: 1, seq: 2, heads: 1, head_dim: 6, rotary_dim: 4 };
+    let x: Vec<f64> = (0..12).map(|i| i as f64 + 1.0).collect();
+    let a = [0.3, -1.1, 2.0, 0.7];
+    let (cos, sin): (Vec<f64>, Vec<f64>) = a.iter().map(|a: &f64| (a.cos(), a.sin())).unzip();
+    for interleaved in [false, true] {
+        let mut y = vec![0f64; 12];
+        let mut back = vec![0f64; 12];
+        apply_cpu(&x, &cos, &sin, &mut y, shape, interleaved, false, Par::Seq).unwrap();
+        apply_cpu(&y, &cos, &sin, &mut back, shape, interleaved, true, Par::Seq).unwrap();
+        assert!(x.iter().zip(&back).all(|(a, b)| (a - b).abs() < 1e-12));
+        assert_eq!((y[4], y[5]), (5.0, 6.0), "dims past rotary_dim pass through");
+    }
+    // Position 0, NeoX: the pair (x0, x2) at angle 0.3.
+    let mut y = vec![0f64; 12];
+    apply_cpu(&x, &cos, &sin, &mut y, shape, false, false, Par::Seq).unwrap();
+    assert!((y[0] - (0.3f64.cos() - 3.0 * 0.3f64.sin())).abs() < 1e-12);
+    // GPT-J: the pair (x0, x1).
+    apply_cpu(&x, &cos, &sin, &mut y, shape, true, false, Par::Seq).unwrap();
+    assert!((y[0] - (0.3f64.cos() - 2.0 * 0.3f64.sin())).abs() < 1e-12);
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let err = |r: keel::Result<()>| r.unwrap_err().to_string();
+    let shape = Shape { batch: 1, seq: 2, heads: 1, head_dim: 4, rotary_dim: 6 };
+    let mut y = [0f32; 8];
+    assert!(err(apply_cpu(&[0f32; 8], &[0f32; 6], &[0f32; 6], &mut y, shape, false, false, Par::Seq))
+        .contains("rotary_dim = 6 (2 x its last dim), which must be even and at most head_dim = 4"));
+    let shape = Shape { rotary_dim: 4, ..shape };
+    assert_eq!(
+        err(apply_cpu(&[0f32; 8], &[0f32; 4], &[0f32; 3], &mut y, shape, false, false, Par::Seq)),
+        "rotary_embedding: argument 'sin' has length 3, expected 4"
+    );
+}
