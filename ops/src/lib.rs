@@ -9,12 +9,15 @@
 
 mod abi_selftest;
 mod checks;
+mod cross_entropy;
 mod device;
 mod fused_add_rms_norm;
 mod gated;
 mod layer_norm;
 mod registry;
 mod rms_norm;
+mod rotary;
+mod softmax;
 mod torch_pool;
 
 /// Runs when the library is loaded: registers every op. Must not unwind.

@@ -39,6 +39,20 @@ const OPS: &[OpDef] = &[
     op::<crate::gated::GeluAndMulBackward>(
         "gelu_and_mul_backward(Tensor grad_out, Tensor input, str approximate=\"none\") -> Tensor",
     ),
+    op::<crate::softmax::Softmax>("softmax(Tensor input, float scale=1.0) -> Tensor"),
+    op::<crate::softmax::SoftmaxBackward>("softmax_backward(Tensor grad_out, Tensor output, float scale) -> Tensor"),
+    op::<crate::cross_entropy::CrossEntropy>(
+        "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor",
+    ),
+    op::<crate::cross_entropy::CrossEntropyBackward>(
+        "cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) -> Tensor",
+    ),
+    op::<crate::rotary::RotaryEmbedding>(
+        "rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
+    ),
+    op::<crate::rotary::RotaryEmbeddingBackward>(
+        "rotary_embedding_backward(Tensor grad_out, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
+    ),
 ];
 
 /// Keeps the library fragments alive for the life of the process (dropping

@@ -3,7 +3,8 @@ stable C ABI, so one wheel serves every torch from 2.10 on.
 
 Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``,
 ``keel.layer_norm``, ``keel.fused_add_rms_norm``, ``keel.silu_and_mul``,
-``keel.gelu_and_mul``) and drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
+``keel.gelu_and_mul``, ``keel.softmax``, ``keel.cross_entropy``,
+``keel.rotary_embedding``) and drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
 and work under ``torch.compile``.
 """
 from . import _load
@@ -15,7 +16,27 @@ from . import _autograd  # noqa: E402
 _autograd.register()
 
 from . import nn  # noqa: E402
-from .functional import fused_add_rms_norm, gelu_and_mul, layer_norm, rms_norm, silu_and_mul  # noqa: E402
+from .functional import (  # noqa: E402
+    cross_entropy,
+    fused_add_rms_norm,
+    gelu_and_mul,
+    layer_norm,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    softmax,
+)
 
 __version__ = "0.1.0"
-__all__ = ["rms_norm", "layer_norm", "fused_add_rms_norm", "silu_and_mul", "gelu_and_mul", "nn", "LIBRARY_PATH"]
+__all__ = [
+    "rms_norm",
+    "layer_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "softmax",
+    "cross_entropy",
+    "rotary_embedding",
+    "nn",
+    "LIBRARY_PATH",
+]

@@ -83,6 +83,56 @@ def _gelu_and_mul_backward(ctx, grad):
     return _grad(ctx, 0, ops.gelu_and_mul_backward(grad.contiguous(), x, ctx.approximate)), None
 
 
+def _softmax_setup(ctx, inputs, output):
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _softmax_backward(ctx, grad):
+    (y,) = ctx.saved_tensors
+    return _grad(ctx, 0, ops.softmax_backward(grad.contiguous(), y, ctx.scale)), None
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, reduction = inputs
+    ctx.save_for_backward(logits, target)
+    ctx.args = (ignore_index, label_smoothing, reduction)
+
+
+def _cross_entropy_backward(ctx, grad):
+    logits, target = ctx.saved_tensors
+    g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args)
+    return _grad(ctx, 0, g), None, None, None, None
+
+
+def _rotary_setup(ctx, inputs, output):
+    x, cos, sin, interleaved = inputs
+    ctx.save_for_backward(x, cos, sin)
+    ctx.interleaved = interleaved
+
+
+def _rotary_pairs(t, half, interleaved):
+    """The two members of each rotated pair of `t[..., :2 half]`."""
+    if interleaved:
+        return t[..., 0 : 2 * half : 2], t[..., 1 : 2 * half : 2]
+    return t[..., :half], t[..., half : 2 * half]
+
+
+def _rotary_backward(ctx, grad):
+    x, cos, sin = ctx.saved_tensors
+    grad = grad.contiguous()
+    gx = ops.rotary_embedding_backward(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
+    gcos = gsin = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        # d(a cos - b sin, b cos + a sin): summed over batch and heads, in f32.
+        half = cos.shape[-1]
+        a, b = (t.float() for t in _rotary_pairs(x, half, ctx.interleaved))
+        ga, gb = (t.float() for t in _rotary_pairs(grad, half, ctx.interleaved))
+        gcos = (ga * a + gb * b).sum((0, 2)).to(cos.dtype) if ctx.needs_input_grad[1] else None
+        gsin = (gb * a - ga * b).sum((0, 2)).to(sin.dtype) if ctx.needs_input_grad[2] else None
+    return gx, gcos, gsin, None
+
+
 def register() -> None:
     reg = torch.library.register_autograd
     reg("keel::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
@@ -90,3 +140,6 @@ def register() -> None:
     reg("keel::fused_add_rms_norm", _fused_add_rms_norm_backward, setup_context=_fused_add_rms_norm_setup)
     reg("keel::silu_and_mul", _silu_and_mul_backward, setup_context=_silu_and_mul_setup)
     reg("keel::gelu_and_mul", _gelu_and_mul_backward, setup_context=_gelu_and_mul_setup)
+    reg("keel::softmax", _softmax_backward, setup_context=_softmax_setup)
+    reg("keel::cross_entropy", _cross_entropy_backward, setup_context=_cross_entropy_setup)
+    reg("keel::rotary_embedding", _rotary_backward, setup_context=_rotary_setup)

@@ -80,5 +80,64 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
     return torch.ops.keel.gelu_and_mul(input.contiguous(), approximate)
 
 
+def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
+    """Softmax over the last dimension of ``input * scale``.
+
+    Same result as ``torch.softmax(input * scale, -1)`` without the scaled copy:
+    max-subtracted, f32 math (f64 for float64), one rounding. A row that is all
+    ``-inf`` gives NaN, as in torch; a ``-inf`` entry gets exactly 0.
+
+    Args:
+        input: ``[..., n]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
+        scale: finite multiplier applied before the softmax (e.g. ``1 / sqrt(d)``).
+
+    Returns:
+        A new tensor shaped like ``input``. Differentiable in ``input``.
+    """
+    return torch.ops.keel.softmax(input.contiguous(), scale)
+
+
+def cross_entropy(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> Tensor:
+    """Fused cross-entropy: ``F.cross_entropy(logits, target, ...)`` with the same arguments.
+
+    No log-softmax is kept for the backward (it is recomputed from the logits), so
+    forward + backward allocate one logits-sized buffer: the gradient.
+
+    Args:
+        logits: ``[N, V]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
+        target: ``[N]`` int64 class indices in ``[0, V)``, or ``ignore_index``; any other
+            value raises a RuntimeError (on CUDA this check synchronises the stream).
+        ignore_index: rows with this target contribute no loss and no gradient.
+        label_smoothing: in ``[0, 1]``, as in torch.
+        reduction: ``"mean"`` (over the rows not ignored; NaN when all are),
+            ``"sum"`` or ``"none"`` (``[N]`` losses).
+
+    Returns:
+        The loss in ``logits``' dtype. Differentiable in ``logits``.
+    """
+    return torch.ops.keel.cross_entropy(logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
+
+
+def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """Rotary position embedding of ``x[batch, seq, heads, head_dim]``.
+
+    ``cos`` and ``sin`` are ``[seq, rotary_dim / 2]`` (the cos/sin of each position's
+    angles, same dtype and device as ``x``), with ``rotary_dim <= head_dim``; dims from
+    ``rotary_dim`` on pass through. ``interleaved=False`` is the GPT-NeoX / Llama layout
+    (rotate halves: pairs ``(i, i + rotary_dim/2)``), ``True`` the GPT-J layout (pairs
+    ``(2i, 2i+1)``). f32 math, one rounding.
+
+    Returns:
+        A new tensor shaped like ``x``. Differentiable in ``x`` (and in ``cos``/``sin``).
+    """
+    return torch.ops.keel.rotary_embedding(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+
+
 def _c(t: Optional[Tensor]) -> Optional[Tensor]:
     return None if t is None else t.contiguous()

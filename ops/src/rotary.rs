@@ -1,0 +1,106 @@
+//! `keel::rotary_embedding` and `keel::rotary_embedding_backward`.
+//!
+//! `rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor`
+//! for `x[batch, seq, heads, head_dim]`, `cos`/`sin[seq, rotary_dim / 2]`.
+//! `rotary_embedding_backward(grad_out, cos, sin, interleaved) -> grad_x`: the
+//! rotation by the opposite angle.
+use crate::checks::{self, invalid, with_float_type, Rows};
+use crate::device::{kernel_err, ptr, CudaCall};
+use crate::torch_pool::with_torch_par;
+use keel::ops::rotary::Shape;
+use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
+
+/// Checks `x` (4-D) and `cos`, `sin` against it; returns the shape.
+fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Rows, Shape)> {
+    let c = checks::rows_of(op, arg, x)?;
+    let s = x.sizes()?;
+    let &[batch, seq, heads, head_dim] = s else {
+        return Err(invalid(op, arg, format!("must have 4 dims [batch, seq, heads, head_dim], got shape {s:?}")));
+    };
+    for (name, t) in [("cos", cos), ("sin", sin)] {
+        checks::same_device(op, name, t, arg, c.device)?;
+        checks::same_dtype(op, name, t, arg, c.dtype)?;
+        let ts = t.sizes()?;
+        if ts.len() != 2 || ts[0] != seq {
+            return Err(invalid(
+                op,
+                name,
+                format!("must have shape [seq, rotary_dim / 2] with seq = {seq}, got {ts:?}"),
+            ));
+        }
+        if 2 * ts[1] > head_dim {
+            let msg = format!("gives rotary_dim = {} (2 x its last dim), more than head_dim = {head_dim}", 2 * ts[1]);
+            return Err(invalid(op, name, msg));
+        }
+        checks::contiguous(op, name, t)?;
+    }
+    if cos.sizes()? != sin.sizes()? {
+        return Err(invalid(op, "sin", format!("has shape {:?} but 'cos' has {:?}", sin.sizes()?, cos.sizes()?)));
+    }
+    let rotary_dim = 2 * cos.sizes()?[1] as usize;
+    let (batch, seq, heads, head_dim) = (batch as usize, seq as usize, heads as usize, head_dim as usize);
+    Ok((c, Shape { batch, seq, heads, head_dim, rotary_dim }))
+}
+
+fn run(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Result<(Tensor,)> {
+    let (c, shape) = check(op, arg, &x, &cos, &sin)?;
+    let inverse = op.ends_with("_backward");
+    let out = x.empty_like()?;
+    match c.device.kind {
+        DeviceType::Cpu => with_float_type!(c.dtype, T => {
+            // SAFETY: checked contiguous CPU tensors of element type T; `out` is fresh.
+            let (xs, cs, ss, ys) = unsafe { (x.as_slice::<T>()?, cos.as_slice::<T>()?, sin.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
+            with_torch_par(|par| keel::ops::rotary::apply_cpu(xs, cs, ss, ys, shape, interleaved, inverse, par))?
+                .map_err(kernel_err)?
+        }),
+        DeviceType::Cuda => {
+            let call = CudaCall::new(op, c.device)?;
+            let dtype = checks::cuda_dtype(c.dtype)?;
+            let (px, pc, ps, po) = (ptr(Some(&x))?, ptr(Some(&cos))?, ptr(Some(&sin))?, ptr(Some(&out))?);
+            // SAFETY: checked contiguous CUDA tensors on the guarded device; `out` is fresh.
+            unsafe {
+                keel::ops::rotary::apply_cuda_raw(
+                    &call.gpu,
+                    &call.stream,
+                    dtype,
+                    px,
+                    pc,
+                    ps,
+                    po,
+                    shape,
+                    interleaved,
+                    inverse,
+                )
+            }
+            .map_err(kernel_err)?
+        }
+        DeviceType::Meta | DeviceType::Other(_) => {}
+    }
+    Ok((out,))
+}
+
+/// `rotary_embedding`.
+pub(crate) struct RotaryEmbedding;
+
+impl BoxedOp for RotaryEmbedding {
+    const NAME: &'static str = "rotary_embedding";
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Out = (Tensor,);
+
+    fn run((x, cos, sin, interleaved): Self::Args) -> Result<Self::Out> {
+        run(Self::NAME, "x", x, cos, sin, interleaved)
+    }
+}
+
+/// `rotary_embedding_backward`.
+pub(crate) struct RotaryEmbeddingBackward;
+
+impl BoxedOp for RotaryEmbeddingBackward {
+    const NAME: &'static str = "rotary_embedding_backward";
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Out = (Tensor,);
+
+    fn run((grad_out, cos, sin, interleaved): Self::Args) -> Result<Self::Out> {
+        run(Self::NAME, "grad_out", grad_out, cos, sin, interleaved)
+    }
+}
