@@ -48,6 +48,29 @@ def cases(device, dtype):
         s = x + r
         return F.rms_norm(s, (n,), w, 1e-6), s
 
+    # cross_entropy forward + backward on [4096, 32000]; every 8th row ignored.
+    logits = rnd(n, 32000)
+    tgt = torch.randint(0, 32000, (n,), generator=g)
+    tgt[::8] = -100
+    tgt = tgt.to(device)
+
+    def ce_fwd_bwd(f, z):
+        z = z.detach().requires_grad_()
+        loss = f(z, tgt)
+        (grad,) = torch.autograd.grad(loss, z)
+        return loss, grad
+
+    # rotary_embedding on q [4, 1024, 32, 128] with Llama's angles (NeoX layout).
+    q = rnd(4, 1024, 32, 128)
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 128, 2, dtype=torch.float64) / 128))
+    ang = torch.outer(torch.arange(1024, dtype=torch.float64), inv)
+    cos, sin = ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+
+    def rope_torch(q, cos, sin):
+        c, s_ = cos[None, :, None, :], sin[None, :, None, :]
+        q1, q2 = q[..., :64], q[..., 64:]
+        return torch.cat([q1 * c - q2 * s_, q2 * c + q1 * s_], -1)
+
     return [
         ("rms_norm", "4096x4096", lambda: torch.ops.keel.rms_norm(x, w, 1e-6),
          lambda: F.rms_norm(x, (n,), w, 1e-6), lambda: F.rms_norm(*dbl(x), (n,), *dbl(w), 1e-6), [x]),
@@ -63,6 +86,12 @@ def cases(device, dtype):
         ("gelu_and_mul tanh", "4096x8192", lambda: torch.ops.keel.gelu_and_mul(xg, "tanh"),
          lambda: F.gelu(xg[:, :d], approximate="tanh") * xg[:, d:],
          lambda: F.gelu(xg.double()[:, :d], approximate="tanh") * xg.double()[:, d:], [xg]),
+        ("softmax", "4096x4096", lambda: torch.ops.keel.softmax(x, 1.0),
+         lambda: torch.softmax(x, -1), lambda: torch.softmax(x.double(), -1), [x]),
+        ("cross_entropy f+b", "4096x32000", lambda: ce_fwd_bwd(keel.cross_entropy, logits),
+         lambda: ce_fwd_bwd(F.cross_entropy, logits), lambda: ce_fwd_bwd(F.cross_entropy, logits.double()), [logits]),
+        ("rotary_embedding", "4x1024x32x128", lambda: torch.ops.keel.rotary_embedding(q, cos, sin, False),
+         lambda: rope_torch(q, cos, sin), lambda: rope_torch(*dbl(q, cos, sin)), [q]),
     ]
 
 
@@ -78,7 +107,7 @@ def main():
           f"{', THP_MEM_ALLOC_ENABLE=1' if thp else ''}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     ok = True
-    print(f"{'op':18} {'dev':4} {'dtype':8} {'shape':9}  {'err keel':>8} {'err torch':>9}  "
+    print(f"{'op':18} {'dev':4} {'dtype':8} {'shape':13}  {'err keel':>8} {'err torch':>9}  "
           f"{'keel ms':>8} {'torch ms':>8} {'clone ms':>8}  {'speedup':>7} {'keel/clone':>10}")
     for device in devices:
         sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -97,7 +126,7 @@ def main():
                     "torch": run(tf),
                     "clone": run(lambda: [i.clone() for i in inputs]),
                 })
-                print(f"{name:18} {device:4} {str(dtype)[6:]:8} {shape:9}  {ek:8.1e} {et:9.1e}  "
+                print(f"{name:18} {device:4} {str(dtype)[6:]:8} {shape:13}  {ek:8.1e} {et:9.1e}  "
                       f"{t['keel']:8.2f} {t['torch']:8.2f} {t['clone']:8.2f}  "
                       f"{t['torch'] / t['keel']:6.2f}x {t['keel'] / t['clone']:10.2f}{'' if good else '  BAD'}")
                 del ref

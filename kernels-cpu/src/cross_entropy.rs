@@ -18,7 +18,7 @@ use crate::error::{check_len, Error, Result};
 use crate::par::Par;
 use crate::rows::{Blocks, Split};
 use crate::simd::{dispatch, sum_pairs};
-use crate::softmax::{exp_into, row_max};
+use crate::softmax::{exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
 const OP_BWD: &str = "cross_entropy_backward";
@@ -134,13 +134,12 @@ pub fn forward<T: Element>(
             let mut l = ls.get(b);
             let r = blocks.rows(b);
             let x = &logits[r.start * cols..r.end * cols];
-            let mut scratch = vec![T::Acc::ZERO; cols];
             dispatch(
                 #[inline(always)]
                 || {
                     for ((x, &t), l) in x.chunks_exact(cols).zip(&target[r.clone()]).zip(l.iter_mut()) {
                         if t != opts.ignore_index {
-                            *l = row_loss(x, t as usize, &mut scratch, opts.label_smoothing);
+                            *l = row_loss(x, t as usize, opts.label_smoothing);
                         }
                     }
                 },
@@ -207,10 +206,10 @@ pub fn backward<T: Element>(
 
 /// One row's loss: `lse - (1 - eps) x[t] - eps mean(x)`, in f64 from `Acc` sums.
 #[inline(always)]
-fn row_loss<T: Element>(x: &[T], t: usize, scratch: &mut [T::Acc], eps: f64) -> f64 {
+fn row_loss<T: Element>(x: &[T], t: usize, eps: f64) -> f64 {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
-    let s = exp_into(x, scratch, one, m);
+    let s = exp_sum(x, one, m);
     let lse = m.to_f64() + s.to_f64().ln();
     let mut loss = lse - (1.0 - eps) * x[t].to_f64();
     if eps > 0.0 {

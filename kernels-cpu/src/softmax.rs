@@ -141,6 +141,30 @@ pub(crate) fn exp_into<T: Element>(x: &[T], e: &mut [T::Acc], scale: T::Acc, m: 
     acc[0] + tail
 }
 
+/// `sum(exp(x_i * scale - m))` with `LANES` accumulators, nothing stored.
+#[inline(always)]
+pub(crate) fn exp_sum<T: Element>(x: &[T], scale: T::Acc, m: T::Acc) -> T::Acc {
+    let mut acc = [T::Acc::ZERO; LANES];
+    let cx = x.chunks_exact(LANES);
+    let mut tail = T::Acc::ZERO;
+    for v in cx.remainder() {
+        tail = tail + (v.to_acc() * scale - m).exp();
+    }
+    for cx in cx {
+        for i in 0..LANES {
+            acc[i] = acc[i] + (cx[i].to_acc() * scale - m).exp();
+        }
+    }
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for i in 0..width {
+            acc[i] = acc[i] + acc[i + width];
+        }
+    }
+    acc[0] + tail
+}
+
 #[inline(always)]
 fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: T::Acc) {
     let m = row_max(x, scale);
