@@ -45,6 +45,12 @@ pub(crate) fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc)
     for (a, b) in ra.iter().zip(rb) {
         tail = tail + f(a.to_acc(), b.to_acc());
     }
+    reduce_lanes(acc) + tail
+}
+
+/// Sum of `LANES` accumulators by a pairwise tree (vector adds, not a serial chain).
+#[inline(always)]
+pub(crate) fn reduce_lanes<A: Acc>(mut acc: [A; LANES]) -> A {
     let mut width = LANES;
     while width > 1 {
         width /= 2;
@@ -52,5 +58,5 @@ pub(crate) fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc)
             acc[i] = acc[i] + acc[i + width];
         }
     }
-    acc[0] + tail
+    acc[0]
 }

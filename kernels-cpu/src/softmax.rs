@@ -14,7 +14,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{Blocks, Split};
-use crate::simd::{dispatch, sum_pairs, LANES};
+use crate::simd::{dispatch, reduce_lanes, sum_pairs, LANES};
 
 const OP_FWD: &str = "softmax";
 const OP_BWD: &str = "softmax_backward";
@@ -131,14 +131,7 @@ pub(crate) fn exp_into<T: Element>(x: &[T], e: &mut [T::Acc], scale: T::Acc, m: 
         *e = (x.to_acc() * scale - m).exp();
         tail = tail + *e;
     }
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] = acc[i] + acc[i + width];
-        }
-    }
-    acc[0] + tail
+    reduce_lanes(acc) + tail
 }
 
 /// `sum(exp(x_i * scale - m))` with `LANES` accumulators, nothing stored.
@@ -155,14 +148,7 @@ pub(crate) fn exp_sum<T: Element>(x: &[T], scale: T::Acc, m: T::Acc) -> T::Acc {
             acc[i] = acc[i] + (cx[i].to_acc() * scale - m).exp();
         }
     }
-    let mut width = LANES;
-    while width > 1 {
-        width /= 2;
-        for i in 0..width {
-            acc[i] = acc[i] + acc[i + width];
-        }
-    }
-    acc[0] + tail
+    reduce_lanes(acc) + tail
 }
 
 #[inline(always)]
