@@ -71,3 +71,10 @@ torch_env() {
   fi
   PY="$venv/bin/python"
 }
+# Builds the wheel once (Rust cdylib inside, not tied to a torch or Python version)
+# and sets $WHEEL.
+build_wheel() {
+  rm -rf "$_root/dist"
+  python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$_root/dist" "$_root"
+  WHEEL="$(ls "$_root"/dist/keel-*.whl)"
+}
