@@ -105,7 +105,7 @@ pub fn check_targets(op: &'static str, target: &[i64], cols: usize, ignore_index
                 op,
                 arg: "target",
                 msg: format!(
-                    "target[{i}] = {t} is out of range for {cols} classes (and is not ignore_index = {ignore_index})"
+                    "holds {t} at row {i}, out of range for {cols} classes (and not ignore_index = {ignore_index})"
                 ),
             });
         }

@@ -30,7 +30,14 @@ pub(crate) fn ptr(t: Option<&keel_abi::Tensor>) -> keel_abi::Result<u64> {
     })
 }
 
-/// Maps a kernel-layer error to an error raised in Python.
+/// Maps a kernel-layer error to an error raised in Python. Argument errors
+/// read like the ops' own checks (`keel::op: argument 'arg' ...`).
 pub(crate) fn kernel_err(e: keel::Error) -> Error {
-    Error::Invalid(format!("keel: {e}"))
+    match e {
+        keel::Error::Cpu(keel::cpu::Error::Shape { op, arg, msg }) => {
+            Error::Invalid(format!("keel::{op}: argument '{arg}' {msg}"))
+        }
+        keel::Error::Invalid { op, arg, msg } => Error::Invalid(format!("keel::{op}: argument '{arg}' {msg}")),
+        other => Error::Invalid(format!("keel: {other}")),
+    }
 }

@@ -99,8 +99,8 @@ def test_torch_compile_fullgraph(device):
 
 
 BAD = [
-    ("target too big", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"cross_entropy: argument 'target': target\[1\] = 5 is out of range for 5 classes"),
-    ("negative target", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, -1, 1])), r"argument 'target': target\[1\] = -1 is out of range"),
+    ("target too big", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"keel::cross_entropy: argument 'target' holds 5 at row 1, out of range for 5 classes \(and not ignore_index = -100\)"),
+    ("negative target", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, -1, 1])), r"keel::cross_entropy: argument 'target' holds -1 at row 1, out of range"),
     ("int32 target", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 1], dtype=torch.int32)), r"keel::cross_entropy: argument 'target' must have dtype torch.int64"),
     ("target shape", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1])), r"keel::cross_entropy: argument 'target' must have shape \[3\]"),
     ("3-d logits", lambda: keel.cross_entropy(torch.randn(2, 3, 5), torch.tensor([0, 1])), r"keel::cross_entropy: argument 'logits' must have 2 dims \[N, V\]"),

@@ -86,7 +86,7 @@ unsafe fn check_status(
             op,
             arg: "target",
             msg: format!(
-                "{} target(s) out of range for {cols} classes (and not ignore_index = {})",
+                "has {} value(s) out of range for {cols} classes (and not ignore_index = {})",
                 status[0], opts.ignore_index
             ),
         });
