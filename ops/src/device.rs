@@ -30,6 +30,12 @@ pub(crate) fn ptr(t: Option<&keel_abi::Tensor>) -> keel_abi::Result<u64> {
     })
 }
 
+/// Maps a CPU-kernel check (shared by every device, e.g. of an option) to an
+/// error raised in Python.
+pub(crate) fn check_err(e: keel::cpu::Error) -> Error {
+    kernel_err(e.into())
+}
+
 /// Maps a kernel-layer error to an error raised in Python. Argument errors
 /// read like the ops' own checks (`keel::op: argument 'arg' ...`).
 pub(crate) fn kernel_err(e: keel::Error) -> Error {

@@ -5,7 +5,7 @@
 //! `input[..., 2d]`, `act(input[..., :d]) * input[..., d:]`.
 //! `*_backward(grad_out, input[, approximate]) -> grad_input`.
 use crate::checks::{self, invalid, with_float_type, Rows};
-use crate::device::{kernel_err, ptr, CudaCall};
+use crate::device::{check_err, kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
 use keel::ops::gated::Activation;
 use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
@@ -21,9 +21,7 @@ fn check(op: &str, input: &Tensor) -> Result<(Rows, usize)> {
 }
 
 fn gelu(approximate: &str) -> Result<Activation> {
-    Activation::gelu(approximate).map_err(|_| {
-        invalid("gelu_and_mul", "approximate", format!("must be \"none\" or \"tanh\", got {approximate:?}"))
-    })
+    Activation::gelu(approximate).map_err(check_err)
 }
 
 fn forward(act: Activation, input: Tensor) -> Result<(Tensor,)> {

@@ -3,17 +3,14 @@
 //! `softmax(Tensor input, float scale=1.0) -> Tensor`: `softmax(input * scale)`
 //! over the last dim. `softmax_backward(grad_out, output, scale) -> grad_input`,
 //! from the forward's output.
-use crate::checks::{self, invalid, with_float_type};
-use crate::device::{kernel_err, ptr, CudaCall};
+use crate::checks::{self, with_float_type};
+use crate::device::{check_err, kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
 use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
 
-fn check_scale(op: &str, scale: f64) -> Result<()> {
-    if scale.is_finite() {
-        Ok(())
-    } else {
-        Err(invalid(op, "scale", format!("must be finite, got {scale}")))
-    }
+/// The kernels' own check of `scale` (finite), for every device.
+fn check_scale(op: &'static str, c: &checks::Rows, scale: f64) -> Result<()> {
+    keel::cpu::softmax::check(op, c.rows * c.cols, c.cols, scale).map(drop).map_err(check_err)
 }
 
 /// `softmax`.
@@ -27,7 +24,7 @@ impl BoxedOp for Softmax {
     fn run((input, scale): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
         let c = checks::rows_of(op, "input", &input)?;
-        check_scale(op, scale)?;
+        check_scale(op, &c, scale)?;
         let out = input.empty_like()?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -63,7 +60,7 @@ impl BoxedOp for SoftmaxBackward {
         let op = Self::NAME;
         let c = checks::rows_of(op, "output", &output)?;
         checks::like(op, "grad_out", &grad_out, &output, &c)?;
-        check_scale(op, scale)?;
+        check_scale(op, &c, scale)?;
         let grad_input = output.empty_like()?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
