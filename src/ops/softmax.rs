@@ -31,26 +31,25 @@ pub fn backward_cpu<T: Element>(
     Ok(keel_cpu::softmax::backward(grad_out, y, grad_input, cols, scale, par)?)
 }
 
-/// CUDA launch on raw device pointers: `which` is `fwd` (`a` = x, `b` unused)
-/// or `bwd` (`a` = grad_out, `b` = y).
+/// Launches `softmax_{which}_*` (`which` is `fwd` or `bwd`, checked as `op`)
+/// with the device pointers `ptrs` (inputs, then the output) and the row shape.
 ///
 /// # Safety
-/// Every pointer must be a device address on `stream`'s device holding
-/// `rows * cols` elements of `dtype`; `out` must not overlap the inputs.
+/// `ptrs` must match the kernel's pointer parameters, each a device address on
+/// `stream`'s device holding `rows * cols` elements of `dtype`; the output must
+/// not overlap the inputs.
 #[allow(clippy::too_many_arguments)]
 unsafe fn run_raw(
     gpu: &Gpu,
     stream: &CudaStream,
+    op: &'static str,
     which: &str,
     dtype: DType,
-    a: u64,
-    b: u64,
-    out: u64,
+    ptrs: &[u64],
     rows: usize,
     cols: usize,
     scale: f64,
 ) -> Result<()> {
-    let op = if which == "fwd" { "softmax" } else { "softmax_backward" };
     check_cols(op, rows, cols)?;
     keel_cpu::softmax::check(op, rows * cols, cols, scale)?;
     if rows == 0 {
@@ -58,14 +57,10 @@ unsafe fn run_raw(
     }
     let f = gpu.function(MODULE, &format!("softmax_{which}_{}", dtype.suffix()))?;
     let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
-    let (rows, cols, scale) = (Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(scale as f32));
-    let args: Vec<Arg> = if which == "fwd" {
-        vec![Arg::Ptr(a), Arg::Ptr(out), rows, cols, scale]
-    } else {
-        vec![Arg::Ptr(a), Arg::Ptr(b), Arg::Ptr(out), rows, cols, scale]
-    };
-    // SAFETY: the argument lists match softmax_{fwd,bwd}_*; pointers per our contract.
-    unsafe { launch(if which == "fwd" { "keel::softmax_fwd" } else { "keel::softmax_bwd" }, stream, &f, cfg, &args) }
+    let shape = [Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(scale as f32)];
+    let args: Vec<Arg> = ptrs.iter().map(|&p| Arg::Ptr(p)).chain(shape).collect();
+    // SAFETY: pointers per our contract, then (rows, cols, scale) as both kernels take them.
+    unsafe { launch(&format!("keel::softmax_{which}"), stream, &f, cfg, &args) }
 }
 
 /// CUDA forward on raw device pointers.
@@ -85,7 +80,7 @@ pub unsafe fn forward_cuda_raw(
     scale: f64,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { run_raw(gpu, stream, "fwd", dtype, x, 0, out, rows, cols, scale) }
+    unsafe { run_raw(gpu, stream, "softmax", "fwd", dtype, &[x, out], rows, cols, scale) }
 }
 
 /// CUDA backward on raw device pointers, from the forward's output `y`.
@@ -105,7 +100,7 @@ pub unsafe fn backward_cuda_raw(
     scale: f64,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { run_raw(gpu, stream, "bwd", dtype, grad_out, y, grad_input, rows, cols, scale) }
+    unsafe { run_raw(gpu, stream, "softmax_backward", "bwd", dtype, &[grad_out, y, grad_input], rows, cols, scale) }
 }
 
 fn rows_of(op: &'static str, len: usize, cols: usize, others: &[(&'static str, usize)]) -> Result<usize> {
