@@ -66,7 +66,7 @@ torch_env() {
     rm -rf "$venv"
     _make_room "$venv"
     python3 -m venv "$venv"
-    _install_frugal "$venv" "$spec" numpy pytest expecttest
+    _install_frugal "$venv" "$spec" numpy pytest expecttest matplotlib tqdm
     touch "$venv/.ready"
   fi
   PY="$venv/bin/python"

@@ -1,0 +1,176 @@
+"""The ops the report and the demo time: for each, Keel's call, the torch
+expression it replaces (a function of the inputs, so that `torch.compile` can
+compile it), how to drive either (forward, or forward + backward), and the
+bytes it must move.
+
+`make_cases(device, dtype, size)` builds them on fresh inputs; `size` is
+"large" (the shapes of the speed targets) or "small" (for smoke tests).
+"""
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+import keel
+
+
+@dataclass
+class Case:
+    """One op on one input set."""
+
+    name: str
+    shape: str
+    args: tuple
+    keel: Callable  # (*args) -> output(s)
+    torch: Callable  # (*args) -> output(s): the eager expression Keel replaces
+    nbytes: int  # bytes read + written by one call (the least any kernel must move)
+    bandwidth_bound: bool = True
+    backward: bool = False  # drive as forward + backward of the first argument
+    clone_args: Sequence[int] = field(default_factory=lambda: (0,))  # inputs a `clone` floor copies
+
+    def run(self, fn: Callable, args: tuple = None) -> tuple:
+        """Calls `fn` as this case is timed; returns its outputs as a tuple."""
+        args = self.args if args is None else args
+        if not self.backward:
+            out = fn(*args)
+            return out if isinstance(out, tuple) else (out,)
+        z = args[0].detach().requires_grad_()
+        loss = fn(z, *args[1:])
+        loss.backward()
+        return loss.detach(), z.grad
+
+    def reference(self) -> tuple:
+        """The torch expression in float64 (float inputs promoted)."""
+        dbl = tuple(a.double() if a.is_floating_point() else a for a in self.args)
+        return self.run(self.torch, dbl)
+
+
+def max_rel_err(outs: tuple, refs: tuple) -> float:
+    """max |out - ref| / (1 + max |ref|) over the outputs."""
+    return max(((o.double() - r).abs().max() / (1 + r.abs().max())).item() for o, r in zip(outs, refs))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+
+
+def _rms_norm(x, w):
+    return F.rms_norm(x, (x.shape[-1],), w, 1e-6)
+
+
+def _layer_norm(x, w, b):
+    return F.layer_norm(x, (x.shape[-1],), w, b, 1e-5)
+
+
+def _fused_add_rms_norm(x, r, w):
+    s = x + r
+    return F.rms_norm(s, (x.shape[-1],), w, 1e-6), s
+
+
+def _silu_and_mul(h):
+    d = h.shape[-1] // 2
+    return F.silu(h[..., :d]) * h[..., d:]
+
+
+def _gelu_and_mul(h):
+    d = h.shape[-1] // 2
+    return F.gelu(h[..., :d]) * h[..., d:]
+
+
+def _gelu_tanh_and_mul(h):
+    d = h.shape[-1] // 2
+    return F.gelu(h[..., :d], approximate="tanh") * h[..., d:]
+
+
+def _softmax(x):
+    return torch.softmax(x, -1)
+
+
+def _rope_neox(q, cos, sin):
+    half = cos.shape[-1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    q1, q2 = q[..., :half], q[..., half : 2 * half]
+    return torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], -1)
+
+
+SHAPES = {
+    # rows x hidden for the row ops, the gated ops' input is [rows, 2 * hidden],
+    # cross_entropy [rows, vocab], rotary [batch, seq, heads, head_dim].
+    "large": dict(rows=4096, hidden=4096, vocab=32000, rope=(4, 1024, 32, 128)),
+    "small": dict(rows=64, hidden=256, vocab=1000, rope=(1, 16, 4, 64)),
+}
+
+
+def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequence[str] = ()) -> list:
+    """The report's cases on `device` in `dtype`; only `names` when given."""
+    sh = SHAPES[size]
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    n, h, v = sh["rows"], sh["hidden"], sh["vocab"]
+    es = torch.tensor([], dtype=dtype).element_size()
+    x, r, w, b = rnd(n, h), rnd(n, h), rnd(h), rnd(h)
+    gu = rnd(n, 2 * h)
+    rs = f"{n}x{h}"
+    gs = f"{n}x{2 * h}"
+    mk = {}
+    mk["rms_norm"] = lambda: Case("rms_norm", rs, (x, w), lambda x, w: torch.ops.keel.rms_norm(x, w, 1e-6),
+                                  _rms_norm, 2 * n * h * es)
+    mk["layer_norm"] = lambda: Case("layer_norm", rs, (x, w, b),
+                                    lambda x, w, b: torch.ops.keel.layer_norm(x, w, b, 1e-5),
+                                    _layer_norm, 2 * n * h * es)
+    mk["fused_add_rms_norm"] = lambda: Case(
+        "fused_add_rms_norm", rs, (x, r, w), lambda x, r, w: torch.ops.keel.fused_add_rms_norm(x, r, w, 1e-6),
+        _fused_add_rms_norm, 4 * n * h * es, clone_args=(0, 1))
+    mk["silu_and_mul"] = lambda: Case("silu_and_mul", gs, (gu,), torch.ops.keel.silu_and_mul,
+                                      _silu_and_mul, 3 * n * h * es)
+    mk["gelu_and_mul"] = lambda: Case("gelu_and_mul", gs, (gu,), lambda h: torch.ops.keel.gelu_and_mul(h, "none"),
+                                      _gelu_and_mul, 3 * n * h * es)
+    mk["gelu_and_mul tanh"] = lambda: Case(
+        "gelu_and_mul tanh", gs, (gu,), lambda h: torch.ops.keel.gelu_and_mul(h, "tanh"),
+        _gelu_tanh_and_mul, 3 * n * h * es)
+    mk["softmax"] = lambda: Case("softmax", rs, (x,), lambda x: torch.ops.keel.softmax(x, 1.0), _softmax,
+                                 2 * n * h * es)
+
+    def ce():
+        logits = rnd(n, v)
+        tgt = torch.randint(0, v, (n,), generator=g)
+        tgt[::8] = -100  # every 8th row ignored
+        # forward + backward: the forward reads the logits, the backward reads them and writes the gradient.
+        return Case("cross_entropy fwd+bwd", f"{n}x{v}", (logits, tgt.to(device)), keel.cross_entropy,
+                    F.cross_entropy, 3 * n * v * es, bandwidth_bound=False, backward=True)
+
+    mk["cross_entropy"] = ce
+
+    def rope():
+        bq, s, heads, d = sh["rope"]
+        q = rnd(bq, s, heads, d)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+        ang = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+        cos, sin = ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+        return Case("rotary_embedding", "x".join(map(str, (bq, s, heads, d))), (q, cos, sin),
+                    lambda q, c, s: torch.ops.keel.rotary_embedding(q, c, s, False), _rope_neox,
+                    2 * q.numel() * es)
+
+    mk["rotary_embedding"] = rope
+    return [f() for k, f in mk.items() if not names or k in names]
+
+
+def tiny_cases(device: str) -> list:
+    """Per-call overhead: (name, keel call, torch call) on tiny f32 tensors."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, 64, generator=g).to(device)
+    w = torch.ones(64, device=device)
+    h = torch.randn(1, 128, generator=g).to(device)
+    t = torch.tensor([3], device=device)
+    return [
+        ("rms_norm [1,64]", lambda: torch.ops.keel.rms_norm(x, w, 1e-6), lambda: _rms_norm(x, w)),
+        ("softmax [1,64]", lambda: torch.ops.keel.softmax(x, 1.0), lambda: torch.softmax(x, -1)),
+        ("silu_and_mul [1,128]", lambda: torch.ops.keel.silu_and_mul(h), lambda: _silu_and_mul(h)),
+        ("cross_entropy [1,64]", lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"),
+         lambda: F.cross_entropy(x, t)),
+        ("x + x [1,64] (any torch op)", None, lambda: x + x),
+    ]

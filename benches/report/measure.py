@@ -1,0 +1,149 @@
+"""One measuring run of the report (a child process of `report.py`, so that
+`THP_MEM_ALLOC_ENABLE` is set before torch allocates anything): the machine,
+its memory bandwidth, every case timed as Keel / torch eager / torch.compile /
+clone of the inputs, and per-call overhead. Writes JSON.
+
+    python benches/report/measure.py --out run.json [--devices cpu,cuda] [--size large|small]
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+
+import keel
+from cases import make_cases, max_rel_err, tiny_cases, tolerance
+from timing import interleaved, per_call
+
+try:
+    from tqdm import tqdm
+except ImportError:  # the report installs tqdm; smoke tests may run without it
+
+    def tqdm(it, **_):
+        return it
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _thp() -> str:
+    try:
+        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+    except OSError:
+        return "unknown"
+
+
+def _driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine(devices) -> dict:
+    m = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "keel": keel.__version__,
+        "python": platform.python_version(),
+        "thp_sysfs": _thp(),
+        "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+    }
+    if "cuda" in devices:
+        p = torch.cuda.get_device_properties(0)
+        m.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), driver=_driver(),
+                 cuda=torch.version.cuda)
+    return m
+
+
+def bandwidth(device: str) -> dict:
+    """GB/s (bytes read + written) of a fresh clone and of a copy into an existing tensor."""
+    mib = 256 if device == "cuda" else 64
+    x = torch.randn(mib * 2**18, device=device)
+    y = torch.empty_like(x)
+    t = interleaved({"clone": lambda: x.clone(), "copy": lambda: y.copy_(x)}, device, budget_s=2.0)
+    moved = 2 * x.numel() * 4
+    return {"bytes": moved, "clone_GBps": moved / t["clone"] / 1e9, "copy_GBps": moved / t["copy"] / 1e9}
+
+
+def time_case(case, device, compile_: bool) -> dict:
+    row = {"op": case.name, "shape": case.shape, "nbytes": case.nbytes, "bandwidth_bound": case.bandwidth_bound,
+           "backward": case.backward}
+    ref = case.reference()
+    fns = {"keel": lambda: case.run(case.keel), "eager": lambda: case.run(case.torch)}
+    errs = {k: max_rel_err(f(), ref) for k, f in fns.items()}
+    if compile_:
+        try:
+            compiled = torch.compile(case.torch, dynamic=False)
+            fns["compile"] = lambda: case.run(compiled)
+            errs["compile"] = max_rel_err(fns["compile"](), ref)
+        except Exception as e:  # noqa: BLE001 - reported, not hidden
+            row["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            fns.pop("compile", None)
+    del ref
+    args = [case.args[i] for i in case.clone_args]
+    fns["clone"] = lambda: [a.clone() for a in args]
+    t = interleaved(fns, device)
+    row["ms"] = {k: v * 1e3 for k, v in t.items()}
+    row["err"] = errs
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--devices", default="cpu" + (",cuda" if torch.cuda.is_available() else ""))
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--size", default="large", choices=["large", "small"])
+    ap.add_argument("--ops", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--label", default="")
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    devices = [d for d in a.devices.split(",") if d]
+    names = [n for n in a.ops.split(",") if n]
+    out = {"label": a.label, "size": a.size, "machine": machine(devices), "bandwidth": {}, "rows": [],
+           "overhead": []}
+    ok = True
+    for device in devices:
+        out["bandwidth"][device] = bandwidth(device)
+        for dname in a.dtypes.split(","):
+            dtype = DTYPES[dname]
+            cases = make_cases(device, dtype, a.size, names)
+            for case in tqdm(cases, desc=f"{a.label or 'run'} {device} {dname}", file=sys.stderr, leave=False):
+                row = time_case(case, device, not a.no_compile)
+                row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(dtype))
+                ok &= row["ok"]
+                out["rows"].append(row)
+            del cases
+        for name, kf, tf in tiny_cases(device):
+            out["overhead"].append({"device": device, "name": name,
+                                    "keel_us": per_call(kf, device) * 1e6 if kf else None,
+                                    "torch_us": per_call(tf, device) * 1e6})
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

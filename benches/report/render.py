@@ -1,0 +1,165 @@
+"""Turns the JSON of one or more measuring runs into the report: a markdown
+table per run, the per-call overhead, the list of missed targets, and two PNG
+plots (speedup per op; achieved GB/s against the bandwidth lines).
+"""
+import os
+from typing import List
+
+BW_TARGET = {"cpu": 0.80, "cuda": 0.85}  # fraction of the bandwidth line a bandwidth-bound op must reach
+BW_LINE = {"cpu": "clone_GBps", "cuda": "copy_GBps"}  # CPU: fresh outputs pay page faults as clone does
+
+
+def _runs_by_device(runs: List[dict]):
+    """(title, run, device) for each device of each run."""
+    for run in runs:
+        for device in run["bandwidth"]:
+            yield f"{device.upper()}{', ' + run['label'] if run['label'] else ''}", run, device
+
+
+def _ms(v: float) -> str:
+    """Milliseconds to 3 significant figures."""
+    return f"{v:.3g}" if v < 100 else f"{v:.0f}"
+
+
+def _derived(row: dict, bw: dict, device: str) -> dict:
+    ms = row["ms"]
+    d = {"vs_eager": ms["eager"] / ms["keel"], "gbps": row["nbytes"] / ms["keel"] / 1e6,
+         "floor": ms["keel"] / ms["clone"]}
+    d["vs_compile"] = ms["compile"] / ms["keel"] if "compile" in ms else None
+    d["frac"] = d["gbps"] / bw[BW_LINE[device]]
+    return d
+
+
+def _misses(row: dict, d: dict, device: str) -> List[str]:
+    m = []
+    if not row["ok"]:
+        m.append(f"error {row['err']['keel']:.1e} over tolerance")
+    if d["vs_eager"] < 1.0:
+        m.append(f"{d['vs_eager']:.2f}x torch eager")
+    if d["vs_compile"] is not None and d["vs_compile"] < 1.0:
+        m.append(f"{d['vs_compile']:.2f}x torch.compile")
+    if row["bandwidth_bound"] and d["frac"] < BW_TARGET[device]:
+        m.append(f"{100 * d['frac']:.0f}% of bandwidth (target {100 * BW_TARGET[device]:.0f}%)")
+    return m
+
+
+def markdown(runs: List[dict], images: List[str]) -> str:
+    m0 = runs[0]["machine"]
+    lines = ["# Keel benchmark report", ""]
+    lines.append(f"Measured {m0['date']} on **{m0['cpu']}**, {m0['cores']} cores ({m0['torch_threads']} torch threads), "
+                 f"torch {m0['torch']}, Keel {m0['keel']}, Python {m0['python']}; transparent huge pages "
+                 f"`{m0['thp_sysfs']}`.")
+    if "gpu" in m0:
+        lines.append(f"GPU: **{m0['gpu']}** ({m0['gpu_memory_gib']} GiB), driver {m0['driver']}, CUDA {m0['cuda']}.")
+    else:
+        lines.append("No GPU on this machine: the CUDA section is absent.")
+    lines += ["", "Produced by `scripts/report.sh` (the command regenerates this file and the plots). Each op is timed "
+              "as Keel (`torch.ops.keel`), the torch eager expression it replaces, `torch.compile` of that same "
+              "expression, and a `clone` of its inputs, interleaved in one run on the same inputs; figures are "
+              "medians. GB/s counts the bytes an op must read and write once (the least any kernel moves). The "
+              "bandwidth line is a fresh `clone` on CPU (outputs are fresh allocations there, and pay the same page "
+              "faults) and a copy into an existing tensor on CUDA. `err` is the largest error against float64, "
+              "relative to the output's scale.", ""]
+    lines += ["## Memory bandwidth", "", "| run | device | clone (fresh output) GB/s | copy into existing GB/s |",
+              "|---|---|---|---|"]
+    for title, run, device in _runs_by_device(runs):
+        bw = run["bandwidth"][device]
+        lines.append(f"| {title} | {device} | {bw['clone_GBps']:.1f} | {bw['copy_GBps']:.1f} |")
+    lines.append("")
+    misses = []
+    for title, run, device in _runs_by_device(runs):
+        bw = run["bandwidth"][device]
+        lines += [f"## {title}", "",
+                  "| op | dtype | shape | Keel ms | eager ms | compile ms | vs eager | vs compile | Keel GB/s "
+                  "| of bandwidth | Keel / clone | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for row in run["rows"]:
+            if row["device"] != device:
+                continue
+            d = _derived(row, bw, device)
+            ms = row["ms"]
+            comp = _ms(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
+            vc = f"{d['vs_compile']:.2f}x" if d["vs_compile"] else "-"
+            frac = f"{100 * d['frac']:.0f}%" if row["bandwidth_bound"] else f"({100 * d['frac']:.0f}%)"
+            lines.append(f"| {row['op']} | {row['dtype']} | {row['shape']} | {_ms(ms['keel'])} | {_ms(ms['eager'])} | "
+                         f"{comp} | {d['vs_eager']:.2f}x | {vc} | {d['gbps']:.1f} | {frac} | {d['floor']:.2f} | "
+                         f"{row['err']['keel']:.1e} |")
+            for why in _misses(row, d, device):
+                misses.append(f"- {title}: {row['op']} {row['dtype']}: {why}")
+            if "compile_error" in row:
+                misses.append(f"- {title}: torch.compile of {row['op']} {row['dtype']} failed: {row['compile_error']}")
+        lines.append("")
+    lines += ["Bracketed fractions are for ops bound by compute, not memory (cross_entropy runs two `exp` per logit); "
+              "they have no bandwidth target.", "", "## Per-call overhead (tiny float32 tensors)", "",
+              "| run | op | Keel µs (`torch.ops.keel`) | torch µs (the expression it replaces) |", "|---|---|---|---|"]
+    for title, run, device in _runs_by_device(runs):
+        for o in run["overhead"]:
+            if o["device"] == device:
+                k = f"{o['keel_us']:.2f}" if o["keel_us"] is not None else "-"
+                lines.append(f"| {title} | {o['name']} | {k} | {o['torch_us']:.2f} |")
+                if o["keel_us"] is not None and o["keel_us"] > o["torch_us"]:
+                    misses.append(f"- {title}: per-call overhead of {o['name']}: {o['keel_us']:.2f} µs against "
+                                  f"torch's {o['torch_us']:.2f} µs")
+    lines += ["", "## Plots", ""] + [f"![{os.path.splitext(i)[0]}]({i})" for i in images]
+    lines += ["", "## Targets missed in this run", ""] + (misses or ["None."]) + [""]
+    return "\n".join(lines)
+
+
+def plots(runs: List[dict], outdir: str) -> List[str]:
+    """Writes speedup.png and bandwidth.png; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = list(_runs_by_device(runs))
+    names = []
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for ax, (title, run, device) in zip(axes[:, 0], panels):
+        rows = [r for r in run["rows"] if r["device"] == device]
+        ops = list(dict.fromkeys(r["op"] for r in rows))
+        dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+        series = [(f"vs eager, {dt}", dt, "eager") for dt in dtypes] + [(f"vs compile, {dt}", dt, "compile")
+                                                                          for dt in dtypes]
+        width = 0.8 / len(series)
+        for i, (label, dt, base) in enumerate(series):
+            vals = []
+            for op in ops:
+                r = next((r for r in rows if r["op"] == op and r["dtype"] == dt), None)
+                vals.append(r["ms"][base] / r["ms"]["keel"] if r and base in r["ms"] else 0)
+            ax.bar([j + i * width for j in range(len(ops))], vals, width, label=label)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ops))], ops, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("speedup (torch time / Keel time)")
+        ax.set_yscale("log")
+        ax.set_title(f"Keel speedup, {title}")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "speedup.png"), dpi=90)
+    plt.close(fig)
+    names.append("speedup.png")
+
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
+    for ax, (title, run, device) in zip(axes[:, 0], panels):
+        bw = run["bandwidth"][device]
+        rows = [r for r in run["rows"] if r["device"] == device]
+        short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+        labels = [f"{r['op']} {short.get(r['dtype'], r['dtype'])}" for r in rows]
+        xs = range(len(rows))
+        keel_gbps = [r["nbytes"] / r["ms"]["keel"] / 1e6 for r in rows]
+        ax.bar([x - 0.27 for x in xs], keel_gbps, 0.27, label="Keel")
+        for k, (base, label) in enumerate([("eager", "torch eager"), ("compile", "torch.compile")]):
+            gbps = [r["nbytes"] / r["ms"][base] / 1e6 if base in r["ms"] else 0 for r in rows]
+            ax.bar([x + 0.27 * k for x in xs], gbps, 0.27, label=label)
+        ax.axhline(bw["clone_GBps"], color="black", lw=1, label=f"clone {bw['clone_GBps']:.0f} GB/s")
+        ax.axhline(bw["copy_GBps"], color="gray", ls="--", lw=1, label=f"copy into existing {bw['copy_GBps']:.0f} GB/s")
+        line = bw[BW_LINE[device]] * BW_TARGET[device]
+        ax.axhline(line, color="red", ls=":", lw=1, label=f"target {100 * BW_TARGET[device]:.0f}% = {line:.0f} GB/s")
+        ax.set_xticks(list(xs), labels, rotation=35, ha="right", fontsize=7)
+        ax.set_ylabel("GB/s (read + written)")
+        ax.set_title(f"Achieved bandwidth, {title}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(outdir, "bandwidth.png"), dpi=90)
+    plt.close(fig)
+    names.append("bandwidth.png")
+    return names

@@ -1,0 +1,59 @@
+"""The comparison report: Keel against torch eager and torch.compile for every
+op, on CPU and (where present) CUDA, with the machine's memory bandwidth and
+per-call overhead, written as markdown and PNG plots.
+
+    python benches/report/report.py --out docs/report            # what scripts/report.sh runs
+    python benches/report/report.py --out /tmp/r --size small --no-plots   # smoke test
+
+Each configuration runs in its own process: once as torch allocates by
+default, and once with `THP_MEM_ALLOC_ENABLE=1` (torch's huge-page
+allocation) on CPU. CUDA is measured in the first.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from render import markdown, plots  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True, help="folder for REPORT.md, the plots and the raw JSON")
+    ap.add_argument("--size", default="large", choices=["large", "small"])
+    ap.add_argument("--ops", default="")
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--no-thp", action="store_true", help="skip the THP_MEM_ALLOC_ENABLE=1 run")
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    configs = [("", {}, None)]
+    if not a.no_thp:
+        configs.append(("THP_MEM_ALLOC_ENABLE=1", {"THP_MEM_ALLOC_ENABLE": "1"}, "cpu"))
+    runs, failed = [], False
+    for label, env, devices in configs:
+        path = os.path.join(a.out, f"raw{'-thp' if env else ''}.json")
+        cmd = [sys.executable, os.path.join(HERE, "measure.py"), "--out", path, "--size", a.size, "--label", label]
+        cmd += ["--ops", a.ops] if a.ops else []
+        cmd += ["--no-compile"] if a.no_compile else []
+        cmd += ["--devices", devices] if devices else []
+        rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
+        if not os.path.exists(path):
+            sys.exit(f"report: the measuring run '{label or 'default'}' failed (exit {rc})")
+        failed |= rc != 0
+        with open(path) as f:
+            runs.append(json.load(f))
+    images = [] if a.no_plots else plots(runs, a.out)
+    with open(os.path.join(a.out, "REPORT.md"), "w") as f:
+        f.write(markdown(runs, images))
+    print(f"wrote {os.path.join(a.out, 'REPORT.md')}" + ("" if a.no_plots else " and " + ", ".join(images)))
+    if failed:
+        sys.exit("report: some Keel result was outside its tolerance (see the err column)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Interleaved timing: every contender of a case is run in turn (a, b, c, a,
+b, c, ...) and each one's median is kept, so that ratios compare like with
+like under the same machine load. On CUDA each sample is a batch of calls
+between two synchronisations, sized to last at least a millisecond, so the
+synchronisation does not dominate short kernels.
+"""
+import statistics
+import time
+from typing import Callable, Dict
+
+
+def _sync(device: str) -> Callable[[], None]:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _once(fn: Callable, sync: Callable, inner: int) -> float:
+    sync()
+    t = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync()
+    return (time.perf_counter() - t) / inner
+
+
+def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
+                min_reps: int = 5, max_reps: int = 41) -> Dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved rounds.
+
+    The number of rounds fits `budget_s` (within [min_reps, max_reps]); each
+    function is called once first (warm-up, lazy compilation).
+    """
+    sync = _sync(device)
+    est = {}
+    for k, f in fns.items():
+        _once(f, sync, 1)
+        est[k] = max(_once(f, sync, 1), 1e-7)
+    # Batch short calls so each sample lasts >= 1 ms (CPU: >= 0.2 ms).
+    floor = 1e-3 if device == "cuda" else 2e-4
+    inner = {k: max(1, int(floor / t)) for k, t in est.items()}
+    per_round = sum(est[k] * inner[k] for k in fns)
+    reps = int(min(max_reps, max(min_reps, budget_s / max(per_round, 1e-9))))
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            times[k].append(_once(f, sync, inner[k]))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def per_call(fn: Callable, device: str = "cpu", calls: int = 20000, rounds: int = 5) -> float:
+    """Best-of-rounds mean seconds of a call in a tight loop (per-call overhead)."""
+    sync = _sync(device)
+    for _ in range(200):
+        fn()
+    return min(_once(fn, sync, calls) for _ in range(rounds))

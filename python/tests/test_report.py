@@ -1,0 +1,77 @@
+"""The comparison report (benches/report): a smoke run on small shapes through
+the real measuring code, and the verdicts of the renderer on made-up figures."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPORT = os.path.join(ROOT, "benches", "report")
+sys.path.insert(0, REPORT)
+
+from render import markdown  # noqa: E402
+
+
+def test_small_report_runs_and_checks_values(tmp_path):
+    cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
+           "--no-thp", "--ops", "rms_norm,cross_entropy"]
+    plots = True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        plots = False
+        cmd.append("--no-plots")
+    subprocess.run(cmd, check=True, timeout=600)
+    raw = json.load(open(tmp_path / "raw.json"))
+    rows = raw["rows"]
+    assert {(r["op"], r["dtype"]) for r in rows} == {
+        (op, dt) for op in ("rms_norm", "cross_entropy fwd+bwd") for dt in ("float32", "bfloat16")}
+    for r in rows:
+        assert r["ok"], r
+        assert r["err"]["compile"] <= 2e-2, r  # torch.compile of the expression agrees too
+        assert all(r["ms"][k] > 0 for k in ("keel", "eager", "compile", "clone")), r
+    assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "| rms_norm | bfloat16 | 64x256 |" in text
+    assert "## Per-call overhead" in text
+    if plots:
+        assert (tmp_path / "speedup.png").stat().st_size > 1000
+        assert (tmp_path / "bandwidth.png").stat().st_size > 1000
+
+
+def _run(rows, overhead=()):
+    return {"label": "", "size": "large", "bandwidth": {"cpu": {"bytes": 1, "clone_GBps": 10.0, "copy_GBps": 40.0}},
+            "machine": {"date": "d", "cpu": "c", "cores": 2, "torch_threads": 2, "torch": "t", "keel": "k",
+                        "python": "p", "thp_sysfs": "s"},
+            "rows": rows, "overhead": list(overhead)}
+
+
+def _row(op, keel, eager, compile_, nbytes=10**7, bound=True, err=0.0):
+    return {"op": op, "shape": "s", "dtype": "float32", "device": "cpu", "nbytes": nbytes, "bandwidth_bound": bound,
+            "backward": False, "ms": {"keel": keel, "eager": eager, "compile": compile_, "clone": 1.0},
+            "err": {"keel": err}, "ok": err < 1e-3}
+
+
+@pytest.mark.parametrize("keel_ms, misses", [
+    (1.0, []),                                   # 10 GB/s = 100% of clone, faster than both
+    (1.3, ["77% of bandwidth (target 80%)"]),      # 7.7 GB/s
+    (2.5, ["0.80x torch eager", "0.80x torch.compile", "40% of bandwidth (target 80%)"]),
+])
+def test_verdicts(keel_ms, misses):
+    text = markdown([_run([_row("op", keel_ms, 2.0, 2.0)])], [])
+    tail = text.split("## Targets missed in this run")[1]
+    for m in misses:
+        assert m in tail, (m, tail)
+    if not misses:
+        assert "None." in tail
+
+
+def test_compute_bound_ops_have_no_bandwidth_target_and_overhead_is_judged():
+    run = _run([_row("ce", 5.0, 10.0, 10.0, bound=False, err=1.0)],
+               [{"device": "cpu", "name": "tiny", "keel_us": 3.0, "torch_us": 1.0}])
+    tail = markdown([run], []).split("## Targets missed in this run")[1]
+    assert "of bandwidth" not in tail
+    assert "error 1.0e+00 over tolerance" in tail
+    assert "per-call overhead of tiny: 3.00 µs against torch's 1.00 µs" in tail
