@@ -25,6 +25,15 @@ pub enum Activation {
 }
 
 impl Activation {
+    /// Short name (`"silu"`, `"gelu"`, `"gelu_tanh"`), as in kernel symbols.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activation::Silu => "silu",
+            Activation::Gelu => "gelu",
+            Activation::GeluTanh => "gelu_tanh",
+        }
+    }
+
     /// The op this activation belongs to, for messages.
     pub fn op(self) -> &'static str {
         match self {

@@ -34,12 +34,7 @@ pub fn backward_cpu<T: Element>(
 }
 
 fn kernel(gpu: &Gpu, act: Activation, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFunction> {
-    let name = match act {
-        Activation::Silu => "silu",
-        Activation::Gelu => "gelu",
-        Activation::GeluTanh => "gelu_tanh",
-    };
-    gpu.function(MODULE, &format!("{name}_and_mul_{which}_{}", dtype.suffix()))
+    gpu.function(MODULE, &format!("{}_and_mul_{which}_{}", act.name(), dtype.suffix()))
 }
 
 /// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step.

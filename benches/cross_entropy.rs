@@ -1,0 +1,39 @@
+//! criterion: fused cross_entropy on CPU, forward (mean loss) and backward,
+//! every dtype, on rayon's pool; every 8th row ignored. Throughput counts the
+//! logits read (and, backward, the gradient written).
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use keel::cpu::{Element, Par};
+use keel::ops::cross_entropy::{backward_cpu, forward_cpu, Options, Reduction};
+use std::hint::black_box;
+
+mod common;
+use common::{bytes, data, ROWS_VOCAB};
+
+fn bench<T: Element>(c: &mut Criterion) {
+    let par = Par::Rayon;
+    let opts = Options { ignore_index: -100, label_smoothing: 0.0, reduction: Reduction::Mean };
+    let mut g = c.benchmark_group(format!("cross_entropy/{}", T::NAME));
+    for (rows, vocab) in ROWS_VOCAB {
+        let n = rows * vocab;
+        let id = format!("{rows}x{vocab}");
+        let x = data::<T>(n, 0);
+        let target: Vec<i64> = (0..rows).map(|i| if i % 8 == 0 { -100 } else { ((i * 7919) % vocab) as i64 }).collect();
+        let (mut loss, grad, mut dx) = (vec![T::default(); 1], vec![T::from_f64(1.0)], vec![T::default(); n]);
+        g.throughput(bytes::<T>(n));
+        g.bench_function(BenchmarkId::new("fwd", &id), |bn| {
+            bn.iter(|| forward_cpu(black_box(&x), &target, &mut loss, vocab, opts, par).unwrap())
+        });
+        g.throughput(bytes::<T>(2 * n));
+        g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
+            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, &mut dx, vocab, opts, par).unwrap())
+        });
+    }
+    g.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    every_dtype!(c, bench);
+}
+
+criterion_group! { name = cross_entropy; config = common::config(); targets = benches }
+criterion_main!(cross_entropy);

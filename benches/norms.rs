@@ -1,0 +1,86 @@
+//! criterion: rms_norm, layer_norm and fused_add_rms_norm on CPU, forward and
+//! backward, every dtype, on rayon's pool (and rms_norm forward sequential).
+//! Throughput counts the bytes read and written.
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use keel::cpu::{Element, Par};
+use keel::ops::{fused_add_rms_norm, layer_norm, rms_norm};
+use std::hint::black_box;
+
+mod common;
+use common::{bytes, data, ROWS_HIDDEN};
+
+fn bench<T: Element>(c: &mut Criterion) {
+    let par = Par::Rayon;
+    for (rows, cols) in ROWS_HIDDEN {
+        let n = rows * cols;
+        let id = format!("{rows}x{cols}");
+        let (x, r, dy, w, b) =
+            (data::<T>(n, 0), data::<T>(n, 1), data::<T>(n, 2), data::<T>(cols, 3), data::<T>(cols, 4));
+        let (mut y, mut s, mut dx) = (vec![T::default(); n], vec![T::default(); n], vec![T::default(); n]);
+        let (mut dw, mut db) = (vec![T::default(); cols], vec![T::default(); cols]);
+
+        let mut g = c.benchmark_group(format!("rms_norm/{}", T::NAME));
+        g.throughput(bytes::<T>(2 * n + cols));
+        for (pname, p) in [("seq", Par::Seq), ("rayon", par)] {
+            g.bench_function(BenchmarkId::new(format!("fwd/{pname}"), &id), |bn| {
+                bn.iter(|| rms_norm::forward_cpu(black_box(&x), Some(&w), &mut y, cols, 1e-6, p).unwrap())
+            });
+        }
+        g.throughput(bytes::<T>(3 * n + 2 * cols));
+        g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
+            bn.iter(|| {
+                rms_norm::backward_cpu(black_box(&dy), &x, Some(&w), &mut dx, Some(&mut dw), cols, 1e-6, par).unwrap()
+            })
+        });
+        g.finish();
+
+        let mut g = c.benchmark_group(format!("layer_norm/{}", T::NAME));
+        g.throughput(bytes::<T>(2 * n + 2 * cols));
+        g.bench_function(BenchmarkId::new("fwd", &id), |bn| {
+            bn.iter(|| layer_norm::forward_cpu(black_box(&x), Some(&w), Some(&b), &mut y, cols, 1e-5, par).unwrap())
+        });
+        g.throughput(bytes::<T>(3 * n + 4 * cols));
+        g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
+            bn.iter(|| {
+                let (dw, db) = (Some(&mut dw[..]), Some(&mut db[..]));
+                layer_norm::backward_cpu(black_box(&dy), &x, Some(&w), Some(&b), &mut dx, dw, db, cols, 1e-5, par)
+                    .unwrap()
+            })
+        });
+        g.finish();
+
+        let mut g = c.benchmark_group(format!("fused_add_rms_norm/{}", T::NAME));
+        g.throughput(bytes::<T>(4 * n + cols));
+        g.bench_function(BenchmarkId::new("fwd", &id), |bn| {
+            bn.iter(|| {
+                fused_add_rms_norm::forward_cpu(black_box(&x), &r, Some(&w), &mut y, &mut s, cols, 1e-6, par).unwrap()
+            })
+        });
+        // Backward with both output gradients: reads dy, d(sum), sum; writes d(sum).
+        g.throughput(bytes::<T>(4 * n + 2 * cols));
+        g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
+            bn.iter(|| {
+                fused_add_rms_norm::backward_cpu(
+                    black_box(&dy),
+                    Some(&r),
+                    &x,
+                    Some(&w),
+                    &mut dx,
+                    Some(&mut dw),
+                    cols,
+                    1e-6,
+                    par,
+                )
+                .unwrap()
+            })
+        });
+        g.finish();
+    }
+}
+
+fn benches(c: &mut Criterion) {
+    every_dtype!(c, bench);
+}
+
+criterion_group! { name = norms; config = common::config(); targets = benches }
+criterion_main!(norms);

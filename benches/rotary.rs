@@ -1,0 +1,37 @@
+//! criterion: rotary_embedding on CPU in both layouts (NeoX halves, GPT-J
+//! pairs), forward (the backward is the same kernel rotating the other way),
+//! every dtype, on rayon's pool; x `[batch, seq, 32, 128]`. Throughput counts
+//! x read and the output written.
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use keel::cpu::{Element, Par};
+use keel::ops::rotary::{apply_cpu, Shape};
+use std::hint::black_box;
+
+mod common;
+use common::{bytes, data, BATCH_SEQ};
+
+fn bench<T: Element>(c: &mut Criterion) {
+    let par = Par::Rayon;
+    let mut g = c.benchmark_group(format!("rotary_embedding/{}", T::NAME));
+    for (batch, seq) in BATCH_SEQ {
+        let shape = Shape { batch, seq, heads: 32, head_dim: 128, rotary_dim: 128 };
+        let n = shape.numel();
+        let id = format!("{batch}x{seq}x32x128");
+        let (x, cos, sin) = (data::<T>(n, 0), data::<T>(seq * 64, 1), data::<T>(seq * 64, 2));
+        let mut y = vec![T::default(); n];
+        g.throughput(bytes::<T>(2 * n));
+        for (name, interleaved) in [("neox", false), ("gptj", true)] {
+            g.bench_function(BenchmarkId::new(name, &id), |bn| {
+                bn.iter(|| apply_cpu(black_box(&x), &cos, &sin, &mut y, shape, interleaved, false, par).unwrap())
+            });
+        }
+    }
+    g.finish();
+}
+
+fn benches(c: &mut Criterion) {
+    every_dtype!(c, bench);
+}
+
+criterion_group! { name = rotary; config = common::config(); targets = benches }
+criterion_main!(rotary);
