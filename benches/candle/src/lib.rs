@@ -1,0 +1,1 @@
+//! Nothing here: the comparison is `benches/vs_candle.rs`.

@@ -1,0 +1,51 @@
+"""Keel against candle-nn from criterion's saved results: one markdown row per
+(op, dtype, shape) with both medians and the speedup. Run after
+`cargo bench --manifest-path benches/candle/Cargo.toml`:
+
+    python3 benches/candle/summary.py [criterion dir] > docs/report/vs_candle.md
+"""
+import glob
+import json
+import os
+import platform
+import sys
+import time
+
+
+def main() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(here, "target", "criterion")
+    runs = {}
+    for path in glob.glob(os.path.join(root, "**", "new", "benchmark.json"), recursive=True):
+        b = json.load(open(path))
+        est = json.load(open(os.path.join(os.path.dirname(path), "estimates.json")))
+        key = (b["group_id"], b["value_str"])
+        runs.setdefault(key, {})[b["function_id"]] = est["median"]["point_estimate"] / 1e6
+        runs[key]["bytes"] = (b.get("throughput") or {}).get("Bytes")
+    if not runs:
+        sys.exit(f"no criterion results under {root}: run cargo bench --manifest-path benches/candle/Cargo.toml")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.machine()) if os.path.exists("/proc/cpuinfo") else platform.machine()
+    print(f"Keel against candle-nn 0.11 (CPU), criterion medians, {time.strftime('%Y-%m-%d')}, {cpu}, "
+          f"{os.cpu_count()} cores; both return a fresh output per call and run on rayon's pool.\n")
+    print("`clone` is a fresh copy of an output's worth of input: the floor for an op that returns a new tensor; "
+          "`best possible` is candle's time over that floor, the most any kernel could gain.\n")
+    print("| op | dtype | shape | Keel ms | candle ms | clone ms | Keel speedup | best possible | Keel GB/s | candle GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    worst = None
+    for (group, shape), r in sorted(runs.items()):
+        if "keel" not in r or "candle" not in r:
+            continue
+        op, dtype = group.rsplit("/", 1)
+        speedup = r["candle"] / r["keel"]
+        worst = speedup if worst is None else min(worst, speedup)
+        gbps = (lambda ms: f"{r['bytes'] / ms / 1e6:.1f}") if r["bytes"] else (lambda ms: "-")
+        clone = f"{r['clone']:.3g}" if "clone" in r else "-"
+        best = f"{r['candle'] / r['clone']:.2f}x" if "clone" in r else "-"
+        print(f"| {op} | {dtype} | {shape} | {r['keel']:.3g} | {r['candle']:.3g} | {clone} | {speedup:.2f}x | {best} | "
+              f"{gbps(r['keel'])} | {gbps(r['candle'])} |")
+    print(f"\nLowest speedup: {worst:.2f}x (target: at least 2x on every row).")
+
+
+if __name__ == "__main__":
+    main()
