@@ -8,8 +8,6 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 source scripts/torch-env.sh
-build_wheel
-torch_env "${KEEL_TORCH_VERSION:-latest}"
-"$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
+install_wheel_in "${KEEL_TORCH_VERSION:-latest}"
 PIP_NO_CACHE_DIR=1 "$PY" -m pip install -q --disable-pip-version-check matplotlib tqdm
 "$PY" benches/report/report.py --out docs/report "$@"

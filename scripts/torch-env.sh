@@ -78,3 +78,10 @@ build_wheel() {
   python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$_root/dist" "$_root"
   WHEEL="$(ls "$_root"/dist/keel-*.whl)"
 }
+
+# Builds the wheel and installs it into the torch venv for VERSION (sets $PY).
+install_wheel_in() {
+  build_wheel
+  torch_env "$1"
+  "$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
+}
