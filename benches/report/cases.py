@@ -26,19 +26,36 @@ class Case:
     torch: Callable  # (*args) -> output(s): the eager expression Keel replaces
     nbytes: int  # bytes read + written by one call (the least any kernel must move)
     bandwidth_bound: bool = True
-    backward: bool = False  # drive as forward + backward of the first argument
+    grad_args: Sequence[int] = ()  # when set: forward + backward, with gradients for these inputs
     clone_args: Sequence[int] = field(default_factory=lambda: (0,))  # inputs a `clone` floor copies
+    seed: int = 1
+
+    def _upstream(self, i: int, out: torch.Tensor) -> torch.Tensor:
+        """The upstream gradient of output `i`: made once (outside the timed calls), the same for every
+        contender, in the output's dtype."""
+        key = (i, tuple(out.shape), out.dtype, out.device)
+        cache = self.__dict__.setdefault("_grads", {})
+        if key not in cache:
+            g = torch.Generator(device="cpu").manual_seed(self.seed + i)
+            cache[key] = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
+        return cache[key]
+
+    @property
+    def backward(self) -> bool:
+        return bool(self.grad_args)
 
     def run(self, fn: Callable, args: tuple = None) -> tuple:
-        """Calls `fn` as this case is timed; returns its outputs as a tuple."""
+        """Calls `fn` as this case is timed; returns its outputs (and, for a
+        forward + backward case, the gradients) as a tuple."""
         args = self.args if args is None else args
         if not self.backward:
             out = fn(*args)
             return out if isinstance(out, tuple) else (out,)
-        z = args[0].detach().requires_grad_()
-        loss = fn(z, *args[1:])
-        loss.backward()
-        return loss.detach(), z.grad
+        args = tuple(a.detach().requires_grad_() if i in self.grad_args else a for i, a in enumerate(args))
+        out = fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [self._upstream(i, o) for i, o in enumerate(outs)])
+        return tuple(o.detach() for o in outs) + tuple(args[i].grad for i in self.grad_args)
 
     def reference(self) -> tuple:
         """The torch expression in float64 (float inputs promoted)."""
@@ -141,7 +158,7 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
         tgt[::8] = -100  # every 8th row ignored
         # forward + backward: the forward reads the logits, the backward reads them and writes the gradient.
         return Case("cross_entropy fwd+bwd", f"{n}x{v}", (logits, tgt.to(device)), keel.cross_entropy,
-                    F.cross_entropy, 3 * n * v * es, bandwidth_bound=False, backward=True)
+                    F.cross_entropy, 3 * n * v * es, bandwidth_bound=False, grad_args=(0,))
 
     mk["cross_entropy"] = ce
 
@@ -156,6 +173,28 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
                     2 * q.numel() * es)
 
     mk["rotary_embedding"] = rope
+
+    # Forward + backward (training): gradients for every differentiable input
+    # but rotary's cos/sin; bytes are the forward's plus the backward's least
+    # (read grad_out and what it needs, write each gradient).
+    mk["rms_norm fwd+bwd"] = lambda: Case("rms_norm fwd+bwd", rs, (x, w), keel.rms_norm, _rms_norm, 5 * n * h * es,
+                                          grad_args=(0, 1))
+    mk["layer_norm fwd+bwd"] = lambda: Case("layer_norm fwd+bwd", rs, (x, w, b), keel.layer_norm, _layer_norm,
+                                            5 * n * h * es, grad_args=(0, 1, 2))
+    mk["fused_add_rms_norm fwd+bwd"] = lambda: Case(
+        "fused_add_rms_norm fwd+bwd", rs, (x, r, w), keel.fused_add_rms_norm, _fused_add_rms_norm, 8 * n * h * es,
+        grad_args=(0, 1, 2), clone_args=(0, 1))
+    mk["silu_and_mul fwd+bwd"] = lambda: Case("silu_and_mul fwd+bwd", gs, (gu,), keel.silu_and_mul, _silu_and_mul,
+                                              8 * n * h * es, grad_args=(0,))
+    mk["softmax fwd+bwd"] = lambda: Case("softmax fwd+bwd", rs, (x,), keel.softmax, _softmax, 5 * n * h * es,
+                                         grad_args=(0,))
+
+    def rope_fb():
+        c = rope()
+        c.name, c.keel, c.nbytes, c.grad_args = "rotary_embedding fwd+bwd", keel.rotary_embedding, 2 * c.nbytes, (0,)
+        return c
+
+    mk["rotary_embedding fwd+bwd"] = rope_fb
     return [f() for k, f in mk.items() if not names or k in names]
 
 

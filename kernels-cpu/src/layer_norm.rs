@@ -19,7 +19,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, sum_pairs, LANES};
+use crate::simd::{dispatch, reduce_lanes, sum_pairs, LANES};
 
 const OP_FWD: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
@@ -286,15 +286,24 @@ fn backward_row<T: Element>(
     let m = moments(x, eps);
     let rstd = m.rstd;
     let (sum_g, sum_gxh) = match weight {
-        Some(w) => (
-            sum_pairs(dy, w, |d, w| d * w),
-            // sum(dy * w * xh), weight applied per element.
-            weighted_sum(dy, w, x, m),
-        ),
+        Some(w) => weighted_sums(dy, w, x, m),
         None => (sum_pairs(dy, dy, |d, _| d), sum_pairs(dy, x, |d, x| d * m.xh(x))),
     };
     let (mg, mgx) = (sum_g / n, sum_gxh / n);
+    let (mut dw, mut db) = (dw, db);
     match weight {
+        // The training case: dx, dw and db in one pass over dy and x.
+        Some(w) if dw.is_some() && db.is_some() => {
+            let (dw, db) = (dw.take().unwrap_or_default(), db.take().unwrap_or_default());
+            for (((dx, x), (dy, w)), (dw, db)) in
+                dx.iter_mut().zip(x).zip(dy.iter().zip(w)).zip(dw.iter_mut().zip(db.iter_mut()))
+            {
+                let (xh, dy) = (m.xh(x.to_acc()), dy.to_acc());
+                *dx = T::from_acc(rstd * (dy * w.to_acc() - mg - xh * mgx));
+                *dw = *dw + dy * xh;
+                *db = *db + dy;
+            }
+        }
         Some(w) => {
             for ((dx, x), (dy, w)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
                 let xh = m.xh(x.to_acc());
@@ -320,25 +329,29 @@ fn backward_row<T: Element>(
     }
 }
 
-/// `sum(dy * w * xh)` with independent accumulators.
+/// `(sum(dy * w), sum(dy * w * xh))` in one pass, with independent accumulators.
 // Indexed loops over fixed-width lane arrays are what vectorises here.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn weighted_sum<T: Element>(dy: &[T], w: &[T], x: &[T], m: Moments<T::Acc>) -> T::Acc {
+fn weighted_sums<T: Element>(dy: &[T], w: &[T], x: &[T], m: Moments<T::Acc>) -> (T::Acc, T::Acc) {
     let n = x.len();
-    let mut lanes = [T::Acc::ZERO; LANES];
+    let (mut g, mut gx) = ([T::Acc::ZERO; LANES], [T::Acc::ZERO; LANES]);
     let chunks = n / LANES * LANES;
     for base in (0..chunks).step_by(LANES) {
         for i in 0..LANES {
             let j = base + i;
-            lanes[i] = lanes[i] + dy[j].to_acc() * w[j].to_acc() * m.xh(x[j].to_acc());
+            let gj = dy[j].to_acc() * w[j].to_acc();
+            g[i] = g[i] + gj;
+            gx[i] = gx[i] + gj * m.xh(x[j].to_acc());
         }
     }
-    let mut acc = T::Acc::ZERO;
+    let (mut tg, mut tgx) = (T::Acc::ZERO, T::Acc::ZERO);
     for j in chunks..n {
-        acc = acc + dy[j].to_acc() * w[j].to_acc() * m.xh(x[j].to_acc());
+        let gj = dy[j].to_acc() * w[j].to_acc();
+        tg = tg + gj;
+        tgx = tgx + gj * m.xh(x[j].to_acc());
     }
-    lanes.iter().fold(acc, |s, &v| s + v)
+    (reduce_lanes(g) + tg, reduce_lanes(gx) + tgx)
 }
 
 /// Reference forward: plain loops in f64 from the given values.

@@ -225,7 +225,17 @@ fn backward_row<T: Element>(
         None => sum_pairs(dy, x, |a, b| a * b),
     };
     let c = r * r * r * gx / T::Acc::from_usize(n);
+    let mut dw = dw;
     match (weight, add) {
+        // The training case: dx and dw in one pass over dy and x.
+        (Some(w), None) if dw.is_some() => {
+            let dw = dw.take().unwrap_or_default();
+            for (((dx, x), (dy, w)), dw) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)).zip(dw.iter_mut()) {
+                let (x, dy) = (x.to_acc(), dy.to_acc());
+                *dx = T::from_acc(r * dy * w.to_acc() - x * c);
+                *dw = *dw + dy * x * r;
+            }
+        }
         (Some(w), None) => {
             for ((dx, x), (dy, w)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
                 *dx = T::from_acc(r * dy.to_acc() * w.to_acc() - x.to_acc() * c);
