@@ -1,5 +1,6 @@
 //! The one place kernels are launched: NVTX range (feature `nvtx`), argument
 //! packing, and the error mapping.
+use super::{DType, Gpu};
 use crate::error::{driver, Result};
 use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 
@@ -41,6 +42,28 @@ pub(crate) unsafe fn launch(
     // SAFETY: forwarded from this function's contract.
     unsafe { b.launch(cfg) }.map_err(driver(format!("launching {name}")))?;
     Ok(())
+}
+
+/// Launches the row kernel `{name}_{dtype}` of `module` over `rows` rows of
+/// `cols`: the [`rows_config`] shape, at most 16 blocks per SM.
+///
+/// # Safety
+/// As [`launch`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn launch_rows(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    module: (&'static str, &'static str),
+    name: &str,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    args: &[Arg],
+) -> Result<()> {
+    let f = gpu.function(module, &format!("{name}_{}", dtype.suffix()))?;
+    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
+    // SAFETY: forwarded from this function's contract.
+    unsafe { launch(&format!("keel::{name}"), stream, &f, cfg, args) }
 }
 
 /// One block per row (grid-stride), about four 16-byte vectors per thread.

@@ -12,7 +12,7 @@ pub use keel_cpu::cross_entropy::{Options, Reduction};
 
 use super::check_cols;
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::{driver, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::Arc;
@@ -125,12 +125,10 @@ pub unsafe fn forward_cuda_raw(
     let s = dtype.suffix();
     let (r, c, ii) = (Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index));
     if rows > 0 {
-        let f = gpu.function(MODULE, &format!("cross_entropy_rows_{s}"))?;
-        let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
         let args =
             [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), r, c, ii, Arg::F32(opts.label_smoothing as f32)];
         // SAFETY: matches cross_entropy_rows_*; pointers per our contract.
-        unsafe { launch("keel::cross_entropy_rows", stream, &f, cfg, &args)? };
+        unsafe { launch_rows(gpu, stream, MODULE, "cross_entropy_rows", dtype, rows, cols, &args)? };
     }
     let f = gpu.function(MODULE, &format!("cross_entropy_reduce_{s}"))?;
     let args = [
@@ -178,8 +176,6 @@ pub unsafe fn backward_cuda_raw(
     // SAFETY: matches cross_entropy_count; pointers per our contract.
     unsafe { launch("keel::cross_entropy_count", stream, &f, single_block(), &args)? };
     if rows > 0 {
-        let f = gpu.function(MODULE, &format!("cross_entropy_bwd_{}", dtype.suffix()))?;
-        let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
         let args = [
             Arg::Ptr(grad),
             Arg::Ptr(logits),
@@ -193,7 +189,7 @@ pub unsafe fn backward_cuda_raw(
             Arg::I32(reduction_code(opts.reduction)),
         ];
         // SAFETY: matches cross_entropy_bwd_*; pointers per our contract.
-        unsafe { launch("keel::cross_entropy_bwd", stream, &f, cfg, &args)? };
+        unsafe { launch_rows(gpu, stream, MODULE, "cross_entropy_bwd", dtype, rows, cols, &args)? };
     }
     // SAFETY: scratch per our contract.
     unsafe { check_status(OP, stream, scratch, rows, &opts, cols) }

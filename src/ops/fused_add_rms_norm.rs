@@ -8,7 +8,7 @@
 //!   `sum` added: `grad_sum` is the gradient of both `x` and `residual`.
 use super::check_cols;
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -83,8 +83,6 @@ pub unsafe fn forward_cuda_raw(
     if rows == 0 {
         return Ok(());
     }
-    let f = gpu.function(MODULE, &format!("fused_add_rms_norm_fwd_{}", dtype.suffix()))?;
-    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(residual),
@@ -96,7 +94,7 @@ pub unsafe fn forward_cuda_raw(
         Arg::F32(eps as f32),
     ];
     // SAFETY: the argument list matches fused_add_rms_norm_fwd_*; pointers per our contract.
-    unsafe { launch("keel::fused_add_rms_norm_fwd", stream, &f, cfg, &args) }
+    unsafe { launch_rows(gpu, stream, MODULE, "fused_add_rms_norm_fwd", dtype, rows, cols, &args) }
 }
 
 /// CUDA forward on `cudarc` buffers, launched on `stream`.

@@ -12,7 +12,7 @@
 //!   ([`backward_scratch_len`]) and then over blocks: deterministic.
 use super::{check_cols, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -89,8 +89,6 @@ pub unsafe fn forward_cuda_raw(
     if rows == 0 {
         return Ok(());
     }
-    let f = kernel(gpu, "fwd", dtype)?;
-    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(weight),
@@ -101,7 +99,7 @@ pub unsafe fn forward_cuda_raw(
         Arg::F32(eps as f32),
     ];
     // SAFETY: the argument list matches layer_norm_fwd_*; pointers per our contract.
-    unsafe { launch("keel::layer_norm_fwd", stream, &f, cfg, &args) }
+    unsafe { launch_rows(gpu, stream, MODULE, "layer_norm_fwd", dtype, rows, cols, &args) }
 }
 
 /// CUDA backward on raw device pointers (`weight`, `grad_weight`,

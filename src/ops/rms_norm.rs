@@ -13,7 +13,7 @@
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
 use super::{reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -87,8 +87,6 @@ pub unsafe fn forward_cuda_raw(
     if rows == 0 {
         return Ok(());
     }
-    let f = kernel(gpu, "fwd", dtype)?;
-    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(weight),
@@ -98,7 +96,7 @@ pub unsafe fn forward_cuda_raw(
         Arg::F32(eps as f32),
     ];
     // SAFETY: the argument list matches rms_norm_fwd_*; pointers per our contract.
-    unsafe { launch("keel::rms_norm_fwd", stream, &f, cfg, &args) }
+    unsafe { launch_rows(gpu, stream, MODULE, "rms_norm_fwd", dtype, rows, cols, &args) }
 }
 
 /// CUDA backward on raw device pointers (`weight`, `grad_weight` 0 for none).

@@ -7,7 +7,7 @@
 //! - CUDA: one block per row, max / exp-sum / store passes, 128-bit loads.
 use super::check_cols;
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -55,12 +55,10 @@ unsafe fn run_raw(
     if rows == 0 {
         return Ok(());
     }
-    let f = gpu.function(MODULE, &format!("softmax_{which}_{}", dtype.suffix()))?;
-    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
     let shape = [Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(scale as f32)];
     let args: Vec<Arg> = ptrs.iter().map(|&p| Arg::Ptr(p)).chain(shape).collect();
     // SAFETY: pointers per our contract, then (rows, cols, scale) as both kernels take them.
-    unsafe { launch(&format!("keel::softmax_{which}"), stream, &f, cfg, &args) }
+    unsafe { launch_rows(gpu, stream, MODULE, &format!("softmax_{which}"), dtype, rows, cols, &args) }
 }
 
 /// CUDA forward on raw device pointers.
