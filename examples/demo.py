@@ -17,8 +17,8 @@ import torch
 import keel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches", "report"))
-from cases import make_cases, max_rel_err, tolerance  # noqa: E402
-from timing import interleaved  # noqa: E402
+from cases import make_cases, tolerance  # noqa: E402
+from measure import time_case  # noqa: E402
 
 
 def main():
@@ -27,27 +27,18 @@ def main():
           f"{', THP_MEM_ALLOC_ENABLE=1' if thp else ''}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     ok = True
-    print(f"{'op':22} {'dev':4} {'dtype':8} {'shape':13}  {'err keel':>8} {'err torch':>9}  "
+    print(f"{'op':26} {'dev':4} {'dtype':8} {'shape':13}  {'err keel':>8} {'err torch':>9}  "
           f"{'keel ms':>8} {'torch ms':>8} {'clone ms':>8}  {'speedup':>7} {'keel/clone':>10}")
     for device in devices:
         for dtype in (torch.float32, torch.bfloat16):
             for case in make_cases(device, dtype):
-                ref = case.reference()
-                ek = max_rel_err(case.run(case.keel), ref)
-                et = max_rel_err(case.run(case.torch), ref)
-                del ref
+                row = time_case(case, device, compile_=False)
+                (ek, et), t = (row["err"]["keel"], row["err"]["eager"]), row["ms"]
                 good = ek <= tolerance(dtype)
                 ok &= good
-                args = [case.args[i] for i in case.clone_args]
-                t = interleaved({
-                    "keel": lambda: case.run(case.keel),
-                    "torch": lambda: case.run(case.torch),
-                    "clone": lambda: [a.clone() for a in args],
-                }, device)
-                t = {k: v * 1e3 for k, v in t.items()}
-                print(f"{case.name:22} {device:4} {str(dtype)[6:]:8} {case.shape:13}  {ek:8.1e} {et:9.1e}  "
-                      f"{t['keel']:8.2f} {t['torch']:8.2f} {t['clone']:8.2f}  "
-                      f"{t['torch'] / t['keel']:6.2f}x {t['keel'] / t['clone']:10.2f}{'' if good else '  BAD'}")
+                print(f"{case.name:26} {device:4} {str(dtype)[6:]:8} {case.shape:13}  {ek:8.1e} {et:9.1e}  "
+                      f"{t['keel']:8.2f} {t['eager']:8.2f} {t['clone']:8.2f}  "
+                      f"{t['eager'] / t['keel']:6.2f}x {t['keel'] / t['clone']:10.2f}{'' if good else '  BAD'}")
     if not torch.cuda.is_available():
         print("cuda: skipped (torch.cuda.is_available() is False on this machine)")
     sys.exit(0 if ok else 1)

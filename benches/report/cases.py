@@ -29,16 +29,16 @@ class Case:
     grad_args: Sequence[int] = ()  # when set: forward + backward, with gradients for these inputs
     clone_args: Sequence[int] = field(default_factory=lambda: (0,))  # inputs a `clone` floor copies
     seed: int = 1
+    _grads: dict = field(default_factory=dict, repr=False)  # upstream gradients, made once
 
     def _upstream(self, i: int, out: torch.Tensor) -> torch.Tensor:
         """The upstream gradient of output `i`: made once (outside the timed calls), the same for every
         contender, in the output's dtype."""
         key = (i, tuple(out.shape), out.dtype, out.device)
-        cache = self.__dict__.setdefault("_grads", {})
-        if key not in cache:
+        if key not in self._grads:
             g = torch.Generator(device="cpu").manual_seed(self.seed + i)
-            cache[key] = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
-        return cache[key]
+            self._grads[key] = torch.randn(out.shape, generator=g).to(out.dtype).to(out.device)
+        return self._grads[key]
 
     @property
     def backward(self) -> bool:

@@ -21,9 +21,14 @@ def _ms(v: float) -> str:
     return f"{v:.3g}" if v < 100 else f"{v:.0f}"
 
 
+def _gbps(row: dict, who: str) -> float:
+    """GB/s of contender `who` (`keel`, `eager`, `compile`) on this row; 0 where it has no time."""
+    return row["nbytes"] / row["ms"][who] / 1e6 if who in row["ms"] else 0.0
+
+
 def _derived(row: dict, bw: dict, device: str) -> dict:
     ms = row["ms"]
-    d = {"vs_eager": ms["eager"] / ms["keel"], "gbps": row["nbytes"] / ms["keel"] / 1e6,
+    d = {"vs_eager": ms["eager"] / ms["keel"], "gbps": _gbps(row, "keel"),
          "floor": ms["keel"] / ms["clone"]}
     d["vs_compile"] = ms["compile"] / ms["keel"] if "compile" in ms else None
     d["frac"] = d["gbps"] / bw[BW_LINE[device]]
@@ -145,11 +150,8 @@ def plots(runs: List[dict], outdir: str) -> List[str]:
         short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
         labels = [f"{r['op']} {short.get(r['dtype'], r['dtype'])}" for r in rows]
         xs = range(len(rows))
-        keel_gbps = [r["nbytes"] / r["ms"]["keel"] / 1e6 for r in rows]
-        ax.bar([x - 0.27 for x in xs], keel_gbps, 0.27, label="Keel")
-        for k, (base, label) in enumerate([("eager", "torch eager"), ("compile", "torch.compile")]):
-            gbps = [r["nbytes"] / r["ms"][base] / 1e6 if base in r["ms"] else 0 for r in rows]
-            ax.bar([x + 0.27 * k for x in xs], gbps, 0.27, label=label)
+        for k, (who, label) in enumerate([("keel", "Keel"), ("eager", "torch eager"), ("compile", "torch.compile")]):
+            ax.bar([x + 0.27 * (k - 1) for x in xs], [_gbps(r, who) for r in rows], 0.27, label=label)
         ax.axhline(bw["clone_GBps"], color="black", lw=1, label=f"clone {bw['clone_GBps']:.0f} GB/s")
         ax.axhline(bw["copy_GBps"], color="gray", ls="--", lw=1, label=f"copy into existing {bw['copy_GBps']:.0f} GB/s")
         line = bw[BW_LINE[device]] * BW_TARGET[device]

@@ -10,17 +10,15 @@
 //! - rotary GPT-J: Keel interleaved on `[b, s, h, d]` / `candle_nn::rotary_emb::rope_i`
 //!   on `[b, h, s, d]` (candle's only interleaved layout; the same work)
 use candle_core::{DType, Device, Tensor, WithDType};
-use criterion::{
-    criterion_group, criterion_main, measurement::WallTime, BenchmarkGroup, BenchmarkId, Criterion, Throughput,
-};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{bf16, Element, Par};
 use keel::ops::{gated, layer_norm, rms_norm, rotary, softmax};
 use std::hint::black_box;
-use std::time::Duration;
 
-fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
-    (0..n).map(|i| T::from_f64((((i + seed) * 7919) % 2001) as f64 / 1000.0 - 1.0)).collect()
-}
+// The main crate's bench helpers (inputs, shapes, criterion settings), shared by path.
+#[path = "../../common/mod.rs"]
+mod common;
+use common::{bytes, data, BATCH_SEQ, ROWS_HIDDEN};
 
 fn tensor<T: Element + WithDType>(v: &[T], shape: &[usize]) -> Tensor {
     Tensor::from_slice(v, shape, &Device::Cpu).unwrap()
@@ -33,7 +31,7 @@ fn fresh<T: Element + bytemuck::Zeroable>(n: usize) -> Vec<T> {
     bytemuck::zeroed_vec(n)
 }
 
-type Group<'a> = BenchmarkGroup<'a, WallTime>;
+use common::Group;
 
 /// The floor in each group: a fresh copy of `out_len` input elements (allocation,
 /// page faults, one read and one write), what any op returning a new tensor pays.
@@ -47,15 +45,15 @@ fn floor<T: Element + bytemuck::Zeroable>(g: &mut Group<'_>, id: &str, x: &[T], 
     });
 }
 
-fn group<'a, T: Element>(c: &'a mut Criterion, op: &str, bytes: usize) -> Group<'a> {
+fn group<'a, T: Element>(c: &'a mut Criterion, op: &str, elems: usize) -> Group<'a> {
     let mut g = c.benchmark_group(format!("{op}/{}", T::NAME));
-    g.throughput(Throughput::Bytes((bytes * std::mem::size_of::<T>()) as u64));
+    g.throughput(bytes::<T>(elems));
     g
 }
 
 fn bench<T: Element + WithDType + bytemuck::Zeroable>(c: &mut Criterion, dtype: DType) {
     let par = Par::Rayon;
-    for (rows, cols) in [(4096usize, 4096usize), (2048, 8192), (32, 4096)] {
+    for (rows, cols) in ROWS_HIDDEN {
         let n = rows * cols;
         let id = format!("{rows}x{cols}");
         let (x, w, b) = (data::<T>(n, 0), data::<T>(cols, 3), data::<T>(cols, 4));
@@ -119,7 +117,7 @@ fn bench<T: Element + WithDType + bytemuck::Zeroable>(c: &mut Criterion, dtype: 
         });
         g.finish();
     }
-    for (batch, seq) in [(4usize, 1024usize), (1, 4096), (1, 16)] {
+    for (batch, seq) in BATCH_SEQ {
         let (heads, d) = (32, 128);
         let shape = rotary::Shape { batch, seq, heads, head_dim: d, rotary_dim: d };
         let n = shape.numel();
@@ -157,9 +155,5 @@ fn benches(c: &mut Criterion) {
     bench::<bf16>(c, DType::BF16);
 }
 
-criterion_group! {
-    name = vs_candle;
-    config = Criterion::default().sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
-    targets = benches
-}
+criterion_group! { name = vs_candle; config = common::config(); targets = benches }
 criterion_main!(vs_candle);
