@@ -19,7 +19,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, reduce_lanes, sum_pairs, LANES};
+use crate::simd::{dispatch, sum_pairs, sums3, LANES};
 
 const OP_FWD: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
@@ -330,28 +330,12 @@ fn backward_row<T: Element>(
 }
 
 /// `(sum(dy * w), sum(dy * w * xh))` in one pass, with independent accumulators.
-// Indexed loops over fixed-width lane arrays are what vectorises here.
-#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn weighted_sums<T: Element>(dy: &[T], w: &[T], x: &[T], m: Moments<T::Acc>) -> (T::Acc, T::Acc) {
-    let n = x.len();
-    let (mut g, mut gx) = ([T::Acc::ZERO; LANES], [T::Acc::ZERO; LANES]);
-    let chunks = n / LANES * LANES;
-    for base in (0..chunks).step_by(LANES) {
-        for i in 0..LANES {
-            let j = base + i;
-            let gj = dy[j].to_acc() * w[j].to_acc();
-            g[i] = g[i] + gj;
-            gx[i] = gx[i] + gj * m.xh(x[j].to_acc());
-        }
-    }
-    let (mut tg, mut tgx) = (T::Acc::ZERO, T::Acc::ZERO);
-    for j in chunks..n {
-        let gj = dy[j].to_acc() * w[j].to_acc();
-        tg = tg + gj;
-        tgx = tgx + gj * m.xh(x[j].to_acc());
-    }
-    (reduce_lanes(g) + tg, reduce_lanes(gx) + tgx)
+    sums3(dy, w, x, |dy, w, x| {
+        let g = dy * w;
+        (g, g * m.xh(x))
+    })
 }
 
 /// Reference forward: plain loops in f64 from the given values.

@@ -16,7 +16,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, sum_pairs, LANES};
+use crate::simd::{dispatch, sum_pairs, sums3};
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
@@ -191,8 +191,6 @@ pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T]
 
 /// With `r = inv_rms(x)`, `g = dy * w`:
 /// `dx = r * g - x * r^3 * sum(g * x) / n (+ add)` and `dw += dy * x * r`.
-// Indexed loops over fixed-width lane arrays are what vectorises here.
-#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn backward_row<T: Element>(
     x: &[T],
@@ -206,22 +204,7 @@ fn backward_row<T: Element>(
     let n = x.len();
     let r = inv_rms(sum_pairs(x, x, |a, b| a * b), n, eps);
     let gx = match weight {
-        Some(w) => {
-            // sum(dy * w * x) without a temporary: pair dy with x, weight applied per element.
-            let mut acc = T::Acc::ZERO;
-            let mut lanes = [T::Acc::ZERO; LANES];
-            let chunks = n / LANES * LANES;
-            for base in (0..chunks).step_by(LANES) {
-                for i in 0..LANES {
-                    let j = base + i;
-                    lanes[i] = lanes[i] + dy[j].to_acc() * w[j].to_acc() * x[j].to_acc();
-                }
-            }
-            for j in chunks..n {
-                acc = acc + dy[j].to_acc() * w[j].to_acc() * x[j].to_acc();
-            }
-            lanes.iter().fold(acc, |s, &v| s + v)
-        }
+        Some(w) => sums3(dy, w, x, |dy, w, x| (dy * w * x, T::Acc::ZERO)).0,
         None => sum_pairs(dy, x, |a, b| a * b),
     };
     let c = r * r * r * gx / T::Acc::from_usize(n);

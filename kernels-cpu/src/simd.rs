@@ -48,6 +48,39 @@ pub(crate) fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc)
     reduce_lanes(acc) + tail
 }
 
+/// The two sums of `f(a_i, b_i, c_i)` (a pair) over three slices of equal
+/// length, with `LANES` independent accumulators for each.
+///
+/// Written over `chunks_exact` with one named accumulator array per sum: the
+/// same sums written with indices `base + i` stayed scalar, with the lanes on
+/// the stack (rms_norm bf16 backward spent 60% of its time there), and an
+/// array of accumulator arrays was kept on the stack too.
+#[inline(always)]
+pub(crate) fn sums3<T: Element>(
+    a: &[T],
+    b: &[T],
+    c: &[T],
+    f: impl Fn(T::Acc, T::Acc, T::Acc) -> (T::Acc, T::Acc),
+) -> (T::Acc, T::Acc) {
+    let (mut s, mut t) = ([T::Acc::ZERO; LANES], [T::Acc::ZERO; LANES]);
+    let (ca, cb, cc) = (a.chunks_exact(LANES), b.chunks_exact(LANES), c.chunks_exact(LANES));
+    let (ra, rb, rc) = (ca.remainder(), cb.remainder(), cc.remainder());
+    for ((ca, cb), cc) in ca.zip(cb).zip(cc) {
+        for i in 0..LANES {
+            let (u, v) = f(ca[i].to_acc(), cb[i].to_acc(), cc[i].to_acc());
+            s[i] = s[i] + u;
+            t[i] = t[i] + v;
+        }
+    }
+    let (mut su, mut sv) = (T::Acc::ZERO, T::Acc::ZERO);
+    for ((a, b), c) in ra.iter().zip(rb).zip(rc) {
+        let (u, v) = f(a.to_acc(), b.to_acc(), c.to_acc());
+        su = su + u;
+        sv = sv + v;
+    }
+    (reduce_lanes(s) + su, reduce_lanes(t) + sv)
+}
+
 /// Sum of `LANES` accumulators by a pairwise tree (vector adds, not a serial chain).
 #[inline(always)]
 pub(crate) fn reduce_lanes<A: Acc>(mut acc: [A; LANES]) -> A {
