@@ -5,6 +5,12 @@
 //! within 2 ulp over its range, `erf` and `tanh` within 5e-7 absolute. NaN in,
 //! NaN out. `exp` saturates at `exp(88)` above and `exp(-87.3)` below, which
 //! the activations that use it cannot tell apart from the true values in f32.
+//!
+//! The polynomials use `mul_add`: inside the SIMD-dispatched loops (AVX2+FMA,
+//! AVX-512, NEON) each step is one fused multiply-add instead of a multiply
+//! and an add (Rust does not contract `a * b + c` by itself). On an x86 CPU
+//! without FMA (before 2013) pulp runs the scalar path, where `mul_add` is a
+//! correct but slow library call.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two so that `x - n ln2` is exact for the `n` that occur.
@@ -19,17 +25,17 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 pub(crate) fn exp_f32(x: f32) -> f32 {
     let flush = x < -87.3;
     let x = x.clamp(-87.3, 88.0);
-    let t = x * LOG2E + ROUND_MAGIC;
+    let t = x.mul_add(LOG2E, ROUND_MAGIC);
     let n = t - ROUND_MAGIC;
-    let r = x - n * LN2_HI - n * LN2_LO;
+    let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
     // Cephes expf polynomial on [-ln2/2, ln2/2].
     let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let y = p * r * r + r + 1.0;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_5e-1);
+    p = p.mul_add(r, 0.5);
+    let y = (p * r).mul_add(r, r) + 1.0;
     // 2^n from the integer left in t's mantissa.
     let n_int = t.to_bits().wrapping_sub(ROUND_MAGIC.to_bits()) as i32;
     let v = y * f32::from_bits(((n_int + 127) as u32) << 23);
@@ -50,17 +56,17 @@ pub(crate) fn erf_f32(x: f32) -> f32 {
     let x = x.clamp(-4.0, 4.0);
     let x2 = x * x;
     let mut p = -2.726_142_3e-10f32;
-    p = p * x2 + 2.770_681_4e-8;
-    p = p * x2 + -2.101_024e-6;
-    p = p * x2 + -5.692_506_4e-5;
-    p = p * x2 + -7.349_906e-4;
-    p = p * x2 + -2.954_600_2e-3;
-    p = p * x2 + -1.609_603_3e-2;
+    p = p.mul_add(x2, 2.770_681_4e-8);
+    p = p.mul_add(x2, -2.101_024e-6);
+    p = p.mul_add(x2, -5.692_506_4e-5);
+    p = p.mul_add(x2, -7.349_906e-4);
+    p = p.mul_add(x2, -2.954_600_2e-3);
+    p = p.mul_add(x2, -1.609_603_3e-2);
     let mut q = -1.456_607_2e-5f32;
-    q = q * x2 + -2.133_740_6e-4;
-    q = q * x2 + -1.682_827e-3;
-    q = q * x2 + -7.373_329e-3;
-    q = q * x2 + -1.426_474e-2;
+    q = q.mul_add(x2, -2.133_740_6e-4);
+    q = q.mul_add(x2, -1.682_827e-3);
+    q = q.mul_add(x2, -7.373_329e-3);
+    q = q.mul_add(x2, -1.426_474e-2);
     if big {
         sign
     } else {
