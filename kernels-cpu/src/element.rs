@@ -40,6 +40,10 @@ pub trait Acc:
     fn erf(self) -> Self;
     /// Hyperbolic tangent.
     fn tanh(self) -> Self;
+    /// The larger of two values, the other one when either is NaN (IEEE
+    /// maxNum): one `vmaxps` plus a NaN fix-up, which vectorises where the
+    /// `if v > m` form was left scalar.
+    fn max(self, other: Self) -> Self;
 }
 
 impl Acc for f32 {
@@ -73,6 +77,10 @@ impl Acc for f32 {
     fn tanh(self) -> Self {
         crate::math::tanh_f32(self)
     }
+    #[inline(always)]
+    fn max(self, other: Self) -> Self {
+        f32::max(self, other)
+    }
 }
 
 impl Acc for f64 {
@@ -105,6 +113,10 @@ impl Acc for f64 {
     #[inline(always)]
     fn tanh(self) -> Self {
         f64::tanh(self)
+    }
+    #[inline(always)]
+    fn max(self, other: Self) -> Self {
+        f64::max(self, other)
     }
 }
 

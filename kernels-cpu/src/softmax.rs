@@ -101,13 +101,12 @@ pub(crate) fn row_max<T: Element>(x: &[T], scale: T::Acc) -> T::Acc {
     let rest = chunks.remainder();
     for c in chunks {
         for i in 0..LANES {
-            let v = c[i].to_acc() * scale;
-            m[i] = if v > m[i] { v } else { m[i] };
+            m[i] = m[i].max(c[i].to_acc() * scale);
         }
     }
     let mut best = neg_inf;
     for v in m.iter().copied().chain(rest.iter().map(|v| v.to_acc() * scale)) {
-        best = if v > best { v } else { best };
+        best = best.max(v);
     }
     best
 }
