@@ -6,6 +6,7 @@ bytes it must move.
 `make_cases(device, dtype, size)` builds them on fresh inputs; `size` is
 "large" (the shapes of the speed targets) or "small" (for smoke tests).
 """
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -198,8 +199,20 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
     return [f() for k, f in mk.items() if not names or k in names]
 
 
+# Per-call overhead is measured in each of these modes: torch's default (grad
+# mode on, inputs that do not require grad), under torch.no_grad(), and with
+# tensors made under torch.inference_mode(), which have no autograd keys.
+OVERHEAD_MODES = {"grad mode": contextlib.nullcontext, "no_grad": torch.no_grad,
+                  "inference_mode": torch.inference_mode}
+
+
 def tiny_cases(device: str) -> list:
-    """Per-call overhead: (name, keel call, torch call) on tiny f32 tensors."""
+    """Per-call overhead: (name, keel call, torch call) on tiny f32 tensors.
+
+    Make them under the mode they are timed in (inference_mode tensors must be
+    made inside it). The `torch.ops.aten` row takes the same Python path as a
+    `torch.ops.keel` call, for a comparison of the ops' own cost.
+    """
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, 64, generator=g).to(device)
     w = torch.ones(64, device=device)
@@ -208,6 +221,8 @@ def tiny_cases(device: str) -> list:
     return [
         ("rms_norm [1,64]", lambda: torch.ops.keel.rms_norm(x, w, 1e-6), lambda: _rms_norm(x, w)),
         ("softmax [1,64]", lambda: torch.ops.keel.softmax(x, 1.0), lambda: torch.softmax(x, -1)),
+        ("softmax [1,64], torch through torch.ops.aten._softmax", lambda: torch.ops.keel.softmax(x, 1.0),
+         lambda: torch.ops.aten._softmax(x, -1, False)),
         ("silu_and_mul [1,128]", lambda: torch.ops.keel.silu_and_mul(h), lambda: _silu_and_mul(h)),
         ("cross_entropy [1,64]", lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"),
          lambda: F.cross_entropy(x, t)),

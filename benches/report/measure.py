@@ -17,7 +17,7 @@ import warnings
 import torch
 
 import keel
-from cases import make_cases, max_rel_err, tiny_cases, tolerance
+from cases import OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
 from timing import interleaved, per_call
 
 try:
@@ -136,10 +136,12 @@ def main() -> None:
                 ok &= row["ok"]
                 out["rows"].append(row)
             del cases
-        for name, kf, tf in tiny_cases(device):
-            out["overhead"].append({"device": device, "name": name,
-                                    "keel_us": per_call(kf, device) * 1e6 if kf else None,
-                                    "torch_us": per_call(tf, device) * 1e6})
+        for mode, ctx in OVERHEAD_MODES.items():
+            with ctx():
+                for name, kf, tf in tiny_cases(device):
+                    out["overhead"].append({"device": device, "name": name, "mode": mode,
+                                            "keel_us": per_call(kf, device) * 1e6 if kf else None,
+                                            "torch_us": per_call(tf, device) * 1e6})
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     sys.exit(0 if ok else 1)

@@ -95,15 +95,17 @@ def markdown(runs: List[dict], images: List[str]) -> str:
         lines.append("")
     lines += ["Bracketed fractions are for ops bound by compute, not memory (cross_entropy runs two `exp` per logit); "
               "they have no bandwidth target.", "", "## Per-call overhead (tiny float32 tensors)", "",
-              "| run | op | Keel µs (`torch.ops.keel`) | torch µs (the expression it replaces) |", "|---|---|---|---|"]
+              "| run | mode | op | Keel µs (`torch.ops.keel`) | torch µs (the expression it replaces) |",
+              "|---|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):
         for o in run["overhead"]:
             if o["device"] == device:
+                mode = o.get("mode", "grad mode")
                 k = f"{o['keel_us']:.2f}" if o["keel_us"] is not None else "-"
-                lines.append(f"| {title} | {o['name']} | {k} | {o['torch_us']:.2f} |")
+                lines.append(f"| {title} | {mode} | {o['name']} | {k} | {o['torch_us']:.2f} |")
                 if o["keel_us"] is not None and o["keel_us"] > o["torch_us"]:
-                    misses.append(f"- {title}: per-call overhead of {o['name']}: {o['keel_us']:.2f} µs against "
-                                  f"torch's {o['torch_us']:.2f} µs")
+                    misses.append(f"- {title}: per-call overhead of {o['name']} ({mode}): {o['keel_us']:.2f} µs "
+                                  f"against torch's {o['torch_us']:.2f} µs")
     lines += ["", "## Plots", ""] + [f"![{os.path.splitext(i)[0]}]({i})" for i in images]
     lines += ["", "## Targets missed in this run", ""] + (misses or ["None."]) + [""]
     return "\n".join(lines)

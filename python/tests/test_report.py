@@ -74,4 +74,4 @@ def test_compute_bound_ops_have_no_bandwidth_target_and_overhead_is_judged():
     tail = markdown([run], []).split("## Targets missed in this run")[1]
     assert "of bandwidth" not in tail
     assert "error 1.0e+00 over tolerance" in tail
-    assert "per-call overhead of tiny: 3.00 µs against torch's 1.00 µs" in tail
+    assert "per-call overhead of tiny (grad mode): 3.00 µs against torch's 1.00 µs" in tail
