@@ -202,11 +202,12 @@ fn backward_row<T: Element>(
     eps: T::Acc,
 ) {
     let n = x.len();
-    let r = inv_rms(sum_pairs(x, x, |a, b| a * b), n, eps);
-    let gx = match weight {
-        Some(w) => sums3(dy, w, x, |dy, w, x| (dy * w * x, T::Acc::ZERO)).0,
-        None => sum_pairs(dy, x, |a, b| a * b),
+    // sum(x^2) and sum(g * x) in one pass over dy, w and x.
+    let (sum_sq, gx) = match weight {
+        Some(w) => sums3(dy, w, x, |dy, w, x| (x * x, dy * w * x)),
+        None => sums3(dy, x, x, |dy, x, _| (x * x, dy * x)),
     };
+    let r = inv_rms(sum_sq, n, eps);
     let c = r * r * r * gx / T::Acc::from_usize(n);
     let mut dw = dw;
     match (weight, add) {
