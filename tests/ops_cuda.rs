@@ -75,7 +75,7 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     close(&s.clone_dtoh(&dw).unwrap(), &wdw, sum_tol, "fused_add_rms_norm grad_weight");
 
     // gated: input [rows, cols] is [a | b] with d = cols / 2
-    if cols % 2 == 0 {
+    if cols.is_multiple_of(2) {
         let d = cols / 2;
         let dyh = &dy[..rows * d];
         let dyhd = up(&s, dyh);
@@ -132,7 +132,7 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     assert!(err.to_string().contains("argument 'target'"), "{err}");
 
     // rotary: rows = batch * seq * heads with heads 1, seq = rows; both layouts, both directions
-    if cols % 2 == 0 {
+    if cols.is_multiple_of(2) {
         let half = (cols / 2).min(40);
         let shape = rotary::Shape { batch: 1, seq: rows, heads: 1, head_dim: cols, rotary_dim: 2 * half };
         let angles: Vec<f64> = (0..rows * half).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();

@@ -80,7 +80,7 @@ pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, opts: 
     if cols == 0 {
         return Err(Error::Shape { op, arg: "logits", msg: "must have at least one class (v > 0)".into() });
     }
-    if logits % cols != 0 {
+    if !logits.is_multiple_of(cols) {
         return Err(Error::Shape {
             op,
             arg: "logits",

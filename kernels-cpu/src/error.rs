@@ -52,7 +52,7 @@ pub(crate) fn check_rows(op: &'static str, len: usize, cols: usize, eps: f64) ->
             Err(Error::Shape { op, arg: "cols", msg: "is 0 but the input is not empty".into() })
         };
     }
-    if len % cols != 0 {
+    if !len.is_multiple_of(cols) {
         return Err(Error::Shape { op, arg: "input", msg: format!("length {len} is not a multiple of cols {cols}") });
     }
     Ok(len / cols)

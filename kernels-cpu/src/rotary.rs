@@ -39,7 +39,7 @@ impl Shape {
 
     /// Checks `rotary_dim` and the slice lengths, naming `op` and the argument.
     pub fn check(&self, op: &'static str, x: usize, cos: usize, sin: usize, out: usize) -> Result<()> {
-        if self.rotary_dim % 2 != 0 || self.rotary_dim > self.head_dim {
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
             return Err(Error::Shape {
                 op,
                 arg: "cos",

@@ -39,7 +39,7 @@ fn kernel(gpu: &Gpu, act: Activation, which: &str, dtype: DType) -> Result<cudar
 
 /// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step.
 fn config(gpu: &Gpu, rows: usize, d: usize, dtype: DType) -> LaunchConfig {
-    let per = if d % (16 / dtype.size()) == 0 { 16 / dtype.size() } else { 1 };
+    let per = if d.is_multiple_of(16 / dtype.size()) { 16 / dtype.size() } else { 1 };
     let items = (rows * d).div_ceil(per);
     let blocks = items.div_ceil(256).clamp(1, gpu.sm_count() as usize * 8);
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
