@@ -6,6 +6,7 @@
 //! that the compiler vectorises them inside the SIMD-dispatched loops. They are
 //! bit-exact with `half` (round to nearest even, NaN kept NaN): the tests check
 //! every f16 and bf16 value.
+use crate::narrow;
 use half::{bf16, f16};
 use std::ops::{Add, Div, Mul, Sub};
 
@@ -137,6 +138,13 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     }
     /// Round from f64, for references and tests.
     fn from_f64(v: f64) -> Self;
+    /// Writes `out` from accumulator values: `fill(start, buf)` must set
+    /// `buf[i]` to the value of `out[start + i]` for every `i`. f32 and f64
+    /// hand `out` itself over as `buf` (one call, `start` 0); bf16 and f16
+    /// fill blocks of a scratch buffer and round each block with the CPU's
+    /// conversion instruction where it has one ([`crate::narrow`]), which is
+    /// bit-identical to [`from_acc`](Element::from_acc).
+    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [Self::Acc]));
 }
 
 impl Element for f32 {
@@ -152,6 +160,10 @@ impl Element for f32 {
     }
     fn from_f64(v: f64) -> Self {
         v as f32
+    }
+    #[inline(always)]
+    fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
+        fill(0, out)
     }
 }
 
@@ -169,6 +181,10 @@ impl Element for f64 {
     fn from_f64(v: f64) -> Self {
         v
     }
+    #[inline(always)]
+    fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
+        fill(0, out)
+    }
 }
 
 impl Element for bf16 {
@@ -185,6 +201,15 @@ impl Element for bf16 {
     fn from_f64(v: f64) -> Self {
         bf16::from_f64(v)
     }
+    #[inline(always)]
+    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [f32])) {
+        narrow::write_blocks(
+            out,
+            fill,
+            #[inline(always)]
+            |s, d| narrow::bf16_slice(s, d, Self::from_acc),
+        )
+    }
 }
 
 impl Element for f16 {
@@ -200,6 +225,15 @@ impl Element for f16 {
     }
     fn from_f64(v: f64) -> Self {
         f16::from_f64(v)
+    }
+    #[inline(always)]
+    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [f32])) {
+        narrow::write_blocks(
+            out,
+            fill,
+            #[inline(always)]
+            |s, d| narrow::f16_slice(s, d, Self::from_acc),
+        )
     }
 }
 

@@ -86,9 +86,16 @@ pub fn forward<T: Element>(
                     .zip(r.chunks_exact(cols))
                     .zip(y.chunks_exact_mut(cols).zip(s.chunks_exact_mut(cols)))
                 {
-                    for ((s, x), r) in s.iter_mut().zip(x).zip(r) {
-                        *s = T::from_acc(x.to_acc() + r.to_acc());
-                    }
+                    T::write_acc(
+                        s,
+                        #[inline(always)]
+                        |at, s| {
+                            let (x, r) = (&x[at..][..s.len()], &r[at..][..s.len()]);
+                            for ((s, x), r) in s.iter_mut().zip(x).zip(r) {
+                                *s = x.to_acc() + r.to_acc();
+                            }
+                        },
+                    );
                     // `s` is still in L1: the norm reads it from there.
                     forward_row(s, weight, y, eps);
                 }

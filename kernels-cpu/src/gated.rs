@@ -146,7 +146,7 @@ pub fn check(op: &'static str, input: usize, out_arg: &'static str, out: usize, 
             Err(Error::Shape { op, arg: "d", msg: "is 0 but the input is not empty".into() })
         };
     }
-    if input % (2 * d) != 0 {
+    if !input.is_multiple_of(2 * d) {
         return Err(Error::Shape {
             op,
             arg: "input",
@@ -202,9 +202,16 @@ fn forward_with<F: Act, T: Element>(input: &[T], out: &mut [T], rows: usize, d: 
             || {
                 for (x, y) in x.chunks_exact(2 * d).zip(y.chunks_exact_mut(d)) {
                     let (a, g) = x.split_at(d);
-                    for ((y, a), g) in y.iter_mut().zip(a).zip(g) {
-                        *y = T::from_acc(F::f(a.to_acc()) * g.to_acc());
-                    }
+                    T::write_acc(
+                        y,
+                        #[inline(always)]
+                        |at, y| {
+                            let (a, g) = (&a[at..][..y.len()], &g[at..][..y.len()]);
+                            for ((y, a), g) in y.iter_mut().zip(a).zip(g) {
+                                *y = F::f(a.to_acc()) * g.to_acc();
+                            }
+                        },
+                    );
                 }
             },
         );
@@ -259,12 +266,16 @@ fn backward_row<F: Act, T: Element>(a: &[T], g: &[T], dy: &[T], da: &mut [T], dg
             *ta = dy * g.to_acc() * df;
             *tg = dy * f;
         }
-        for (o, t) in da[start..start + len].iter_mut().zip(&ta) {
-            *o = T::from_acc(*t);
-        }
-        for (o, t) in dg[start..start + len].iter_mut().zip(&tg) {
-            *o = T::from_acc(*t);
-        }
+        T::write_acc(
+            &mut da[start..start + len],
+            #[inline(always)]
+            |at, o| o.copy_from_slice(&ta[at..][..o.len()]),
+        );
+        T::write_acc(
+            &mut dg[start..start + len],
+            #[inline(always)]
+            |at, o| o.copy_from_slice(&tg[at..][..o.len()]),
+        );
         start += len;
     }
 }

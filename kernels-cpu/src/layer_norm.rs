@@ -247,26 +247,46 @@ fn shifted_sums<T: Element>(x: &[T], k: T::Acc) -> (T::Acc, T::Acc) {
 fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, bias: Option<&[T]>, y: &mut [T], eps: T::Acc) {
     let m = moments(x, eps);
     match (weight, bias) {
-        (Some(w), Some(b)) => {
-            for ((y, x), (w, b)) in y.iter_mut().zip(x).zip(w.iter().zip(b)) {
-                *y = T::from_acc(m.xh(x.to_acc()) * w.to_acc() + b.to_acc());
-            }
-        }
-        (Some(w), None) => {
-            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
-                *y = T::from_acc(m.xh(x.to_acc()) * w.to_acc());
-            }
-        }
-        (None, Some(b)) => {
-            for ((y, x), b) in y.iter_mut().zip(x).zip(b) {
-                *y = T::from_acc(m.xh(x.to_acc()) + b.to_acc());
-            }
-        }
-        (None, None) => {
-            for (y, x) in y.iter_mut().zip(x) {
-                *y = T::from_acc(m.xh(x.to_acc()));
-            }
-        }
+        (Some(w), Some(b)) => T::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                let (x, w, b) = (&x[at..][..y.len()], &w[at..][..y.len()], &b[at..][..y.len()]);
+                for ((y, x), (w, b)) in y.iter_mut().zip(x).zip(w.iter().zip(b)) {
+                    *y = m.xh(x.to_acc()) * w.to_acc() + b.to_acc();
+                }
+            },
+        ),
+        (Some(w), None) => T::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                let (x, w) = (&x[at..][..y.len()], &w[at..][..y.len()]);
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = m.xh(x.to_acc()) * w.to_acc();
+                }
+            },
+        ),
+        (None, Some(b)) => T::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                let (x, b) = (&x[at..][..y.len()], &b[at..][..y.len()]);
+                for ((y, x), b) in y.iter_mut().zip(x).zip(b) {
+                    *y = m.xh(x.to_acc()) + b.to_acc();
+                }
+            },
+        ),
+        (None, None) => T::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                let x = &x[at..][..y.len()];
+                for (y, x) in y.iter_mut().zip(x) {
+                    *y = m.xh(x.to_acc());
+                }
+            },
+        ),
     }
 }
 

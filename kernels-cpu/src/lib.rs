@@ -19,6 +19,7 @@ pub mod fused_add_rms_norm;
 pub mod gated;
 pub mod layer_norm;
 mod math;
+mod narrow;
 mod par;
 pub mod rms_norm;
 pub mod rotary;

@@ -176,16 +176,26 @@ fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
 pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
     let r = inv_rms(sum_pairs(x, x, |a, b| a * b), x.len(), eps);
     match weight {
-        Some(w) => {
-            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
-                *y = T::from_acc(x.to_acc() * r * w.to_acc());
-            }
-        }
-        None => {
-            for (y, x) in y.iter_mut().zip(x) {
-                *y = T::from_acc(x.to_acc() * r);
-            }
-        }
+        Some(w) => T::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                let (x, w) = (&x[at..][..y.len()], &w[at..][..y.len()]);
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = x.to_acc() * r * w.to_acc();
+                }
+            },
+        ),
+        None => T::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                let x = &x[at..][..y.len()];
+                for (y, x) in y.iter_mut().zip(x) {
+                    *y = x.to_acc() * r;
+                }
+            },
+        ),
     }
 }
 

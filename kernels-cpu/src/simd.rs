@@ -20,9 +20,49 @@ pub(crate) fn arch() -> pulp::Arch {
 /// target-feature function is compiled for that SIMD level. Without it the
 /// closure stayed an out-of-line SSE2 function (measured: f32 rms_norm 2.2x,
 /// bf16 2.6x, f16 3.2x slower).
+///
+/// On x86-64 CPUs with AVX-512 and AVX512-BF16 (Zen 4, Sapphire Rapids and
+/// later) the closure runs in a function compiled for those features too, so
+/// that [`crate::narrow`] can inline the bf16 conversion instruction.
 #[inline(always)]
 pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
+    #[cfg(target_arch = "x86_64")]
+    if has_v4_bf16() {
+        // SAFETY: the CPU has every feature `v4_bf16` is compiled for.
+        return unsafe { v4_bf16(f) };
+    }
     arch().dispatch(f)
+}
+
+/// Whether this CPU has pulp's AVX-512 level (x86-64-v4) plus AVX512-BF16
+/// and F16C, detected once.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn has_v4_bf16() -> bool {
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static HAS: AtomicU8 = AtomicU8::new(2);
+    match HAS.load(Ordering::Relaxed) {
+        2 => {
+            let has = pulp::x86::V4::try_new().is_some()
+                && is_x86_feature_detected!("avx512bf16")
+                && is_x86_feature_detected!("f16c");
+            HAS.store(has as u8, Ordering::Relaxed);
+            has
+        }
+        v => v == 1,
+    }
+}
+
+/// Runs `f` compiled for x86-64-v4 plus AVX512-BF16 and F16C.
+///
+/// # Safety
+/// The CPU must have those features ([`has_v4_bf16`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512cd,avx512dq,avx512vl,avx512bf16,avx2,fma,bmi1,bmi2,lzcnt,popcnt,f16c"
+)]
+unsafe fn v4_bf16<R>(f: impl FnOnce() -> R) -> R {
+    f()
 }
 
 /// Number of independent accumulators in reductions: enough lanes for two

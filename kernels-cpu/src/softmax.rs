@@ -81,9 +81,16 @@ pub fn backward<T: Element>(
             || {
                 for ((y, dy), dx) in y.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols)) {
                     let dot = sum_pairs(dy, y, |g, y| g * y);
-                    for ((dx, y), dy) in dx.iter_mut().zip(y).zip(dy) {
-                        *dx = T::from_acc(scale * y.to_acc() * (dy.to_acc() - dot));
-                    }
+                    T::write_acc(
+                        dx,
+                        #[inline(always)]
+                        |at, dx| {
+                            let (y, dy) = (&y[at..][..dx.len()], &dy[at..][..dx.len()]);
+                            for ((dx, y), dy) in dx.iter_mut().zip(y).zip(dy) {
+                                *dx = scale * y.to_acc() * (dy.to_acc() - dot);
+                            }
+                        },
+                    );
                 }
             },
         );
@@ -155,6 +162,8 @@ fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: 
     let m = row_max(x, scale);
     let s = exp_into(x, scratch, scale, m);
     let inv = T::Acc::ONE / s;
+    // Plain `from_acc` here: through `write_acc`'s blocks this loop measured
+    // 7% slower in bf16 (the row is bound by `exp`, not by the rounding).
     for (y, e) in y.iter_mut().zip(scratch.iter()) {
         *y = T::from_acc(*e * inv);
     }
