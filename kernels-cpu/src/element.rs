@@ -142,7 +142,7 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     /// `buf[i]` to the value of `out[start + i]` for every `i`. f32 and f64
     /// hand `out` itself over as `buf` (one call, `start` 0); bf16 and f16
     /// fill blocks of a scratch buffer and round each block with the CPU's
-    /// conversion instruction where it has one ([`crate::narrow`]), which is
+    /// conversion instruction where it has one (see `narrow.rs`), which is
     /// bit-identical to [`from_acc`](Element::from_acc).
     fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [Self::Acc]));
 }

@@ -50,40 +50,57 @@ pub(crate) fn write_blocks<T: Copy>(
 /// on a CPU that has it, the rest with `sw`.
 #[inline(always)]
 pub(crate) fn bf16_slice(src: &[f32], dst: &mut [bf16], sw: impl Fn(f32) -> bf16) {
-    let (mut src, mut dst) = (src, dst);
+    // SAFETY: `narrow_slice` calls `hw` only where `has_v4_bf16` found every
+    // feature `x86::bf16_x32` is compiled for.
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_v4_bf16() {
-        let whole = src.len().min(dst.len()) / 32 * 32;
-        let ((s32, s_rest), (d32, d_rest)) = (src.split_at(whole), dst.split_at_mut(whole));
-        for (s, d) in s32.chunks_exact(32).zip(d32.chunks_exact_mut(32)) {
-            let (s, d): (&[f32; 32], &mut [bf16; 32]) = (s.try_into().expect("32"), d.try_into().expect("32"));
-            // SAFETY: `has_v4_bf16` checked that the CPU has every feature
-            // `x86::bf16_x32` is compiled for.
-            if !unsafe { x86::bf16_x32(s, &mut *d) } {
-                for (d, s) in d.iter_mut().zip(s) {
-                    *d = sw(*s);
-                }
-            }
-        }
-        (src, dst) = (s_rest, d_rest);
-    }
-    for (d, s) in dst.iter_mut().zip(src) {
-        *d = sw(*s);
-    }
+    narrow_slice(
+        src,
+        dst,
+        #[inline(always)]
+        |s, d| unsafe { x86::bf16_x32(s, d) },
+        sw,
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    narrow_slice(src, dst, |_, _| false, sw);
 }
 
 /// f32 values to f16: 32 at a time with `vcvtps2ph` when this code runs under
 /// [`crate::simd::dispatch`] on a CPU that has it, the rest with `sw`.
 #[inline(always)]
 pub(crate) fn f16_slice(src: &[f32], dst: &mut [f16], sw: impl Fn(f32) -> f16) {
+    // SAFETY: as above (AVX512F is one of the features checked).
+    #[cfg(target_arch = "x86_64")]
+    narrow_slice(
+        src,
+        dst,
+        #[inline(always)]
+        |s, d| unsafe { x86::f16_x32(s, d) },
+        sw,
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    narrow_slice(src, dst, |_, _| false, sw);
+}
+
+/// The loop of both: `hw` on each whole group of 32 (where it returns false,
+/// `sw` redoes the group), then `sw` on the rest. `hw` runs only where
+/// [`crate::simd::has_v4_bf16`] holds.
+#[inline(always)]
+fn narrow_slice<T>(src: &[f32], dst: &mut [T], hw: impl Fn(&[f32; 32], &mut [T; 32]) -> bool, sw: impl Fn(f32) -> T) {
     let (mut src, mut dst) = (src, dst);
     #[cfg(target_arch = "x86_64")]
-    if crate::simd::has_v4_bf16() {
+    let has_hw = crate::simd::has_v4_bf16();
+    #[cfg(not(target_arch = "x86_64"))]
+    let has_hw = false;
+    if has_hw {
         let whole = src.len().min(dst.len()) / 32 * 32;
         let ((s32, s_rest), (d32, d_rest)) = (src.split_at(whole), dst.split_at_mut(whole));
         for (s, d) in s32.chunks_exact(32).zip(d32.chunks_exact_mut(32)) {
-            // SAFETY: as above; AVX512F is one of the features checked.
-            unsafe { x86::f16_x32(s.try_into().expect("32"), d.try_into().expect("32")) };
+            let (s, d): (&[f32; 32], &mut [T; 32]) = (s.try_into().expect("32"), d.try_into().expect("32"));
+            if !hw(s, &mut *d) {
+                for (d, s) in d.iter_mut().zip(s) {
+                    *d = sw(*s);
+                }
+            }
         }
         (src, dst) = (s_rest, d_rest);
     }
@@ -120,13 +137,14 @@ mod x86 {
         true
     }
 
-    /// Narrows with `vcvtps2ph`, round to nearest even.
+    /// Narrows with `vcvtps2ph`, round to nearest even (always succeeds:
+    /// returns true).
     ///
     /// # Safety
     /// The CPU must have AVX512F.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) unsafe fn f16_x32(src: &[f32; 32], dst: &mut [f16; 32]) {
+    pub(super) unsafe fn f16_x32(src: &[f32; 32], dst: &mut [f16; 32]) -> bool {
         const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         // SAFETY: `src` holds 32 f32 and `dst` 32 f16 (64 bytes).
         unsafe {
@@ -135,6 +153,7 @@ mod x86 {
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), lo);
             _mm256_storeu_si256(dst.as_mut_ptr().add(16).cast(), hi);
         }
+        true
     }
 }
 
