@@ -144,7 +144,13 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     /// fill blocks of a scratch buffer and round each block with the CPU's
     /// conversion instruction where it has one (see `narrow.rs`), which is
     /// bit-identical to [`from_acc`](Element::from_acc).
-    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [Self::Acc]));
+    #[inline(always)]
+    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [Self::Acc])) {
+        narrow::write_blocks(out, fill, Self::from_acc_slice)
+    }
+    /// `dst[i] = from_acc(src[i])` for slices of one length, with the CPU's
+    /// conversion instruction where it has one (as [`write_acc`](Element::write_acc)).
+    fn from_acc_slice(src: &[Self::Acc], dst: &mut [Self]);
 }
 
 impl Element for f32 {
@@ -164,6 +170,10 @@ impl Element for f32 {
     #[inline(always)]
     fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
         fill(0, out)
+    }
+    #[inline(always)]
+    fn from_acc_slice(src: &[Self], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
     }
 }
 
@@ -185,6 +195,10 @@ impl Element for f64 {
     fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
         fill(0, out)
     }
+    #[inline(always)]
+    fn from_acc_slice(src: &[Self], dst: &mut [Self]) {
+        dst.copy_from_slice(src)
+    }
 }
 
 impl Element for bf16 {
@@ -202,13 +216,8 @@ impl Element for bf16 {
         bf16::from_f64(v)
     }
     #[inline(always)]
-    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [f32])) {
-        narrow::write_blocks(
-            out,
-            fill,
-            #[inline(always)]
-            |s, d| narrow::bf16_slice(s, d, Self::from_acc),
-        )
+    fn from_acc_slice(src: &[f32], dst: &mut [Self]) {
+        narrow::bf16_slice(src, dst, Self::from_acc)
     }
 }
 
@@ -227,13 +236,8 @@ impl Element for f16 {
         f16::from_f64(v)
     }
     #[inline(always)]
-    fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [f32])) {
-        narrow::write_blocks(
-            out,
-            fill,
-            #[inline(always)]
-            |s, d| narrow::f16_slice(s, d, Self::from_acc),
-        )
+    fn from_acc_slice(src: &[f32], dst: &mut [Self]) {
+        narrow::f16_slice(src, dst, Self::from_acc)
     }
 }
 

@@ -266,16 +266,8 @@ fn backward_row<F: Act, T: Element>(a: &[T], g: &[T], dy: &[T], da: &mut [T], dg
             *ta = dy * g.to_acc() * df;
             *tg = dy * f;
         }
-        T::write_acc(
-            &mut da[start..start + len],
-            #[inline(always)]
-            |at, o| o.copy_from_slice(&ta[at..][..o.len()]),
-        );
-        T::write_acc(
-            &mut dg[start..start + len],
-            #[inline(always)]
-            |at, o| o.copy_from_slice(&tg[at..][..o.len()]),
-        );
+        T::from_acc_slice(&ta[..len], &mut da[start..start + len]);
+        T::from_acc_slice(&tg[..len], &mut dg[start..start + len]);
         start += len;
     }
 }

@@ -12,24 +12,27 @@
 //! bit-identical to [`Element::from_acc`](crate::Element::from_acc) either way;
 //! the tests sweep f32 bit patterns through both paths.
 //!
-//! f16 uses `vcvtps2ph` (F16C), which rounds like IEEE (subnormals included).
+//! f16 uses AVX-512's `vcvtps2ph`, which rounds like IEEE (subnormals
+//! included).
+use crate::element::Acc;
 use half::{bf16, f16};
 
 /// Values narrowed per block: a multiple of 32 (two AVX-512 registers of
-/// f32). Shorter blocks cost more per value: 32 made the bf16 norm backwards
-/// 10% slower than the software rounding; 128 is 8 to 40% faster than it.
+/// f32). 128 measured best: blocks of 32 cost more per value than the
+/// software rounding in the norm backwards, and blocks of 512 were slower
+/// everywhere (the block is zeroed on each call).
 pub(crate) const BLOCK: usize = 128;
 
-/// Writes `out` block by block: `fill(start, buf)` computes the f32 values of
+/// Writes `out` block by block: `fill(start, buf)` computes the values of
 /// `out[start..start + buf.len()]` into `buf` (length [`BLOCK`], shorter for
 /// the last block), which `narrow` then rounds into `out`.
 #[inline(always)]
-pub(crate) fn write_blocks<T: Copy>(
+pub(crate) fn write_blocks<T, A: Acc>(
     out: &mut [T],
-    mut fill: impl FnMut(usize, &mut [f32]),
-    narrow: impl Fn(&[f32], &mut [T]),
+    mut fill: impl FnMut(usize, &mut [A]),
+    narrow: impl Fn(&[A], &mut [T]),
 ) {
-    let mut buf = [0f32; BLOCK];
+    let mut buf = [A::ZERO; BLOCK];
     let mut blocks = out.chunks_exact_mut(BLOCK);
     let mut start = 0;
     for o in &mut blocks {

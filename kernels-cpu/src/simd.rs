@@ -39,6 +39,9 @@ pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn has_v4_bf16() -> bool {
+    // A relaxed atomic rather than a `OnceLock` like `arch()`: this is read
+    // for every 128 values written, and with `OnceLock<bool>` rms_norm bf16
+    // forward measured 40 GiB/s instead of 60 to 77.
     use std::sync::atomic::{AtomicU8, Ordering};
     static HAS: AtomicU8 = AtomicU8::new(2);
     match HAS.load(Ordering::Relaxed) {
