@@ -137,9 +137,10 @@ pub fn forward<T: Element>(
             dispatch(
                 #[inline(always)]
                 || {
-                    for ((x, &t), l) in x.chunks_exact(cols).zip(&target[r.clone()]).zip(l.iter_mut()) {
+                    for (i, (&t, l)) in target[r.clone()].iter().zip(l.iter_mut()).enumerate() {
+                        let (x, ahead) = x[i * cols..].split_at(cols);
                         if t != opts.ignore_index {
-                            *l = row_loss(x, t as usize, opts.label_smoothing);
+                            *l = row_loss(x, t as usize, opts.label_smoothing, next_row(ahead, cols));
                         }
                     }
                 },
@@ -190,12 +191,15 @@ pub fn backward<T: Element>(
         dispatch(
             #[inline(always)]
             || {
-                for (i, (x, dx)) in x.chunks_exact(cols).zip(dx.chunks_exact_mut(cols)).enumerate() {
+                for i in 0..r.len() {
                     let (row, t) = (r.start + i, target[r.start + i]);
+                    let (x, ahead) = x[i * cols..].split_at(cols);
+                    let (dx, ahead_w) = dx[i * cols..].split_at_mut(cols);
                     if t == opts.ignore_index {
                         dx.iter_mut().for_each(|d| *d = T::default());
                     } else {
-                        row_grad_into(x, t as usize, dx, &mut scratch, row_grad(row), opts.label_smoothing);
+                        let ahead = (next_row(ahead, cols), next_row(ahead_w, cols));
+                        row_grad_into(x, t as usize, dx, &mut scratch, row_grad(row), opts.label_smoothing, ahead);
                     }
                 }
             },
@@ -206,16 +210,22 @@ pub fn backward<T: Element>(
 
 /// One row's loss: `lse - (1 - eps) x[t] - eps mean(x)`, in f64 from `Acc` sums.
 #[inline(always)]
-fn row_loss<T: Element>(x: &[T], t: usize, eps: f64) -> f64 {
+fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T]) -> f64 {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
-    let s = exp_sum(x, one, m);
+    let s = exp_sum(x, one, m, ahead);
     let lse = m.to_f64() + s.to_f64().ln();
     let mut loss = lse - (1.0 - eps) * x[t].to_f64();
     if eps > 0.0 {
         loss -= eps * row_sum(x).to_f64() / x.len() as f64;
     }
     loss
+}
+
+/// The next row, from the rest of a block after a row (empty after the last).
+#[inline(always)]
+fn next_row<T>(rest: &[T], cols: usize) -> &[T] {
+    &rest[..rest.len().min(cols)]
 }
 
 /// Sum of a row.
@@ -226,10 +236,18 @@ fn row_sum<T: Element>(x: &[T]) -> T::Acc {
 
 /// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`.
 #[inline(always)]
-fn row_grad_into<T: Element>(x: &[T], t: usize, dx: &mut [T], scratch: &mut [T::Acc], g: f64, eps: f64) {
+fn row_grad_into<T: Element>(
+    x: &[T],
+    t: usize,
+    dx: &mut [T],
+    scratch: &mut [T::Acc],
+    g: f64,
+    eps: f64,
+    (ahead, ahead_w): (&[T], &[T]),
+) {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
-    let s = exp_into(x, scratch, one, m);
+    let s = exp_into(x, scratch, one, m, ahead, ahead_w);
     let (gs, off) = (T::Acc::from_f64(g / s.to_f64()), T::Acc::from_f64(g * eps / x.len() as f64));
     for (d, e) in dx.iter_mut().zip(scratch.iter()) {
         *d = T::from_acc(*e * gs - off);

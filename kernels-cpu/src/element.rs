@@ -37,6 +37,9 @@ pub trait Acc:
     fn from_usize(n: usize) -> Self;
     /// `e^x` (vectorisable for f32; see `math`).
     fn exp(self) -> Self;
+    /// `e^x` for `x <= 0` or NaN (softmax after the max is subtracted):
+    /// cheaper than [`Acc::exp`] for f32, 0 where the result would be subnormal.
+    fn exp_nonpos(self) -> Self;
     /// The error function.
     fn erf(self) -> Self;
     /// Hyperbolic tangent.
@@ -69,6 +72,10 @@ impl Acc for f32 {
     #[inline(always)]
     fn exp(self) -> Self {
         crate::math::exp_f32(self)
+    }
+    #[inline(always)]
+    fn exp_nonpos(self) -> Self {
+        crate::math::exp_nonpos_f32(self)
     }
     #[inline(always)]
     fn erf(self) -> Self {
@@ -105,6 +112,10 @@ impl Acc for f64 {
     }
     #[inline(always)]
     fn exp(self) -> Self {
+        f64::exp(self)
+    }
+    #[inline(always)]
+    fn exp_nonpos(self) -> Self {
         f64::exp(self)
     }
     #[inline(always)]

@@ -46,6 +46,47 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     }
 }
 
+/// Below this, `e^x` is an f32 subnormal (`-126 ln 2`); [`exp_nonpos_f32`]
+/// returns 0 there.
+const NORMAL_CUTOFF: f32 = -87.336_54;
+/// 1.5 * 2^23 + 127: adding it rounds to an integer `k` and leaves `k + 127`
+/// (the biased exponent of `2^k`) in the low mantissa bits.
+const ROUND_MAGIC_BIASED: f32 = 12_583_039.0;
+/// Minimax coefficients (relative error 8.4e-8 in exact arithmetic) of
+/// `e^t ~ 1 + t (C1 + t (C2 + t (C3 + t (C4 + t C5))))` on `[-ln2/2, ln2/2]`,
+/// fitted for Keel by linear programming on 20001 points and rounded to f32.
+const EXP_C: [f32; 5] = [0.999_999_76, 0.499_991_45, 0.166_676_54, 0.041_898_746, 0.008_286_256];
+
+/// `e^x` for `x <= 0` (and NaN, which it returns): the `exp` of softmax and
+/// cross-entropy after the row maximum is subtracted. A degree-5 polynomial
+/// where [`exp_f32`]'s is degree 7, and no clamping: about 14 vector
+/// instructions per 16 values against 23. Within 2.2 ulp of `e^x` down to
+/// `-87.34` (checked once over every f32 there; the test samples 5 million
+/// points against 3 ulp), 0 below (where `e^x` is subnormal, under
+/// `1.2e-38`) and at `-inf`.
+///
+/// Positive `x` below 88 still gets `e^x` within 3 ulp, but the function is
+/// not meant for them; from 88.7 on the result is garbage.
+#[inline(always)]
+pub(crate) fn exp_nonpos_f32(x: f32) -> f32 {
+    let k = x.mul_add(LOG2E, ROUND_MAGIC_BIASED);
+    // 2^round(x log2 e): the biased exponent moved into place.
+    let s = f32::from_bits(k.to_bits() << 23);
+    let n = k - ROUND_MAGIC_BIASED;
+    let t = n.mul_add(-LN2_HI, x);
+    let t = n.mul_add(-LN2_LO, t);
+    let mut p = EXP_C[4].mul_add(t, EXP_C[3]);
+    p = p.mul_add(t, EXP_C[2]);
+    p = p.mul_add(t, EXP_C[1]);
+    p = p.mul_add(t, EXP_C[0]);
+    let v = (t * s).mul_add(p, s);
+    if x < NORMAL_CUTOFF {
+        0.0
+    } else {
+        v
+    }
+}
+
 /// `erf(x)`: a rational approximation on [-4, 4] (the one Eigen and XLA use),
 /// and exactly `±1` from |x| = 3.92 on, where erf rounds to ±1 in f32 (so
 /// gelu of a very negative input is exactly 0, as in torch).
@@ -100,6 +141,36 @@ mod tests {
         assert!(exp_f32(f32::NAN).is_nan());
         assert!(exp_f32(1000.0).is_finite());
         assert_eq!((exp_f32(-1000.0), exp_f32(f32::NEG_INFINITY)), (0.0, 0.0));
+    }
+
+    /// Largest error of `f` against `e^x` in units of the f32 ulp at `e^x`,
+    /// over `n` evenly spaced points of `[lo, hi]`.
+    fn worst_ulp(f: impl Fn(f32) -> f32, lo: f64, hi: f64, n: u32) -> f64 {
+        let mut worst = 0f64;
+        for i in 0..=n {
+            let x = (lo + (hi - lo) * i as f64 / n as f64) as f32;
+            let want = (x as f64).exp();
+            let ulp = 2f64.powi((want.log2().floor() as i32).max(-126) - 23);
+            worst = worst.max((f(x) as f64 - want).abs() / ulp);
+        }
+        worst
+    }
+
+    #[test]
+    fn exp_nonpos_is_within_three_ulp() {
+        let worst = worst_ulp(exp_nonpos_f32, NORMAL_CUTOFF as f64, 0.0, 4_000_000);
+        println!("exp_nonpos: worst {worst:.2} ulp on [{NORMAL_CUTOFF}, 0]");
+        assert!(worst <= 3.0, "{worst} ulp");
+        // Near 0 (where softmax's largest terms are) the grid is finer.
+        assert!(worst_ulp(exp_nonpos_f32, -1.0, 0.0, 1_000_000) <= 3.0);
+        assert_eq!(exp_nonpos_f32(0.0), 1.0);
+        assert_eq!(exp_nonpos_f32(-0.0), 1.0);
+        assert!(exp_nonpos_f32(f32::NAN).is_nan());
+        for x in [f32::NEG_INFINITY, -1e30, -104.0, -87.34, f32::MIN] {
+            assert_eq!(exp_nonpos_f32(x), 0.0, "exp({x})");
+        }
+        // Normal results just above the cutoff, not flushed.
+        assert!(exp_nonpos_f32(-87.33) > 0.0);
     }
 
     #[test]

@@ -68,6 +68,36 @@ unsafe fn v4_bf16<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
+/// Hints the CPU to load the cache lines of `ahead[i * n..(i + 1) * n]` (as
+/// far as `ahead` reaches): called by a compute-bound pass over one row for
+/// the next row, so that its first read does not wait on memory.
+#[inline(always)]
+pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+        let size = std::mem::size_of::<T>();
+        let start = (i * n).min(ahead.len()) * size;
+        let end = ((i + 1) * n).min(ahead.len()) * size;
+        let base = ahead.as_ptr().cast::<i8>();
+        let mut at = start;
+        while at < end {
+            // SAFETY: `at < end <= size_of_val(ahead)`, so the pointer is in
+            // `ahead`; a prefetch reads nothing and cannot fault.
+            unsafe {
+                if WRITE {
+                    _mm_prefetch::<_MM_HINT_ET0>(base.add(at))
+                } else {
+                    _mm_prefetch::<_MM_HINT_T0>(base.add(at))
+                }
+            };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ahead, i, n);
+}
+
 /// Number of independent accumulators in reductions: enough lanes for two
 /// AVX-512 registers of f32, so the loop is not bound by add latency.
 pub(crate) const LANES: usize = 32;

@@ -5,6 +5,8 @@
 //!
 //! - Shapes: `x`, `out`, `grad_out`, `grad_input` hold `rows * cols` elements.
 //! - Numerics: max-subtracted, `exp` and sums in `T::Acc`, one rounding to `T`.
+//!   For f32 the `exp` is a degree-5 one for arguments <= 0, within 2.2 ulp
+//!   (`Acc::exp_nonpos`); terms under `exp(-87.34)` (1.2e-38) count as 0.
 //!   A row whose every `s x` is `-inf` gives NaN (as torch), as does a row with a
 //!   NaN or `+inf`.
 //! - Backward (from the output `y`): `dx = s y (dy - sum(dy y))`.
@@ -14,7 +16,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{Blocks, Split};
-use crate::simd::{dispatch, reduce_lanes, sum_pairs, LANES};
+use crate::simd::{dispatch, prefetch_part, reduce_lanes, sum_pairs, LANES};
 
 const OP_FWD: &str = "softmax";
 const OP_BWD: &str = "softmax_backward";
@@ -44,8 +46,18 @@ pub fn forward<T: Element>(x: &[T], out: &mut [T], cols: usize, scale: f64, par:
         dispatch(
             #[inline(always)]
             || {
-                for (x, y) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)) {
-                    forward_row(x, y, &mut scratch, scale);
+                let rows = x.len() / cols;
+                for r in 0..rows {
+                    let (x, ahead) = x[r * cols..].split_at(cols);
+                    let (y, ahead_w) = y[r * cols..].split_at_mut(cols);
+                    forward_row(
+                        x,
+                        y,
+                        &mut scratch,
+                        scale,
+                        &ahead[..ahead.len().min(cols)],
+                        &ahead_w[..ahead_w.len().min(cols)],
+                    );
                 }
             },
         );
@@ -98,19 +110,37 @@ pub fn backward<T: Element>(
     Ok(())
 }
 
-/// `max(x_i * scale)` over a row with `LANES` accumulators (NaN is skipped
-/// here; it reaches the output through the sum).
+/// `max(x_i * scale)` over a row with four vector accumulators (NaN is
+/// skipped here; it reaches the output through the sum).
+///
+/// Four named arrays of 16 rather than one array: LLVM keeps each in a
+/// register, where a 64-lane array went to the stack; and a compare-select
+/// (one `vmaxps`) rather than `Acc::max`, whose NaN fix-up made two chains of
+/// dependent instructions. Together 9% faster softmax bf16.
 #[inline(always)]
 pub(crate) fn row_max<T: Element>(x: &[T], scale: T::Acc) -> T::Acc {
+    const W: usize = 16;
     let neg_inf = T::Acc::from_f64(f64::NEG_INFINITY);
-    let mut m = [neg_inf; LANES];
-    let chunks = x.chunks_exact(LANES);
+    let (mut m0, mut m1, mut m2, mut m3) = ([neg_inf; W], [neg_inf; W], [neg_inf; W], [neg_inf; W]);
+    let chunks = x.chunks_exact(4 * W);
     let rest = chunks.remainder();
-    for c in chunks {
-        for i in 0..LANES {
-            m[i] = m[i].max(c[i].to_acc() * scale);
+    #[inline(always)]
+    fn step<T: Element>(m: &mut [T::Acc; W], c: &[T], scale: T::Acc) {
+        for i in 0..W {
+            let v = c[i].to_acc() * scale;
+            m[i] = max_select(v, m[i]);
         }
     }
+    for c in chunks {
+        step::<T>(&mut m0, &c[..W], scale);
+        step::<T>(&mut m1, &c[W..2 * W], scale);
+        step::<T>(&mut m2, &c[2 * W..3 * W], scale);
+        step::<T>(&mut m3, &c[3 * W..], scale);
+    }
+    for i in 0..W {
+        m0[i] = max_select(max_select(m0[i], m1[i]), max_select(m2[i], m3[i]));
+    }
+    let m = m0;
     let mut best = neg_inf;
     for v in m.iter().copied().chain(rest.iter().map(|v| v.to_acc() * scale)) {
         best = best.max(v);
@@ -118,54 +148,107 @@ pub(crate) fn row_max<T: Element>(x: &[T], scale: T::Acc) -> T::Acc {
     best
 }
 
-/// `e_i = exp(x_i * scale - m)` into `e`, returning their sum (`LANES` accumulators).
+/// `e_i = exp(x_i * scale - m)` into `e`, returning their sum.
+///
+/// `m` must be the row's maximum (the arguments of `exp` are then <= 0, see
+/// [`Acc::exp_nonpos`]). While this compute-bound pass runs from cache, it
+/// prefetches `ahead` (the next row's input, which `row_max` would otherwise
+/// wait on) and, for writing, `ahead_w` (the next row's output); either may
+/// be empty. That made softmax fwd 30% faster (bf16 4096x4096: 30.5 to 40.9
+/// GiB/s).
 #[inline(always)]
-pub(crate) fn exp_into<T: Element>(x: &[T], e: &mut [T::Acc], scale: T::Acc, m: T::Acc) -> T::Acc {
-    let mut acc = [T::Acc::ZERO; LANES];
-    let (cx, ce) = (x.chunks_exact(LANES), e.chunks_exact_mut(LANES));
-    let rx = cx.remainder();
-    let mut tail = T::Acc::ZERO;
-    for (cx, ce) in cx.zip(ce) {
-        for i in 0..LANES {
-            let v = (cx[i].to_acc() * scale - m).exp();
-            ce[i] = v;
-            acc[i] = acc[i] + v;
+pub(crate) fn exp_into<T: Element>(
+    x: &[T],
+    e: &mut [T::Acc],
+    scale: T::Acc,
+    m: T::Acc,
+    ahead: &[T],
+    ahead_w: &[T],
+) -> T::Acc {
+    const W: usize = 16;
+    // Two named accumulators of one vector each: kept in registers (an
+    // array of `LANES` lived on the stack here, beside exp's constants).
+    let (mut a0, mut a1) = ([T::Acc::ZERO; W], [T::Acc::ZERO; W]);
+    #[inline(always)]
+    fn step<T: Element>(a: &mut [T::Acc; W], x: &[T], e: &mut [T::Acc], scale: T::Acc, m: T::Acc) {
+        for i in 0..W {
+            let v = (x[i].to_acc() * scale - m).exp_nonpos();
+            e[i] = v;
+            a[i] = a[i] + v;
         }
     }
+    let (cx, ce) = (x.chunks_exact(2 * W), e.chunks_exact_mut(2 * W));
+    let rx = cx.remainder();
+    for (k, (cx, ce)) in cx.zip(ce).enumerate() {
+        prefetch_part::<T, false>(ahead, k, 2 * W);
+        prefetch_part::<T, true>(ahead_w, k, 2 * W);
+        let (e0, e1) = ce.split_at_mut(W);
+        step::<T>(&mut a0, &cx[..W], e0, scale, m);
+        step::<T>(&mut a1, &cx[W..], e1, scale, m);
+    }
+    let mut tail = T::Acc::ZERO;
     let at = x.len() - rx.len();
     for (x, e) in rx.iter().zip(&mut e[at..]) {
-        *e = (x.to_acc() * scale - m).exp();
+        *e = (x.to_acc() * scale - m).exp_nonpos();
         tail = tail + *e;
     }
-    reduce_lanes(acc) + tail
+    join(a0, a1) + tail
 }
 
-/// `sum(exp(x_i * scale - m))` with `LANES` accumulators, nothing stored.
+/// The sum of two accumulator vectors' lanes.
 #[inline(always)]
-pub(crate) fn exp_sum<T: Element>(x: &[T], scale: T::Acc, m: T::Acc) -> T::Acc {
-    let mut acc = [T::Acc::ZERO; LANES];
-    let cx = x.chunks_exact(LANES);
-    let mut tail = T::Acc::ZERO;
-    for v in cx.remainder() {
-        tail = tail + (v.to_acc() * scale - m).exp();
-    }
-    for cx in cx {
-        for i in 0..LANES {
-            acc[i] = acc[i] + (cx[i].to_acc() * scale - m).exp();
+fn join<A: Acc>(a0: [A; 16], a1: [A; 16]) -> A {
+    let mut acc = [A::ZERO; LANES];
+    acc[..16].copy_from_slice(&a0);
+    acc[16..].copy_from_slice(&a1);
+    reduce_lanes(acc)
+}
+
+/// `sum(exp(x_i * scale - m))`, nothing stored; prefetches `ahead` as
+/// [`exp_into`] does.
+#[inline(always)]
+pub(crate) fn exp_sum<T: Element>(x: &[T], scale: T::Acc, m: T::Acc, ahead: &[T]) -> T::Acc {
+    const W: usize = 16;
+    let (mut a0, mut a1) = ([T::Acc::ZERO; W], [T::Acc::ZERO; W]);
+    #[inline(always)]
+    fn step<T: Element>(a: &mut [T::Acc; W], x: &[T], scale: T::Acc, m: T::Acc) {
+        for i in 0..W {
+            a[i] = a[i] + (x[i].to_acc() * scale - m).exp_nonpos();
         }
     }
-    reduce_lanes(acc) + tail
+    let cx = x.chunks_exact(2 * W);
+    let mut tail = T::Acc::ZERO;
+    for v in cx.remainder() {
+        tail = tail + (v.to_acc() * scale - m).exp_nonpos();
+    }
+    for (k, cx) in cx.enumerate() {
+        prefetch_part::<T, false>(ahead, k, 2 * W);
+        step::<T>(&mut a0, &cx[..W], scale, m);
+        step::<T>(&mut a1, &cx[W..], scale, m);
+    }
+    join(a0, a1) + tail
 }
 
 #[inline(always)]
-fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: T::Acc) {
+fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: T::Acc, ahead: &[T], ahead_w: &[T]) {
     let m = row_max(x, scale);
-    let s = exp_into(x, scratch, scale, m);
+    let s = exp_into(x, scratch, scale, m, ahead, ahead_w);
     let inv = T::Acc::ONE / s;
     // Plain `from_acc` here: through `write_acc`'s blocks this loop measured
-    // 7% slower in bf16 (the row is bound by `exp`, not by the rounding).
+    // 13% slower in bf16, and scaling `scratch` in place then narrowing it
+    // whole with `from_acc_slice` no faster.
     for (y, e) in y.iter_mut().zip(scratch.iter()) {
         *y = T::from_acc(*e * inv);
+    }
+}
+
+/// The larger of `a` and `b`, `b` when either is NaN: one `vmaxps`.
+#[inline(always)]
+fn max_select<A: Acc>(a: A, b: A) -> A {
+    if a > b {
+        a
+    } else {
+        b
     }
 }
 
