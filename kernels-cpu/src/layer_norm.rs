@@ -19,7 +19,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, sum_pairs, sums3, LANES};
+use crate::simd::{dispatch, reduce_lanes, sum_pairs, sums3, LANES};
 
 const OP_FWD: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
@@ -240,7 +240,7 @@ fn shifted_sums<T: Element>(x: &[T], k: T::Acc) -> (T::Acc, T::Acc) {
         s1 = s1 + v;
         s2 = s2 + v * v;
     }
-    (a1.iter().fold(s1, |s, &v| s + v), a2.iter().fold(s2, |s, &v| s + v))
+    (reduce_lanes(a1) + s1, reduce_lanes(a2) + s2)
 }
 
 #[inline(always)]
