@@ -154,6 +154,15 @@ pub(crate) fn sums3<T: Element>(
     (reduce_lanes(s) + su, reduce_lanes(t) + sv)
 }
 
+/// The sum of the lanes of two 16-lane accumulators (as [`reduce_lanes`]).
+#[inline(always)]
+pub(crate) fn reduce2<A: Acc>(a0: [A; 16], a1: [A; 16]) -> A {
+    let mut acc = [A::ZERO; LANES];
+    acc[..16].copy_from_slice(&a0);
+    acc[16..].copy_from_slice(&a1);
+    reduce_lanes(acc)
+}
+
 /// Sum of `LANES` accumulators by a pairwise tree (vector adds, not a serial chain).
 #[inline(always)]
 pub(crate) fn reduce_lanes<A: Acc>(mut acc: [A; LANES]) -> A {

@@ -16,7 +16,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{Blocks, Split};
-use crate::simd::{dispatch, prefetch_part, reduce_lanes, sum_pairs, LANES};
+use crate::simd::{dispatch, prefetch_part, reduce2, sum_pairs};
 
 const OP_FWD: &str = "softmax";
 const OP_BWD: &str = "softmax_backward";
@@ -192,16 +192,7 @@ pub(crate) fn exp_into<T: Element>(
         *e = (x.to_acc() * scale - m).exp_nonpos();
         tail = tail + *e;
     }
-    join(a0, a1) + tail
-}
-
-/// The sum of two accumulator vectors' lanes.
-#[inline(always)]
-fn join<A: Acc>(a0: [A; 16], a1: [A; 16]) -> A {
-    let mut acc = [A::ZERO; LANES];
-    acc[..16].copy_from_slice(&a0);
-    acc[16..].copy_from_slice(&a1);
-    reduce_lanes(acc)
+    reduce2(a0, a1) + tail
 }
 
 /// `sum(exp(x_i * scale - m))`, nothing stored; prefetches `ahead` as
@@ -226,7 +217,7 @@ pub(crate) fn exp_sum<T: Element>(x: &[T], scale: T::Acc, m: T::Acc, ahead: &[T]
         step::<T>(&mut a0, &cx[..W], scale, m);
         step::<T>(&mut a1, &cx[W..], scale, m);
     }
-    join(a0, a1) + tail
+    reduce2(a0, a1) + tail
 }
 
 #[inline(always)]
