@@ -16,7 +16,7 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
 use crate::par::Par;
-use crate::rows::{Blocks, Split};
+use crate::rows::{next_row, Blocks, Split};
 use crate::simd::{dispatch, sum_pairs};
 use crate::softmax::{exp_into, exp_sum, row_max};
 
@@ -220,12 +220,6 @@ fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T]) -> f64 {
         loss -= eps * row_sum(x).to_f64() / x.len() as f64;
     }
     loss
-}
-
-/// The next row, from the rest of a block after a row (empty after the last).
-#[inline(always)]
-fn next_row<T>(rest: &[T], cols: usize) -> &[T] {
-    &rest[..rest.len().min(cols)]
 }
 
 /// Sum of a row.

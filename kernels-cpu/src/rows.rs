@@ -55,6 +55,13 @@ impl<'a, T> Split<'a, T> {
     }
 }
 
+/// The next row, from the rest of a block after a row (empty after the last):
+/// what the row kernels prefetch while they work on the current row.
+#[inline(always)]
+pub(crate) fn next_row<T>(rest: &[T], cols: usize) -> &[T] {
+    &rest[..rest.len().min(cols)]
+}
+
 /// `out[j] = sum over blocks b of partial[b * cols + j]`, in block order
 /// (deterministic for a given block count); zeros when there are no blocks.
 pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: usize) {

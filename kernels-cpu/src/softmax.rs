@@ -15,7 +15,7 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
-use crate::rows::{Blocks, Split};
+use crate::rows::{next_row, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, reduce2, sum_pairs};
 
 const OP_FWD: &str = "softmax";
@@ -50,14 +50,7 @@ pub fn forward<T: Element>(x: &[T], out: &mut [T], cols: usize, scale: f64, par:
                 for r in 0..rows {
                     let (x, ahead) = x[r * cols..].split_at(cols);
                     let (y, ahead_w) = y[r * cols..].split_at_mut(cols);
-                    forward_row(
-                        x,
-                        y,
-                        &mut scratch,
-                        scale,
-                        &ahead[..ahead.len().min(cols)],
-                        &ahead_w[..ahead_w.len().min(cols)],
-                    );
+                    forward_row(x, y, &mut scratch, scale, next_row(ahead, cols), next_row(ahead_w, cols));
                 }
             },
         );
