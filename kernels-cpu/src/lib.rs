@@ -21,6 +21,7 @@ pub mod layer_norm;
 mod math;
 mod narrow;
 mod par;
+mod prefault;
 pub mod rms_norm;
 pub mod rotary;
 mod rows;

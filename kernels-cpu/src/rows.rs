@@ -1,7 +1,9 @@
 //! The shared skeleton of the row kernels: blocks of whole rows spread over a
 //! [`Par`], and each block's own piece of every output.
 //!
-//! Outputs are written with ordinary stores. Non-temporal (streaming) stores
+//! Each block's output is faulted in at once before it is written, when it is
+//! fresh memory (see [`crate::prefault`]); then it is written with ordinary
+//! stores. Non-temporal (streaming) stores
 //! were tried for large outputs and were slower (rms_norm f32 4096x4096 into a
 //! fresh tensor: 5.2 ms against 4.3 ms with huge pages, 1.35x against 1.15x of
 //! `x.clone()` without): the kernel zeroes each fresh page just before the
@@ -9,6 +11,7 @@
 //! costs little.
 use crate::element::{Acc, Element};
 use crate::par::{rows_per_block, Par};
+use crate::prefault::prefault;
 use crate::simd::dispatch;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
@@ -49,9 +52,12 @@ impl<'a, T> Split<'a, T> {
         Split(s.chunks_mut(chunk.max(1)).map(Mutex::new).collect())
     }
 
-    /// Chunk `b`. Each task takes only its own chunk, so the lock never waits.
+    /// Chunk `b`, its pages faulted in (see [`prefault`]). Each task takes
+    /// only its own chunk, so the lock never waits.
     pub(crate) fn get(&self, b: usize) -> MutexGuard<'_, &'a mut [T]> {
-        self.0[b].lock().unwrap_or_else(|e| e.into_inner())
+        let mut g = self.0[b].lock().unwrap_or_else(|e| e.into_inner());
+        prefault(&mut g);
+        g
     }
 }
 

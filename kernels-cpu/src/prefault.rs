@@ -1,0 +1,173 @@
+//! Faulting in a fresh output's pages in bulk before the kernel writes it.
+//!
+//! An op's output is usually a new allocation, and a large one comes straight
+//! from `mmap`: its pages do not exist until the first store to each, and each
+//! 4 KiB page then costs a trap into the kernel. Asking Linux to populate the
+//! whole range with `madvise(MADV_POPULATE_WRITE)` (Linux 5.14+) does the same
+//! work (allocate and zero each page) in one call without the traps; measured
+//! on the 2-core CI machine, writing 32 MiB into fresh memory from two threads
+//! took 3.2-3.5 ms with it against 5.5-6.3 ms without, and rms_norm over a
+//! fresh 4096x4096 output ran 1.2-1.5x faster.
+//!
+//! Memory with transparent huge pages already faults once per 2 MiB, and
+//! there zeroing a whole block ahead of the stores only pushes the zeroed
+//! lines out of cache (2-13% slower, measured), so such memory is detected
+//! (one page is faulted in, and its neighbour checked) and left alone. So is
+//! memory that is already there, such as a reused output buffer.
+//!
+//! It changes no byte of memory: a page that is already there is left as it
+//! is, and a new page is zeroed, which is what the first store would have
+//! found. Only pages wholly inside the slice are touched. Where the call is
+//! refused nothing is done; after an `EINVAL` (a kernel before 5.14, or a
+//! mapping of device memory) it is not tried again. Other systems: a no-op.
+
+/// Slices shorter than this are left to fault on their own: the call would
+/// cost more than the traps it saves.
+pub(crate) const MIN_BYTES: usize = 64 << 10;
+
+/// Populates the pages that lie wholly inside `s`, if `s` is large enough.
+#[inline]
+pub(crate) fn prefault<T>(s: &mut [T]) {
+    let bytes = std::mem::size_of_val(s);
+    if bytes >= MIN_BYTES {
+        imp::populate(s.as_mut_ptr().cast::<u8>(), bytes);
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod imp {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// Cleared once the kernel refuses `MADV_POPULATE_WRITE` as unknown.
+    static SUPPORTED: AtomicBool = AtomicBool::new(true);
+
+    /// Pages this far apart or closer, in one aligned frame, share a huge page
+    /// when the memory has huge pages (2 MiB is the smallest huge page size).
+    const HUGE: usize = 2 << 20;
+
+    pub(super) fn populate(ptr: *mut u8, bytes: usize) {
+        if !SUPPORTED.load(Ordering::Relaxed) {
+            return;
+        }
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+        let start = (ptr as usize).next_multiple_of(page);
+        let end = (ptr as usize + bytes) / page * page;
+        if end <= start || ![start, middle(start, end, page), end - page].into_iter().any(|p| !resident(p, page)) {
+            // Too small, or already there (a reused buffer): populating pages
+            // that exist costs a page-table walk each (about 80 ns per page,
+            // measured) and saves nothing.
+            return;
+        }
+        // Fault in one page, and see whether its neighbour came with it: then
+        // the memory has huge pages, which already fault once per 2 MiB, and
+        // zeroing them all ahead of the stores would only push the zeroed
+        // lines out of cache (measured: 2-13% slower with huge pages). The
+        // probe is the first whole 2 MiB frame inside the range: only such a
+        // frame can hold a huge page that no neighbouring slice has touched.
+        let frame = start.next_multiple_of(HUGE);
+        if frame + HUGE <= end
+            && (resident(frame + page, page) || (advise(frame, page) && resident(frame + page, page)))
+        {
+            return;
+        }
+        advise(start, end - start);
+    }
+
+    /// `madvise(MADV_POPULATE_WRITE)` on `[at, at + len)`; false if refused.
+    fn advise(at: usize, len: usize) -> bool {
+        // SAFETY: every caller passes a page-aligned range inside the slice
+        // given to `prefault`, which is mapped, writable and not aliased.
+        // MADV_POPULATE_WRITE only faults pages in (existing pages keep their
+        // contents, new ones are zero, as a first store would find them); it
+        // reads and writes no byte itself.
+        let rc = unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
+        if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            SUPPORTED.store(false, Ordering::Relaxed);
+        }
+        rc == 0
+    }
+
+    /// The page-aligned address halfway through `[start, end)`.
+    fn middle(start: usize, end: usize, page: usize) -> usize {
+        start + (end - start) / page / 2 * page
+    }
+
+    /// Whether the page at `p` is in memory (a failed query counts as yes, so
+    /// that nothing more is attempted).
+    fn resident(p: usize, page: usize) -> bool {
+        let mut v = 0u8;
+        // SAFETY: `p` is a page-aligned address inside the caller's slice, and
+        // `v` has room for the one page's byte.
+        let rc = unsafe { libc::mincore(p as *mut libc::c_void, page, &mut v) };
+        rc != 0 || v & 1 == 1
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp {
+    pub(super) fn populate(_ptr: *mut u8, _bytes: usize) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leaves_contents_and_neighbours_unchanged() {
+        // Unaligned on both ends, large enough to be populated, and already
+        // written: every byte must keep its value.
+        let mut v: Vec<u8> = (0..(MIN_BYTES * 3 + 123)).map(|i| (i % 251) as u8).collect();
+        let want = v.clone();
+        prefault(&mut v[17..MIN_BYTES * 3 + 100]);
+        assert_eq!(v, want);
+        // Fresh, never-written memory reads as zero afterwards.
+        let mut z = vec![0f32; MIN_BYTES];
+        prefault(&mut z);
+        assert!(z.iter().all(|&x| x == 0.0));
+        // Small and empty slices are no-ops.
+        prefault::<f64>(&mut []);
+        prefault(&mut [1u8; 10]);
+    }
+
+    /// Fresh anonymous memory has its pages in memory after the call, and
+    /// reads as zero; pages outside the slice are not faulted in.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn populates_fresh_memory() {
+        let page = 4096;
+        let len = 64 * page;
+        // SAFETY: a private anonymous mapping, unmapped at the end; the slice
+        // below lies inside it.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(base, libc::MAP_FAILED);
+        let resident = |i: usize| {
+            let mut v = 0u8;
+            // SAFETY: page `i` lies inside the mapping.
+            assert_eq!(unsafe { libc::mincore(base.cast::<u8>().add(i * page).cast(), page, &mut v) }, 0);
+            v & 1 == 1
+        };
+        // SAFETY: pages 1..=62 plus a few bytes on each side, inside the mapping.
+        let s = unsafe { std::slice::from_raw_parts_mut(base.cast::<u8>().add(page - 5), 62 * page + 10) };
+        prefault(s);
+        let got: Vec<bool> = (0..64).map(resident).collect();
+        let huge = got[0] || got[63];
+        if !huge {
+            // Pages 1..=62 lie wholly inside; 0 and 63 only in part.
+            assert!(got[1..63].iter().all(|&r| r), "pages left out: {got:?}");
+            assert!(!got[0] && !got[63], "a page partly outside the slice was faulted in: {got:?}");
+        }
+        assert!(s.iter().all(|&b| b == 0));
+        // SAFETY: the mapping made above, no longer borrowed.
+        assert_eq!(unsafe { libc::munmap(base, len) }, 0);
+    }
+}
