@@ -143,18 +143,39 @@ impl Libs {
     }
 }
 
+static API: OnceLock<std::result::Result<Api, Error>> = OnceLock::new();
+
 /// The function table, loaded on first use.
+///
+/// Every tensor query goes through here, a dozen times per op call, so the
+/// loaded case is inlined and the loading kept out of line.
+#[inline]
 pub fn api() -> Result<&'static Api> {
-    static API: OnceLock<std::result::Result<Api, Error>> = OnceLock::new();
+    match API.get() {
+        Some(Ok(a)) => Ok(a),
+        _ => load_api(),
+    }
+}
+
+#[cold]
+fn load_api() -> Result<&'static Api> {
     API.get_or_init(|| Libs::open().and_then(|l| Api::load(&l))).as_ref().map_err(Clone::clone)
 }
 
 /// Turns a shim error code into an [`Error`], with torch's message where this
 /// torch can give it.
+#[inline]
 pub fn check(call: &'static str, code: ErrorCode) -> Result<()> {
     if code == 0 {
-        return Ok(());
+        Ok(())
+    } else {
+        Err(failure(call))
     }
+}
+
+/// The error for a failed shim call, with torch's message where it has one.
+#[cold]
+fn failure(call: &'static str) -> Error {
     let detail = api()
         .ok()
         .and_then(|a| a.torch_exception_get_what_without_backtrace)
@@ -168,5 +189,5 @@ pub fn check(call: &'static str, code: ErrorCode) -> Result<()> {
             }
         })
         .unwrap_or_default();
-    Err(Error::Torch { call, detail })
+    Error::Torch { call, detail }
 }

@@ -32,7 +32,14 @@ impl Tensor {
 
     /// A new uninitialised contiguous tensor.
     pub fn empty(sizes: &[i64], dtype: ScalarType, device: Device) -> Result<Tensor> {
-        let mut strides = vec![1i64; sizes.len()];
+        // On the stack for the usual ranks: this runs on every op call.
+        let (mut small, mut large) = ([1i64; 8], Vec::new());
+        let strides: &mut [i64] = if sizes.len() <= small.len() {
+            &mut small[..sizes.len()]
+        } else {
+            large.resize(sizes.len(), 1);
+            &mut large
+        };
         for i in (0..sizes.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * sizes[i + 1].max(1);
         }

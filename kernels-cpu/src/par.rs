@@ -58,11 +58,17 @@ impl Par<'_> {
 
 /// Splits `rows` rows of `cols` elements into blocks for parallel work: at
 /// most a few blocks per thread, and none smaller than `min_elems` elements
-/// (so small inputs stay on one thread). Returns rows per block (>= 1).
+/// (so small inputs stay on one thread, without asking `par` for its thread
+/// count). Returns rows per block (>= 1).
 pub(crate) fn rows_per_block(par: &Par<'_>, rows: usize, cols: usize, min_elems: usize) -> usize {
-    let threads = par.num_threads();
-    if threads <= 1 || rows <= 1 {
+    // One block when two would not both reach the minimum, decided before
+    // asking the pool for its thread count (which may cost a call into it).
+    if rows <= 1 || rows.saturating_mul(cols) < min_elems.saturating_mul(2) {
         return rows.max(1);
+    }
+    let threads = par.num_threads();
+    if threads <= 1 {
+        return rows;
     }
     let min_rows = min_elems.div_ceil(cols.max(1)).max(1);
     let even = rows.div_ceil(threads * 4);

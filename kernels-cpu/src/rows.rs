@@ -44,18 +44,31 @@ impl Blocks {
 
 /// A mutable slice cut into consecutive chunks, one per parallel task, each
 /// taken by exactly one task.
-pub(crate) struct Split<'a, T>(Vec<Mutex<&'a mut [T]>>);
+pub(crate) enum Split<'a, T> {
+    /// The whole slice as one chunk: small inputs, with no heap allocation.
+    One([Mutex<&'a mut [T]>; 1]),
+    /// Several chunks.
+    Many(Vec<Mutex<&'a mut [T]>>),
+}
 
 impl<'a, T> Split<'a, T> {
     /// Chunks of `chunk` elements (the last may be shorter).
     pub(crate) fn new(s: &'a mut [T], chunk: usize) -> Self {
-        Split(s.chunks_mut(chunk.max(1)).map(Mutex::new).collect())
+        if s.len() <= chunk {
+            Split::One([Mutex::new(s)])
+        } else {
+            Split::Many(s.chunks_mut(chunk.max(1)).map(Mutex::new).collect())
+        }
     }
 
     /// Chunk `b`, its pages faulted in (see [`prefault`]). Each task takes
     /// only its own chunk, so the lock never waits.
     pub(crate) fn get(&self, b: usize) -> MutexGuard<'_, &'a mut [T]> {
-        let mut g = self.0[b].lock().unwrap_or_else(|e| e.into_inner());
+        let chunks: &[Mutex<&'a mut [T]>] = match self {
+            Split::One(c) => c,
+            Split::Many(c) => c,
+        };
+        let mut g = chunks[b].lock().unwrap_or_else(|e| e.into_inner());
         prefault(&mut g);
         g
     }

@@ -91,6 +91,15 @@ pub(crate) struct Rows {
     pub cols: usize,
 }
 
+impl Rows {
+    /// A new contiguous tensor shaped like `t`, the tensor these checks were
+    /// made of, with its dtype and device: `t.empty_like()` without asking
+    /// torch again for what is already known (this runs on every call).
+    pub(crate) fn empty_like(&self, t: &Tensor) -> Result<Tensor> {
+        Tensor::empty(t.sizes()?, self.dtype, self.device)
+    }
+}
+
 /// The checks every op over the last dimension makes of its main tensor `arg`.
 pub(crate) fn rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result<Rows> {
     let device = supported_device(op, arg, t)?;

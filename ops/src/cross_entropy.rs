@@ -123,7 +123,7 @@ impl BoxedOp for CrossEntropyBackward {
             return Err(invalid(op, "grad", format!("must have shape {want:?} (the loss's), got {:?}", grad.sizes()?)));
         }
         checks::contiguous(op, "grad", &grad)?;
-        let grad_logits = logits.empty_like()?;
+        let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors; `grad_logits` is fresh.

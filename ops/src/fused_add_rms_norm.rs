@@ -25,7 +25,7 @@ impl BoxedOp for FusedAddRmsNorm {
     fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP, "input", &input, weight.as_ref(), eps)?;
         checks::like(OP, "residual", &residual, &input, &c)?;
-        let (out, sum) = (input.empty_like()?, input.empty_like()?);
+        let (out, sum) = (c.empty_like(&input)?, c.empty_like(&input)?);
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors of element type T; the
@@ -83,7 +83,7 @@ impl BoxedOp for FusedAddRmsNormBackward {
         if let Some(g) = &grad_sum {
             checks::like(OP_BWD, "grad_sum", g, &sum, &c)?;
         }
-        let grad = sum.empty_like()?;
+        let grad = c.empty_like(&sum)?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {

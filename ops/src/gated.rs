@@ -72,7 +72,7 @@ fn backward(act: Activation, op: &str, grad_out: Tensor, input: Tensor) -> Resul
         ));
     }
     checks::contiguous(op, "grad_out", &grad_out)?;
-    let grad_input = input.empty_like()?;
+    let grad_input = c.empty_like(&input)?;
     match c.device.kind {
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
             // SAFETY: checked contiguous CPU tensors of element type T; `grad_input` is fresh.

@@ -33,7 +33,7 @@ impl BoxedOp for LayerNorm {
 
     fn run((input, weight, bias, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP, &input, weight.as_ref(), bias.as_ref(), eps)?;
-        let out = input.empty_like()?;
+        let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors of element type T; `out` is fresh.
@@ -84,7 +84,7 @@ impl BoxedOp for LayerNormBackward {
     fn run((grad_out, input, weight, bias, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP_BWD, &input, weight.as_ref(), bias.as_ref(), eps)?;
         checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
-        let grad_input = input.empty_like()?;
+        let grad_input = c.empty_like(&input)?;
         let param_grad =
             |p: &Option<Tensor>| Tensor::empty(&[if p.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device);
         let (grad_weight, grad_bias) = (param_grad(&weight)?, param_grad(&bias)?);

@@ -33,7 +33,7 @@ impl BoxedOp for RmsNorm {
 
     fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP, "input", &input, weight.as_ref(), eps)?;
-        let out = input.empty_like()?;
+        let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors of element type T; `out`
@@ -79,7 +79,7 @@ impl BoxedOp for RmsNormBackward {
     fn run((grad_out, input, weight, eps): Self::Args) -> Result<Self::Out> {
         let c = check(OP_BWD, "input", &input, weight.as_ref(), eps)?;
         checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
-        let grad_input = input.empty_like()?;
+        let grad_input = c.empty_like(&input)?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {

@@ -45,7 +45,7 @@ fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) ->
 fn run(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Result<(Tensor,)> {
     let (c, shape) = check(op, arg, &x, &cos, &sin)?;
     let inverse = op.ends_with("_backward");
-    let out = x.empty_like()?;
+    let out = c.empty_like(&x)?;
     match c.device.kind {
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
             // SAFETY: checked contiguous CPU tensors of element type T; `out` is fresh.

@@ -25,7 +25,7 @@ impl BoxedOp for Softmax {
         let op = Self::NAME;
         let c = checks::rows_of(op, "input", &input)?;
         check_scale(op, &c, scale)?;
-        let out = input.empty_like()?;
+        let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensor of element type T; `out` is fresh.
@@ -61,7 +61,7 @@ impl BoxedOp for SoftmaxBackward {
         let c = checks::rows_of(op, "output", &output)?;
         checks::like(op, "grad_out", &grad_out, &output, &c)?;
         check_scale(op, &c, scale)?;
-        let grad_input = output.empty_like()?;
+        let grad_input = c.empty_like(&output)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors of element type T; `grad_input` is fresh.

@@ -2,14 +2,21 @@
 //! from torch respect `torch.set_num_threads` and share torch's threads.
 use keel_cpu::{Par, ParallelFor};
 use std::ops::Range;
+use std::sync::OnceLock;
 
 struct TorchPool {
-    threads: usize,
+    /// Asked of torch only when a kernel wants it: inputs too small to split
+    /// never do, and they are the calls where the query's cost shows.
+    threads: OnceLock<usize>,
 }
 
 impl ParallelFor for TorchPool {
     fn num_threads(&self) -> usize {
-        self.threads
+        *self.threads.get_or_init(|| match keel_abi::get_num_threads() {
+            Ok(n) => n,
+            // Caught by the op's boxed entry and raised as a RuntimeError.
+            Err(e) => panic!("torch_get_num_threads failed: {e}"),
+        })
     }
 
     fn parallel_for(&self, n: usize, grain: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
@@ -22,6 +29,6 @@ impl ParallelFor for TorchPool {
 
 /// Runs `f` with a `Par` over torch's pool.
 pub(crate) fn with_torch_par<R>(f: impl FnOnce(Par<'_>) -> R) -> keel_abi::Result<R> {
-    let pool = TorchPool { threads: keel_abi::get_num_threads()? };
+    let pool = TorchPool { threads: OnceLock::new() };
     Ok(f(Par::External(&pool)))
 }
