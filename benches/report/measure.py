@@ -103,6 +103,7 @@ def time_case(case, device, compile_: bool) -> dict:
     del ref
     args = [case.args[i] for i in case.clone_args]
     fns["clone"] = lambda: [a.clone() for a in args]
+    row["clone_nbytes"] = 2 * sum(a.numel() * a.element_size() for a in args)  # read and written
     t = interleaved(fns, device)
     row["ms"] = {k: v * 1e3 for k, v in t.items()}
     row["err"] = errs
