@@ -226,5 +226,8 @@ def tiny_cases(device: str) -> list:
         ("silu_and_mul [1,128]", lambda: torch.ops.keel.silu_and_mul(h), lambda: _silu_and_mul(h)),
         ("cross_entropy [1,64]", lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"),
          lambda: F.cross_entropy(x, t)),
+        ("cross_entropy [1,64], torch through torch.ops.aten.cross_entropy_loss",
+         lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"),
+         lambda: torch.ops.aten.cross_entropy_loss(x, t, None, 1, -100, 0.0)),
         ("x + x [1,64] (any torch op)", None, lambda: x + x),
     ]

@@ -170,4 +170,50 @@ mod tests {
         // SAFETY: the mapping made above, no longer borrowed.
         assert_eq!(unsafe { libc::munmap(base, len) }, 0);
     }
+
+    /// A kernel writing into fresh memory (plain and, where the system
+    /// allows, with huge pages advised) gives the same bytes as into a
+    /// buffer already in use: prefaulting changes where faults happen, not
+    /// what is written.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn kernel_output_into_fresh_memory_is_unchanged() {
+        use crate::par::Par;
+        // 4.4 MB: the output holds a whole 2 MiB frame, so the huge-page probe runs.
+        let (rows, cols) = (1100, 1000);
+        let n = rows * cols;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0).collect();
+        let mut want = vec![0f32; n];
+        crate::softmax::forward(&x, &mut want, cols, 1.0, Par::Seq).unwrap();
+        for advice in [None, Some(libc::MADV_HUGEPAGE)] {
+            // Room for 4 MiB of alignment, so that a 2 MiB frame lies wholly inside.
+            let len = n * 4 + (4 << 20);
+            // SAFETY: a private anonymous mapping, unmapped below.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(base, libc::MAP_FAILED);
+            if let Some(a) = advice {
+                // SAFETY: the whole mapping; a refusal (no THP) changes nothing.
+                unsafe { libc::madvise(base, len, a) };
+            }
+            let at = (base as usize).next_multiple_of(2 << 20) + 100 * 4;
+            for par in [Par::Seq, Par::Rayon] {
+                // SAFETY: `n` f32 from `at`, inside the mapping and aligned.
+                let out = unsafe { std::slice::from_raw_parts_mut(at as *mut f32, n) };
+                crate::softmax::forward(&x, out, cols, 1.0, par).unwrap();
+                assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{advice:?} {par:?}");
+                out.fill(f32::NAN);
+            }
+            // SAFETY: the mapping made above, no longer borrowed.
+            assert_eq!(unsafe { libc::munmap(base, len) }, 0);
+        }
+    }
 }
