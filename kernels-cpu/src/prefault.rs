@@ -130,26 +130,37 @@ mod tests {
         prefault(&mut [1u8; 10]);
     }
 
+    /// A private anonymous mapping of `.1` bytes at `.0`, unmapped on drop.
+    #[cfg(target_os = "linux")]
+    struct Mapping(*mut libc::c_void, usize);
+
+    #[cfg(target_os = "linux")]
+    impl Mapping {
+        fn new(len: usize) -> Mapping {
+            let (prot, flags) = (libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS);
+            // SAFETY: a new mapping, owned by the returned value.
+            let base = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, flags, -1, 0) };
+            assert_ne!(base, libc::MAP_FAILED);
+            Mapping(base, len)
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            // SAFETY: the mapping made in `new`; slices into it are dead by now.
+            unsafe { libc::munmap(self.0, self.1) };
+        }
+    }
+
     /// Fresh anonymous memory has its pages in memory after the call, and
     /// reads as zero; pages outside the slice are not faulted in.
     #[cfg(target_os = "linux")]
     #[test]
     fn populates_fresh_memory() {
         let page = 4096;
-        let len = 64 * page;
-        // SAFETY: a private anonymous mapping, unmapped at the end; the slice
-        // below lies inside it.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(base, libc::MAP_FAILED);
+        let map = Mapping::new(64 * page);
+        let base = map.0;
         let resident = |i: usize| {
             let mut v = 0u8;
             // SAFETY: page `i` lies inside the mapping.
@@ -167,8 +178,6 @@ mod tests {
             assert!(!got[0] && !got[63], "a page partly outside the slice was faulted in: {got:?}");
         }
         assert!(s.iter().all(|&b| b == 0));
-        // SAFETY: the mapping made above, no longer borrowed.
-        assert_eq!(unsafe { libc::munmap(base, len) }, 0);
     }
 
     /// A kernel writing into fresh memory (plain and, where the system
@@ -188,18 +197,8 @@ mod tests {
         for advice in [None, Some(libc::MADV_HUGEPAGE)] {
             // Room for 4 MiB of alignment, so that a 2 MiB frame lies wholly inside.
             let len = n * 4 + (4 << 20);
-            // SAFETY: a private anonymous mapping, unmapped below.
-            let base = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            assert_ne!(base, libc::MAP_FAILED);
+            let map = Mapping::new(len);
+            let base = map.0;
             if let Some(a) = advice {
                 // SAFETY: the whole mapping; a refusal (no THP) changes nothing.
                 unsafe { libc::madvise(base, len, a) };
@@ -212,8 +211,6 @@ mod tests {
                 assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{advice:?} {par:?}");
                 out.fill(f32::NAN);
             }
-            // SAFETY: the mapping made above, no longer borrowed.
-            assert_eq!(unsafe { libc::munmap(base, len) }, 0);
         }
     }
 }
