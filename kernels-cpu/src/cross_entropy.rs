@@ -243,9 +243,7 @@ fn row_grad_into<T: Element>(
     let m = row_max(x, one);
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
     let (gs, off) = (T::Acc::from_f64(g / s.to_f64()), T::Acc::from_f64(g * eps / x.len() as f64));
-    for (d, e) in dx.iter_mut().zip(scratch.iter()) {
-        *d = T::from_acc(*e * gs - off);
-    }
+    T::from_acc_slice_affine(scratch, (gs, off), dx);
     let p = scratch[t].to_f64() / s.to_f64();
     dx[t] = T::from_f64(g * (p - eps / x.len() as f64) - g * (1.0 - eps));
 }

@@ -162,6 +162,16 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     /// `dst[i] = from_acc(src[i])` for slices of one length, with the CPU's
     /// conversion instruction where it has one (as [`write_acc`](Element::write_acc)).
     fn from_acc_slice(src: &[Self::Acc], dst: &mut [Self]);
+    /// `dst[i] = from_acc(src[i] * scale - shift)` (multiply, then
+    /// subtract: no fused multiply-add), for slices of one length: the map
+    /// done in the narrowing pass where the CPU converts (softmax's and
+    /// cross_entropy's last passes).
+    #[inline(always)]
+    fn from_acc_slice_affine(src: &[Self::Acc], (scale, shift): (Self::Acc, Self::Acc), dst: &mut [Self]) {
+        for (d, s) in dst.iter_mut().zip(src) {
+            *d = Self::from_acc(*s * scale - shift);
+        }
+    }
 }
 
 impl Element for f32 {
@@ -228,7 +238,11 @@ impl Element for bf16 {
     }
     #[inline(always)]
     fn from_acc_slice(src: &[f32], dst: &mut [Self]) {
-        narrow::bf16_slice(src, dst, Self::from_acc)
+        narrow::bf16_slice::<false>(src, (1.0, 0.0), dst, Self::from_acc)
+    }
+    #[inline(always)]
+    fn from_acc_slice_affine(src: &[f32], (scale, shift): (f32, f32), dst: &mut [Self]) {
+        narrow::bf16_slice::<true>(src, (scale, shift), dst, |v| Self::from_acc(v * scale - shift))
     }
 }
 
@@ -248,7 +262,11 @@ impl Element for f16 {
     }
     #[inline(always)]
     fn from_acc_slice(src: &[f32], dst: &mut [Self]) {
-        narrow::f16_slice(src, dst, Self::from_acc)
+        narrow::f16_slice::<false>(src, (1.0, 0.0), dst, Self::from_acc)
+    }
+    #[inline(always)]
+    fn from_acc_slice_affine(src: &[f32], (scale, shift): (f32, f32), dst: &mut [Self]) {
+        narrow::f16_slice::<true>(src, (scale, shift), dst, |v| Self::from_acc(v * scale - shift))
     }
 }
 

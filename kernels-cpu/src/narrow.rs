@@ -48,11 +48,12 @@ pub(crate) fn write_blocks<T, A: Acc>(
     }
 }
 
-/// f32 values to bf16 (`src` and `dst` of one length): 32 at a time with the
-/// AVX512-BF16 instruction when this code runs under [`crate::simd::dispatch`]
-/// on a CPU that has it, the rest with `sw`.
+/// f32 values to bf16 (`src` and `dst` of one length), each first mapped to
+/// `v * scale - shift` when `AFFINE`: 32 at a time with the AVX512-BF16 instruction
+/// when this code runs under [`crate::simd::dispatch`] on a CPU that has it,
+/// the rest with `sw` (which must apply the map itself).
 #[inline(always)]
-pub(crate) fn bf16_slice(src: &[f32], dst: &mut [bf16], sw: impl Fn(f32) -> bf16) {
+pub(crate) fn bf16_slice<const AFFINE: bool>(src: &[f32], map: (f32, f32), dst: &mut [bf16], sw: impl Fn(f32) -> bf16) {
     // SAFETY: `narrow_slice` calls `hw` only where `has_v4_bf16` found every
     // feature `x86::bf16_x32` is compiled for.
     #[cfg(target_arch = "x86_64")]
@@ -60,24 +61,23 @@ pub(crate) fn bf16_slice(src: &[f32], dst: &mut [bf16], sw: impl Fn(f32) -> bf16
         src,
         dst,
         #[inline(always)]
-        |s, d| unsafe { x86::bf16_x32(s, d) },
+        |s, d| unsafe { x86::bf16_x32::<AFFINE>(s, map, d) },
         sw,
     );
     #[cfg(not(target_arch = "x86_64"))]
     narrow_slice(src, dst, |_, _| false, sw);
 }
 
-/// f32 values to f16: 32 at a time with `vcvtps2ph` when this code runs under
-/// [`crate::simd::dispatch`] on a CPU that has it, the rest with `sw`.
+/// f32 values to f16, as [`bf16_slice`], with `vcvtps2ph`.
 #[inline(always)]
-pub(crate) fn f16_slice(src: &[f32], dst: &mut [f16], sw: impl Fn(f32) -> f16) {
+pub(crate) fn f16_slice<const AFFINE: bool>(src: &[f32], map: (f32, f32), dst: &mut [f16], sw: impl Fn(f32) -> f16) {
     // SAFETY: as above (AVX512F is one of the features checked).
     #[cfg(target_arch = "x86_64")]
     narrow_slice(
         src,
         dst,
         #[inline(always)]
-        |s, d| unsafe { x86::f16_x32(s, d) },
+        |s, d| unsafe { x86::f16_x32::<AFFINE>(s, map, d) },
         sw,
     );
     #[cfg(not(target_arch = "x86_64"))]
@@ -117,20 +117,38 @@ mod x86 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
-    /// Narrows with `vcvtne2ps2bf16` unless the block holds an f32 subnormal
+    /// The 32 values, mapped to `v * scale - shift` when `AFFINE` (`vmulps`
+    /// then `vsubps`, rounded as the scalar expression is: no fused
+    /// multiply-add).
+    ///
+    /// # Safety
+    /// The CPU must have AVX512F.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn load_x32<const AFFINE: bool>(src: &[f32; 32], (scale, shift): (f32, f32)) -> (__m512, __m512) {
+        // SAFETY: `src` holds 32 f32; unaligned loads.
+        let (lo, hi) = unsafe { (_mm512_loadu_ps(src.as_ptr()), _mm512_loadu_ps(src.as_ptr().add(16))) };
+        if AFFINE {
+            let (s, t) = (_mm512_set1_ps(scale), _mm512_set1_ps(shift));
+            (_mm512_sub_ps(_mm512_mul_ps(lo, s), t), _mm512_sub_ps(_mm512_mul_ps(hi, s), t))
+        } else {
+            (lo, hi)
+        }
+    }
+
+    /// Narrows (the values mapped when `AFFINE`) with `vcvtne2ps2bf16` unless the block holds an f32 subnormal
     /// (returns false and writes nothing then).
     ///
     /// # Safety
     /// The CPU must have AVX512F, AVX512BW, AVX512DQ and AVX512-BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
     #[inline]
-    pub(super) unsafe fn bf16_x32(src: &[f32; 32], dst: &mut [bf16; 32]) -> bool {
+    pub(super) unsafe fn bf16_x32<const AFFINE: bool>(src: &[f32; 32], map: (f32, f32), dst: &mut [bf16; 32]) -> bool {
         const SUBNORMAL: i32 = 0x20;
         // SAFETY: `src` holds 32 f32 and `dst` 32 bf16 (64 bytes); unaligned
         // loads and stores.
         unsafe {
-            let lo = _mm512_loadu_ps(src.as_ptr());
-            let hi = _mm512_loadu_ps(src.as_ptr().add(16));
+            let (lo, hi) = load_x32::<AFFINE>(src, map);
             if _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi) != 0 {
                 return false;
             }
@@ -140,19 +158,19 @@ mod x86 {
         true
     }
 
-    /// Narrows with `vcvtps2ph`, round to nearest even (always succeeds:
+    /// Narrows (the values mapped when `AFFINE`) with `vcvtps2ph`, round to nearest even (always succeeds:
     /// returns true).
     ///
     /// # Safety
     /// The CPU must have AVX512F.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    pub(super) unsafe fn f16_x32(src: &[f32; 32], dst: &mut [f16; 32]) -> bool {
+    pub(super) unsafe fn f16_x32<const AFFINE: bool>(src: &[f32; 32], map: (f32, f32), dst: &mut [f16; 32]) -> bool {
         const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
         // SAFETY: `src` holds 32 f32 and `dst` 32 f16 (64 bytes).
         unsafe {
-            let lo = _mm512_cvtps_ph::<RNE>(_mm512_loadu_ps(src.as_ptr()));
-            let hi = _mm512_cvtps_ph::<RNE>(_mm512_loadu_ps(src.as_ptr().add(16)));
+            let (lo, hi) = load_x32::<AFFINE>(src, map);
+            let (lo, hi) = (_mm512_cvtps_ph::<RNE>(lo), _mm512_cvtps_ph::<RNE>(hi));
             _mm256_storeu_si256(dst.as_mut_ptr().cast(), lo);
             _mm256_storeu_si256(dst.as_mut_ptr().add(16).cast(), hi);
         }
@@ -201,17 +219,38 @@ mod tests {
                     )
                 },
             );
-            for (o, s) in out.iter().zip(src) {
-                let want = T::from_acc(*s);
-                assert!(
-                    same(*o, want, &is_nan),
-                    "{} of {s:e} ({:#x}): {:#x}, want {:#x}",
-                    T::NAME,
-                    s.to_bits(),
-                    bits(*o),
-                    bits(want)
+            expect(&out, src, (1.0, 0.0), &is_nan, &bits);
+            // The mapped narrowing of softmax's and cross_entropy's last
+            // passes; a scale of 1e-30 turns most values into subnormals,
+            // 3 many into infinities.
+            for map in [(1.0 / 3.0, 0.0), (3.0, 0.0), (1e-30, 0.0), (0.7, 1e-3), (1.0, -2.5)] {
+                dispatch(
+                    #[inline(always)]
+                    || T::from_acc_slice_affine(src, map, &mut out),
                 );
+                expect(&out, src, map, &is_nan, &bits);
             }
+        }
+    }
+
+    /// Asserts `out[i] == from_acc(src[i] * scale - shift)`, bit for bit.
+    fn expect<T: Element<Acc = f32> + PartialEq>(
+        out: &[T],
+        src: &[f32],
+        (scale, shift): (f32, f32),
+        is_nan: impl Fn(T) -> bool,
+        bits: impl Fn(T) -> u16,
+    ) {
+        for (o, s) in out.iter().zip(src) {
+            let want = T::from_acc(*s * scale - shift);
+            assert!(
+                same(*o, want, &is_nan),
+                "{} of {s:e} ({:#x}) x {scale:e} - {shift:e}: {:#x}, want {:#x}",
+                T::NAME,
+                s.to_bits(),
+                bits(*o),
+                bits(want)
+            );
         }
     }
 
