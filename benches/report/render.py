@@ -76,7 +76,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "bandwidth an op is held against (`of bandwidth`) is, on CPU, that of the fresh `clone` timed beside "
               "it in the same row (outputs are fresh allocations there, and pay the same page faults; the clone "
               "line of the table below is measured once, at the start, and this machine's bandwidth drifts during a "
-              "run), and on CUDA a copy into an existing tensor. `err` is the largest error against float64, "
+              "run; where a row's clone got memory still mapped from an earlier free, it ran at copy speed, and "
+              "that row's fraction reads low: compare its `Keel / clone` with the rows around it), and on CUDA "
+              "a copy into an existing tensor. `err` is the largest error against float64, "
               "relative to the output's scale.", ""]
     lines += ["## Memory bandwidth", "", "| run | device | clone (fresh output) GB/s | copy into existing GB/s |",
               "|---|---|---|---|"]
