@@ -92,6 +92,9 @@ api! {
         // 2.13+
         torch_delete_stable_ivalue: fn(*mut u64) -> ErrorCode;
         torch_exception_get_what_without_backtrace: fn() -> *const c_char;
+        // In every torch Keel supports; optional all the same, as `numel`
+        // can fall back to the product of the sizes.
+        aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;
         // libtorch_cuda only
         aoti_torch_get_current_cuda_stream: fn(i32, *mut *mut c_void) -> ErrorCode;
     }

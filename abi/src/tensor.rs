@@ -111,7 +111,11 @@ impl Tensor {
 
     /// Number of elements.
     pub fn numel(&self) -> Result<usize> {
-        Ok(self.sizes()?.iter().product::<i64>() as usize)
+        match api()?.aoti_torch_get_numel {
+            // One shim call, where the sizes take two (dim, then sizes).
+            Some(f) => Ok(self.get("aoti_torch_get_numel", f)? as usize),
+            None => Ok(self.sizes()?.iter().product::<i64>() as usize),
+        }
     }
 
     /// Element type.

@@ -125,7 +125,7 @@ pub(crate) fn rows_cols(op: &str, arg: &str, t: &Tensor) -> Result<(usize, usize
         return Err(invalid(op, arg, "must have at least 1 dimension, got a 0-dim tensor"));
     };
     let cols = cols as usize;
-    let rows = t.numel()?.checked_div(cols).unwrap_or(0);
+    let rows = (s.iter().product::<i64>() as usize).checked_div(cols).unwrap_or(0);
     Ok((rows, cols))
 }
 
