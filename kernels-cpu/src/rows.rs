@@ -3,12 +3,11 @@
 //!
 //! Each block's output is faulted in at once before it is written, when it is
 //! fresh memory (see [`crate::prefault`]); then it is written with ordinary
-//! stores. Non-temporal (streaming) stores
-//! were tried for large outputs and were slower (rms_norm f32 4096x4096 into a
-//! fresh tensor: 5.2 ms against 4.3 ms with huge pages, 1.35x against 1.15x of
-//! `x.clone()` without): the kernel zeroes each fresh page just before the
-//! first store to it, so the lines are already in cache and write-allocate
-//! costs little.
+//! stores. Non-temporal (streaming) stores were tried for large outputs, twice,
+//! and were slower: before the prefault, rms_norm f32 4096x4096 into a fresh
+//! tensor took 5.2 ms against 4.3 ms with huge pages, and 1.35x against 1.15x
+//! of `x.clone()` without; with it, 0.97x as fast without huge pages and 0.85x
+//! with them.
 use crate::element::{Acc, Element};
 use crate::par::{rows_per_block, Par};
 use crate::prefault::prefault;
