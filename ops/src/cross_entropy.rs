@@ -73,7 +73,7 @@ impl BoxedOp for CrossEntropy {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors (logits of T, target of i64); `out` is fresh.
                 let (x, t, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<i64>()?, out.as_mut_slice::<T>()?) };
-                with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, c.cols, opts, par))?.map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, c.cols, opts, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(op, c.device)?;
@@ -130,7 +130,7 @@ impl BoxedOp for CrossEntropyBackward {
                 let (g, x, t, dx) = unsafe {
                     (grad.as_slice::<T>()?, logits.as_slice::<T>()?, target.as_slice::<i64>()?, grad_logits.as_mut_slice::<T>()?)
                 };
-                with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, dx, c.cols, opts, par))?
+                with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, dx, c.cols, opts, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {

@@ -39,7 +39,7 @@ impl BoxedOp for FusedAddRmsNorm {
                         sum.as_mut_slice::<T>()?,
                     )
                 };
-                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_cpu(x, r, w, y, s, c.cols, eps, par))?
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_cpu(x, r, w, y, s, c.cols, eps, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
@@ -99,7 +99,7 @@ impl BoxedOp for FusedAddRmsNormBackward {
                         if weight.is_some() { Some(grad_weight.as_mut_slice::<T>()?) } else { None },
                     )
                 };
-                with_torch_par(|par| keel::ops::fused_add_rms_norm::backward_cpu(dy, ds, s, w, dx, dw, c.cols, eps, par))?
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::backward_cpu(dy, ds, s, w, dx, dw, c.cols, eps, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {

@@ -34,7 +34,7 @@ fn forward(act: Activation, input: Tensor) -> Result<(Tensor,)> {
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
             // SAFETY: checked contiguous CPU tensor of element type T; `out` is fresh.
             let (x, y) = unsafe { (input.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
-            with_torch_par(|par| keel::ops::gated::forward_cpu(act, x, y, d, par))?.map_err(kernel_err)?
+            with_torch_par(|par| keel::ops::gated::forward_cpu(act, x, y, d, par)).map_err(kernel_err)?
         }),
         DeviceType::Cuda => {
             let call = CudaCall::new(op, c.device)?;
@@ -77,7 +77,7 @@ fn backward(act: Activation, op: &str, grad_out: Tensor, input: Tensor) -> Resul
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
             // SAFETY: checked contiguous CPU tensors of element type T; `grad_input` is fresh.
             let (dy, x, dx) = unsafe { (grad_out.as_slice::<T>()?, input.as_slice::<T>()?, grad_input.as_mut_slice::<T>()?) };
-            with_torch_par(|par| keel::ops::gated::backward_cpu(act, dy, x, dx, d, par))?.map_err(kernel_err)?
+            with_torch_par(|par| keel::ops::gated::backward_cpu(act, dy, x, dx, d, par)).map_err(kernel_err)?
         }),
         DeviceType::Cuda => {
             let call = CudaCall::new(op, c.device)?;

@@ -45,7 +45,7 @@ impl BoxedOp for LayerNorm {
                         out.as_mut_slice::<T>()?,
                     )
                 };
-                with_torch_par(|par| keel::ops::layer_norm::forward_cpu(x, w, b, y, c.cols, eps, par))?.map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::layer_norm::forward_cpu(x, w, b, y, c.cols, eps, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP, c.device)?;
@@ -103,7 +103,7 @@ impl BoxedOp for LayerNormBackward {
                         if bias.is_some() { Some(grad_bias.as_mut_slice::<T>()?) } else { None },
                     )
                 };
-                with_torch_par(|par| keel::ops::layer_norm::backward_cpu(dy, x, w, b, dx, dw, db, c.cols, eps, par))?
+                with_torch_par(|par| keel::ops::layer_norm::backward_cpu(dy, x, w, b, dx, dw, db, c.cols, eps, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {

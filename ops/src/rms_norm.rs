@@ -41,7 +41,7 @@ impl BoxedOp for RmsNorm {
                 let (x, w, y) = unsafe {
                     (input.as_slice::<T>()?, weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?, out.as_mut_slice::<T>()?)
                 };
-                with_torch_par(|par| keel::ops::rms_norm::forward_cpu(x, w, y, c.cols, eps, par))?.map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::rms_norm::forward_cpu(x, w, y, c.cols, eps, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP, c.device)?;
@@ -94,7 +94,7 @@ impl BoxedOp for RmsNormBackward {
                         if weight.is_some() { Some(grad_weight.as_mut_slice::<T>()?) } else { None },
                     )
                 };
-                with_torch_par(|par| keel::ops::rms_norm::backward_cpu(dy, x, w, dx, dw, c.cols, eps, par))?.map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::rms_norm::backward_cpu(dy, x, w, dx, dw, c.cols, eps, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP_BWD, c.device)?;

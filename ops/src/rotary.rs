@@ -50,7 +50,7 @@ fn run(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor, interle
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
             // SAFETY: checked contiguous CPU tensors of element type T; `out` is fresh.
             let (xs, cs, ss, ys) = unsafe { (x.as_slice::<T>()?, cos.as_slice::<T>()?, sin.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
-            with_torch_par(|par| keel::ops::rotary::apply_cpu(xs, cs, ss, ys, shape, interleaved, inverse, par))?
+            with_torch_par(|par| keel::ops::rotary::apply_cpu(xs, cs, ss, ys, shape, interleaved, inverse, par))
                 .map_err(kernel_err)?
         }),
         DeviceType::Cuda => {

@@ -30,7 +30,7 @@ impl BoxedOp for Softmax {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensor of element type T; `out` is fresh.
                 let (x, y) = unsafe { (input.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
-                with_torch_par(|par| keel::ops::softmax::forward_cpu(x, y, c.cols, scale, par))?.map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::softmax::forward_cpu(x, y, c.cols, scale, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(op, c.device)?;
@@ -66,7 +66,7 @@ impl BoxedOp for SoftmaxBackward {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors of element type T; `grad_input` is fresh.
                 let (dy, y, dx) = unsafe { (grad_out.as_slice::<T>()?, output.as_slice::<T>()?, grad_input.as_mut_slice::<T>()?) };
-                with_torch_par(|par| keel::ops::softmax::backward_cpu(dy, y, dx, c.cols, scale, par))?.map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::softmax::backward_cpu(dy, y, dx, c.cols, scale, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(op, c.device)?;

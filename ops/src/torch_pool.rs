@@ -28,7 +28,7 @@ impl ParallelFor for TorchPool {
 }
 
 /// Runs `f` with a `Par` over torch's pool.
-pub(crate) fn with_torch_par<R>(f: impl FnOnce(Par<'_>) -> R) -> keel_abi::Result<R> {
+pub(crate) fn with_torch_par<R>(f: impl FnOnce(Par<'_>) -> R) -> R {
     let pool = TorchPool { threads: OnceLock::new() };
-    Ok(f(Par::External(&pool)))
+    f(Par::External(&pool))
 }
