@@ -174,53 +174,38 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     }
 }
 
-impl Element for f32 {
-    type Acc = f32;
-    const NAME: &'static str = "f32";
-    #[inline(always)]
-    fn to_acc(self) -> f32 {
-        self
-    }
-    #[inline(always)]
-    fn from_acc(v: f32) -> Self {
-        v
-    }
-    fn from_f64(v: f64) -> Self {
-        v as f32
-    }
-    #[inline(always)]
-    fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
-        fill(0, out)
-    }
-    #[inline(always)]
-    fn from_acc_slice(src: &[Self], dst: &mut [Self]) {
-        dst.copy_from_slice(src)
-    }
+/// `Element` for a type that is its own accumulator (f32, f64): no rounding,
+/// and `write_acc` hands `out` itself to `fill`.
+macro_rules! own_acc_element {
+    ($t:ty, $name:literal) => {
+        impl Element for $t {
+            type Acc = $t;
+            const NAME: &'static str = $name;
+            #[inline(always)]
+            fn to_acc(self) -> $t {
+                self
+            }
+            #[inline(always)]
+            fn from_acc(v: $t) -> Self {
+                v
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            #[inline(always)]
+            fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
+                fill(0, out)
+            }
+            #[inline(always)]
+            fn from_acc_slice(src: &[Self], dst: &mut [Self]) {
+                dst.copy_from_slice(src)
+            }
+        }
+    };
 }
 
-impl Element for f64 {
-    type Acc = f64;
-    const NAME: &'static str = "f64";
-    #[inline(always)]
-    fn to_acc(self) -> f64 {
-        self
-    }
-    #[inline(always)]
-    fn from_acc(v: f64) -> Self {
-        v
-    }
-    fn from_f64(v: f64) -> Self {
-        v
-    }
-    #[inline(always)]
-    fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
-        fill(0, out)
-    }
-    #[inline(always)]
-    fn from_acc_slice(src: &[Self], dst: &mut [Self]) {
-        dst.copy_from_slice(src)
-    }
-}
+own_acc_element!(f32, "f32");
+own_acc_element!(f64, "f64");
 
 impl Element for bf16 {
     type Acc = f32;
