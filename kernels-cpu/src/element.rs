@@ -37,8 +37,9 @@ pub trait Acc:
     fn from_usize(n: usize) -> Self;
     /// `e^x` (vectorisable for f32; see `math`).
     fn exp(self) -> Self;
-    /// `e^x` for `x <= 0` or NaN (softmax after the max is subtracted):
-    /// cheaper than [`Acc::exp`] for f32, 0 where the result would be subnormal.
+    /// `e^x` for `x <= 0` or NaN (softmax after the max is subtracted). For
+    /// f32 cheaper than [`Acc::exp`], and 0 where the result would be
+    /// subnormal; for f64 the same as `exp`.
     fn exp_nonpos(self) -> Self;
     /// The error function.
     fn erf(self) -> Self;

@@ -133,9 +133,8 @@ pub(crate) fn row_max<T: Element>(x: &[T], scale: T::Acc) -> T::Acc {
     for i in 0..W {
         m0[i] = max_select(max_select(m0[i], m1[i]), max_select(m2[i], m3[i]));
     }
-    let m = m0;
     let mut best = neg_inf;
-    for v in m.iter().copied().chain(rest.iter().map(|v| v.to_acc() * scale)) {
+    for v in m0.iter().copied().chain(rest.iter().map(|v| v.to_acc() * scale)) {
         best = best.max(v);
     }
     best
