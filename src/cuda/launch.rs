@@ -1,10 +1,11 @@
-//! The one place kernels are launched: NVTX range (feature `nvtx`), argument
-//! packing, and the error mapping.
+//! The one place kernels are launched: where launches go ([`Target`]), NVTX
+//! ranges (feature `nvtx`), argument packing, and the error mapping.
 use super::{DType, Gpu};
 use crate::error::{driver, Result};
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
 /// A kernel argument: device pointers are passed as `u64`.
+#[derive(Debug, Clone, Copy)]
 pub(crate) enum Arg {
     /// A device pointer (0 for "none").
     Ptr(u64),
@@ -16,54 +17,87 @@ pub(crate) enum Arg {
     F32(f32),
 }
 
-/// Launches `func` on `stream` with `args` in order.
-///
-/// # Safety
-/// `args` must match the kernel's parameter list, and every pointer must be
-/// valid for what the kernel reads and writes under `cfg`, on `stream`'s device.
-pub(crate) unsafe fn launch(
-    name: &str,
-    stream: &CudaStream,
-    func: &CudaFunction,
-    cfg: LaunchConfig,
-    args: &[Arg],
-) -> Result<()> {
-    #[cfg(feature = "nvtx")]
-    let _range = nvtx::Range::new(nvtx::Str::from_str_lossy(name));
-    let mut b = stream.launch_builder(func);
-    for a in args {
-        match a {
-            Arg::Ptr(v) => b.arg(v),
-            Arg::I64(v) => b.arg(v),
-            Arg::I32(v) => b.arg(v),
-            Arg::F32(v) => b.arg(v),
-        };
+/// A PTX module: `(name, PTX source)`, the name being the stem of its
+/// `kernels-cuda/*.cu` file.
+pub(crate) type Module = (&'static str, &'static str);
+
+/// Where the entry points' kernels run, in the order they are launched: a
+/// CUDA stream ([`Stream`]), or in tests the CPU emulation of the kernels.
+pub(crate) trait Target {
+    /// Streaming multiprocessors (grids are sized by it).
+    fn sm_count(&self) -> u32;
+
+    /// Launches kernel `kernel` of `module` after the work launched before it.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameter list, and every pointer must be
+    /// valid for what the kernel reads and writes under `cfg`, on this target.
+    unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()>;
+
+    /// Copies `dst.len()` i32s from the device address `src` once the work
+    /// launched so far is done.
+    ///
+    /// # Safety
+    /// `src` must hold `dst.len()` i32s on this target.
+    unsafe fn read_i32s(&self, src: u64, dst: &mut [i32]) -> Result<()>;
+}
+
+/// A GPU and one of its streams: what the public `*_cuda_raw` entry points
+/// launch on.
+pub(crate) struct Stream<'a> {
+    pub(crate) gpu: &'a Gpu,
+    pub(crate) stream: &'a CudaStream,
+}
+
+impl Target for Stream<'_> {
+    fn sm_count(&self) -> u32 {
+        self.gpu.sm_count()
     }
-    // SAFETY: forwarded from this function's contract.
-    unsafe { b.launch(cfg) }.map_err(driver(format!("launching {name}")))?;
-    Ok(())
+
+    unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let f = self.gpu.function(module, kernel)?;
+        #[cfg(feature = "nvtx")]
+        let _range = nvtx::Range::new(nvtx::Str::from_str_lossy(&format!("keel::{kernel}")));
+        let mut b = self.stream.launch_builder(&f);
+        for a in args {
+            match a {
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+            };
+        }
+        // SAFETY: forwarded from this function's contract.
+        unsafe { b.launch(cfg) }.map_err(driver(format!("launching {kernel}")))?;
+        Ok(())
+    }
+
+    unsafe fn read_i32s(&self, src: u64, dst: &mut [i32]) -> Result<()> {
+        // SAFETY: `src` holds `dst.len()` i32s on this stream's device (our contract).
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
+            .map_err(driver("copying to the host"))?;
+        self.stream.synchronize().map_err(driver("synchronising the stream"))
+    }
 }
 
 /// Launches the row kernel `{name}_{dtype}` of `module` over `rows` rows of
 /// `cols`: the [`rows_config`] shape, at most 16 blocks per SM.
 ///
 /// # Safety
-/// As [`launch`].
+/// As [`Target::launch`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch_rows(
-    gpu: &Gpu,
-    stream: &CudaStream,
-    module: (&'static str, &'static str),
+    t: &dyn Target,
+    module: Module,
     name: &str,
     dtype: DType,
     rows: usize,
     cols: usize,
     args: &[Arg],
 ) -> Result<()> {
-    let f = gpu.function(module, &format!("{name}_{}", dtype.suffix()))?;
-    let cfg = rows_config(rows, cols, dtype.size(), gpu.sm_count() * 16);
+    let cfg = rows_config(rows, cols, dtype.size(), t.sm_count() * 16);
     // SAFETY: forwarded from this function's contract.
-    unsafe { launch(&format!("keel::{name}"), stream, &f, cfg, args) }
+    unsafe { t.launch(module, &format!("{name}_{}", dtype.suffix()), cfg, args) }
 }
 
 /// One block per row (grid-stride), about four 16-byte vectors per thread.

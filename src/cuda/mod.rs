@@ -12,4 +12,4 @@ mod launch;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use device::{device_count, gpu, is_available, Gpu};
 pub use dtype::{CudaElement, DType};
-pub(crate) use launch::{launch, launch_rows, rows_config, Arg};
+pub(crate) use launch::{launch_rows, rows_config, Arg, Module, Stream, Target};

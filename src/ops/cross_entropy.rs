@@ -12,7 +12,7 @@ pub use keel_cpu::cross_entropy::{Options, Reduction};
 
 use super::check_cols;
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{driver, Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::Arc;
@@ -64,13 +64,13 @@ fn single_block() -> LaunchConfig {
 }
 
 /// Reads the bad-target count that the kernels left after the row losses in
-/// `scratch` (synchronising `stream`), and turns a non-zero count into an error.
+/// `scratch` (waiting for them), and turns a non-zero count into an error.
 ///
 /// # Safety
-/// `scratch` must hold [`scratch_len`]`(rows)` f32s on `stream`'s device.
+/// `scratch` must hold [`scratch_len`]`(rows)` f32s on `t`.
 unsafe fn check_status(
     op: &'static str,
-    stream: &CudaStream,
+    t: &dyn Target,
     scratch: u64,
     rows: usize,
     opts: &Options,
@@ -78,9 +78,7 @@ unsafe fn check_status(
 ) -> Result<()> {
     let mut status = [0i32; 2];
     // SAFETY: the two counters follow the rows f32 losses in scratch.
-    unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut status, scratch + 4 * rows as u64, stream.cu_stream()) }
-        .map_err(driver("reading cross_entropy's target check"))?;
-    stream.synchronize().map_err(driver("synchronising after cross_entropy"))?;
+    unsafe { t.read_i32s(scratch + 4 * rows as u64, &mut status)? };
     if status[0] != 0 {
         return Err(Error::Invalid {
             op,
@@ -120,6 +118,26 @@ pub unsafe fn forward_cuda_raw(
     cols: usize,
     opts: Options,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, logits, target, out, scratch, rows, cols, opts) }
+}
+
+/// [`forward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_on(
+    t: &dyn Target,
+    dtype: DType,
+    logits: u64,
+    target: u64,
+    out: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    opts: Options,
+) -> Result<()> {
     const OP: &str = "cross_entropy";
     check_dims(OP, rows, cols, &opts)?;
     let s = dtype.suffix();
@@ -128,9 +146,8 @@ pub unsafe fn forward_cuda_raw(
         let args =
             [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), r, c, ii, Arg::F32(opts.label_smoothing as f32)];
         // SAFETY: matches cross_entropy_rows_*; pointers per our contract.
-        unsafe { launch_rows(gpu, stream, MODULE, "cross_entropy_rows", dtype, rows, cols, &args)? };
+        unsafe { launch_rows(t, MODULE, "cross_entropy_rows", dtype, rows, cols, &args)? };
     }
-    let f = gpu.function(MODULE, &format!("cross_entropy_reduce_{s}"))?;
     let args = [
         Arg::Ptr(scratch),
         Arg::Ptr(target),
@@ -142,9 +159,9 @@ pub unsafe fn forward_cuda_raw(
         Arg::I32(reduction_code(opts.reduction)),
     ];
     // SAFETY: matches cross_entropy_reduce_*; pointers per our contract.
-    unsafe { launch("keel::cross_entropy_reduce", stream, &f, single_block(), &args)? };
+    unsafe { t.launch(MODULE, &format!("cross_entropy_reduce_{s}"), single_block(), &args)? };
     // SAFETY: scratch per our contract.
-    unsafe { check_status(OP, stream, scratch, rows, &opts, cols) }
+    unsafe { check_status(OP, t, scratch, rows, &opts, cols) }
 }
 
 /// CUDA backward on raw device pointers; synchronises `stream` to check the targets.
@@ -167,14 +184,34 @@ pub unsafe fn backward_cuda_raw(
     cols: usize,
     opts: Options,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { backward_on(&Stream { gpu, stream }, dtype, grad, logits, target, grad_logits, scratch, rows, cols, opts) }
+}
+
+/// [`backward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`backward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn backward_on(
+    t: &dyn Target,
+    dtype: DType,
+    grad: u64,
+    logits: u64,
+    target: u64,
+    grad_logits: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    opts: Options,
+) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     check_dims(OP, rows, cols, &opts)?;
     let status = scratch + 4 * rows as u64;
-    let f = gpu.function(MODULE, "cross_entropy_count")?;
     let args =
         [Arg::Ptr(target), Arg::Ptr(status), Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index)];
     // SAFETY: matches cross_entropy_count; pointers per our contract.
-    unsafe { launch("keel::cross_entropy_count", stream, &f, single_block(), &args)? };
+    unsafe { t.launch(MODULE, "cross_entropy_count", single_block(), &args)? };
     if rows > 0 {
         let args = [
             Arg::Ptr(grad),
@@ -189,10 +226,10 @@ pub unsafe fn backward_cuda_raw(
             Arg::I32(reduction_code(opts.reduction)),
         ];
         // SAFETY: matches cross_entropy_bwd_*; pointers per our contract.
-        unsafe { launch_rows(gpu, stream, MODULE, "cross_entropy_bwd", dtype, rows, cols, &args)? };
+        unsafe { launch_rows(t, MODULE, "cross_entropy_bwd", dtype, rows, cols, &args)? };
     }
     // SAFETY: scratch per our contract.
-    unsafe { check_status(OP, stream, scratch, rows, &opts, cols) }
+    unsafe { check_status(OP, t, scratch, rows, &opts, cols) }
 }
 
 fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {

@@ -8,7 +8,7 @@
 //!   `sum` added: `grad_sum` is the gradient of both `x` and `residual`.
 use super::check_cols;
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -77,6 +77,27 @@ pub unsafe fn forward_cuda_raw(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, residual, weight, out, sum, rows, cols, eps) }
+}
+
+/// [`forward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_on(
+    t: &dyn Target,
+    dtype: DType,
+    x: u64,
+    residual: u64,
+    weight: u64,
+    out: u64,
+    sum: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
     check_cols(OP, rows, cols)?;
     let n = rows * cols;
     keel_cpu::fused_add_rms_norm::check_forward(n, n, None, n, n, cols, eps)?;
@@ -94,7 +115,7 @@ pub unsafe fn forward_cuda_raw(
         Arg::F32(eps as f32),
     ];
     // SAFETY: the argument list matches fused_add_rms_norm_fwd_*; pointers per our contract.
-    unsafe { launch_rows(gpu, stream, MODULE, "fused_add_rms_norm_fwd", dtype, rows, cols, &args) }
+    unsafe { launch_rows(t, MODULE, "fused_add_rms_norm_fwd", dtype, rows, cols, &args) }
 }
 
 /// CUDA forward on `cudarc` buffers, launched on `stream`.

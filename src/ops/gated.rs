@@ -9,7 +9,7 @@
 pub use keel_cpu::gated::Activation;
 
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::Arc;
@@ -33,15 +33,15 @@ pub fn backward_cpu<T: Element>(
     Ok(keel_cpu::gated::backward(act, grad_out, input, grad_input, d, par)?)
 }
 
-fn kernel(gpu: &Gpu, act: Activation, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFunction> {
-    gpu.function(MODULE, &format!("{}_and_mul_{which}_{}", act.name(), dtype.suffix()))
+fn kernel(act: Activation, which: &str, dtype: DType) -> String {
+    format!("{}_and_mul_{which}_{}", act.name(), dtype.suffix())
 }
 
 /// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step.
-fn config(gpu: &Gpu, rows: usize, d: usize, dtype: DType) -> LaunchConfig {
+fn config(sm_count: u32, rows: usize, d: usize, dtype: DType) -> LaunchConfig {
     let per = if d.is_multiple_of(16 / dtype.size()) { 16 / dtype.size() } else { 1 };
     let items = (rows * d).div_ceil(per);
-    let blocks = items.div_ceil(256).clamp(1, gpu.sm_count() as usize * 8);
+    let blocks = items.div_ceil(256).clamp(1, sm_count as usize * 8);
     LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
@@ -73,14 +73,31 @@ pub unsafe fn forward_cuda_raw(
     rows: usize,
     d: usize,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_on(&Stream { gpu, stream }, act, dtype, input, out, rows, d) }
+}
+
+/// [`forward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_on(
+    t: &dyn Target,
+    act: Activation,
+    dtype: DType,
+    input: u64,
+    out: u64,
+    rows: usize,
+    d: usize,
+) -> Result<()> {
     check_d(act, rows, d)?;
     if rows * d == 0 {
         return Ok(());
     }
-    let f = kernel(gpu, act, "fwd", dtype)?;
     let args = [Arg::Ptr(input), Arg::Ptr(out), Arg::I64(rows as i64), Arg::I32(d as i32)];
     // SAFETY: the argument list matches *_and_mul_fwd_*; pointers per our contract.
-    unsafe { launch("keel::act_and_mul_fwd", stream, &f, config(gpu, rows, d, dtype), &args) }
+    unsafe { t.launch(MODULE, &kernel(act, "fwd", dtype), config(t.sm_count(), rows, d, dtype), &args) }
 }
 
 /// CUDA backward on raw device pointers.
@@ -100,14 +117,32 @@ pub unsafe fn backward_cuda_raw(
     rows: usize,
     d: usize,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { backward_on(&Stream { gpu, stream }, act, dtype, grad_out, input, grad_input, rows, d) }
+}
+
+/// [`backward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`backward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn backward_on(
+    t: &dyn Target,
+    act: Activation,
+    dtype: DType,
+    grad_out: u64,
+    input: u64,
+    grad_input: u64,
+    rows: usize,
+    d: usize,
+) -> Result<()> {
     check_d(act, rows, d)?;
     if rows * d == 0 {
         return Ok(());
     }
-    let f = kernel(gpu, act, "bwd", dtype)?;
     let args = [Arg::Ptr(grad_out), Arg::Ptr(input), Arg::Ptr(grad_input), Arg::I64(rows as i64), Arg::I32(d as i32)];
     // SAFETY: the argument list matches *_and_mul_bwd_*; pointers per our contract.
-    unsafe { launch("keel::act_and_mul_bwd", stream, &f, config(gpu, rows, d, dtype), &args) }
+    unsafe { t.launch(MODULE, &kernel(act, "bwd", dtype), config(t.sm_count(), rows, d, dtype), &args) }
 }
 
 /// CUDA forward on `cudarc` buffers, launched on `stream`.

@@ -12,7 +12,7 @@
 //!   ([`backward_scratch_len`]) and then over blocks: deterministic.
 use super::{check_cols, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -57,13 +57,9 @@ fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     Ok(())
 }
 
-fn kernel(gpu: &Gpu, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFunction> {
-    gpu.function(MODULE, &format!("layer_norm_{which}_{}", dtype.suffix()))
-}
-
 /// f32 elements of scratch [`backward_cuda_raw`] needs per parameter gradient.
 pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
-    reduce_parts(gpu, rows) * cols
+    reduce_parts(gpu.sm_count(), rows) * cols
 }
 
 /// CUDA forward on raw device pointers (`weight`, `bias` 0 for none).
@@ -76,6 +72,26 @@ pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
 pub unsafe fn forward_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    weight: u64,
+    bias: u64,
+    out: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, weight, bias, out, rows, cols, eps) }
+}
+
+/// [`forward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_on(
+    t: &dyn Target,
     dtype: DType,
     x: u64,
     weight: u64,
@@ -99,7 +115,7 @@ pub unsafe fn forward_cuda_raw(
         Arg::F32(eps as f32),
     ];
     // SAFETY: the argument list matches layer_norm_fwd_*; pointers per our contract.
-    unsafe { launch_rows(gpu, stream, MODULE, "layer_norm_fwd", dtype, rows, cols, &args) }
+    unsafe { launch_rows(t, MODULE, "layer_norm_fwd", dtype, rows, cols, &args) }
 }
 
 /// CUDA backward on raw device pointers (`weight`, `grad_weight`,
@@ -125,12 +141,53 @@ pub unsafe fn backward_cuda_raw(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        backward_on(
+            &Stream { gpu, stream },
+            dtype,
+            grad_out,
+            x,
+            weight,
+            grad_input,
+            grad_weight,
+            grad_bias,
+            scratch_w,
+            scratch_b,
+            rows,
+            cols,
+            eps,
+        )
+    }
+}
+
+/// [`backward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`backward_cuda_raw`], on `t`, each scratch holding
+/// `reduce_parts(t.sm_count(), rows) * cols` f32s when its gradient is given.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn backward_on(
+    t: &dyn Target,
+    dtype: DType,
+    grad_out: u64,
+    x: u64,
+    weight: u64,
+    grad_input: u64,
+    grad_weight: u64,
+    grad_bias: u64,
+    scratch_w: u64,
+    scratch_b: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
     check_dims(rows, cols, eps)?;
-    let parts = reduce_parts(gpu, rows);
+    let parts = reduce_parts(t.sm_count(), rows);
+    let s = dtype.suffix();
     let pw = if grad_weight != 0 { scratch_w } else { 0 };
     let pb = if grad_bias != 0 { scratch_b } else { 0 };
     if rows > 0 {
-        let f = kernel(gpu, "bwd", dtype)?;
         let mut cfg = rows_config(rows, cols, dtype.size(), parts as u32);
         cfg.grid_dim.0 = parts as u32;
         let args = [
@@ -145,14 +202,14 @@ pub unsafe fn backward_cuda_raw(
             Arg::F32(eps as f32),
         ];
         // SAFETY: matches layer_norm_bwd_*; pointers per our contract.
-        unsafe { launch("keel::layer_norm_bwd", stream, &f, cfg, &args)? };
+        unsafe { t.launch(MODULE, &format!("layer_norm_bwd_{s}"), cfg, &args)? };
     }
     if cols > 0 {
-        let f = kernel(gpu, "bwd_sum", dtype)?;
+        let kernel = format!("layer_norm_bwd_sum_{s}");
         for (partial, out) in [(pw, grad_weight), (pb, grad_bias)] {
             if out != 0 {
                 // SAFETY: `partial` holds parts * cols f32s, `out` cols elements.
-                unsafe { sum_parts("keel::layer_norm_bwd_sum", stream, &f, partial, out, parts, cols)? };
+                unsafe { sum_parts(t, MODULE, &kernel, partial, out, parts, cols)? };
             }
         }
     }

@@ -9,9 +9,9 @@ pub mod rms_norm;
 pub mod rotary;
 pub mod softmax;
 
-use crate::cuda::{launch, Arg};
+use crate::cuda::{Arg, Module, Target};
 use crate::error::{Error, Result};
-use cudarc::driver::{CudaFunction, CudaStream, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 
 /// The row kernels take `cols` as a C `int`.
 pub(crate) fn check_cols(op: &'static str, rows: usize, cols: usize) -> Result<()> {
@@ -26,19 +26,20 @@ pub(crate) fn check_cols(op: &'static str, rows: usize, cols: usize) -> Result<(
 
 /// Blocks (and rows of f32 partial sums) of a backward that reduces a
 /// parameter gradient over rows: two per SM, at most one per row.
-pub(crate) fn reduce_parts(gpu: &crate::cuda::Gpu, rows: usize) -> usize {
-    rows.min(gpu.sm_count() as usize * 2)
+pub(crate) fn reduce_parts(sm_count: u32, rows: usize) -> usize {
+    rows.min(sm_count as usize * 2)
 }
 
-/// Launches a `sum_parts` kernel: `out[j] = sum_p partial[p * cols + j]`.
+/// Launches the `sum_parts` kernel `kernel` of `module`:
+/// `out[j] = sum_p partial[p * cols + j]`.
 ///
 /// # Safety
 /// `partial` must hold `parts * cols` f32s and `out` `cols` elements of the
-/// kernel's type, on `stream`'s device.
+/// kernel's type, on `t`.
 pub(crate) unsafe fn sum_parts(
-    name: &str,
-    stream: &CudaStream,
-    f: &CudaFunction,
+    t: &dyn Target,
+    module: Module,
+    kernel: &str,
     partial: u64,
     out: u64,
     parts: usize,
@@ -47,5 +48,5 @@ pub(crate) unsafe fn sum_parts(
     let cfg = LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let args = [Arg::Ptr(partial), Arg::Ptr(out), Arg::I32(parts as i32), Arg::I32(cols as i32)];
     // SAFETY: matches the sum_parts kernels; sizes per this function's contract.
-    unsafe { launch(name, stream, f, cfg, &args) }
+    unsafe { t.launch(module, kernel, cfg, &args) }
 }

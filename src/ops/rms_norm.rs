@@ -13,7 +13,7 @@
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
 use super::{reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -56,13 +56,9 @@ fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     Ok(())
 }
 
-fn kernel(gpu: &Gpu, which: &str, dtype: DType) -> Result<cudarc::driver::CudaFunction> {
-    gpu.function(MODULE, &format!("rms_norm_{which}_{}", dtype.suffix()))
-}
-
 /// f32 elements of scratch that [`backward_cuda_raw`] needs.
 pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
-    reduce_parts(gpu, rows) * cols
+    reduce_parts(gpu.sm_count(), rows) * cols
 }
 
 /// CUDA forward on raw device pointers (`weight` 0 for none), launched on `stream`.
@@ -75,6 +71,25 @@ pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
 pub unsafe fn forward_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    weight: u64,
+    out: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, weight, out, rows, cols, eps) }
+}
+
+/// [`forward_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_on(
+    t: &dyn Target,
     dtype: DType,
     x: u64,
     weight: u64,
@@ -96,7 +111,7 @@ pub unsafe fn forward_cuda_raw(
         Arg::F32(eps as f32),
     ];
     // SAFETY: the argument list matches rms_norm_fwd_*; pointers per our contract.
-    unsafe { launch_rows(gpu, stream, MODULE, "rms_norm_fwd", dtype, rows, cols, &args) }
+    unsafe { launch_rows(t, MODULE, "rms_norm_fwd", dtype, rows, cols, &args) }
 }
 
 /// CUDA backward on raw device pointers (`weight`, `grad_weight` 0 for none).
@@ -160,14 +175,53 @@ pub unsafe fn backward_add_cuda_raw(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe {
+        backward_add_on(
+            &Stream { gpu, stream },
+            dtype,
+            grad_out,
+            grad_add,
+            x,
+            weight,
+            grad_input,
+            grad_weight,
+            scratch,
+            rows,
+            cols,
+            eps,
+        )
+    }
+}
+
+/// [`backward_add_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`backward_add_cuda_raw`], on `t`, with `scratch` holding
+/// `reduce_parts(t.sm_count(), rows) * cols` f32s when `grad_weight` is given.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn backward_add_on(
+    t: &dyn Target,
+    dtype: DType,
+    grad_out: u64,
+    grad_add: u64,
+    x: u64,
+    weight: u64,
+    grad_input: u64,
+    grad_weight: u64,
+    scratch: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
     check_dims(rows, cols, eps)?;
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
-    let parts = reduce_parts(gpu, rows);
+    let parts = reduce_parts(t.sm_count(), rows);
     let partial = if grad_weight != 0 { scratch } else { 0 };
+    let s = dtype.suffix();
     if rows > 0 {
-        let f = kernel(gpu, "bwd", dtype)?;
         let mut cfg = rows_config(rows, cols, dtype.size(), parts as u32);
         cfg.grid_dim.0 = parts as u32;
         let args = [
@@ -182,12 +236,11 @@ pub unsafe fn backward_add_cuda_raw(
             Arg::F32(eps as f32),
         ];
         // SAFETY: matches rms_norm_bwd_*; pointers per our contract.
-        unsafe { launch("keel::rms_norm_bwd", stream, &f, cfg, &args)? };
+        unsafe { t.launch(MODULE, &format!("rms_norm_bwd_{s}"), cfg, &args)? };
     }
     if grad_weight != 0 && cols > 0 {
-        let f = kernel(gpu, "bwd_dw", dtype)?;
         // SAFETY: `partial` holds parts * cols f32s, `grad_weight` cols elements.
-        unsafe { sum_parts("keel::rms_norm_bwd_dw", stream, &f, partial, grad_weight, parts, cols)? };
+        unsafe { sum_parts(t, MODULE, &format!("rms_norm_bwd_dw_{s}"), partial, grad_weight, parts, cols)? };
     }
     Ok(())
 }

@@ -8,7 +8,7 @@
 pub use keel_cpu::rotary::Shape;
 
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::Arc;
@@ -58,6 +58,26 @@ pub unsafe fn apply_cuda_raw(
     interleaved: bool,
     inverse: bool,
 ) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { apply_on(&Stream { gpu, stream }, dtype, x, cos, sin, out, shape, interleaved, inverse) }
+}
+
+/// [`apply_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`apply_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn apply_on(
+    t: &dyn Target,
+    dtype: DType,
+    x: u64,
+    cos: u64,
+    sin: u64,
+    out: u64,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
     let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
     check_limits(op, &shape)?;
     let (n, half) = (shape.numel(), shape.rotary_dim / 2);
@@ -67,9 +87,8 @@ pub unsafe fn apply_cuda_raw(
     }
     let rows = shape.batch * shape.seq * shape.heads;
     let items = (rows * half.max(shape.head_dim - 2 * half)).max(1);
-    let blocks = items.div_ceil(256).clamp(1, gpu.sm_count() as usize * 8);
+    let blocks = items.div_ceil(256).clamp(1, t.sm_count() as usize * 8);
     let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    let f = gpu.function(MODULE, &format!("rotary_{}", dtype.suffix()))?;
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(cos),
@@ -84,7 +103,7 @@ pub unsafe fn apply_cuda_raw(
         Arg::F32(if inverse { -1.0 } else { 1.0 }),
     ];
     // SAFETY: the argument list matches rotary_*; pointers per our contract.
-    unsafe { launch("keel::rotary", stream, &f, cfg, &args) }
+    unsafe { t.launch(MODULE, &format!("rotary_{}", dtype.suffix()), cfg, &args) }
 }
 
 /// CUDA on `cudarc` buffers, launched on `stream`.

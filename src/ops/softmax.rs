@@ -7,7 +7,7 @@
 //! - CUDA: one block per row, max / exp-sum / store passes, 128-bit loads.
 use super::check_cols;
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -36,12 +36,11 @@ pub fn backward_cpu<T: Element>(
 ///
 /// # Safety
 /// `ptrs` must match the kernel's pointer parameters, each a device address on
-/// `stream`'s device holding `rows * cols` elements of `dtype`; the output must
-/// not overlap the inputs.
+/// `t` holding `rows * cols` elements of `dtype`; the output must not overlap
+/// the inputs.
 #[allow(clippy::too_many_arguments)]
-unsafe fn run_raw(
-    gpu: &Gpu,
-    stream: &CudaStream,
+pub(crate) unsafe fn run_on(
+    t: &dyn Target,
     op: &'static str,
     which: &str,
     dtype: DType,
@@ -58,7 +57,7 @@ unsafe fn run_raw(
     let shape = [Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::F32(scale as f32)];
     let args: Vec<Arg> = ptrs.iter().map(|&p| Arg::Ptr(p)).chain(shape).collect();
     // SAFETY: pointers per our contract, then (rows, cols, scale) as both kernels take them.
-    unsafe { launch_rows(gpu, stream, MODULE, &format!("softmax_{which}"), dtype, rows, cols, &args) }
+    unsafe { launch_rows(t, MODULE, &format!("softmax_{which}"), dtype, rows, cols, &args) }
 }
 
 /// CUDA forward on raw device pointers.
@@ -78,7 +77,7 @@ pub unsafe fn forward_cuda_raw(
     scale: f64,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { run_raw(gpu, stream, "softmax", "fwd", dtype, &[x, out], rows, cols, scale) }
+    unsafe { run_on(&Stream { gpu, stream }, "softmax", "fwd", dtype, &[x, out], rows, cols, scale) }
 }
 
 /// CUDA backward on raw device pointers, from the forward's output `y`.
@@ -98,7 +97,9 @@ pub unsafe fn backward_cuda_raw(
     scale: f64,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { run_raw(gpu, stream, "softmax_backward", "bwd", dtype, &[grad_out, y, grad_input], rows, cols, scale) }
+    unsafe {
+        run_on(&Stream { gpu, stream }, "softmax_backward", "bwd", dtype, &[grad_out, y, grad_input], rows, cols, scale)
+    }
 }
 
 fn rows_of(op: &'static str, len: usize, cols: usize, others: &[(&'static str, usize)]) -> Result<usize> {
