@@ -27,6 +27,15 @@ pub enum Error {
         /// The driver's error.
         err: cudarc::driver::DriverError,
     },
+    /// A launch on the tests' CPU emulation of the kernels failed.
+    #[cfg(test)]
+    #[error("emulating {kernel}: {msg}")]
+    Emu {
+        /// The kernel.
+        kernel: String,
+        /// What went wrong.
+        msg: String,
+    },
 }
 
 /// Result of Keel's Rust API.

@@ -13,3 +13,6 @@ pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use device::{device_count, gpu, is_available, Gpu};
 pub use dtype::{CudaElement, DType};
 pub(crate) use launch::{launch_rows, rows_config, Arg, Module, Stream, Target};
+
+#[cfg(test)]
+pub(crate) mod emu;

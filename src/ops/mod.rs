@@ -9,6 +9,9 @@ pub mod rms_norm;
 pub mod rotary;
 pub mod softmax;
 
+#[cfg(test)]
+mod emu_tests;
+
 use crate::cuda::{Arg, Module, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::LaunchConfig;

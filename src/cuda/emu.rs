@@ -1,0 +1,299 @@
+//! Test-only: the kernels of `kernels-cuda/` run on the CPU, as a [`Target`].
+//!
+//! Each module's `.cu` is compiled by the host C++ compiler against
+//! `kernels-cuda/emu/` (blocks one after another, the threads of a block as
+//! fibers that switch at `__syncthreads` and warp shuffles; see `emu.h`), with
+//! NVIDIA's `cuda_fp16.h` / `cuda_bf16.h` for the element types. The entry
+//! points' own launch code (checks, grid shapes, argument lists, the order of
+//! launches, scratch sizes) then runs unchanged against it, on host memory
+//! from [`Buf`], which has guard pages on both sides.
+//!
+//! This runs the kernels' source, not the PTX that nvcc makes from it, and
+//! no CUDA driver, stream or memory: it is not a test on a GPU.
+use super::{Arg, Module, Target};
+use crate::error::{Error, Result};
+use cudarc::driver::LaunchConfig;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+
+/// `keel_emu_launch(name, signature, grid, block, params, reverse, err, err_len)`.
+type LaunchFn =
+    unsafe extern "C" fn(*const c_char, *const c_char, u32, u32, *mut *mut c_void, c_int, *mut c_char, usize) -> c_int;
+
+/// A compiled module: its `keel_emu_launch` (the library stays loaded).
+struct Lib {
+    launch: LaunchFn,
+}
+
+/// The emulated device: its SM count sizes the grids, as a GPU's does;
+/// `reverse` runs each block's threads in the opposite order between barriers.
+pub(crate) struct Emu {
+    pub(crate) sm_count: u32,
+    pub(crate) reverse: bool,
+}
+
+/// Why the emulation cannot run here (no C++ compiler, no CUDA headers), or
+/// `None` when it can. With `KEEL_REQUIRE_CUDA_EMU=1` (CI) that is a failure
+/// rather than a skip.
+pub(crate) fn unavailable() -> Option<String> {
+    let why = match (cxx(), cuda_include()) {
+        (Err(e), _) | (_, Err(e)) => Some(e),
+        _ => None,
+    };
+    if let Some(why) = &why {
+        assert!(std::env::var_os("KEEL_REQUIRE_CUDA_EMU").is_none_or(|v| v == "0"), "CUDA emulation required: {why}");
+    }
+    why
+}
+
+fn cxx() -> std::result::Result<String, String> {
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    match Command::new(&cxx).arg("--version").output() {
+        Ok(o) if o.status.success() => Ok(cxx),
+        _ => Err(format!("no C++ compiler ({cxx}; set CXX)")),
+    }
+}
+
+/// The directory holding `cuda_bf16.h`: `$KEEL_CUDA_INCLUDE`, beside
+/// `$KEEL_NVCC` (scripts/nvcc-env.sh), the repo's `.venv-nvcc`, `$CUDA_HOME`.
+fn cuda_include() -> std::result::Result<PathBuf, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = std::env::var_os("KEEL_CUDA_INCLUDE") {
+        candidates.push(p.into());
+    }
+    if let Some(nvcc) = std::env::var_os("KEEL_NVCC") {
+        candidates.extend(Path::new(&nvcc).parent().and_then(Path::parent).map(|p| p.join("include")));
+    }
+    if let Ok(libs) = std::fs::read_dir(root.join(".venv-nvcc/lib")) {
+        candidates.extend(libs.flatten().map(|d| d.path().join("site-packages/nvidia/cu13/include")));
+    }
+    if let Some(home) = std::env::var_os("CUDA_HOME") {
+        candidates.push(Path::new(&home).join("include"));
+    }
+    candidates
+        .into_iter()
+        .find(|d| d.join("cuda_bf16.h").is_file())
+        .ok_or_else(|| "no cuda_bf16.h (run scripts/nvcc-env.sh, or set KEEL_CUDA_INCLUDE)".into())
+}
+
+/// The `.entry` names of a PTX module.
+fn entries(ptx: &str) -> Vec<&str> {
+    ptx.lines()
+        .filter_map(|l| l.trim().strip_prefix(".visible .entry "))
+        .map(|l| l.split('(').next().unwrap_or(l).trim())
+        .collect()
+}
+
+/// Compiles `kernels-cuda/{module.0}.cu` with a launch table of the entries of
+/// its PTX (so every kernel that Rust can ask for exists in C++).
+fn build(module: Module) -> std::result::Result<Lib, String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let (cxx, include) = (cxx()?, cuda_include()?);
+    let dir = Path::new(env!("OUT_DIR")).join("cuda-emu");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
+    let stem = module.0;
+    let rows: String = entries(module.1)
+        .iter()
+        .map(|k| format!("    {{\"{k}\", keel_emu::Call<&{k}>::signature, &keel_emu::Call<&{k}>::run}},\n"))
+        .collect();
+    let src = format!(
+        r#"#include "{stem}.cu"
+extern "C" int keel_emu_launch(const char* name, const char* signature, unsigned grid, unsigned block,
+                               void** params, int reverse, char* err, size_t err_len) {{
+  static const struct {{ const char* name; const char* signature; keel_emu::Invoker run; }} kernels[] = {{
+{rows}  }};
+  for (const auto& k : kernels) {{
+    if (strcmp(k.name, name) != 0) continue;
+    if (strcmp(k.signature, signature) != 0) {{
+      snprintf(err, err_len, "%s takes (%s), launched with (%s)", name, k.signature, signature);
+      return 1;
+    }}
+    return keel_emu::run_grid(name, k.run, grid, block, params, reverse, err, err_len);
+  }}
+  snprintf(err, err_len, "no kernel %s in {stem}.cu", name);
+  return 1;
+}}
+"#
+    );
+    let tag = format!("{stem}-{}", std::process::id());
+    let (cpp, so) = (dir.join(format!("{tag}.cpp")), dir.join(format!("lib{tag}.so")));
+    std::fs::write(&cpp, src).map_err(|e| format!("writing {}: {e}", cpp.display()))?;
+    let (cuda_dir, emu_dir) = (root.join("kernels-cuda"), root.join("kernels-cuda/emu"));
+    let out = Command::new(&cxx)
+        .args(["-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas", "-include", "emu.h", "-I"])
+        .arg(&emu_dir)
+        .arg("-I")
+        .arg(&cuda_dir)
+        .arg("-I")
+        .arg(&include)
+        .arg(&cpp)
+        .arg(emu_dir.join("runtime.cpp"))
+        .arg("-o")
+        .arg(&so)
+        .output()
+        .map_err(|e| format!("running {cxx}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("{cxx} failed on {stem}.cu:\n{}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let c_so = CString::new(so.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+    // SAFETY: a library we just built; its initialisers only set globals.
+    let handle = unsafe { libc::dlopen(c_so.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    if handle.is_null() {
+        return Err(format!("dlopen {} failed", so.display()));
+    }
+    // The mapping outlives the files.
+    let _ = std::fs::remove_file(&cpp);
+    let _ = std::fs::remove_file(&so);
+    // SAFETY: a valid handle; the symbol name is NUL-terminated.
+    let sym = unsafe { libc::dlsym(handle, c"keel_emu_launch".as_ptr()) };
+    if sym.is_null() {
+        return Err("keel_emu_launch missing".into());
+    }
+    // SAFETY: the symbol is the function defined above, with this signature.
+    Ok(Lib { launch: unsafe { std::mem::transmute::<*mut c_void, LaunchFn>(sym) } })
+}
+
+/// The compiled modules, built once per process; the lock also serialises
+/// launches, since a block's shared memory is a static in the library.
+fn libs() -> &'static Mutex<HashMap<&'static str, std::result::Result<Lib, String>>> {
+    static LIBS: OnceLock<Mutex<HashMap<&'static str, std::result::Result<Lib, String>>>> = OnceLock::new();
+    LIBS.get_or_init(Default::default)
+}
+
+fn emu_error(kernel: &str, msg: impl Into<String>) -> Error {
+    Error::Emu { kernel: kernel.into(), msg: msg.into() }
+}
+
+impl Target for Emu {
+    fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        let (g, b) = (cfg.grid_dim, cfg.block_dim);
+        if (g.1, g.2, b.1, b.2, cfg.shared_mem_bytes) != (1, 1, 1, 1, 0) {
+            return Err(emu_error(kernel, format!("only 1-D launches without dynamic shared memory: {cfg:?}")));
+        }
+        // Each argument in an 8-byte slot (little-endian), as kernelParams points to.
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::Ptr(v) => v,
+                Arg::I64(v) => v as u64,
+                Arg::I32(v) => v as u32 as u64,
+                Arg::F32(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let signature: String = args
+            .iter()
+            .map(|a| match a {
+                Arg::Ptr(_) => 'p',
+                Arg::I64(_) => 'l',
+                Arg::I32(_) => 'i',
+                Arg::F32(_) => 'f',
+            })
+            .collect();
+        let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
+        let mut libs = libs().lock().unwrap_or_else(|e| e.into_inner());
+        let lib =
+            libs.entry(module.0).or_insert_with(|| build(module)).as_ref().map_err(|e| emu_error(kernel, e.clone()))?;
+        let (name, signature) = (CString::new(kernel).unwrap(), CString::new(signature).unwrap());
+        let mut err = vec![0 as c_char; 512];
+        // SAFETY: params point to one slot per argument, which the signature
+        // check matches to the kernel's parameters; pointers per our contract.
+        let status = unsafe {
+            (lib.launch)(
+                name.as_ptr(),
+                signature.as_ptr(),
+                g.0,
+                b.0,
+                params.as_mut_ptr(),
+                self.reverse as c_int,
+                err.as_mut_ptr(),
+                err.len(),
+            )
+        };
+        if status != 0 {
+            // SAFETY: the library wrote a NUL-terminated message into `err`.
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) }.to_string_lossy().into_owned();
+            return Err(emu_error(kernel, msg));
+        }
+        Ok(())
+    }
+
+    unsafe fn read_i32s(&self, src: u64, dst: &mut [i32]) -> Result<()> {
+        // SAFETY: `src` is host memory holding `dst.len()` i32s (our contract).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const i32, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+}
+
+/// Host memory standing in for a device buffer: `len` elements that end where
+/// an inaccessible page begins (rounded up to 16 bytes, the slack filled with
+/// a pattern that [`Buf::to_vec`] checks), with another such page before.
+pub(crate) struct Buf<T> {
+    map: *mut c_void,
+    map_len: usize,
+    data: *mut T,
+    len: usize,
+    _t: PhantomData<T>,
+}
+
+const PAGE: usize = 4096;
+const SLACK: u8 = 0xA5;
+
+impl<T: Copy> Buf<T> {
+    /// A buffer holding a copy of `v`.
+    pub(crate) fn from(v: &[T]) -> Self {
+        let bytes = std::mem::size_of_val(v);
+        let padded = bytes.div_ceil(16) * 16;
+        let pages = padded.div_ceil(PAGE).max(1);
+        let map_len = (pages + 2) * PAGE;
+        // SAFETY: an anonymous private mapping; checked below.
+        let map = unsafe {
+            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        assert_ne!(map, libc::MAP_FAILED, "mmap");
+        // SAFETY: the pages between the two guards are ours to open.
+        let body = unsafe { (map as *mut u8).add(PAGE) };
+        assert_eq!(unsafe { libc::mprotect(body as *mut c_void, pages * PAGE, libc::PROT_READ | libc::PROT_WRITE) }, 0);
+        // SAFETY: `start .. start + padded` lies in the opened pages and is
+        // 16-byte aligned; `v` does not overlap a fresh mapping.
+        let data = unsafe {
+            let start = body.add(pages * PAGE - padded);
+            std::ptr::write_bytes(start, SLACK, padded);
+            std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, start, bytes);
+            start as *mut T
+        };
+        Buf { map, map_len, data, len: v.len(), _t: PhantomData }
+    }
+
+    /// The device address the kernels see (0 for an empty buffer is not
+    /// special: it is a real address).
+    pub(crate) fn addr(&self) -> u64 {
+        self.data as u64
+    }
+
+    /// The contents; panics when a kernel wrote into the slack past the end.
+    pub(crate) fn to_vec(&self) -> Vec<T> {
+        let bytes = self.len * std::mem::size_of::<T>();
+        let padded = bytes.div_ceil(16) * 16;
+        // SAFETY: `data .. data + padded` is the opened, initialised region.
+        let all = unsafe { std::slice::from_raw_parts(self.data as *const u8, padded) };
+        assert!(all[bytes..].iter().all(|&b| b == SLACK), "a kernel wrote past the end of a buffer");
+        // SAFETY: the first `len` elements were written as `T`s.
+        unsafe { std::slice::from_raw_parts(self.data as *const T, self.len) }.to_vec()
+    }
+}
+
+impl<T> Drop for Buf<T> {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `from`, unmapped once.
+        unsafe { libc::munmap(self.map, self.map_len) };
+    }
+}

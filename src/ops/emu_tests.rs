@@ -1,0 +1,364 @@
+//! The CUDA entry points (`*_on`: launch shapes, argument lists, launch
+//! order, scratch) and the kernels' source, run on the CPU emulation of
+//! `crate::cuda::emu`, against the CPU kernels (themselves checked against
+//! f64 references). Each case runs with the threads of every block in both
+//! orders between barriers, which must agree bit for bit, and on one SM and
+//! on 132 (grid-stride loops with many rows per block, and one row per block).
+//!
+//! These do not run the PTX or touch a GPU; `tests/ops_cuda.rs` does that
+//! where there is one.
+use super::{cross_entropy, fused_add_rms_norm, gated, layer_norm, reduce_parts, rms_norm, rotary, softmax};
+use crate::cpu::{bf16, f16, Element, Par};
+use crate::cuda::emu::{unavailable, Buf, Emu};
+use crate::cuda::{CudaElement, Target};
+
+fn skip(test: &str) -> bool {
+    match unavailable() {
+        Some(why) => {
+            eprintln!("SKIPPED {test}: {why}");
+            true
+        }
+        None => false,
+    }
+}
+
+fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
+    (0..n).map(|i| T::from_f64((((i + seed) * 7919 % 2001) as f64 - 1000.0) / 400.0)).collect()
+}
+
+fn close<T: Element>(got: &[T], want: &[T], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        let (a, b) = (a.to_f64(), b.to_f64());
+        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what} {} at {i}: {a} vs {b}", T::NAME);
+    }
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u64> {
+    v.iter().map(|x| x.to_f64().to_bits()).collect()
+}
+
+/// Runs `f` on an emulated GPU of `sm` SMs, with each block's threads in one
+/// order and then the other; returns the outputs, which must be identical.
+fn both<T: Element>(sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
+    let a = f(&Emu { sm_count: sm, reverse: false });
+    let b = f(&Emu { sm_count: sm, reverse: true });
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(bits(x), bits(y), "{what} {}: depends on the order of threads between barriers", T::NAME);
+    }
+    a
+}
+
+fn zeros<T: Element>(n: usize) -> Buf<T> {
+    Buf::from(&vec![T::default(); n])
+}
+
+fn cpu<T: Element>(n: usize) -> Vec<T> {
+    vec![T::default(); n]
+}
+
+fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) {
+    let n = rows * cols;
+    let (x, r, w, b, dy) = (data::<T>(n, 0), data::<T>(n, 3), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
+    let dt = T::DTYPE;
+    let sum_tol = 4.0 * tol * (rows as f64).sqrt();
+    let scratch = |t: &dyn Target| zeros::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1);
+
+    // rms_norm, with and without weight
+    for weighted in [true, false] {
+        let what = format!("rms_norm weighted={weighted} {rows}x{cols} sm={sm}");
+        let wt = weighted.then_some(&w[..]);
+        let got = both::<T>(sm, &what, |t| {
+            let (xd, wd, yd) = (Buf::from(&x), Buf::from(&w), zeros::<T>(n));
+            let pw = if weighted { wd.addr() } else { 0 };
+            unsafe { rms_norm::forward_on(t, dt, xd.addr(), pw, yd.addr(), rows, cols, 1e-6) }.unwrap();
+            let (dyd, dxd, dwd, s) = (Buf::from(&dy), zeros::<T>(n), zeros::<T>(cols), scratch(t));
+            let pdw = if weighted { dwd.addr() } else { 0 };
+            unsafe {
+                rms_norm::backward_add_on(
+                    t,
+                    dt,
+                    dyd.addr(),
+                    0,
+                    xd.addr(),
+                    pw,
+                    dxd.addr(),
+                    pdw,
+                    s.addr(),
+                    rows,
+                    cols,
+                    1e-6,
+                )
+            }
+            .unwrap();
+            vec![yd.to_vec(), dxd.to_vec(), dwd.to_vec()]
+        });
+        let mut want = cpu(n);
+        rms_norm::forward_cpu(&x, wt, &mut want, cols, 1e-6, Par::Seq).unwrap();
+        close(&got[0], &want, tol, &what);
+        let (mut wdx, mut wdw) = (cpu(n), cpu(cols));
+        rms_norm::backward_cpu(&dy, &x, wt, &mut wdx, weighted.then_some(&mut wdw[..]), cols, 1e-6, Par::Seq).unwrap();
+        close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad_input"));
+        if weighted {
+            close(&got[2], &wdw, sum_tol, &format!("{what} grad_weight"));
+        }
+    }
+
+    // layer_norm
+    let what = format!("layer_norm {rows}x{cols} sm={sm}");
+    let got = both::<T>(sm, &what, |t| {
+        let (xd, wd, bd, yd) = (Buf::from(&x), Buf::from(&w), Buf::from(&b), zeros::<T>(n));
+        unsafe { layer_norm::forward_on(t, dt, xd.addr(), wd.addr(), bd.addr(), yd.addr(), rows, cols, 1e-5) }.unwrap();
+        let (dyd, dxd, dwd, dbd) = (Buf::from(&dy), zeros::<T>(n), zeros::<T>(cols), zeros::<T>(cols));
+        let (sw, sb) = (scratch(t), scratch(t));
+        unsafe {
+            layer_norm::backward_on(
+                t,
+                dt,
+                dyd.addr(),
+                xd.addr(),
+                wd.addr(),
+                dxd.addr(),
+                dwd.addr(),
+                dbd.addr(),
+                sw.addr(),
+                sb.addr(),
+                rows,
+                cols,
+                1e-5,
+            )
+        }
+        .unwrap();
+        vec![yd.to_vec(), dxd.to_vec(), dwd.to_vec(), dbd.to_vec()]
+    });
+    let mut want = cpu(n);
+    layer_norm::forward_cpu(&x, Some(&w), Some(&b), &mut want, cols, 1e-5, Par::Seq).unwrap();
+    close(&got[0], &want, tol, &what);
+    let (mut wdx, mut wdw, mut wdb) = (cpu(n), cpu(cols), cpu(cols));
+    layer_norm::backward_cpu(
+        &dy,
+        &x,
+        Some(&w),
+        Some(&b),
+        &mut wdx,
+        Some(&mut wdw),
+        Some(&mut wdb),
+        cols,
+        1e-5,
+        Par::Seq,
+    )
+    .unwrap();
+    close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad_input"));
+    close(&got[2], &wdw, sum_tol, &format!("{what} grad_weight"));
+    close(&got[3], &wdb, sum_tol, &format!("{what} grad_bias"));
+
+    // fused_add_rms_norm: forward, then its backward (rms_norm's with the addend)
+    let what = format!("fused_add_rms_norm {rows}x{cols} sm={sm}");
+    let got = both::<T>(sm, &what, |t| {
+        let (xd, rd, wd, yd, sd) = (Buf::from(&x), Buf::from(&r), Buf::from(&w), zeros::<T>(n), zeros::<T>(n));
+        unsafe {
+            fused_add_rms_norm::forward_on(
+                t,
+                dt,
+                xd.addr(),
+                rd.addr(),
+                wd.addr(),
+                yd.addr(),
+                sd.addr(),
+                rows,
+                cols,
+                1e-6,
+            )
+        }
+        .unwrap();
+        let (dyd, dad, dxd, dwd, s) = (Buf::from(&dy), Buf::from(&r), zeros::<T>(n), zeros::<T>(cols), scratch(t));
+        let (ps, pw) = (sd.addr(), wd.addr());
+        unsafe {
+            rms_norm::backward_add_on(
+                t,
+                dt,
+                dyd.addr(),
+                dad.addr(),
+                ps,
+                pw,
+                dxd.addr(),
+                dwd.addr(),
+                s.addr(),
+                rows,
+                cols,
+                1e-6,
+            )
+        }
+        .unwrap();
+        vec![yd.to_vec(), sd.to_vec(), dxd.to_vec(), dwd.to_vec()]
+    });
+    let (mut wy, mut ws) = (cpu(n), cpu(n));
+    fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, Par::Seq).unwrap();
+    close(&got[1], &ws, 0.0, &format!("{what} sum"));
+    close(&got[0], &wy, tol, &what);
+    let (mut wdx, mut wdw) = (cpu(n), cpu(cols));
+    fused_add_rms_norm::backward_cpu(&dy, Some(&r), &ws, Some(&w), &mut wdx, Some(&mut wdw), cols, 1e-6, Par::Seq)
+        .unwrap();
+    close(&got[2], &wdx, 4.0 * tol, &format!("{what} grad"));
+    close(&got[3], &wdw, sum_tol, &format!("{what} grad_weight"));
+}
+
+fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) {
+    let n = rows * cols;
+    let (x, dy) = (data::<T>(n, 0), data::<T>(n, 11));
+    let dt = T::DTYPE;
+
+    let what = format!("softmax {rows}x{cols} sm={sm}");
+    let got = both::<T>(sm, &what, |t| {
+        let (xd, yd, dyd, dxd) = (Buf::from(&x), zeros::<T>(n), Buf::from(&dy), zeros::<T>(n));
+        unsafe { softmax::run_on(t, "softmax", "fwd", dt, &[xd.addr(), yd.addr()], rows, cols, 0.7) }.unwrap();
+        let ptrs = [dyd.addr(), yd.addr(), dxd.addr()];
+        unsafe { softmax::run_on(t, "softmax_backward", "bwd", dt, &ptrs, rows, cols, 0.7) }.unwrap();
+        vec![yd.to_vec(), dxd.to_vec()]
+    });
+    let mut want = cpu(n);
+    softmax::forward_cpu(&x, &mut want, cols, 0.7, Par::Seq).unwrap();
+    close(&got[0], &want, tol, &what);
+    let mut wdx = cpu(n);
+    softmax::backward_cpu(&dy, &got[0], &mut wdx, cols, 0.7, Par::Seq).unwrap();
+    close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
+
+    // cross_entropy: every third row ignored, label smoothing 0.1, each reduction
+    let target: Vec<i64> = (0..rows).map(|i| if i % 3 == 1 { -100 } else { ((i * 7919) % cols) as i64 }).collect();
+    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
+        let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction };
+        let m = reduction.out_len(rows);
+        let grad = data::<T>(m, 13);
+        let what = format!("cross_entropy {reduction:?} {rows}x{cols} sm={sm}");
+        let got = both::<T>(sm, &what, |t| {
+            let (xd, td, od) = (Buf::from(&x), Buf::from(&target), zeros::<T>(m));
+            let sd = zeros::<f32>(cross_entropy::scratch_len(rows));
+            unsafe { cross_entropy::forward_on(t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
+                .unwrap();
+            let (gd, dxd, sd) = (Buf::from(&grad), zeros::<T>(n), zeros::<f32>(cross_entropy::scratch_len(rows)));
+            let (px, pt) = (xd.addr(), td.addr());
+            unsafe { cross_entropy::backward_on(t, dt, gd.addr(), px, pt, dxd.addr(), sd.addr(), rows, cols, opts) }
+                .unwrap();
+            vec![od.to_vec(), dxd.to_vec()]
+        });
+        let mut want = cpu(m);
+        cross_entropy::forward_cpu(&x, &target, &mut want, cols, opts, Par::Seq).unwrap();
+        close(&got[0], &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
+        let mut wdx = cpu(n);
+        cross_entropy::backward_cpu(&grad, &x, &target, &mut wdx, cols, opts, Par::Seq).unwrap();
+        close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
+    }
+
+    // a target out of range is an error, from the count the kernels leave
+    let bad: Vec<i64> = (0..rows).map(|i| if i == rows - 1 { cols as i64 } else { 0 }).collect();
+    let opts =
+        cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
+    let t = Emu { sm_count: sm, reverse: false };
+    let (xd, td, od, sd) = (Buf::from(&x), Buf::from(&bad), zeros::<T>(1), zeros::<f32>(rows + 2));
+    let err =
+        unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
+            .unwrap_err();
+    assert!(err.to_string().contains("argument 'target'"), "{err}");
+    let (gd, dxd) = (Buf::from(&[T::from_f64(1.0)]), zeros::<T>(n));
+    let err = unsafe {
+        cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr(), rows, cols, opts)
+    }
+    .unwrap_err();
+    assert!(err.to_string().contains("argument 'target'"), "{err}");
+}
+
+fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) {
+    let n = rows * cols;
+    let (x, dy) = (data::<T>(n, 0), data::<T>(n, 11));
+    let dt = T::DTYPE;
+    if !cols.is_multiple_of(2) {
+        return;
+    }
+    // gated: input [rows, cols] is [a | b] with d = cols / 2
+    let d = cols / 2;
+    let dyh = &dy[..rows * d];
+    for act in [gated::Activation::Silu, gated::Activation::Gelu, gated::Activation::GeluTanh] {
+        let what = format!("{act:?} {rows}x{cols} sm={sm}");
+        let got = both::<T>(sm, &what, |t| {
+            let (xd, yd, gd, dxd) = (Buf::from(&x), zeros::<T>(rows * d), Buf::from(dyh), zeros::<T>(n));
+            unsafe { gated::forward_on(t, act, dt, xd.addr(), yd.addr(), rows, d) }.unwrap();
+            unsafe { gated::backward_on(t, act, dt, gd.addr(), xd.addr(), dxd.addr(), rows, d) }.unwrap();
+            vec![yd.to_vec(), dxd.to_vec()]
+        });
+        let mut want = cpu(rows * d);
+        gated::forward_cpu(act, &x, &mut want, d, Par::Seq).unwrap();
+        close(&got[0], &want, tol, &what);
+        let mut wdx = cpu(n);
+        gated::backward_cpu(act, dyh, &x, &mut wdx, d, Par::Seq).unwrap();
+        close(&got[1], &wdx, 2.0 * tol, &format!("{what} grad"));
+    }
+
+    // rotary: [batch 1, seq rows, heads 1, head_dim cols], part of head_dim rotated
+    let half = (cols / 2).min(40);
+    let shape = rotary::Shape { batch: 1, seq: rows, heads: 1, head_dim: cols, rotary_dim: 2 * half };
+    let angles: Vec<f64> = (0..rows * half).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
+    let cos: Vec<T> = angles.iter().map(|a| T::from_f64(a.cos())).collect();
+    let sin: Vec<T> = angles.iter().map(|a| T::from_f64(a.sin())).collect();
+    for interleaved in [false, true] {
+        for inverse in [false, true] {
+            let what = format!("rotary interleaved={interleaved} inverse={inverse} {rows}x{cols} sm={sm}");
+            let got = both::<T>(sm, &what, |t| {
+                let (xd, cd, sd, yd) = (Buf::from(&x), Buf::from(&cos), Buf::from(&sin), zeros::<T>(n));
+                let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
+                unsafe { rotary::apply_on(t, dt, px, pc, ps, yd.addr(), shape, interleaved, inverse) }.unwrap();
+                vec![yd.to_vec()]
+            });
+            let mut want = cpu(n);
+            rotary::apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
+            close(&got[0], &want, tol, &what);
+        }
+    }
+}
+
+/// Row counts and widths: one element, odd widths (scalar loads), widths of
+/// whole 16-byte vectors, blocks of 32 up to 1024 threads.
+const SHAPES: [(usize, usize); 6] = [(1, 1), (3, 34), (37, 300), (5, 4094), (4, 4096), (2, 8200)];
+
+fn each_shape(f: impl Fn(u32, usize, usize)) {
+    for sm in [1, 132] {
+        for (rows, cols) in SHAPES {
+            f(sm, rows, cols);
+        }
+    }
+}
+
+#[test]
+fn emulated_norms_match_cpu() {
+    if skip("emulated_norms_match_cpu") {
+        return;
+    }
+    each_shape(|sm, rows, cols| {
+        norms::<f32>(sm, rows, cols, 2e-5);
+        norms::<f16>(sm, rows, cols, 2e-3);
+        norms::<bf16>(sm, rows, cols, 1.6e-2);
+    });
+}
+
+#[test]
+fn emulated_softmax_and_cross_entropy_match_cpu() {
+    if skip("emulated_softmax_and_cross_entropy_match_cpu") {
+        return;
+    }
+    each_shape(|sm, rows, cols| {
+        softmax_and_ce::<f32>(sm, rows, cols, 2e-5);
+        softmax_and_ce::<f16>(sm, rows, cols, 2e-3);
+        softmax_and_ce::<bf16>(sm, rows, cols, 1.6e-2);
+    });
+}
+
+#[test]
+fn emulated_gated_and_rotary_match_cpu() {
+    if skip("emulated_gated_and_rotary_match_cpu") {
+        return;
+    }
+    each_shape(|sm, rows, cols| {
+        gated_and_rotary::<f32>(sm, rows, cols, 2e-5);
+        gated_and_rotary::<f16>(sm, rows, cols, 2e-3);
+        gated_and_rotary::<bf16>(sm, rows, cols, 1.6e-2);
+    });
+}
