@@ -45,6 +45,10 @@ extern dim3 gridDim;
 namespace keel_emu {
 // Waits at the block barrier (see runtime.cpp).
 void sync_block();
+// Reports a load from `p` that a GPU would fault on (it needs `align`),
+// with the kernel, block and thread, and ends the process. Misaligned stores
+// are caught by -fsanitize=alignment, which the tests compile with.
+[[noreturn]] void misaligned(const void* p, size_t align);
 // Exchanges `bits` with lane `lane ^ lane_mask` of this warp.
 uint64_t shfl_xor(unsigned mask, uint64_t bits, int lane_mask, int width);
 
@@ -90,5 +94,8 @@ template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask
   return out;
 }
 
-template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T> inline T __ldg(const T* p) {
+  if (reinterpret_cast<uintptr_t>(p) % alignof(T) != 0) keel_emu::misaligned(p, alignof(T));
+  return *p;
+}
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }

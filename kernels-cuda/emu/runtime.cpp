@@ -157,6 +157,12 @@ void on_fault(int, siginfo_t* info, void*) {
 
 }  // namespace
 
+void misaligned(const void* p, size_t align) {
+  fprintf(stderr, "cuda-emu: misaligned load of %zu-byte aligned data at %p in kernel %s, block %u, thread %u\n", align,
+          p, g ? g->name : "?", blockIdx.x, threadIdx.x);
+  _exit(134);
+}
+
 void sync_block() {
   g->fibers[g->current].at = At::Barrier;
   yield();

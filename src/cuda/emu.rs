@@ -125,7 +125,19 @@ extern "C" int keel_emu_launch(const char* name, const char* signature, unsigned
     std::fs::write(&cpp, src).map_err(|e| format!("writing {}: {e}", cpp.display()))?;
     let (cuda_dir, emu_dir) = (root.join("kernels-cuda"), root.join("kernels-cuda/emu"));
     let out = Command::new(&cxx)
-        .args(["-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas", "-include", "emu.h", "-I"])
+        .args([
+            "-std=c++17",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            "-Wall",
+            "-Wno-unknown-pragmas",
+            "-fsanitize=alignment",
+            "-fno-sanitize-recover=alignment",
+            "-include",
+            "emu.h",
+            "-I",
+        ])
         .arg(&emu_dir)
         .arg("-I")
         .arg(&cuda_dir)
@@ -234,8 +246,9 @@ impl Target for Emu {
 }
 
 /// Host memory standing in for a device buffer: `len` elements that end where
-/// an inaccessible page begins (rounded up to 16 bytes, the slack filled with
-/// a pattern that [`Buf::to_vec`] checks), with another such page before.
+/// an inaccessible page begins (rounded up to 16 bytes), with another such
+/// page before. The bytes between the elements and the 16-byte boundaries
+/// around them hold a pattern that [`Buf::to_vec`] checks.
 pub(crate) struct Buf<T> {
     map: *mut c_void,
     map_len: usize,
@@ -248,10 +261,13 @@ const PAGE: usize = 4096;
 const SLACK: u8 = 0xA5;
 
 impl<T: Copy> Buf<T> {
-    /// A buffer holding a copy of `v`.
-    pub(crate) fn from(v: &[T]) -> Self {
+    /// A buffer holding a copy of `v` that starts `shift` elements after a
+    /// 16-byte boundary (as a view into a larger tensor may). The elements
+    /// before it are readable, the end is still at the guard page.
+    pub(crate) fn shifted(v: &[T], shift: usize) -> Self {
+        let size = std::mem::size_of::<T>();
         let bytes = std::mem::size_of_val(v);
-        let padded = bytes.div_ceil(16) * 16;
+        let padded = (shift * size + bytes).div_ceil(16) * 16;
         let pages = padded.div_ceil(PAGE).max(1);
         let map_len = (pages + 2) * PAGE;
         // SAFETY: an anonymous private mapping; checked below.
@@ -261,20 +277,22 @@ impl<T: Copy> Buf<T> {
         assert_ne!(map, libc::MAP_FAILED, "mmap");
         // SAFETY: the pages between the two guards are ours to open.
         let body = unsafe { (map as *mut u8).add(PAGE) };
-        assert_eq!(unsafe { libc::mprotect(body as *mut c_void, pages * PAGE, libc::PROT_READ | libc::PROT_WRITE) }, 0);
-        // SAFETY: `start .. start + padded` lies in the opened pages and is
-        // 16-byte aligned; `v` does not overlap a fresh mapping.
+        let rw = libc::PROT_READ | libc::PROT_WRITE;
+        // SAFETY: `body .. body + pages * PAGE` lies inside the mapping.
+        assert_eq!(unsafe { libc::mprotect(body as *mut c_void, pages * PAGE, rw) }, 0, "mprotect");
+        // SAFETY: `start .. start + padded` lies in the opened pages and starts
+        // on a 16-byte boundary; `v` does not overlap a fresh mapping.
         let data = unsafe {
             let start = body.add(pages * PAGE - padded);
             std::ptr::write_bytes(start, SLACK, padded);
-            std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, start, bytes);
-            start as *mut T
+            let data = start.add(shift * size);
+            std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, data, bytes);
+            data as *mut T
         };
         Buf { map, map_len, data, len: v.len(), _t: PhantomData }
     }
 
-    /// The device address the kernels see (0 for an empty buffer is not
-    /// special: it is a real address).
+    /// The device address the kernels see.
     pub(crate) fn addr(&self) -> u64 {
         self.data as u64
     }
@@ -282,10 +300,13 @@ impl<T: Copy> Buf<T> {
     /// The contents; panics when a kernel wrote into the slack past the end.
     pub(crate) fn to_vec(&self) -> Vec<T> {
         let bytes = self.len * std::mem::size_of::<T>();
-        let padded = bytes.div_ceil(16) * 16;
-        // SAFETY: `data .. data + padded` is the opened, initialised region.
-        let all = unsafe { std::slice::from_raw_parts(self.data as *const u8, padded) };
-        assert!(all[bytes..].iter().all(|&b| b == SLACK), "a kernel wrote past the end of a buffer");
+        let (at, end) = (self.data as usize, self.data as usize + bytes);
+        let (lead, slack) = (at % 16, end.next_multiple_of(16) - end);
+        // SAFETY: from the 16-byte boundary before `data` to the one after its
+        // end is the opened, initialised region.
+        let all = unsafe { std::slice::from_raw_parts((at - lead) as *const u8, lead + bytes + slack) };
+        let outside = all[..lead].iter().chain(&all[lead + bytes..]);
+        assert!(outside.into_iter().all(|&b| b == SLACK), "a kernel wrote outside a buffer");
         // SAFETY: the first `len` elements were written as `T`s.
         unsafe { std::slice::from_raw_parts(self.data as *const T, self.len) }.to_vec()
     }
@@ -293,7 +314,7 @@ impl<T: Copy> Buf<T> {
 
 impl<T> Drop for Buf<T> {
     fn drop(&mut self) {
-        // SAFETY: the mapping made in `from`, unmapped once.
+        // SAFETY: the mapping made in `shifted`, unmapped once.
         unsafe { libc::munmap(self.map, self.map_len) };
     }
 }

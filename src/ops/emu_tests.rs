@@ -49,30 +49,34 @@ fn both<T: Element>(sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>)
     a
 }
 
-fn zeros<T: Element>(n: usize) -> Buf<T> {
-    Buf::from(&vec![T::default(); n])
+/// `n` zeros, `shift` elements past a 16-byte boundary (f32 scratch, which
+/// the entry points' callers allocate whole, is passed 0).
+fn zeros<T: Element>(n: usize, shift: usize) -> Buf<T> {
+    Buf::shifted(&vec![T::default(); n], shift)
 }
 
 fn cpu<T: Element>(n: usize) -> Vec<T> {
     vec![T::default(); n]
 }
 
-fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) {
+fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usize, tol: f64) {
+    let up = |v: &[T]| Buf::shifted(v, shift);
+    let z = |n: usize| zeros::<T>(n, shift);
     let n = rows * cols;
     let (x, r, w, b, dy) = (data::<T>(n, 0), data::<T>(n, 3), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
     let dt = T::DTYPE;
     let sum_tol = 4.0 * tol * (rows as f64).sqrt();
-    let scratch = |t: &dyn Target| zeros::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1);
+    let scratch = |t: &dyn Target| zeros::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1, 0);
 
     // rms_norm, with and without weight
     for weighted in [true, false] {
         let what = format!("rms_norm weighted={weighted} {rows}x{cols} sm={sm}");
         let wt = weighted.then_some(&w[..]);
         let got = both::<T>(sm, &what, |t| {
-            let (xd, wd, yd) = (Buf::from(&x), Buf::from(&w), zeros::<T>(n));
+            let (xd, wd, yd) = (up(&x), up(&w), z(n));
             let pw = if weighted { wd.addr() } else { 0 };
             unsafe { rms_norm::forward_on(t, dt, xd.addr(), pw, yd.addr(), rows, cols, 1e-6) }.unwrap();
-            let (dyd, dxd, dwd, s) = (Buf::from(&dy), zeros::<T>(n), zeros::<T>(cols), scratch(t));
+            let (dyd, dxd, dwd, s) = (up(&dy), z(n), z(cols), scratch(t));
             let pdw = if weighted { dwd.addr() } else { 0 };
             unsafe {
                 rms_norm::backward_add_on(
@@ -107,9 +111,9 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) 
     // layer_norm
     let what = format!("layer_norm {rows}x{cols} sm={sm}");
     let got = both::<T>(sm, &what, |t| {
-        let (xd, wd, bd, yd) = (Buf::from(&x), Buf::from(&w), Buf::from(&b), zeros::<T>(n));
+        let (xd, wd, bd, yd) = (up(&x), up(&w), up(&b), z(n));
         unsafe { layer_norm::forward_on(t, dt, xd.addr(), wd.addr(), bd.addr(), yd.addr(), rows, cols, 1e-5) }.unwrap();
-        let (dyd, dxd, dwd, dbd) = (Buf::from(&dy), zeros::<T>(n), zeros::<T>(cols), zeros::<T>(cols));
+        let (dyd, dxd, dwd, dbd) = (up(&dy), z(n), z(cols), z(cols));
         let (sw, sb) = (scratch(t), scratch(t));
         unsafe {
             layer_norm::backward_on(
@@ -155,7 +159,7 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) 
     // fused_add_rms_norm: forward, then its backward (rms_norm's with the addend)
     let what = format!("fused_add_rms_norm {rows}x{cols} sm={sm}");
     let got = both::<T>(sm, &what, |t| {
-        let (xd, rd, wd, yd, sd) = (Buf::from(&x), Buf::from(&r), Buf::from(&w), zeros::<T>(n), zeros::<T>(n));
+        let (xd, rd, wd, yd, sd) = (up(&x), up(&r), up(&w), z(n), z(n));
         unsafe {
             fused_add_rms_norm::forward_on(
                 t,
@@ -171,7 +175,7 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) 
             )
         }
         .unwrap();
-        let (dyd, dad, dxd, dwd, s) = (Buf::from(&dy), Buf::from(&r), zeros::<T>(n), zeros::<T>(cols), scratch(t));
+        let (dyd, dad, dxd, dwd, s) = (up(&dy), up(&r), z(n), z(cols), scratch(t));
         let (ps, pw) = (sd.addr(), wd.addr());
         unsafe {
             rms_norm::backward_add_on(
@@ -203,14 +207,16 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) 
     close(&got[3], &wdw, sum_tol, &format!("{what} grad_weight"));
 }
 
-fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) {
+fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usize, tol: f64) {
+    let up = |v: &[T]| Buf::shifted(v, shift);
+    let z = |n: usize| zeros::<T>(n, shift);
     let n = rows * cols;
     let (x, dy) = (data::<T>(n, 0), data::<T>(n, 11));
     let dt = T::DTYPE;
 
     let what = format!("softmax {rows}x{cols} sm={sm}");
     let got = both::<T>(sm, &what, |t| {
-        let (xd, yd, dyd, dxd) = (Buf::from(&x), zeros::<T>(n), Buf::from(&dy), zeros::<T>(n));
+        let (xd, yd, dyd, dxd) = (up(&x), z(n), up(&dy), z(n));
         unsafe { softmax::run_on(t, "softmax", "fwd", dt, &[xd.addr(), yd.addr()], rows, cols, 0.7) }.unwrap();
         let ptrs = [dyd.addr(), yd.addr(), dxd.addr()];
         unsafe { softmax::run_on(t, "softmax_backward", "bwd", dt, &ptrs, rows, cols, 0.7) }.unwrap();
@@ -231,11 +237,11 @@ fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, t
         let grad = data::<T>(m, 13);
         let what = format!("cross_entropy {reduction:?} {rows}x{cols} sm={sm}");
         let got = both::<T>(sm, &what, |t| {
-            let (xd, td, od) = (Buf::from(&x), Buf::from(&target), zeros::<T>(m));
-            let sd = zeros::<f32>(cross_entropy::scratch_len(rows));
+            let (xd, td, od) = (up(&x), Buf::shifted(&target, shift), z(m));
+            let sd = zeros::<f32>(cross_entropy::scratch_len(rows), 0);
             unsafe { cross_entropy::forward_on(t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
                 .unwrap();
-            let (gd, dxd, sd) = (Buf::from(&grad), zeros::<T>(n), zeros::<f32>(cross_entropy::scratch_len(rows)));
+            let (gd, dxd, sd) = (up(&grad), z(n), zeros::<f32>(cross_entropy::scratch_len(rows), 0));
             let (px, pt) = (xd.addr(), td.addr());
             unsafe { cross_entropy::backward_on(t, dt, gd.addr(), px, pt, dxd.addr(), sd.addr(), rows, cols, opts) }
                 .unwrap();
@@ -254,12 +260,12 @@ fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, t
     let opts =
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
     let t = Emu { sm_count: sm, reverse: false };
-    let (xd, td, od, sd) = (Buf::from(&x), Buf::from(&bad), zeros::<T>(1), zeros::<f32>(rows + 2));
+    let (xd, td, od, sd) = (up(&x), Buf::shifted(&bad, shift), z(1), zeros::<f32>(rows + 2, 0));
     let err =
         unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
             .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
-    let (gd, dxd) = (Buf::from(&[T::from_f64(1.0)]), zeros::<T>(n));
+    let (gd, dxd) = (Buf::shifted(&[T::from_f64(1.0)], shift), z(n));
     let err = unsafe {
         cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr(), rows, cols, opts)
     }
@@ -267,7 +273,9 @@ fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, t
     assert!(err.to_string().contains("argument 'target'"), "{err}");
 }
 
-fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, tol: f64) {
+fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usize, tol: f64) {
+    let up = |v: &[T]| Buf::shifted(v, shift);
+    let z = |n: usize| zeros::<T>(n, shift);
     let n = rows * cols;
     let (x, dy) = (data::<T>(n, 0), data::<T>(n, 11));
     let dt = T::DTYPE;
@@ -280,7 +288,7 @@ fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize,
     for act in [gated::Activation::Silu, gated::Activation::Gelu, gated::Activation::GeluTanh] {
         let what = format!("{act:?} {rows}x{cols} sm={sm}");
         let got = both::<T>(sm, &what, |t| {
-            let (xd, yd, gd, dxd) = (Buf::from(&x), zeros::<T>(rows * d), Buf::from(dyh), zeros::<T>(n));
+            let (xd, yd, gd, dxd) = (up(&x), z(rows * d), up(dyh), z(n));
             unsafe { gated::forward_on(t, act, dt, xd.addr(), yd.addr(), rows, d) }.unwrap();
             unsafe { gated::backward_on(t, act, dt, gd.addr(), xd.addr(), dxd.addr(), rows, d) }.unwrap();
             vec![yd.to_vec(), dxd.to_vec()]
@@ -303,7 +311,7 @@ fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize,
         for inverse in [false, true] {
             let what = format!("rotary interleaved={interleaved} inverse={inverse} {rows}x{cols} sm={sm}");
             let got = both::<T>(sm, &what, |t| {
-                let (xd, cd, sd, yd) = (Buf::from(&x), Buf::from(&cos), Buf::from(&sin), zeros::<T>(n));
+                let (xd, cd, sd, yd) = (up(&x), up(&cos), up(&sin), z(n));
                 let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
                 unsafe { rotary::apply_on(t, dt, px, pc, ps, yd.addr(), shape, interleaved, inverse) }.unwrap();
                 vec![yd.to_vec()]
@@ -315,14 +323,17 @@ fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize,
     }
 }
 
-/// Row counts and widths: one element, odd widths (scalar loads), widths of
-/// whole 16-byte vectors, blocks of 32 up to 1024 threads.
-const SHAPES: [(usize, usize); 6] = [(1, 1), (3, 34), (37, 300), (5, 4094), (4, 4096), (2, 8200)];
+/// Rows, width and the elements by which every buffer starts past a 16-byte
+/// boundary: one element, odd widths (scalar loads), widths of whole 16-byte
+/// vectors, rows that are not 16-byte aligned (scalar loads again), blocks of
+/// 32 to 1024 threads, and a row of more than four vectors per thread.
+const SHAPES: [(usize, usize, usize); 8] =
+    [(1, 1, 0), (3, 34, 0), (37, 300, 0), (5, 4094, 0), (4, 4096, 0), (4, 4096, 1), (2, 8200, 0), (1, 20000, 0)];
 
-fn each_shape(f: impl Fn(u32, usize, usize)) {
+fn each_shape(f: impl Fn(u32, usize, usize, usize)) {
     for sm in [1, 132] {
-        for (rows, cols) in SHAPES {
-            f(sm, rows, cols);
+        for (rows, cols, shift) in SHAPES {
+            f(sm, rows, cols, shift);
         }
     }
 }
@@ -332,10 +343,10 @@ fn emulated_norms_match_cpu() {
     if skip("emulated_norms_match_cpu") {
         return;
     }
-    each_shape(|sm, rows, cols| {
-        norms::<f32>(sm, rows, cols, 2e-5);
-        norms::<f16>(sm, rows, cols, 2e-3);
-        norms::<bf16>(sm, rows, cols, 1.6e-2);
+    each_shape(|sm, rows, cols, shift| {
+        norms::<f32>(sm, rows, cols, shift, 2e-5);
+        norms::<f16>(sm, rows, cols, shift, 2e-3);
+        norms::<bf16>(sm, rows, cols, shift, 1.6e-2);
     });
 }
 
@@ -344,10 +355,10 @@ fn emulated_softmax_and_cross_entropy_match_cpu() {
     if skip("emulated_softmax_and_cross_entropy_match_cpu") {
         return;
     }
-    each_shape(|sm, rows, cols| {
-        softmax_and_ce::<f32>(sm, rows, cols, 2e-5);
-        softmax_and_ce::<f16>(sm, rows, cols, 2e-3);
-        softmax_and_ce::<bf16>(sm, rows, cols, 1.6e-2);
+    each_shape(|sm, rows, cols, shift| {
+        softmax_and_ce::<f32>(sm, rows, cols, shift, 2e-5);
+        softmax_and_ce::<f16>(sm, rows, cols, shift, 2e-3);
+        softmax_and_ce::<bf16>(sm, rows, cols, shift, 1.6e-2);
     });
 }
 
@@ -356,9 +367,9 @@ fn emulated_gated_and_rotary_match_cpu() {
     if skip("emulated_gated_and_rotary_match_cpu") {
         return;
     }
-    each_shape(|sm, rows, cols| {
-        gated_and_rotary::<f32>(sm, rows, cols, 2e-5);
-        gated_and_rotary::<f16>(sm, rows, cols, 2e-3);
-        gated_and_rotary::<bf16>(sm, rows, cols, 1.6e-2);
+    each_shape(|sm, rows, cols, shift| {
+        gated_and_rotary::<f32>(sm, rows, cols, shift, 2e-5);
+        gated_and_rotary::<f16>(sm, rows, cols, shift, 2e-3);
+        gated_and_rotary::<bf16>(sm, rows, cols, shift, 1.6e-2);
     });
 }
