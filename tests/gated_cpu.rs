@@ -79,6 +79,56 @@ proptest! {
     fn bf16_matches_reference((rows, d, x, dy) in case()) { check::<bf16>(rows, d, &x, &dy); }
 }
 
+/// Infinities and NaN on both halves, through the vector loop (d = 40) and
+/// its tail: where the f64 reference is NaN or infinite the kernel must give
+/// the same (`silu(-inf)` is NaN, as in torch: `-inf / (1 + e^inf)`), and
+/// close to it elsewhere.
+fn check_special<T: Tol>() {
+    let (inf, nan) = (f64::INFINITY, f64::NAN);
+    let special = [-inf, inf, nan, -100.0, 100.0, -1.5, 0.0, 3.0];
+    let d = 40;
+    let mut x = vec![];
+    for j in 0..d {
+        x.push(special[j % 8]); // row 0: a special, b = 2
+    }
+    x.extend(std::iter::repeat_n(2.0, d));
+    for j in 0..d {
+        x.push([0.5, -2.0, 7.0][j % 3]); // row 1: a finite, b special
+    }
+    for j in 0..d {
+        x.push(special[j % 8]);
+    }
+    let x = to_elems::<T>(&x);
+    let dy = to_elems::<T>(&vec![1.0; 2 * d]);
+    for act in ACTS {
+        let want = forward_ref(act, &x, d);
+        let want_dx = backward_ref(act, &dy, &x, d);
+        let mut y = vec![T::default(); 2 * d];
+        forward_cpu(act, &x, &mut y, d, Par::Seq).unwrap();
+        let mut dx = vec![T::default(); 4 * d];
+        backward_cpu(act, &dy, &x, &mut dx, d, Par::Seq).unwrap();
+        for (got, want, what) in [(&y, &want, "forward"), (&dx, &want_dx, "grad_input")] {
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                let g = g.to_f64();
+                let ok = if w.is_finite() {
+                    (g - w).abs() <= 4.0 * (T::TOL.atol + T::TOL.rtol * w.abs()) + 1e-3 * w.abs().max(1.0)
+                } else {
+                    g == *w || (g.is_nan() && w.is_nan())
+                };
+                assert!(ok, "{act:?} {what} [{}] at {i}: got {g}, want {w}", T::NAME);
+            }
+        }
+    }
+}
+
+#[test]
+fn special_values_match_reference() {
+    check_special::<f32>();
+    check_special::<f64>();
+    check_special::<f16>();
+    check_special::<bf16>();
+}
+
 #[test]
 fn known_values() {
     // silu(1) * 2 = 2 / (1 + e^-1); gelu(1) = Phi(1) = 0.8413447460685429.

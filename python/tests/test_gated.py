@@ -110,6 +110,29 @@ def test_bad_input_raises_runtime_error_naming_op_and_argument(name, call, msg):
         call()
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_infinities_match_torch(device, dtype):
+    """±inf and NaN in either half, through the vector loop and its tail:
+    silu(-inf) is NaN as in torch (-inf / (1 + e^inf)), not -inf. Exact gelu
+    is left out: torch gives NaN for gelu(+inf), where Keel gives +inf."""
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([-inf, inf, nan, -100.0, 100.0, -1.5, 0.0, 3.0]).repeat(5)
+    a = torch.cat([special, torch.full((40,), 0.5)])
+    b = torch.cat([torch.full((40,), 2.0), special])
+    x = torch.stack([a[:40], a[40:]], 0)
+    x = torch.cat([x, torch.stack([b[:40], b[40:]], 0)], -1).to(device, dtype)
+    for f, ref in (
+        (keel.silu_and_mul, lambda a, b: F.silu(a) * b),
+        (lambda t: keel.gelu_and_mul(t, "tanh"), lambda a, b: F.gelu(a, approximate="tanh") * b),
+    ):
+        got, want = f(x).double().cpu(), ref(*halves(x.double())).cpu()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), (got, want)
+        fin = torch.isfinite(want)
+        assert torch.equal(got[~fin & ~torch.isnan(want)], want[~fin & ~torch.isnan(want)])
+        torch.testing.assert_close(got[fin], want[fin], atol=TOL[dtype][0], rtol=TOL[dtype][1])
+
+
 def test_meta_empty_and_nan():
     y = torch.ops.keel.gelu_and_mul(torch.empty(2, 3, 8, device="meta"), "tanh")
     assert y.shape == (2, 3, 4) and y.device.type == "meta"
