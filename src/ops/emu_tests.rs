@@ -26,11 +26,30 @@ fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
     (0..n).map(|i| T::from_f64((((i + seed) * 7919 % 2001) as f64 - 1000.0) / 400.0)).collect()
 }
 
+/// The kernels' main input: [`data`], and for a special case (at least 5
+/// rows of at least 8) row 0 all `-inf`, then a NaN, a `+inf` and a `-inf`
+/// in rows 1 to 3; row 4 stays finite.
+fn input<T: Element>(c: Case) -> Vec<T> {
+    let mut x = data::<T>(c.rows * c.cols, 0);
+    if c.special {
+        let inf = f64::INFINITY;
+        x[..c.cols].fill(T::from_f64(-inf));
+        for (row, col, v) in [(1, 3, f64::NAN), (2, 5, inf), (3, 7, -inf)] {
+            x[row * c.cols + col] = T::from_f64(v);
+        }
+    }
+    x
+}
+
+/// Element-wise `|got - want| <= tol (1 + |want|)`; where `want` is NaN or
+/// infinite, `got` must be the same.
 fn close<T: Element>(got: &[T], want: &[T], tol: f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
         let (a, b) = (a.to_f64(), b.to_f64());
-        assert!((a - b).abs() <= tol * (1.0 + b.abs()), "{what} {} at {i}: {a} vs {b}", T::NAME);
+        let ok =
+            if b.is_finite() { (a - b).abs() <= tol * (1.0 + b.abs()) } else { a == b || (a.is_nan() && b.is_nan()) };
+        assert!(ok, "{what} {} at {i}: {a} vs {b}", T::NAME);
     }
 }
 
@@ -59,18 +78,19 @@ fn cpu<T: Element>(n: usize) -> Vec<T> {
     vec![T::default(); n]
 }
 
-fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usize, tol: f64) {
+fn norms<T: Element + CudaElement>(c: Case, tol: f64) {
+    let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let z = |n: usize| zeros::<T>(n, shift);
     let n = rows * cols;
-    let (x, r, w, b, dy) = (data::<T>(n, 0), data::<T>(n, 3), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
+    let (x, r, w, b, dy) = (input::<T>(c), data::<T>(n, 3), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
     let dt = T::DTYPE;
     let sum_tol = 4.0 * tol * (rows as f64).sqrt();
     let scratch = |t: &dyn Target| zeros::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1, 0);
 
     // rms_norm, with and without weight
     for weighted in [true, false] {
-        let what = format!("rms_norm weighted={weighted} {rows}x{cols} sm={sm}");
+        let what = format!("rms_norm weighted={weighted} {c:?}");
         let wt = weighted.then_some(&w[..]);
         let got = both::<T>(sm, &what, |t| {
             let (xd, wd, yd) = (up(&x), up(&w), z(n));
@@ -109,7 +129,7 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usi
     }
 
     // layer_norm
-    let what = format!("layer_norm {rows}x{cols} sm={sm}");
+    let what = format!("layer_norm {c:?}");
     let got = both::<T>(sm, &what, |t| {
         let (xd, wd, bd, yd) = (up(&x), up(&w), up(&b), z(n));
         unsafe { layer_norm::forward_on(t, dt, xd.addr(), wd.addr(), bd.addr(), yd.addr(), rows, cols, 1e-5) }.unwrap();
@@ -157,7 +177,7 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usi
     close(&got[3], &wdb, sum_tol, &format!("{what} grad_bias"));
 
     // fused_add_rms_norm: forward, then its backward (rms_norm's with the addend)
-    let what = format!("fused_add_rms_norm {rows}x{cols} sm={sm}");
+    let what = format!("fused_add_rms_norm {c:?}");
     let got = both::<T>(sm, &what, |t| {
         let (xd, rd, wd, yd, sd) = (up(&x), up(&r), up(&w), z(n), z(n));
         unsafe {
@@ -207,14 +227,15 @@ fn norms<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usi
     close(&got[3], &wdw, sum_tol, &format!("{what} grad_weight"));
 }
 
-fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usize, tol: f64) {
+fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
+    let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let z = |n: usize| zeros::<T>(n, shift);
     let n = rows * cols;
-    let (x, dy) = (data::<T>(n, 0), data::<T>(n, 11));
+    let (x, dy) = (input::<T>(c), data::<T>(n, 11));
     let dt = T::DTYPE;
 
-    let what = format!("softmax {rows}x{cols} sm={sm}");
+    let what = format!("softmax {c:?}");
     let got = both::<T>(sm, &what, |t| {
         let (xd, yd, dyd, dxd) = (up(&x), z(n), up(&dy), z(n));
         unsafe { softmax::run_on(t, "softmax", "fwd", dt, &[xd.addr(), yd.addr()], rows, cols, 0.7) }.unwrap();
@@ -235,7 +256,7 @@ fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, s
         let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction };
         let m = reduction.out_len(rows);
         let grad = data::<T>(m, 13);
-        let what = format!("cross_entropy {reduction:?} {rows}x{cols} sm={sm}");
+        let what = format!("cross_entropy {reduction:?} {c:?}");
         let got = both::<T>(sm, &what, |t| {
             let (xd, td, od) = (up(&x), Buf::shifted(&target, shift), z(m));
             let sd = zeros::<f32>(cross_entropy::scratch_len(rows), 0);
@@ -273,11 +294,12 @@ fn softmax_and_ce<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, s
     assert!(err.to_string().contains("argument 'target'"), "{err}");
 }
 
-fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize, shift: usize, tol: f64) {
+fn gated_and_rotary<T: Element + CudaElement>(c: Case, tol: f64) {
+    let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let z = |n: usize| zeros::<T>(n, shift);
     let n = rows * cols;
-    let (x, dy) = (data::<T>(n, 0), data::<T>(n, 11));
+    let (x, dy) = (input::<T>(c), data::<T>(n, 11));
     let dt = T::DTYPE;
     if !cols.is_multiple_of(2) {
         return;
@@ -286,7 +308,7 @@ fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize,
     let d = cols / 2;
     let dyh = &dy[..rows * d];
     for act in [gated::Activation::Silu, gated::Activation::Gelu, gated::Activation::GeluTanh] {
-        let what = format!("{act:?} {rows}x{cols} sm={sm}");
+        let what = format!("{act:?} {c:?}");
         let got = both::<T>(sm, &what, |t| {
             let (xd, yd, gd, dxd) = (up(&x), z(rows * d), up(dyh), z(n));
             unsafe { gated::forward_on(t, act, dt, xd.addr(), yd.addr(), rows, d) }.unwrap();
@@ -309,7 +331,7 @@ fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize,
     let sin: Vec<T> = angles.iter().map(|a| T::from_f64(a.sin())).collect();
     for interleaved in [false, true] {
         for inverse in [false, true] {
-            let what = format!("rotary interleaved={interleaved} inverse={inverse} {rows}x{cols} sm={sm}");
+            let what = format!("rotary interleaved={interleaved} inverse={inverse} {c:?}");
             let got = both::<T>(sm, &what, |t| {
                 let (xd, cd, sd, yd) = (up(&x), up(&cos), up(&sin), z(n));
                 let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
@@ -323,17 +345,38 @@ fn gated_and_rotary<T: Element + CudaElement>(sm: u32, rows: usize, cols: usize,
     }
 }
 
-/// Rows, width and the elements by which every buffer starts past a 16-byte
-/// boundary: one element, odd widths (scalar loads), widths of whole 16-byte
-/// vectors, rows that are not 16-byte aligned (scalar loads again), blocks of
-/// 32 to 1024 threads, and a row of more than four vectors per thread.
-const SHAPES: [(usize, usize, usize); 8] =
-    [(1, 1, 0), (3, 34, 0), (37, 300, 0), (5, 4094, 0), (4, 4096, 0), (4, 4096, 1), (2, 8200, 0), (1, 20000, 0)];
+/// One run: SMs, rows, width, the elements by which every buffer starts past
+/// a 16-byte boundary, and whether the input holds infinities and NaN.
+#[derive(Debug, Clone, Copy)]
+struct Case {
+    sm: u32,
+    rows: usize,
+    cols: usize,
+    shift: usize,
+    special: bool,
+}
 
-fn each_shape(f: impl Fn(u32, usize, usize, usize)) {
+/// One element, odd widths (scalar loads), widths of whole 16-byte vectors,
+/// rows that are not 16-byte aligned (scalar loads again), blocks of 32 to
+/// 1024 threads, a row of more than four vectors per thread; then inputs
+/// with infinities and NaN, on vector and scalar paths.
+const SHAPES: [(usize, usize, usize, bool); 10] = [
+    (1, 1, 0, false),
+    (3, 34, 0, false),
+    (37, 300, 0, false),
+    (5, 4094, 0, false),
+    (4, 4096, 0, false),
+    (4, 4096, 1, false),
+    (2, 8200, 0, false),
+    (1, 20000, 0, false),
+    (5, 64, 0, true),
+    (5, 38, 0, true),
+];
+
+fn each_case(f: impl Fn(Case)) {
     for sm in [1, 132] {
-        for (rows, cols, shift) in SHAPES {
-            f(sm, rows, cols, shift);
+        for (rows, cols, shift, special) in SHAPES {
+            f(Case { sm, rows, cols, shift, special });
         }
     }
 }
@@ -343,10 +386,10 @@ fn emulated_norms_match_cpu() {
     if skip("emulated_norms_match_cpu") {
         return;
     }
-    each_shape(|sm, rows, cols, shift| {
-        norms::<f32>(sm, rows, cols, shift, 2e-5);
-        norms::<f16>(sm, rows, cols, shift, 2e-3);
-        norms::<bf16>(sm, rows, cols, shift, 1.6e-2);
+    each_case(|c| {
+        norms::<f32>(c, 2e-5);
+        norms::<f16>(c, 2e-3);
+        norms::<bf16>(c, 1.6e-2);
     });
 }
 
@@ -355,10 +398,10 @@ fn emulated_softmax_and_cross_entropy_match_cpu() {
     if skip("emulated_softmax_and_cross_entropy_match_cpu") {
         return;
     }
-    each_shape(|sm, rows, cols, shift| {
-        softmax_and_ce::<f32>(sm, rows, cols, shift, 2e-5);
-        softmax_and_ce::<f16>(sm, rows, cols, shift, 2e-3);
-        softmax_and_ce::<bf16>(sm, rows, cols, shift, 1.6e-2);
+    each_case(|c| {
+        softmax_and_ce::<f32>(c, 2e-5);
+        softmax_and_ce::<f16>(c, 2e-3);
+        softmax_and_ce::<bf16>(c, 1.6e-2);
     });
 }
 
@@ -367,9 +410,9 @@ fn emulated_gated_and_rotary_match_cpu() {
     if skip("emulated_gated_and_rotary_match_cpu") {
         return;
     }
-    each_shape(|sm, rows, cols, shift| {
-        gated_and_rotary::<f32>(sm, rows, cols, shift, 2e-5);
-        gated_and_rotary::<f16>(sm, rows, cols, shift, 2e-3);
-        gated_and_rotary::<bf16>(sm, rows, cols, shift, 1.6e-2);
+    each_case(|c| {
+        gated_and_rotary::<f32>(c, 2e-5);
+        gated_and_rotary::<f16>(c, 2e-3);
+        gated_and_rotary::<bf16>(c, 1.6e-2);
     });
 }
