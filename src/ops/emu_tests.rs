@@ -68,10 +68,13 @@ fn both<T: Element>(sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>)
     a
 }
 
-/// `n` zeros, `shift` elements past a 16-byte boundary (f32 scratch, which
-/// the entry points' callers allocate whole, is passed 0).
-fn zeros<T: Element>(n: usize, shift: usize) -> Buf<T> {
-    Buf::shifted(&vec![T::default(); n], shift)
+/// An output or scratch buffer of `n` elements, `shift` past a 16-byte
+/// boundary (f32 scratch, which callers allocate whole, is passed 0). It is
+/// filled with NaN, not zeros: the torch operators allocate both with
+/// `empty`, so a kernel must write every element it is meant to (0 for an
+/// ignored row included) and never read scratch it has not written.
+fn garbage<T: Element>(n: usize, shift: usize) -> Buf<T> {
+    Buf::shifted(&vec![T::from_f64(f64::NAN); n], shift)
 }
 
 fn cpu<T: Element>(n: usize) -> Vec<T> {
@@ -81,12 +84,12 @@ fn cpu<T: Element>(n: usize) -> Vec<T> {
 fn norms<T: Element + CudaElement>(c: Case, tol: f64) {
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
-    let z = |n: usize| zeros::<T>(n, shift);
+    let z = |n: usize| garbage::<T>(n, shift);
     let n = rows * cols;
     let (x, r, w, b, dy) = (input::<T>(c), data::<T>(n, 3), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
     let dt = T::DTYPE;
     let sum_tol = 4.0 * tol * (rows as f64).sqrt();
-    let scratch = |t: &dyn Target| zeros::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1, 0);
+    let scratch = |t: &dyn Target| garbage::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1, 0);
 
     // rms_norm, with and without weight
     for weighted in [true, false] {
@@ -230,7 +233,7 @@ fn norms<T: Element + CudaElement>(c: Case, tol: f64) {
 fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
-    let z = |n: usize| zeros::<T>(n, shift);
+    let z = |n: usize| garbage::<T>(n, shift);
     let n = rows * cols;
     let (x, dy) = (input::<T>(c), data::<T>(n, 11));
     let dt = T::DTYPE;
@@ -259,10 +262,10 @@ fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
         let what = format!("cross_entropy {reduction:?} {c:?}");
         let got = both::<T>(sm, &what, |t| {
             let (xd, td, od) = (up(&x), Buf::shifted(&target, shift), z(m));
-            let sd = zeros::<f32>(cross_entropy::scratch_len(rows), 0);
+            let sd = garbage::<f32>(cross_entropy::scratch_len(rows), 0);
             unsafe { cross_entropy::forward_on(t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
                 .unwrap();
-            let (gd, dxd, sd) = (up(&grad), z(n), zeros::<f32>(cross_entropy::scratch_len(rows), 0));
+            let (gd, dxd, sd) = (up(&grad), z(n), garbage::<f32>(cross_entropy::scratch_len(rows), 0));
             let (px, pt) = (xd.addr(), td.addr());
             unsafe { cross_entropy::backward_on(t, dt, gd.addr(), px, pt, dxd.addr(), sd.addr(), rows, cols, opts) }
                 .unwrap();
@@ -281,7 +284,7 @@ fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
     let opts =
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
     let t = Emu { sm_count: sm, reverse: false };
-    let (xd, td, od, sd) = (up(&x), Buf::shifted(&bad, shift), z(1), zeros::<f32>(rows + 2, 0));
+    let (xd, td, od, sd) = (up(&x), Buf::shifted(&bad, shift), z(1), garbage::<f32>(rows + 2, 0));
     let err =
         unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
             .unwrap_err();
@@ -297,7 +300,7 @@ fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
 fn gated_and_rotary<T: Element + CudaElement>(c: Case, tol: f64) {
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
-    let z = |n: usize| zeros::<T>(n, shift);
+    let z = |n: usize| garbage::<T>(n, shift);
     let n = rows * cols;
     let (x, dy) = (input::<T>(c), data::<T>(n, 11));
     let dt = T::DTYPE;
