@@ -13,6 +13,20 @@ use crate::cuda::emu::{unavailable, Buf, Emu};
 use crate::cuda::{CudaElement, Target};
 use proptest::prelude::*;
 
+/// The CUDA element types, with the tolerance of `close` for each.
+trait Dt: Element + CudaElement {
+    const TOL: f64;
+}
+impl Dt for f32 {
+    const TOL: f64 = 2e-5;
+}
+impl Dt for f16 {
+    const TOL: f64 = 2e-3;
+}
+impl Dt for bf16 {
+    const TOL: f64 = 1.6e-2;
+}
+
 fn skip(test: &str) -> bool {
     match unavailable() {
         Some(why) => {
@@ -82,7 +96,8 @@ fn cpu<T: Element>(n: usize) -> Vec<T> {
     vec![T::default(); n]
 }
 
-fn norms<T: Element + CudaElement>(c: Case, tol: f64) {
+fn norms<T: Dt>(c: Case) {
+    let tol = T::TOL;
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let z = |n: usize| garbage::<T>(n, shift);
@@ -231,7 +246,8 @@ fn norms<T: Element + CudaElement>(c: Case, tol: f64) {
     close(&got[3], &wdw, sum_tol, &format!("{what} grad_weight"));
 }
 
-fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
+fn softmax_and_ce<T: Dt>(c: Case) {
+    let tol = T::TOL;
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let z = |n: usize| garbage::<T>(n, shift);
@@ -301,7 +317,8 @@ fn softmax_and_ce<T: Element + CudaElement>(c: Case, tol: f64) {
     assert!(err.to_string().contains("argument 'target'"), "{err}");
 }
 
-fn gated_and_rotary<T: Element + CudaElement>(c: Case, tol: f64) {
+fn gated_and_rotary<T: Dt>(c: Case) {
+    let tol = T::TOL;
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let z = |n: usize| garbage::<T>(n, shift);
@@ -388,46 +405,53 @@ fn each_case(f: impl Fn(Case)) {
     }
 }
 
-#[test]
-fn emulated_norms_match_cpu() {
-    if skip("emulated_norms_match_cpu") {
+/// The ops, in three groups so that the tests of each run in parallel.
+#[derive(Debug, Clone, Copy)]
+enum Family {
+    Norms,
+    SoftmaxAndCrossEntropy,
+    GatedAndRotary,
+}
+
+fn run<T: Dt>(family: Family, c: Case) {
+    match family {
+        Family::Norms => norms::<T>(c),
+        Family::SoftmaxAndCrossEntropy => softmax_and_ce::<T>(c),
+        Family::GatedAndRotary => gated_and_rotary::<T>(c),
+    }
+}
+
+/// `family` on every case in every dtype, unless the emulation cannot run here.
+fn every_case(test: &str, family: Family) {
+    if skip(test) {
         return;
     }
     each_case(|c| {
-        norms::<f32>(c, 2e-5);
-        norms::<f16>(c, 2e-3);
-        norms::<bf16>(c, 1.6e-2);
+        run::<f32>(family, c);
+        run::<f16>(family, c);
+        run::<bf16>(family, c);
     });
+}
+
+#[test]
+fn emulated_norms_match_cpu() {
+    every_case("emulated_norms_match_cpu", Family::Norms);
 }
 
 #[test]
 fn emulated_softmax_and_cross_entropy_match_cpu() {
-    if skip("emulated_softmax_and_cross_entropy_match_cpu") {
-        return;
-    }
-    each_case(|c| {
-        softmax_and_ce::<f32>(c, 2e-5);
-        softmax_and_ce::<f16>(c, 2e-3);
-        softmax_and_ce::<bf16>(c, 1.6e-2);
-    });
+    every_case("emulated_softmax_and_cross_entropy_match_cpu", Family::SoftmaxAndCrossEntropy);
 }
 
 #[test]
 fn emulated_gated_and_rotary_match_cpu() {
-    if skip("emulated_gated_and_rotary_match_cpu") {
-        return;
-    }
-    each_case(|c| {
-        gated_and_rotary::<f32>(c, 2e-5);
-        gated_and_rotary::<f16>(c, 2e-3);
-        gated_and_rotary::<bf16>(c, 1.6e-2);
-    });
+    every_case("emulated_gated_and_rotary_match_cpu", Family::GatedAndRotary);
 }
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
-    /// Random small shapes, alignments and SM counts, each op family in a
+    /// Random small shapes, alignments and SM counts, every op family in a
     /// dtype picked by the case (the fixed cases above cover every dtype).
     #[test]
     fn emulated_kernels_match_cpu_on_random_shapes(
@@ -442,21 +466,11 @@ proptest! {
             return Ok(());
         }
         let c = Case { sm, rows, cols, shift, special: special && rows >= 5 && cols >= 8 };
-        match dtype {
-            0 => {
-                norms::<f32>(c, 2e-5);
-                softmax_and_ce::<f32>(c, 2e-5);
-                gated_and_rotary::<f32>(c, 2e-5);
-            }
-            1 => {
-                norms::<f16>(c, 2e-3);
-                softmax_and_ce::<f16>(c, 2e-3);
-                gated_and_rotary::<f16>(c, 2e-3);
-            }
-            _ => {
-                norms::<bf16>(c, 1.6e-2);
-                softmax_and_ce::<bf16>(c, 1.6e-2);
-                gated_and_rotary::<bf16>(c, 1.6e-2);
+        for family in [Family::Norms, Family::SoftmaxAndCrossEntropy, Family::GatedAndRotary] {
+            match dtype {
+                0 => run::<f32>(family, c),
+                1 => run::<f16>(family, c),
+                _ => run::<bf16>(family, c),
             }
         }
     }
