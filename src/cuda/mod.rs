@@ -5,6 +5,10 @@
 //! [`Gpu::borrowed_stream`]). The driver library is loaded at run time: on a
 //! machine without CUDA, [`is_available`] is false and every entry point
 //! returns [`crate::Error::NoCuda`] instead of panicking.
+//!
+//! Inside the crate, each op's launch code runs on a `Target`: a GPU and a
+//! stream for the public entry points, or in tests a CPU emulation of the
+//! kernels (`emu`, see the README's "Testing the CUDA path without a GPU").
 mod device;
 mod dtype;
 mod launch;
