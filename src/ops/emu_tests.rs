@@ -347,24 +347,30 @@ fn gated_and_rotary<T: Dt>(c: Case) {
         close(&got[1], &wdx, 2.0 * tol, &format!("{what} grad"));
     }
 
-    // rotary: [batch 1, seq rows, heads 1, head_dim cols], part of head_dim rotated
-    let half = (cols / 2).min(40);
-    let shape = rotary::Shape { batch: 1, seq: rows, heads: 1, head_dim: cols, rotary_dim: 2 * half };
+    // rotary: [batch, seq rows, heads, head_dim cols], all of a narrow head
+    // rotated, 80 dims of a wide one; batch 1 and 1 head (the input with its
+    // special values), then batch 2 and 3 heads (positions repeat per head).
+    let half = if cols <= 256 { cols / 2 } else { 40 };
     let angles: Vec<f64> = (0..rows * half).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
     let cos: Vec<T> = angles.iter().map(|a| T::from_f64(a.cos())).collect();
     let sin: Vec<T> = angles.iter().map(|a| T::from_f64(a.sin())).collect();
-    for interleaved in [false, true] {
-        for inverse in [false, true] {
-            let what = format!("rotary interleaved={interleaved} inverse={inverse} {c:?}");
-            let got = both::<T>(sm, &what, |t| {
-                let (xd, cd, sd, yd) = (up(&x), up(&cos), up(&sin), z(n));
-                let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
-                unsafe { rotary::apply_on(t, dt, px, pc, ps, yd.addr(), shape, interleaved, inverse) }.unwrap();
-                vec![yd.to_vec()]
-            });
-            let mut want = cpu(n);
-            rotary::apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
-            close(&got[0], &want, tol, &what);
+    for (batch, heads) in [(1, 1), (2, 3)] {
+        let shape = rotary::Shape { batch, seq: rows, heads, head_dim: cols, rotary_dim: 2 * half };
+        let m = shape.numel();
+        let x = if batch == 1 { x.clone() } else { data::<T>(m, 17) };
+        for interleaved in [false, true] {
+            for inverse in [false, true] {
+                let what = format!("rotary {batch}x{heads} heads interleaved={interleaved} inverse={inverse} {c:?}");
+                let got = both::<T>(sm, &what, |t| {
+                    let (xd, cd, sd, yd) = (up(&x), up(&cos), up(&sin), z(m));
+                    let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
+                    unsafe { rotary::apply_on(t, dt, px, pc, ps, yd.addr(), shape, interleaved, inverse) }.unwrap();
+                    vec![yd.to_vec()]
+                });
+                let mut want = cpu(m);
+                rotary::apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
+                close(&got[0], &want, tol, &what);
+            }
         }
     }
 }
