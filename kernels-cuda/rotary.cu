@@ -4,43 +4,84 @@
 // Pairs are (i, i + rotary_dim/2) (GPT-NeoX) or (2i, 2i + 1) (GPT-J,
 // interleaved). sign = -1 rotates by the opposite angle (the backward).
 //
-// Element-wise: a grid-stride loop over rows * rotary_dim/2 pairs, then one
-// over the pass-through dims. f32 math, one rounding.
+// A row is one head of one token (head_dim elements). `lanes` threads (a
+// power of two up to 32) share a row, so a block of blockDim threads works
+// on blockDim / lanes rows at a time, grid-stride over rows; the row's
+// position is worked out once per row, not per element (64-bit division is
+// a long instruction sequence on the GPU). 16-byte loads and stores when the
+// rows, halves and pointers allow (NeoX: half a multiple of the pack; GPT-J:
+// rotary_dim a multiple of it, each pack holding pack/2 pairs), scalar
+// otherwise. f32 math, one rounding.
 // Kernel symbols: rotary_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
 
 template <typename T>
+__device__ __forceinline__ void rotate(float a, float b, float c, float s, T& ya, T& yb) {
+  ya = from_f32<T>(a * c - b * s);
+  yb = from_f32<T>(b * c + a * s);
+}
+
+template <typename T>
 __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restrict__ cos_, const T* __restrict__ sin_,
                                        T* __restrict__ y, int64_t rows, int seq, int heads, int head_dim, int half,
-                                       int interleaved, float sign) {
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
-  const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  for (int64_t i = first; i < rows * half; i += stride) {
-    const int64_t row = i / half;
-    const int k = (int)(i - row * half);
+                                       int interleaved, float sign, int lanes) {
+  constexpr int N = Pack<T>::N;
+  const int lane = threadIdx.x % lanes, groups = blockDim.x / lanes;
+  if ((int)threadIdx.x >= groups * lanes) return;  // no barriers here: leaving early is safe
+  const int rot = 2 * half, rest = head_dim - rot;
+  const bool vec = head_dim % N == 0 && rot % N == 0 && (interleaved || half % N == 0) && aligned16(x) &&
+                   aligned16(y) && aligned16(cos_) && aligned16(sin_);
+  for (int64_t row = (int64_t)blockIdx.x * groups + threadIdx.x / lanes; row < rows;
+       row += (int64_t)gridDim.x * groups) {
+    const T* xr = x + row * head_dim;
+    T* yr = y + row * head_dim;
     const int64_t pos = (row / heads) % seq;
-    const float c = to_f32(cos_[pos * half + k]), s = sign * to_f32(sin_[pos * half + k]);
-    const int64_t ia = row * head_dim + (interleaved ? 2 * k : k);
-    const int64_t ib = ia + (interleaved ? 1 : half);
-    const float a = to_f32(x[ia]), b = to_f32(x[ib]);
-    y[ia] = from_f32<T>(a * c - b * s);
-    y[ib] = from_f32<T>(b * c + a * s);
-  }
-  const int rest = head_dim - 2 * half;
-  for (int64_t i = first; i < rows * rest; i += stride) {
-    const int64_t row = i / rest;
-    const int64_t at = row * head_dim + 2 * half + (i - row * rest);
-    y[at] = x[at];
+    const T* cr = cos_ + pos * half;
+    const T* sr = sin_ + pos * half;
+    if (vec && !interleaved) {
+      for (int j = lane * N; j < half; j += lanes * N) {
+        const Pack<T> a = load_pack(xr + j), b = load_pack(xr + half + j), c = load_pack(cr + j),
+                      s = load_pack(sr + j);
+        Pack<T> oa, ob;
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+          rotate(to_f32(a.v[k]), to_f32(b.v[k]), to_f32(c.v[k]), sign * to_f32(s.v[k]), oa.v[k], ob.v[k]);
+        store_pack(yr + j, oa);
+        store_pack(yr + half + j, ob);
+      }
+    } else if (vec) {
+      for (int j = lane * N; j < rot; j += lanes * N) {
+        const Pack<T> p = load_pack(xr + j);
+        Pack<T> o;
+#pragma unroll
+        for (int k = 0; k < N / 2; ++k) {
+          const int q = j / 2 + k;
+          rotate(to_f32(p.v[2 * k]), to_f32(p.v[2 * k + 1]), to_f32(cr[q]), sign * to_f32(sr[q]), o.v[2 * k],
+                 o.v[2 * k + 1]);
+        }
+        store_pack(yr + j, o);
+      }
+    } else {
+      for (int k = lane; k < half; k += lanes) {
+        const int ia = interleaved ? 2 * k : k, ib = interleaved ? 2 * k + 1 : k + half;
+        rotate(to_f32(xr[ia]), to_f32(xr[ib]), to_f32(cr[k]), sign * to_f32(sr[k]), yr[ia], yr[ib]);
+      }
+    }
+    if (vec && rest % N == 0) {
+      for (int j = rot + lane * N; j < head_dim; j += lanes * N) store_pack(yr + j, load_pack(xr + j));
+    } else {
+      for (int j = rot + lane; j < head_dim; j += lanes) yr[j] = xr[j];
+    }
   }
 }
 
 #define KEEL_ROTARY(SUFFIX, T)                                                                                  \
   extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos_, const T* sin_, T* y, int64_t rows,      \
                                              int seq, int heads, int head_dim, int half, int interleaved,       \
-                                             float sign) {                                                      \
-    rotary<T>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign);                           \
+                                             float sign, int lanes) {                                           \
+    rotary<T>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign, lanes);                     \
   }
 
 KEEL_ROTARY(f32, float)

@@ -4,7 +4,8 @@
 //! backward is the same rotation by the opposite angle (`inverse`).
 //!
 //! - Numerics: f32 math (f64 for f64), one rounding.
-//! - CUDA: element-wise grid-stride loop over the rotated pairs.
+//! - CUDA: `lanes` threads per row (one head of one token), 16-byte loads
+//!   where the layout allows, the position worked out once per row.
 pub use keel_cpu::rotary::Shape;
 
 use crate::cpu::{Element, Par};
@@ -37,6 +38,20 @@ fn check_limits(op: &'static str, shape: &Shape) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Threads per row (`lanes`: a power of two, up to 32, enough for one
+/// 16-byte step over the larger of the rotated part and the pass-through) and
+/// the launch: blocks of 256 threads, `256 / lanes` rows each at a time,
+/// grid-stride, at most 8 blocks per SM.
+fn config(sm_count: u32, dtype: DType, rows: usize, shape: &Shape, interleaved: bool) -> (usize, LaunchConfig) {
+    let n = 16 / dtype.size();
+    let half = shape.rotary_dim / 2;
+    let rotated = if interleaved { 2 * half } else { half };
+    let steps = rotated.max(shape.head_dim - 2 * half).div_ceil(n).max(1);
+    let lanes = steps.next_power_of_two().min(32);
+    let blocks = rows.div_ceil(256 / lanes).clamp(1, sm_count as usize * 8);
+    (lanes, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
 }
 
 /// CUDA on raw device pointers.
@@ -86,9 +101,7 @@ pub(crate) unsafe fn apply_on(
         return Ok(());
     }
     let rows = shape.batch * shape.seq * shape.heads;
-    let items = (rows * half.max(shape.head_dim - 2 * half)).max(1);
-    let blocks = items.div_ceil(256).clamp(1, t.sm_count() as usize * 8);
-    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let (lanes, cfg) = config(t.sm_count(), dtype, rows, &shape, interleaved);
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(cos),
@@ -101,6 +114,7 @@ pub(crate) unsafe fn apply_on(
         Arg::I32(half as i32),
         Arg::I32(interleaved as i32),
         Arg::F32(if inverse { -1.0 } else { 1.0 }),
+        Arg::I32(lanes as i32),
     ];
     // SAFETY: the argument list matches rotary_*; pointers per our contract.
     unsafe { t.launch(MODULE, &format!("rotary_{}", dtype.suffix()), cfg, &args) }
