@@ -43,7 +43,8 @@ fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
 
 /// The kernels' main input: [`data`], and for a special case (at least 5
 /// rows of at least 8) row 0 all `-inf`, then a NaN, a `+inf` and a `-inf`
-/// in rows 1 to 3; row 4 stays finite.
+/// in rows 1 to 3, and row 4 masked: its first half `-inf` (so that some
+/// threads see only `-inf` in a row that has finite values).
 fn input<T: Element>(c: Case) -> Vec<T> {
     let mut x = data::<T>(c.rows * c.cols, 0);
     if c.special {
@@ -52,6 +53,7 @@ fn input<T: Element>(c: Case) -> Vec<T> {
         for (row, col, v) in [(1, 3, f64::NAN), (2, 5, inf), (3, 7, -inf)] {
             x[row * c.cols + col] = T::from_f64(v);
         }
+        x[4 * c.cols..][..c.cols / 2].fill(T::from_f64(-inf));
     }
     x
 }
