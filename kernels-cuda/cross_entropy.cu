@@ -4,12 +4,14 @@
 // Forward, two launches:
 //   cross_entropy_rows_*: one block per row, loss[row] (f32) =
 //     lse - (1 - ls) x[t] - ls * mean(x); 0 for an ignored row, NaN for a bad
-//     target (outside [0, cols) and not ignore_index).
+//     target (outside [0, cols) and not ignore_index). One read of the row:
+//     max, sum of exp and sum together (online softmax).
 //   cross_entropy_reduce_*: one block; counts the rows (status[0] = bad
 //     targets, status[1] = rows not ignored) and writes the output: the row
 //     losses cast to T (reduction 0 = "none"), or their mean (1) or sum (2).
 // Backward: cross_entropy_count (one block, the same status), then
-//   cross_entropy_bwd_*: one block per row, recomputing the row's lse:
+//   cross_entropy_bwd_*: one block per row, recomputing the row's lse (one
+//   read, as above), then the gradient (a second read and the write):
 //   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
 //   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
 //   ignored and bad rows.
@@ -37,15 +39,35 @@ __device__ __forceinline__ void count_targets(const int64_t* __restrict__ target
   }
 }
 
-// (max, sum of exp(x - max)) of a row, to every thread of the block.
+// Adds v to a running (max m, sum s of exp(x - m)), rescaling s when v is a
+// new maximum: one pass over the row instead of a max pass and a sum pass.
+// A -inf adds nothing (also while m is -inf, where exp(v - m) would be NaN);
+// NaN, and +inf met twice, make s NaN, as the two-pass form does.
+__device__ __forceinline__ void online_add(float v, float& m, float& s) {
+  if (v > m) {
+    s = s * expf(m - v) + 1.f;
+    m = v;
+  } else if (!(v == -INFINITY)) {
+    s += expf(v - m);
+  }
+}
+
+// (max, sum of exp(x - max)) of a row, to every thread of the block, in one
+// read of the row; with `sum_x`, also the row's sum (for label smoothing).
 template <typename T>
-__device__ __forceinline__ float2 row_lse_parts(const T* __restrict__ xr, int cols, bool vec, float* scratch) {
-  float m = -INFINITY;
-  row_each(xr, cols, vec, [&](int, float v) { m = fmaxf(m, v); });
-  m = block_max(m, scratch);
-  float s = 0.f;
-  row_each(xr, cols, vec, [&](int, float v) { s += expf(v - m); });
-  return make_float2(m, block_sum(s, scratch));
+__device__ __forceinline__ float2 row_lse_parts(const T* __restrict__ xr, int cols, bool vec, float* scratch,
+                                                float* sum_x = nullptr) {
+  float m = -INFINITY, s = 0.f, sx = 0.f;
+  row_each(xr, cols, vec, [&](int, float v) {
+    online_add(v, m, s);
+    sx += v;
+  });
+  const float bm = block_max(m, scratch);
+  // This thread's sum moved to the block's maximum (0 from a thread that saw
+  // only -inf; NaN where bm is +inf, or -inf for the whole row, as torch).
+  s = block_sum(s * expf(m - bm), scratch);
+  if (sum_x) *sum_x = block_sum(sx, scratch);
+  return make_float2(bm, s);
 }
 
 template <typename T>
@@ -60,12 +82,8 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
       continue;
     }
     const T* xr = x + row * cols;
-    const float2 ms = row_lse_parts(xr, cols, vec, scratch);
     float sx = 0.f;
-    if (ls > 0.f) {
-      row_each(xr, cols, vec, [&](int, float v) { sx += v; });
-      sx = block_sum(sx, scratch);
-    }
+    const float2 ms = row_lse_parts(xr, cols, vec, scratch, ls > 0.f ? &sx : nullptr);
     if (threadIdx.x == 0) loss[row] = ms.x + logf(ms.y) - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols;
   }
 }
