@@ -39,37 +39,6 @@ __device__ __forceinline__ void count_targets(const int64_t* __restrict__ target
   }
 }
 
-// Adds v to a running (max m, sum s of exp(x - m)), rescaling s when v is a
-// new maximum: one pass over the row instead of a max pass and a sum pass.
-// A -inf adds nothing (also while m is -inf, where exp(v - m) would be NaN);
-// NaN, and +inf met twice, make s NaN, as the two-pass form does.
-__device__ __forceinline__ void online_add(float v, float& m, float& s) {
-  if (v > m) {
-    s = s * expf(m - v) + 1.f;
-    m = v;
-  } else if (!(v == -INFINITY)) {
-    s += expf(v - m);
-  }
-}
-
-// (max, sum of exp(x - max)) of a row, to every thread of the block, in one
-// read of the row; with `sum_x`, also the row's sum (for label smoothing).
-template <typename T>
-__device__ __forceinline__ float2 row_lse_parts(const T* __restrict__ xr, int cols, bool vec, float* scratch,
-                                                float* sum_x = nullptr) {
-  float m = -INFINITY, s = 0.f, sx = 0.f;
-  row_each(xr, cols, vec, [&](int, float v) {
-    online_add(v, m, s);
-    sx += v;
-  });
-  const float bm = block_max(m, scratch);
-  // This thread's sum moved to the block's maximum (0 from a thread that saw
-  // only -inf; NaN where bm is +inf, or -inf for the whole row, as torch).
-  s = block_sum(s * expf(m - bm), scratch);
-  if (sum_x) *sum_x = block_sum(sx, scratch);
-  return make_float2(bm, s);
-}
-
 template <typename T>
 __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* __restrict__ target,
                                         float* __restrict__ loss, int64_t rows, int cols, int64_t ignore, float ls) {
@@ -83,7 +52,7 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
     }
     const T* xr = x + row * cols;
     float sx = 0.f;
-    const float2 ms = row_lse_parts(xr, cols, vec, scratch, ls > 0.f ? &sx : nullptr);
+    const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch, ls > 0.f ? &sx : nullptr);
     if (threadIdx.x == 0) loss[row] = ms.x + logf(ms.y) - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols;
   }
 }
@@ -128,7 +97,7 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
     }
     float g = to_f32(grad[reduction == 0 ? row : 0]);
     if (reduction == 1) g /= (float)status[1];
-    const float2 ms = row_lse_parts(xr, cols, vec, scratch);
+    const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch);
     const float gs = g / ms.y, off = g * ls / cols, hot = g * (1.f - ls);
     row_map(xr, dr, cols, vec, [&](int j, float v) { return expf(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
   }

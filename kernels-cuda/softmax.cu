@@ -1,9 +1,10 @@
 // softmax over the last dimension of x * scale, and its backward from the
 // output: dx = scale * y * (dy - sum(dy * y)).
 //
-// One block per row (grid-stride over rows): a max pass, an exp-sum pass and
-// the store, the row re-read from L1/L2; 16-byte loads when the row length is
-// a multiple of 16 bytes and the pointers are aligned. f32 math with expf.
+// One block per row (grid-stride over rows): the max and the sum of exp in
+// one pass (online softmax, common.cuh), then the store, the row re-read from
+// L1/L2; 16-byte loads when the row length is a multiple of 16 bytes and the
+// pointers are aligned. f32 math with expf.
 // Kernel symbols: softmax_{fwd,bwd}_{f32,f16,bf16}.
 #include "common.cuh"
 
@@ -16,12 +17,8 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(y);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
-    float m = -INFINITY;
-    row_each(xr, cols, vec, [&](int, float v) { m = fmaxf(m, v * scale); });
-    m = block_max(m, scratch);
-    float s = 0.f;
-    row_each(xr, cols, vec, [&](int, float v) { s += expf(v * scale - m); });
-    const float inv = 1.f / block_sum(s, scratch);
+    const float2 ms = row_max_sumexp(xr, cols, vec, scale, scratch);
+    const float m = ms.x, inv = 1.f / ms.y;
     row_map(xr, y + row * cols, cols, vec, [&](int, float v) { return expf(v * scale - m) * inv; });
   }
 }
