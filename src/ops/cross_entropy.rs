@@ -8,6 +8,10 @@
 //! Targets outside `[0, cols)` that are not `ignore_index` are an error. On
 //! CUDA that check reads a count back from the device, so the CUDA entry
 //! points synchronise `stream` once per call.
+//!
+//! CUDA: one block per row; the row's max, sum of exp and (for label
+//! smoothing) sum come from one read of it (online softmax), in the forward
+//! and again in the backward before the pass that writes the gradient.
 pub use keel_cpu::cross_entropy::{Options, Reduction};
 
 use super::check_cols;

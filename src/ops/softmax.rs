@@ -4,7 +4,8 @@
 //! - Shapes: every buffer holds `rows * cols` elements, row-major.
 //! - Numerics: max-subtracted, f32 math (f64 for f64), one rounding; an all
 //!   `-inf` row gives NaN, as in torch.
-//! - CUDA: one block per row, max / exp-sum / store passes, 128-bit loads.
+//! - CUDA: one block per row, a max-and-sum-of-exp pass (online softmax) and a
+//!   store pass, 128-bit loads.
 use super::check_cols;
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
