@@ -131,26 +131,32 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
         cross_entropy::forward_cuda(&s, &xd, &s.clone_htod(&bad).unwrap(), &mut zeros(1), cols, opts).unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
 
-    // rotary: rows = batch * seq * heads with heads 1, seq = rows; both layouts, both directions
+    // rotary: seq = rows, batch 1 with 1 head, then batch 2 with 3 heads; both
+    // layouts, both directions; whole heads rotated up to 256 wide, 80 dims beyond
     if cols.is_multiple_of(2) {
-        let half = (cols / 2).min(40);
-        let shape = rotary::Shape { batch: 1, seq: rows, heads: 1, head_dim: cols, rotary_dim: 2 * half };
+        let half = if cols <= 256 { cols / 2 } else { 40 };
         let angles: Vec<f64> = (0..rows * half).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
         let cos: Vec<T> = angles.iter().map(|a| T::from_f64(a.cos())).collect();
         let sin: Vec<T> = angles.iter().map(|a| T::from_f64(a.sin())).collect();
         let (cd, sd) = (up(&s, &cos), up(&s, &sin));
-        for interleaved in [false, true] {
-            for inverse in [false, true] {
-                let mut y = zeros(n);
-                rotary::apply_cuda(&s, &xd, &cd, &sd, &mut y, shape, interleaved, inverse).unwrap();
-                let mut want = cpu(n);
-                rotary::apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
-                close(
-                    &s.clone_dtoh(&y).unwrap(),
-                    &want,
-                    tol,
-                    &format!("rotary interleaved={interleaved} inverse={inverse}"),
-                );
+        for (batch, heads) in [(1, 1), (2, 3)] {
+            let shape = rotary::Shape { batch, seq: rows, heads, head_dim: cols, rotary_dim: 2 * half };
+            let m = shape.numel();
+            let xr = if batch == 1 { x.clone() } else { data::<T>(m, 17) };
+            let xrd = up(&s, &xr);
+            for interleaved in [false, true] {
+                for inverse in [false, true] {
+                    let mut y = zeros(m);
+                    rotary::apply_cuda(&s, &xrd, &cd, &sd, &mut y, shape, interleaved, inverse).unwrap();
+                    let mut want = cpu(m);
+                    rotary::apply_cpu(&xr, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
+                    close(
+                        &s.clone_dtoh(&y).unwrap(),
+                        &want,
+                        tol,
+                        &format!("rotary {batch}x{heads} heads interleaved={interleaved} inverse={inverse}"),
+                    );
+                }
             }
         }
     }
