@@ -12,6 +12,7 @@
 //   error, as are shuffles whose warp is not complete or not all present.
 // - The order of warps, and of lanes within a warp, can be reversed, so that
 //   a test can run a kernel both ways and catch a missing barrier.
+// - A launch still running after 120 s ends the process, naming the kernel.
 // What it does not model: the memory model across blocks, atomics, timing,
 // the PTX that nvcc makes (it runs the C++ source, compiled by g++).
 #pragma once

@@ -155,6 +155,19 @@ void on_fault(int, siginfo_t* info, void*) {
   _exit(134);
 }
 
+// A launch that runs longer than this is taken to loop forever (a kernel
+// that never reaches a barrier cannot be interrupted any other way).
+constexpr unsigned kLaunchSeconds = 120;
+
+void on_timeout(int) {
+  char msg[256];
+  const int n = snprintf(msg, sizeof msg,
+                         "cuda-emu: kernel %s still running after %u s (block %u, thread %u): an endless loop?\n",
+                         g ? g->name : "?", kLaunchSeconds, blockIdx.x, threadIdx.x);
+  if (write(2, msg, n > 0 ? (size_t)n : 0) < 0) {}
+  _exit(134);
+}
+
 }  // namespace
 
 void misaligned(const void* p, size_t align) {
@@ -197,12 +210,18 @@ int run_grid(const char* name, Invoker f, unsigned grid, unsigned block, void** 
   fault.sa_flags = SA_SIGINFO;
   sigaction(SIGSEGV, &fault, &old_segv);
   sigaction(SIGBUS, &fault, &old_bus);
+  struct sigaction timeout = {}, old_alarm;
+  timeout.sa_handler = on_timeout;
+  sigaction(SIGALRM, &timeout, &old_alarm);
+  alarm(kLaunchSeconds);
   gridDim = {grid, 1, 1};
   blockDim = {block, 1, 1};
   int status = 0;
   for (unsigned b = 0; b < grid && status == 0; ++b)
     if (!run_block(b, reverse)) status = 1;
   if (status) snprintf(err, err_len, "%s", state.error.c_str());
+  alarm(0);
+  sigaction(SIGALRM, &old_alarm, nullptr);
   sigaction(SIGSEGV, &old_segv, nullptr);
   sigaction(SIGBUS, &old_bus, nullptr);
   g = nullptr;
