@@ -137,6 +137,28 @@ __device__ __forceinline__ void row_map2(const T* __restrict__ a, const T* __res
   }
 }
 
+// The flat indices first, first + stride, ... of a grid-stride loop over
+// rows x width items, walked as (row, col): one 64-bit division up front
+// instead of one per step (the GPU has no divide instruction).
+struct RowCol {
+  int64_t row, step_row;
+  int col, step_col, width;
+  __device__ __forceinline__ RowCol(int64_t first, int64_t stride, int width) : width(width) {
+    row = first / width;
+    col = (int)(first - row * width);
+    step_row = stride / width;
+    step_col = (int)(stride - step_row * width);
+  }
+  __device__ __forceinline__ void next() {
+    row += step_row;
+    col += step_col;
+    if (col >= width) {
+      col -= width;
+      ++row;
+    }
+  }
+};
+
 // Adds v to a running (max m, sum s of exp(x - m)), rescaling s when v is a
 // new maximum: one pass over a row instead of a max pass and a sum pass.
 // A -inf adds nothing (also while m is -inf, where exp(v - m) would be NaN);

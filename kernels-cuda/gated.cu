@@ -2,7 +2,8 @@
 // [rows, 2d] (SwiGLU with silu, GeGLU with gelu), and their backward
 // dx = [dy * b * act'(a) | dy * act(a)].
 //
-// Element-wise: a grid-stride loop over rows * d outputs, 16 bytes of each
+// Element-wise: a grid-stride loop over rows * d outputs (walked as row and
+// column, RowCol: no division per step), 16 bytes of each
 // half per step when d is a multiple of 16 bytes and the pointers are aligned.
 // f32 math with the precise expf/erff/tanhf.
 // Kernel symbols: {silu,gelu,gelu_tanh}_and_mul_{fwd,bwd}_{f32,f16,bf16}.
@@ -40,22 +41,21 @@ struct GeluTanh {
 template <typename Act, typename T>
 __device__ __forceinline__ void act_and_mul_fwd(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int d) {
   constexpr int N = Pack<T>::N;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x, first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (d % N == 0 && aligned16(x) && aligned16(y)) {
-    const int dv = d / N;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * dv; i += stride) {
-      const int64_t row = i / dv;
-      const int c = (int)(i - row * dv) * N;
+    for (RowCol p(first, stride, d / N); p.row < rows; p.next()) {
+      const int64_t row = p.row;
+      const int c = p.col * N;
       Pack<T> a = load_pack(x + row * 2 * d + c), g = load_pack(x + row * 2 * d + d + c), o;
 #pragma unroll
       for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(Act::f(to_f32(a.v[k])) * to_f32(g.v[k]));
       store_pack(y + row * d + c, o);
     }
   } else {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * d; i += stride) {
-      const int64_t row = i / d;
-      const int c = (int)(i - row * d);
-      y[i] = from_f32<T>(Act::f(to_f32(x[row * 2 * d + c])) * to_f32(x[row * 2 * d + d + c]));
+    for (RowCol p(first, stride, d); p.row < rows; p.next()) {
+      const int64_t row = p.row;
+      const int c = p.col;
+      y[row * d + c] = from_f32<T>(Act::f(to_f32(x[row * 2 * d + c])) * to_f32(x[row * 2 * d + d + c]));
     }
   }
 }
@@ -64,12 +64,11 @@ template <typename Act, typename T>
 __device__ __forceinline__ void act_and_mul_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                 T* __restrict__ dx, int64_t rows, int d) {
   constexpr int N = Pack<T>::N;
-  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x, first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (d % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx)) {
-    const int dv = d / N;
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * dv; i += stride) {
-      const int64_t row = i / dv;
-      const int c = (int)(i - row * dv) * N;
+    for (RowCol p(first, stride, d / N); p.row < rows; p.next()) {
+      const int64_t row = p.row;
+      const int c = p.col * N;
       const int64_t at = row * 2 * d + c;
       Pack<T> a = load_pack(x + at), g = load_pack(x + at + d), pg = load_pack(dy + row * d + c), da, dg;
 #pragma unroll
@@ -83,12 +82,12 @@ __device__ __forceinline__ void act_and_mul_bwd(const T* __restrict__ dy, const 
       store_pack(dx + at + d, dg);
     }
   } else {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < rows * d; i += stride) {
-      const int64_t row = i / d;
-      const int c = (int)(i - row * d);
+    for (RowCol p(first, stride, d); p.row < rows; p.next()) {
+      const int64_t row = p.row;
+      const int c = p.col;
       const int64_t at = row * 2 * d + c;
       const float2 e = Act::f_df(to_f32(x[at]));
-      const float gy = to_f32(dy[i]);
+      const float gy = to_f32(dy[row * d + c]);
       dx[at] = from_f32<T>(gy * to_f32(x[at + d]) * e.y);
       dx[at + d] = from_f32<T>(gy * e.x);
     }
