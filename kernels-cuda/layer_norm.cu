@@ -2,47 +2,51 @@
 //
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and every pointer is aligned, f32
-// accumulation. Mean and variance in two passes (the second re-reads the row
-// from L1/L2). The backward recomputes them and sums dw/db per block into f32
-// scratch rows, summed by layer_norm_bwd_sum (deterministic).
+// accumulation. Mean and variance from one read of the row (row_moments), the
+// output from a second. The backward recomputes them and sums dw/db per block
+// into f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
 // Kernel symbols: layer_norm_{fwd,bwd,bwd_sum}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
 
-// Mean and 1/sqrt(var + eps) of one row, returned to every thread.
+// Mean and 1/sqrt(var + eps) of one row, returned to every thread, from one
+// read of the row. Each thread sums its own elements shifted by the first of
+// them, (sum(x - k), sum((x - k)^2)); where the shift was poor (the shifted
+// mean's square over half the shifted mean square, so that the subtraction
+// would lose more than a bit) it re-reads its own elements for an exact
+// sum((x - mean_t)^2). The block then combines the threads' (count, mean,
+// M2) as Chan et al.: mean = sum(n_t mean_t) / n, M2 = sum(M2_t + n_t (mean_t
+// - mean)^2).
 template <typename T>
 __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols, bool vec, float eps,
                                               float* scratch) {
-  constexpr int N = Pack<T>::N;
-  float s = 0.f;
-  if (vec) {
-    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-      Pack<T> p = load_pack(xr + i * N);
-#pragma unroll
-      for (int k = 0; k < N; ++k) s += to_f32(p.v[k]);
-    }
-  } else {
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) s += to_f32(xr[i]);
-  }
-  const float mean = block_sum(s, scratch) / cols;
-  float v = 0.f;
-  if (vec) {
-    for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-      Pack<T> p = load_pack(xr + i * N);
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        float d = to_f32(p.v[k]) - mean;
-        v += d * d;
-      }
-    }
-  } else {
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-      float d = to_f32(xr[i]) - mean;
-      v += d * d;
+  float k = 0.f, s1 = 0.f, s2 = 0.f;
+  int n = 0;
+  row_each(xr, cols, vec, [&](int, float v) {
+    if (n == 0) k = v;
+    const float d = v - k;
+    s1 += d;
+    s2 += d * d;
+    ++n;
+  });
+  float mean_t = 0.f, m2 = 0.f;
+  if (n > 0) {
+    const float d1 = s1 / n;
+    mean_t = k + d1;
+    if (d1 * d1 <= 0.5f * (s2 / n)) {
+      m2 = s2 - s1 * d1;
+    } else {
+      row_each(xr, cols, vec, [&](int, float v) {
+        const float d = v - mean_t;
+        m2 += d * d;
+      });
     }
   }
-  return make_float2(mean, rsqrtf(block_sum(v, scratch) / cols + eps));
+  const float mean = block_sum(n * mean_t, scratch) / cols;
+  const float dm = mean_t - mean;
+  const float var = block_sum(m2 + n * dm * dm, scratch) / cols;
+  return make_float2(mean, rsqrtf(var + eps));
 }
 
 template <typename T>
