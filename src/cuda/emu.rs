@@ -40,14 +40,18 @@ pub(crate) struct Emu {
 /// `None` when it can. With `KEEL_REQUIRE_CUDA_EMU=1` (CI) that is a failure
 /// rather than a skip.
 pub(crate) fn unavailable() -> Option<String> {
-    let why = match (cxx(), cuda_include()) {
-        (Err(e), _) | (_, Err(e)) => Some(e),
-        _ => None,
-    };
+    let why = toolchain().as_ref().err().cloned();
     if let Some(why) = &why {
         assert!(std::env::var_os("KEEL_REQUIRE_CUDA_EMU").is_none_or(|v| v == "0"), "CUDA emulation required: {why}");
     }
     why
+}
+
+/// The C++ compiler and the CUDA include directory, looked for once per
+/// process (every test, proptest case and module build asks).
+fn toolchain() -> &'static std::result::Result<(String, PathBuf), String> {
+    static FOUND: OnceLock<std::result::Result<(String, PathBuf), String>> = OnceLock::new();
+    FOUND.get_or_init(|| Ok((cxx()?, cuda_include()?)))
 }
 
 fn cxx() -> std::result::Result<String, String> {
@@ -93,7 +97,7 @@ fn entries(ptx: &str) -> Vec<&str> {
 /// its PTX (so every kernel that Rust can ask for exists in C++).
 fn build(module: Module) -> std::result::Result<Lib, String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let (cxx, include) = (cxx()?, cuda_include()?);
+    let (cxx, include) = toolchain().clone()?;
     let dir = Path::new(env!("OUT_DIR")).join("cuda-emu");
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let stem = module.0;
