@@ -242,7 +242,7 @@ impl Target for Emu {
         Ok(())
     }
 
-    unsafe fn read_i32s(&self, src: u64, dst: &mut [i32]) -> Result<()> {
+    unsafe fn read_i32s(&self, _what: &str, src: u64, dst: &mut [i32]) -> Result<()> {
         // SAFETY: `src` is host memory holding `dst.len()` i32s (our contract).
         unsafe { std::ptr::copy_nonoverlapping(src as *const i32, dst.as_mut_ptr(), dst.len()) };
         Ok(())

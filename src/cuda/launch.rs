@@ -35,11 +35,11 @@ pub(crate) trait Target {
     unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()>;
 
     /// Copies `dst.len()` i32s from the device address `src` once the work
-    /// launched so far is done.
+    /// launched so far is done; `what` names the read in a driver error.
     ///
     /// # Safety
     /// `src` must hold `dst.len()` i32s on this target.
-    unsafe fn read_i32s(&self, src: u64, dst: &mut [i32]) -> Result<()>;
+    unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()>;
 }
 
 /// A GPU and one of its streams: what the public `*_cuda_raw` entry points
@@ -72,11 +72,11 @@ impl Target for Stream<'_> {
         Ok(())
     }
 
-    unsafe fn read_i32s(&self, src: u64, dst: &mut [i32]) -> Result<()> {
+    unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()> {
         // SAFETY: `src` holds `dst.len()` i32s on this stream's device (our contract).
         unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream()) }
-            .map_err(driver("copying to the host"))?;
-        self.stream.synchronize().map_err(driver("synchronising the stream"))
+            .map_err(driver(format!("reading {what}")))?;
+        self.stream.synchronize().map_err(driver(format!("synchronising before {what}")))
     }
 }
 

@@ -82,7 +82,7 @@ unsafe fn check_status(
 ) -> Result<()> {
     let mut status = [0i32; 2];
     // SAFETY: the two counters follow the rows f32 losses in scratch.
-    unsafe { t.read_i32s(scratch + 4 * rows as u64, &mut status)? };
+    unsafe { t.read_i32s("cross_entropy's target check", scratch + 4 * rows as u64, &mut status)? };
     if status[0] != 0 {
         return Err(Error::Invalid {
             op,
