@@ -1,8 +1,9 @@
-//! criterion: fused cross_entropy on CPU, forward (mean loss) and backward,
-//! every dtype, on rayon's pool; every 8th row ignored. Throughput counts the
-//! logits read (and, backward, the gradient written).
+//! criterion: fused cross_entropy on CPU, forward (mean loss, keeping each
+//! row's log-sum-exp) and backward (recomputing the lse, and given it), every
+//! dtype, on rayon's pool; every 8th row ignored. Throughput counts the logits
+//! read (and, backward, the gradient written).
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use keel::cpu::{Element, Par};
+use keel::cpu::{Acc, Element, Par};
 use keel::ops::cross_entropy::{backward_cpu, forward_cpu, Options, Reduction};
 use std::hint::black_box;
 
@@ -19,13 +20,17 @@ fn bench<T: Element>(c: &mut Criterion) {
         let x = data::<T>(n, 0);
         let target: Vec<i64> = (0..rows).map(|i| if i % 8 == 0 { -100 } else { ((i * 7919) % vocab) as i64 }).collect();
         let (mut loss, grad, mut dx) = (vec![T::default(); 1], vec![T::from_f64(1.0)], vec![T::default(); n]);
+        let mut lse = vec![T::Acc::ZERO; rows];
         g.throughput(bytes::<T>(n));
         g.bench_function(BenchmarkId::new("fwd", &id), |bn| {
-            bn.iter(|| forward_cpu(black_box(&x), &target, &mut loss, vocab, opts, par).unwrap())
+            bn.iter(|| forward_cpu(black_box(&x), &target, &mut loss, Some(&mut lse), vocab, opts, par).unwrap())
         });
         g.throughput(bytes::<T>(2 * n));
         g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
-            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, &mut dx, vocab, opts, par).unwrap())
+            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, None, &mut dx, vocab, opts, par).unwrap())
+        });
+        g.bench_function(BenchmarkId::new("bwd_lse", &id), |bn| {
+            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, Some(&lse), &mut dx, vocab, opts, par).unwrap())
         });
     }
     g.finish();

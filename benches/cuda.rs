@@ -70,19 +70,26 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
         let target: Vec<i64> = (0..rows).map(|i| if i % 8 == 0 { -100 } else { ((i * 7919) % vocab) as i64 }).collect();
         let target = s.clone_htod(&target).unwrap();
         let (mut loss, grad, mut dx) = (zeros(1), up(&[T::from_f64(1.0)]), zeros(n));
+        let mut lse = s.alloc_zeros::<f32>(rows).unwrap();
         // Each call reads back its count of bad targets (one sync per call, as through torch).
         g.throughput(bytes::<T>(n));
         g.bench_function(BenchmarkId::new("cross_entropy/fwd", &id), |bn| {
             bn.iter_custom(|it| {
-                timed(s, it, || cross_entropy::forward_cuda(s, &x, &target, &mut loss, vocab, opts).unwrap())
+                timed(s, it, || {
+                    cross_entropy::forward_cuda(s, &x, &target, &mut loss, Some(&mut lse), vocab, opts).unwrap()
+                })
             })
         });
         g.throughput(bytes::<T>(2 * n));
-        g.bench_function(BenchmarkId::new("cross_entropy/bwd", &id), |bn| {
-            bn.iter_custom(|it| {
-                timed(s, it, || cross_entropy::backward_cuda(s, &grad, &x, &target, &mut dx, vocab, opts).unwrap())
-            })
-        });
+        for (name, lse) in [("cross_entropy/bwd", None), ("cross_entropy/bwd_lse", Some(&lse))] {
+            g.bench_function(BenchmarkId::new(name, &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        cross_entropy::backward_cuda(s, &grad, &x, &target, lse, &mut dx, vocab, opts).unwrap()
+                    })
+                })
+            });
+        }
     }
     for (batch, seq) in BATCH_SEQ {
         let shape = rotary::Shape { batch, seq, heads: 32, head_dim: 128, rotary_dim: 128 };

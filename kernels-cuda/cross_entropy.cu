@@ -5,13 +5,15 @@
 //   cross_entropy_rows_*: one block per row, loss[row] (f32) =
 //     lse - (1 - ls) x[t] - ls * mean(x); 0 for an ignored row, NaN for a bad
 //     target (outside [0, cols) and not ignore_index). One read of the row:
-//     max, sum of exp and sum together (online softmax).
+//     max, sum of exp and sum together (online softmax). When lse is not
+//     null, lse[row] = the row's log-sum-exp (0 for ignored and bad rows).
 //   cross_entropy_reduce_*: one block; counts the rows (status[0] = bad
 //     targets, status[1] = rows not ignored) and writes the output: the row
 //     losses cast to T (reduction 0 = "none"), or their mean (1) or sum (2).
 // Backward: cross_entropy_count (one block, the same status), then
-//   cross_entropy_bwd_*: one block per row, recomputing the row's lse (one
-//   read, as above), then the gradient (a second read and the write):
+//   cross_entropy_bwd_*: one block per row, taking the row's lse from the
+//   forward, or recomputing it when lse is null (one read, as above), then
+//   the gradient (one more read, and the write):
 //   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
 //   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
 //   ignored and bad rows.
@@ -41,19 +43,27 @@ __device__ __forceinline__ void count_targets(const int64_t* __restrict__ target
 
 template <typename T>
 __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* __restrict__ target,
-                                        float* __restrict__ loss, int64_t rows, int cols, int64_t ignore, float ls) {
+                                        float* __restrict__ loss, float* __restrict__ lse, int64_t rows, int cols,
+                                        int64_t ignore, float ls) {
   __shared__ float scratch[32];
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t t = target[row];
     if (t == ignore || bad_target(t, cols)) {
-      if (threadIdx.x == 0) loss[row] = t == ignore ? 0.f : NAN;
+      if (threadIdx.x == 0) {
+        loss[row] = t == ignore ? 0.f : NAN;
+        if (lse) lse[row] = 0.f;
+      }
       continue;
     }
     const T* xr = x + row * cols;
     float sx = 0.f;
     const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch, ls > 0.f ? &sx : nullptr);
-    if (threadIdx.x == 0) loss[row] = ms.x + logf(ms.y) - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols;
+    if (threadIdx.x == 0) {
+      const float l = ms.x + logf(ms.y);
+      loss[row] = l - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols;
+      if (lse) lse[row] = l;
+    }
   }
 }
 
@@ -82,9 +92,9 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const 
 
 template <typename T>
 __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __restrict__ x,
-                                       const int64_t* __restrict__ target, const int* __restrict__ status,
-                                       T* __restrict__ dx, int64_t rows, int cols, int64_t ignore, float ls,
-                                       int reduction) {
+                                       const int64_t* __restrict__ target, const float* __restrict__ lse,
+                                       const int* __restrict__ status, T* __restrict__ dx, int64_t rows, int cols,
+                                       int64_t ignore, float ls, int reduction) {
   __shared__ float scratch[32];
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(dx);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -97,7 +107,8 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
     }
     float g = to_f32(grad[reduction == 0 ? row : 0]);
     if (reduction == 1) g /= (float)status[1];
-    const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch);
+    // exp(x - m) / s: m = lse and s = 1 when the forward left the lse.
+    const float2 ms = lse ? make_float2(lse[row], 1.f) : row_max_sumexp(xr, cols, vec, 1.f, scratch);
     const float gs = g / ms.y, off = g * ls / cols, hot = g * (1.f - ls);
     row_map(xr, dr, cols, vec, [&](int j, float v) { return expf(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
   }
@@ -111,8 +122,9 @@ extern "C" __global__ void cross_entropy_count(const int64_t* target, int* statu
 
 #define KEEL_CROSS_ENTROPY(SUFFIX, T)                                                                          \
   extern "C" __global__ void cross_entropy_rows_##SUFFIX(const T* x, const int64_t* target, float* loss,      \
-                                                         int64_t rows, int cols, int64_t ignore, float ls) {  \
-    ce_rows<T>(x, target, loss, rows, cols, ignore, ls);                                                       \
+                                                         float* lse, int64_t rows, int cols, int64_t ignore,  \
+                                                         float ls) {                                          \
+    ce_rows<T>(x, target, loss, lse, rows, cols, ignore, ls);                                                  \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_reduce_##SUFFIX(const float* loss, const int64_t* target,          \
                                                            int* status, T* out, int64_t rows, int cols,       \
@@ -120,9 +132,10 @@ extern "C" __global__ void cross_entropy_count(const int64_t* target, int* statu
     ce_reduce<T>(loss, target, status, out, rows, cols, ignore, reduction);                                    \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_bwd_##SUFFIX(const T* grad, const T* x, const int64_t* target,     \
-                                                        const int* status, T* dx, int64_t rows, int cols,     \
-                                                        int64_t ignore, float ls, int reduction) {            \
-    ce_bwd<T>(grad, x, target, status, dx, rows, cols, ignore, ls, reduction);                                 \
+                                                        const float* lse, const int* status, T* dx,           \
+                                                        int64_t rows, int cols, int64_t ignore, float ls,     \
+                                                        int reduction) {                                      \
+    ce_bwd<T>(grad, x, target, lse, status, dx, rows, cols, ignore, ls, reduction);                            \
   }
 
 KEEL_CROSS_ENTROPY(f32, float)

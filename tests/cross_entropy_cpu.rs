@@ -1,10 +1,11 @@
-//! Property tests: the CPU fused cross-entropy (loss and gradient) against the
-//! f64 reference for every reduction, with ignored rows and label smoothing,
-//! every dtype, sequential and on rayon; plus torch's edge cases and bad targets.
+//! Property tests: the CPU fused cross-entropy (loss, each row's log-sum-exp,
+//! and the gradient, recomputing the lse and given it) against the f64
+//! reference for every reduction, with ignored rows and label smoothing, every
+//! dtype, sequential and on rayon; plus torch's edge cases and bad targets.
 mod common;
 
 use common::{assert_close_floor, sum_scale, to_elems, Tol};
-use keel::cpu::{bf16, f16, Par};
+use keel::cpu::{bf16, f16, Acc, Element, Par};
 use keel::ops::cross_entropy::{backward_cpu, forward_cpu, Options, Reduction};
 use keel_cpu::cross_entropy::{backward_ref, forward_ref};
 use proptest::prelude::*;
@@ -31,8 +32,14 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], target: &[i64], ls: f64, g
         let want = forward_ref(&x, target, cols, opts);
         let want_dx = backward_ref(&grad, &x, target, cols, opts);
         for par in [Par::Seq, Par::Rayon] {
-            let mut out = vec![T::default(); n];
-            forward_cpu(&x, target, &mut out, cols, opts, par).unwrap();
+            let (mut out, mut lse) = (vec![T::default(); n], vec![T::Acc::ONE; rows]);
+            forward_cpu(&x, target, &mut out, Some(&mut lse), cols, opts, par).unwrap();
+            for (i, (l, xr)) in lse.iter().zip(x.chunks(cols)).enumerate() {
+                let want = if target[i] == IGNORE { 0.0 } else { lse_ref(xr) };
+                // Rounded once to `T::Acc` from an f64 sum of Acc terms.
+                let bound = if T::NAME == "f64" { 1e-12 } else { 1e-6 } * (1.0 + want.abs());
+                assert!((l.to_f64() - want).abs() <= bound, "lse [{}] row {i}: {} vs {want}", T::NAME, l.to_f64());
+            }
             if reduction == Reduction::Mean && target.iter().all(|&t| t == IGNORE) {
                 assert!(out[0].to_f64().is_nan(), "mean over no rows is NaN");
                 continue;
@@ -45,17 +52,25 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], target: &[i64], ls: f64, g
                 floor * if reduction == Reduction::None { 1.0 } else { rows as f64 },
                 &format!("{reduction:?} loss"),
             );
-            let mut dx = vec![T::default(); rows * cols];
-            backward_cpu(&grad, &x, target, &mut dx, cols, opts, par).unwrap();
-            assert_close_floor(
-                &dx,
-                &want_dx,
-                2.0 * sum_scale::<T>(cols),
-                g.abs() + 1.0,
-                &format!("{reduction:?} grad"),
-            );
+            for (how, lse) in [("", None), (" given the lse", Some(lse.as_slice()))] {
+                let mut dx = vec![T::default(); rows * cols];
+                backward_cpu(&grad, &x, target, lse, &mut dx, cols, opts, par).unwrap();
+                assert_close_floor(
+                    &dx,
+                    &want_dx,
+                    2.0 * sum_scale::<T>(cols),
+                    g.abs() + 1.0,
+                    &format!("{reduction:?} grad{how}"),
+                );
+            }
         }
     }
+}
+
+/// A row's log-sum-exp in f64.
+fn lse_ref<T: Element>(x: &[T]) -> f64 {
+    let m = x.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, f64::max);
+    m + x.iter().map(|v| (v.to_f64() - m).exp()).sum::<f64>().ln()
 }
 
 proptest! {
@@ -81,10 +96,12 @@ fn known_value_and_ignored_rows() {
     let t = [1, IGNORE, 3];
     let mut out = [0f32];
     let opts = Options { ignore_index: IGNORE, label_smoothing: 0.0, reduction: Reduction::Mean };
-    forward_cpu(&x, &t, &mut out, 4, opts, Par::Seq).unwrap();
+    let mut lse = [f32::NAN; 3];
+    forward_cpu(&x, &t, &mut out, Some(&mut lse), 4, opts, Par::Seq).unwrap();
     assert!((out[0] as f64 - 4f64.ln()).abs() < 1e-6, "{}", out[0]);
+    assert_eq!(lse, [4f32.ln(), 0.0, 4f32.ln()], "the lse of each row, 0 where ignored");
     let mut dx = [1f32; 12];
-    backward_cpu(&[1.0f32], &x, &t, &mut dx, 4, opts, Par::Seq).unwrap();
+    backward_cpu(&[1.0f32], &x, &t, None, &mut dx, 4, opts, Par::Seq).unwrap();
     assert_eq!(&dx[4..8], &[0.0; 4], "ignored row has no gradient");
     assert!((dx[1] + 0.375).abs() < 1e-7 && (dx[0] - 0.125).abs() < 1e-7, "{dx:?}");
 }
@@ -95,19 +112,22 @@ fn bad_targets_and_options_are_errors() {
     let opts = Options { ignore_index: IGNORE, label_smoothing: 0.0, reduction: Reduction::Sum };
     let mut out = [0f32];
     assert_eq!(
-        err(forward_cpu(&[0f32; 8], &[0, 4], &mut out, 4, opts, Par::Seq)),
+        err(forward_cpu(&[0f32; 8], &[0, 4], &mut out, None, 4, opts, Par::Seq)),
         "cross_entropy: argument 'target': holds 4 at row 1, out of range for 4 classes (and not ignore_index = -100)"
     );
-    assert!(err(forward_cpu(&[0f32; 8], &[-1, 0], &mut out, 4, opts, Par::Seq)).contains("holds -1 at row 0"));
+    assert!(err(forward_cpu(&[0f32; 8], &[-1, 0], &mut out, None, 4, opts, Par::Seq)).contains("holds -1 at row 0"));
     let bad_ls = Options { label_smoothing: 1.5, ..opts };
-    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], &mut out, 4, bad_ls, Par::Seq))
+    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], &mut out, None, 4, bad_ls, Par::Seq))
         .contains("'label_smoothing': must be in [0, 1]"));
-    assert!(
-        err(forward_cpu(&[0f32; 8], &[0], &mut out, 4, opts, Par::Seq)).contains("'target' has length 1, expected 2")
-    );
+    assert!(err(forward_cpu(&[0f32; 8], &[0], &mut out, None, 4, opts, Par::Seq))
+        .contains("'target' has length 1, expected 2"));
+    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], &mut out, Some(&mut [0f32; 3]), 4, opts, Par::Seq))
+        .contains("'lse' has length 3, expected 2"));
     let mut dx = [0f32; 8];
-    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 9], &mut dx, 4, opts, Par::Seq))
+    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 9], None, &mut dx, 4, opts, Par::Seq))
         .contains("cross_entropy_backward: argument 'target'"));
+    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 0], Some(&[0f32]), &mut dx, 4, opts, Par::Seq))
+        .contains("cross_entropy_backward: argument 'lse' has length 1, expected 2"));
     assert_eq!(
         keel_cpu::cross_entropy::Reduction::parse("cross_entropy", "avg").unwrap_err().to_string(),
         "cross_entropy: argument 'reduction': must be \"mean\", \"sum\" or \"none\", got \"avg\""

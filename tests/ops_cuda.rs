@@ -2,7 +2,7 @@
 //! cross_entropy and rotary_embedding against the
 //! CPU kernels (themselves checked against f64 references). Skips, saying
 //! why, where no GPU is usable.
-use keel::cpu::{bf16, f16, Element, Par};
+use keel::cpu::{bf16, f16, Acc, Element, Par};
 use keel::cuda::{gpu, is_available, CudaElement, CudaSlice, CudaStream};
 use keel::ops::{cross_entropy, fused_add_rms_norm, gated, layer_norm, rotary, softmax};
 use std::sync::Arc;
@@ -111,24 +111,28 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
         let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction };
         let m = reduction.out_len(rows);
-        let mut out = zeros(m);
-        cross_entropy::forward_cuda(&s, &xd, &td, &mut out, cols, opts).unwrap();
-        let mut want = cpu(m);
-        cross_entropy::forward_cpu(&x, &target, &mut want, cols, opts, Par::Seq).unwrap();
+        let (mut out, mut lse) = (zeros(m), s.alloc_zeros::<f32>(rows).unwrap());
+        cross_entropy::forward_cuda(&s, &xd, &td, &mut out, Some(&mut lse), cols, opts).unwrap();
+        let (mut want, mut wlse) = (cpu(m), vec![T::Acc::ZERO; rows]);
+        cross_entropy::forward_cpu(&x, &target, &mut want, Some(&mut wlse), cols, opts, Par::Seq).unwrap();
         let got = s.clone_dtoh(&out).unwrap();
         close(&got, &want, 4.0 * tol * (cols as f64).log2().max(1.0), &format!("cross_entropy {reduction:?}"));
+        let wlse: Vec<f32> = wlse.iter().map(|v| v.to_f64() as f32).collect();
+        close(&s.clone_dtoh(&lse).unwrap(), &wlse, 1e-5, &format!("cross_entropy {reduction:?} lse"));
         let grad = data::<T>(m, 13);
-        let mut dx = zeros(n);
-        cross_entropy::backward_cuda(&s, &up(&s, &grad), &xd, &td, &mut dx, cols, opts).unwrap();
         let mut wdx = cpu(n);
-        cross_entropy::backward_cpu(&grad, &x, &target, &mut wdx, cols, opts, Par::Seq).unwrap();
-        close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("cross_entropy {reduction:?} grad"));
+        cross_entropy::backward_cpu(&grad, &x, &target, None, &mut wdx, cols, opts, Par::Seq).unwrap();
+        for (how, l) in [("", None), (" given the lse", Some(&lse))] {
+            let mut dx = zeros(n);
+            cross_entropy::backward_cuda(&s, &up(&s, &grad), &xd, &td, l, &mut dx, cols, opts).unwrap();
+            close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("cross_entropy {reduction:?} grad{how}"));
+        }
     }
     let bad: Vec<i64> = (0..rows).map(|i| if i == rows - 1 { cols as i64 } else { 0 }).collect();
     let opts =
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
-    let err =
-        cross_entropy::forward_cuda(&s, &xd, &s.clone_htod(&bad).unwrap(), &mut zeros(1), cols, opts).unwrap_err();
+    let err = cross_entropy::forward_cuda(&s, &xd, &s.clone_htod(&bad).unwrap(), &mut zeros(1), None, cols, opts)
+        .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
 
     // rotary: seq = rows, batch 1 with 1 head, then batch 2 with 3 heads; both

@@ -7,8 +7,9 @@
 //! not ignored (all ignored gives NaN, as torch).
 //!
 //! Fused: no log-softmax is stored. The forward reads the logits once (max,
-//! then exp-sum from cache); the backward recomputes each row's `lse` the same
-//! way and writes `dx = g (softmax(x) - eps / v) - g (1 - eps) [j = t]`. The
+//! then exp-sum from cache) and can hand back each row's `lse` (one value per
+//! row, in `T::Acc`); the backward takes that `lse`, or recomputes it the same
+//! way, and writes `dx = g (softmax(x) - eps / v) - g (1 - eps) [j = t]`. The
 //! only logits-sized buffer of forward + backward is the gradient itself.
 //!
 //! Targets must lie in `[0, v)` or equal `ignore_index`: anything else is an
@@ -114,19 +115,26 @@ pub fn check_targets(op: &'static str, target: &[i64], cols: usize, ignore_index
     Ok(count)
 }
 
-/// Forward: writes the loss (`rows` values for [`Reduction::None`], else one).
+/// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
+/// and, when `lse` is given (`rows` values), each row's log-sum-exp, which
+/// [`backward`] can then take instead of recomputing it (0 for ignored rows).
 pub fn forward<T: Element>(
     logits: &[T],
     target: &[i64],
     out: &mut [T],
+    lse: Option<&mut [T::Acc]>,
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
     let rows = check(OP_FWD, logits.len(), target.len(), cols, &opts)?;
     check_len(OP_FWD, "out", out.len(), opts.reduction.out_len(rows))?;
+    if let Some(l) = &lse {
+        check_len(OP_FWD, "lse", l.len(), rows)?;
+    }
     let count = check_targets(OP_FWD, target, cols, opts.ignore_index)?;
-    let mut losses = vec![0f64; rows];
+    // Per row: the loss and the log-sum-exp.
+    let mut losses = vec![[0f64; 2]; rows];
     if rows > 0 {
         let blocks = Blocks::new(&par, rows, cols);
         let ls = Split::new(&mut losses, blocks.per);
@@ -147,21 +155,27 @@ pub fn forward<T: Element>(
             );
         });
     }
+    if let Some(lse) = lse {
+        lse.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
+    }
+    let sum = || losses.iter().map(|l| l[0]).sum::<f64>();
     match opts.reduction {
-        Reduction::None => out.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::from_f64(*l)),
-        Reduction::Sum => out[0] = T::from_f64(losses.iter().sum()),
-        Reduction::Mean => out[0] = T::from_f64(losses.iter().sum::<f64>() / count as f64),
+        Reduction::None => out.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
+        Reduction::Sum => out[0] = T::from_f64(sum()),
+        Reduction::Mean => out[0] = T::from_f64(sum() / count as f64),
     }
     Ok(())
 }
 
 /// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
-/// [`Reduction::None`], else one) and the forward's inputs.
+/// [`Reduction::None`], else one) and the forward's inputs; with the forward's
+/// `lse`, each row is read once (the max pass is skipped).
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[i64],
+    lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
     opts: Options,
@@ -170,6 +184,9 @@ pub fn backward<T: Element>(
     let rows = check(OP_BWD, logits.len(), target.len(), cols, &opts)?;
     check_len(OP_BWD, "grad", grad.len(), opts.reduction.out_len(rows))?;
     check_len(OP_BWD, "grad_logits", grad_logits.len(), logits.len())?;
+    if let Some(l) = lse {
+        check_len(OP_BWD, "lse", l.len(), rows)?;
+    }
     let count = check_targets(OP_BWD, target, cols, opts.ignore_index)?;
     if rows == 0 {
         return Ok(());
@@ -199,7 +216,8 @@ pub fn backward<T: Element>(
                         dx.iter_mut().for_each(|d| *d = T::default());
                     } else {
                         let ahead = (next_row(ahead, cols), next_row(ahead_w, cols));
-                        row_grad_into(x, t as usize, dx, &mut scratch, row_grad(row), opts.label_smoothing, ahead);
+                        let (g, eps, lse) = (row_grad(row), opts.label_smoothing, lse.map(|l| l[row]));
+                        row_grad_into(x, t as usize, dx, &mut scratch, g, eps, lse, ahead);
                     }
                 }
             },
@@ -208,9 +226,10 @@ pub fn backward<T: Element>(
     Ok(())
 }
 
-/// One row's loss: `lse - (1 - eps) x[t] - eps mean(x)`, in f64 from `Acc` sums.
+/// One row's loss, `lse - (1 - eps) x[t] - eps mean(x)`, and its `lse`, in f64
+/// from `Acc` sums.
 #[inline(always)]
-fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T]) -> f64 {
+fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T]) -> [f64; 2] {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
@@ -219,7 +238,7 @@ fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T]) -> f64 {
     if eps > 0.0 {
         loss -= eps * row_sum(x).to_f64() / x.len() as f64;
     }
-    loss
+    [loss, lse]
 }
 
 /// Sum of a row.
@@ -228,7 +247,11 @@ fn row_sum<T: Element>(x: &[T]) -> T::Acc {
     sum_pairs(x, x, |a, _| a)
 }
 
-/// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`.
+/// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`;
+/// `e = exp(x - m)`, `s` its sum. Given the row's `lse`, `e = exp(x - lse)` and
+/// `s = 1`, with no pass for the max (`x - lse <= 0`, as `exp_into` needs: the
+/// forward rounds `lse >= max`, which is representable, to nearest).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn row_grad_into<T: Element>(
     x: &[T],
@@ -237,11 +260,13 @@ fn row_grad_into<T: Element>(
     scratch: &mut [T::Acc],
     g: f64,
     eps: f64,
+    lse: Option<T::Acc>,
     (ahead, ahead_w): (&[T], &[T]),
 ) {
     let one = T::Acc::ONE;
-    let m = row_max(x, one);
+    let m = lse.unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
+    let s = if lse.is_some() { one } else { s };
     let (gs, off) = (T::Acc::from_f64(g / s.to_f64()), T::Acc::from_f64(g * eps / x.len() as f64));
     T::from_acc_slice_affine(scratch, (gs, off), dx);
     let p = scratch[t].to_f64() / s.to_f64();

@@ -28,7 +28,7 @@ mod rows;
 mod simd;
 pub mod softmax;
 
-pub use element::Element;
+pub use element::{Acc, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use par::{Par, ParallelFor};

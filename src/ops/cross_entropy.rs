@@ -1,17 +1,20 @@
 //! Fused cross-entropy over logits `[rows, cols]` and int64 class targets
 //! `[rows]`, with `ignore_index`, label smoothing and the reductions `none`,
 //! `mean`, `sum`: the same as `torch.nn.functional.cross_entropy` (no class
-//! weights). No log-softmax is stored; the backward recomputes each row's
-//! log-sum-exp from the logits, so forward + backward need one logits-sized
-//! buffer (the gradient) beyond their inputs.
+//! weights). No log-softmax is stored; the forward can hand back each row's
+//! log-sum-exp (`lse`, one value per row in the accumulation type), which the
+//! backward takes in place of recomputing it, so that it reads each row once.
+//! Forward + backward need one logits-sized buffer (the gradient) beyond their
+//! inputs.
 //!
 //! Targets outside `[0, cols)` that are not `ignore_index` are an error. On
 //! CUDA that check reads a count back from the device, so the CUDA entry
 //! points synchronise `stream` once per call.
 //!
 //! CUDA: one block per row; the row's max, sum of exp and (for label
-//! smoothing) sum come from one read of it (online softmax), in the forward
-//! and again in the backward before the pass that writes the gradient.
+//! smoothing) sum come from one read of it (online softmax). The backward
+//! then reads the row once more to write the gradient, or, given the
+//! forward's `lse`, only that once.
 pub use keel_cpu::cross_entropy::{Options, Reduction};
 
 use super::check_cols;
@@ -23,30 +26,36 @@ use std::sync::Arc;
 
 const MODULE: (&str, &str) = ("cross_entropy", crate::ptx::CROSS_ENTROPY);
 
-/// CPU forward: the loss (`rows` values for [`Reduction::None`], else one).
+/// CPU forward: the loss (`rows` values for [`Reduction::None`], else one),
+/// and each row's log-sum-exp into `lse` when given (`rows` values; 0 for
+/// ignored rows).
+#[allow(clippy::too_many_arguments)]
 pub fn forward_cpu<T: Element>(
     logits: &[T],
     target: &[i64],
     out: &mut [T],
+    lse: Option<&mut [T::Acc]>,
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::cross_entropy::forward(logits, target, out, cols, opts, par)?)
+    Ok(keel_cpu::cross_entropy::forward(logits, target, out, lse, cols, opts, par)?)
 }
 
-/// CPU backward: `grad_logits` from the loss gradient `grad`.
+/// CPU backward: `grad_logits` from the loss gradient `grad`, given the
+/// forward's `lse` or recomputing it.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_cpu<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[i64],
+    lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::cross_entropy::backward(grad, logits, target, grad_logits, cols, opts, par)?)
+    Ok(keel_cpu::cross_entropy::backward(grad, logits, target, lse, grad_logits, cols, opts, par)?)
 }
 
 /// f32 elements of device scratch the CUDA entry points need: the row losses
@@ -102,13 +111,15 @@ fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Res
     Ok(())
 }
 
-/// CUDA forward on raw device pointers; synchronises `stream` to check the targets.
+/// CUDA forward on raw device pointers; synchronises `stream` to check the
+/// targets. `lse` is 0, or where each row's log-sum-exp is written (`rows`
+/// f32s; 0 for ignored rows).
 ///
 /// # Safety
 /// `logits` (`rows * cols` of `dtype`), `target` (`rows` i64), `out`
-/// (`opts.reduction.out_len(rows)` of `dtype`) and `scratch`
-/// ([`scratch_len`] f32s) must be device addresses on `stream`'s device; `out`
-/// and `scratch` must not overlap anything else.
+/// (`opts.reduction.out_len(rows)` of `dtype`), `scratch` ([`scratch_len`]
+/// f32s) and a non-zero `lse` must be device addresses on `stream`'s device;
+/// `out`, `lse` and `scratch` must not overlap anything else.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn forward_cuda_raw(
     gpu: &Gpu,
@@ -117,13 +128,14 @@ pub unsafe fn forward_cuda_raw(
     logits: u64,
     target: u64,
     out: u64,
+    lse: u64,
     scratch: u64,
     rows: usize,
     cols: usize,
     opts: Options,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_on(&Stream { gpu, stream }, dtype, logits, target, out, scratch, rows, cols, opts) }
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, logits, target, out, lse, scratch, rows, cols, opts) }
 }
 
 /// [`forward_cuda_raw`] on any [`Target`].
@@ -137,6 +149,7 @@ pub(crate) unsafe fn forward_on(
     logits: u64,
     target: u64,
     out: u64,
+    lse: u64,
     scratch: u64,
     rows: usize,
     cols: usize,
@@ -147,8 +160,8 @@ pub(crate) unsafe fn forward_on(
     let s = dtype.suffix();
     let (r, c, ii) = (Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index));
     if rows > 0 {
-        let args =
-            [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), r, c, ii, Arg::F32(opts.label_smoothing as f32)];
+        let ls = Arg::F32(opts.label_smoothing as f32);
+        let args = [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ii, ls];
         // SAFETY: matches cross_entropy_rows_*; pointers per our contract.
         unsafe { launch_rows(t, MODULE, "cross_entropy_rows", dtype, rows, cols, &args)? };
     }
@@ -168,12 +181,13 @@ pub(crate) unsafe fn forward_on(
     unsafe { check_status(OP, t, scratch, rows, &opts, cols) }
 }
 
-/// CUDA backward on raw device pointers; synchronises `stream` to check the targets.
+/// CUDA backward on raw device pointers; synchronises `stream` to check the
+/// targets. `lse` is 0 (recomputed), or the forward's `rows` f32s.
 ///
 /// # Safety
 /// As [`forward_cuda_raw`], with `grad` (`opts.reduction.out_len(rows)`
-/// elements) in place of `out` and `grad_logits` (`rows * cols`) not
-/// overlapping the inputs.
+/// elements) in place of `out`, `lse` an input, and `grad_logits`
+/// (`rows * cols`) not overlapping the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward_cuda_raw(
     gpu: &Gpu,
@@ -182,14 +196,16 @@ pub unsafe fn backward_cuda_raw(
     grad: u64,
     logits: u64,
     target: u64,
+    lse: u64,
     grad_logits: u64,
     scratch: u64,
     rows: usize,
     cols: usize,
     opts: Options,
 ) -> Result<()> {
+    let s = Stream { gpu, stream };
     // SAFETY: forwarded from this function's contract.
-    unsafe { backward_on(&Stream { gpu, stream }, dtype, grad, logits, target, grad_logits, scratch, rows, cols, opts) }
+    unsafe { backward_on(&s, dtype, grad, logits, target, lse, grad_logits, scratch, rows, cols, opts) }
 }
 
 /// [`backward_cuda_raw`] on any [`Target`].
@@ -203,6 +219,7 @@ pub(crate) unsafe fn backward_on(
     grad: u64,
     logits: u64,
     target: u64,
+    lse: u64,
     grad_logits: u64,
     scratch: u64,
     rows: usize,
@@ -221,6 +238,7 @@ pub(crate) unsafe fn backward_on(
             Arg::Ptr(grad),
             Arg::Ptr(logits),
             Arg::Ptr(target),
+            Arg::Ptr(lse),
             Arg::Ptr(status),
             Arg::Ptr(grad_logits),
             Arg::I64(rows as i64),
@@ -240,20 +258,30 @@ fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {
     stream.alloc_zeros::<f32>(scratch_len(rows)).map_err(driver("allocating cross_entropy scratch"))
 }
 
-/// CUDA forward on `cudarc` buffers, launched on `stream` (which it synchronises).
+/// `Err` naming `arg` unless `got == want`.
+fn check_length(op: &'static str, arg: &'static str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::Invalid { op, arg, msg: format!("has length {got}, expected {want}") })
+}
+
+/// CUDA forward on `cudarc` buffers, launched on `stream` (which it
+/// synchronises); each row's log-sum-exp into `lse` when given.
 pub fn forward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<i64>,
     out: &mut CudaSlice<T>,
+    lse: Option<&mut CudaSlice<f32>>,
     cols: usize,
     opts: Options,
 ) -> Result<()> {
     const OP: &str = "cross_entropy";
     let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
-    if out.len() != opts.reduction.out_len(rows) {
-        let msg = format!("has length {}, expected {}", out.len(), opts.reduction.out_len(rows));
-        return Err(Error::Invalid { op: OP, arg: "out", msg });
+    check_length(OP, "out", out.len(), opts.reduction.out_len(rows))?;
+    if let Some(l) = &lse {
+        check_length(OP, "lse", l.len(), rows)?;
     }
     let gpu = gpu(stream.context().ordinal())?;
     let sc = scratch(stream, rows)?;
@@ -261,28 +289,30 @@ pub fn forward_cuda<T: CudaElement>(
     let (pt, _g2) = target.device_ptr(stream);
     let (po, _g3) = out.device_ptr_mut(stream);
     let (ps, _g4) = sc.device_ptr(stream);
+    let (pe, _g5) = lse.map(|l| l.device_ptr_mut(stream)).unzip();
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, pl, pt, po, ps, rows, cols, opts) }
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, pl, pt, po, pe.unwrap_or(0), ps, rows, cols, opts) }
 }
 
-/// CUDA backward on `cudarc` buffers, launched on `stream` (which it synchronises).
+/// CUDA backward on `cudarc` buffers, launched on `stream` (which it
+/// synchronises), given the forward's `lse` or recomputing it.
+#[allow(clippy::too_many_arguments)]
 pub fn backward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     grad: &CudaSlice<T>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<i64>,
+    lse: Option<&CudaSlice<f32>>,
     grad_logits: &mut CudaSlice<T>,
     cols: usize,
     opts: Options,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
-    for (arg, got, want) in
-        [("grad", grad.len(), opts.reduction.out_len(rows)), ("grad_logits", grad_logits.len(), logits.len())]
-    {
-        if got != want {
-            return Err(Error::Invalid { op: OP, arg, msg: format!("has length {got}, expected {want}") });
-        }
+    check_length(OP, "grad", grad.len(), opts.reduction.out_len(rows))?;
+    check_length(OP, "grad_logits", grad_logits.len(), logits.len())?;
+    if let Some(l) = lse {
+        check_length(OP, "lse", l.len(), rows)?;
     }
     let gpu = gpu(stream.context().ordinal())?;
     let sc = scratch(stream, rows)?;
@@ -291,6 +321,7 @@ pub fn backward_cuda<T: CudaElement>(
     let (pt, _g3) = target.device_ptr(stream);
     let (pd, _g4) = grad_logits.device_ptr_mut(stream);
     let (ps, _g5) = sc.device_ptr(stream);
+    let (pe, _g6) = lse.map(|l| l.device_ptr(stream)).unzip();
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { backward_cuda_raw(&gpu, stream, T::DTYPE, pg, pl, pt, pd, ps, rows, cols, opts) }
+    unsafe { backward_cuda_raw(&gpu, stream, T::DTYPE, pg, pl, pt, pe.unwrap_or(0), pd, ps, rows, cols, opts) }
 }

@@ -8,7 +8,7 @@
 //! These do not run the PTX or touch a GPU; `tests/ops_cuda.rs` does that
 //! where there is one.
 use super::{cross_entropy, fused_add_rms_norm, gated, layer_norm, reduce_parts, rms_norm, rotary, softmax};
-use crate::cpu::{bf16, f16, Element, Par};
+use crate::cpu::{bf16, f16, Acc, Element, Par};
 use crate::cuda::emu::{unavailable, Buf, Emu};
 use crate::cuda::{CudaElement, Target};
 use proptest::prelude::*;
@@ -279,23 +279,40 @@ fn softmax_and_ce<T: Dt>(c: Case) {
         let m = reduction.out_len(rows);
         let grad = data::<T>(m, 13);
         let what = format!("cross_entropy {reduction:?} {c:?}");
+        let mut want = cpu(m);
+        let mut wlse = vec![T::Acc::ZERO; rows];
+        cross_entropy::forward_cpu(&x, &target, &mut want, Some(&mut wlse), cols, opts, Par::Seq).unwrap();
+        // Outputs: the loss, the lse (as T), then the gradient recomputing the
+        // lse and the gradient given it.
         let got = both::<T>(sm, &what, |t| {
             let (xd, td, od) = (up(&x), Buf::shifted(&target, shift), z(m));
-            let sd = garbage::<f32>(cross_entropy::scratch_len(rows), 0);
-            unsafe { cross_entropy::forward_on(t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
-                .unwrap();
-            let (gd, dxd, sd) = (up(&grad), z(n), garbage::<f32>(cross_entropy::scratch_len(rows), 0));
+            let (sd, ld) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<f32>(rows, 0));
             let (px, pt) = (xd.addr(), td.addr());
-            unsafe { cross_entropy::backward_on(t, dt, gd.addr(), px, pt, dxd.addr(), sd.addr(), rows, cols, opts) }
+            unsafe { cross_entropy::forward_on(t, dt, px, pt, od.addr(), ld.addr(), sd.addr(), rows, cols, opts) }
                 .unwrap();
-            vec![od.to_vec(), dxd.to_vec()]
+            let lse = ld.to_vec();
+            for (i, (a, b)) in lse.iter().zip(&wlse).enumerate() {
+                let (a, b) = (f64::from(*a), b.to_f64());
+                let ok = (a - b).abs() <= 1e-5 * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
+                assert!(ok, "{what} {} lse at row {i}: {a} vs {b}", T::NAME);
+            }
+            let mut grads = vec![];
+            for l in [0, ld.addr()] {
+                let (gd, dxd, sd) = (up(&grad), z(n), garbage::<f32>(cross_entropy::scratch_len(rows), 0));
+                unsafe {
+                    cross_entropy::backward_on(t, dt, gd.addr(), px, pt, l, dxd.addr(), sd.addr(), rows, cols, opts)
+                }
+                .unwrap();
+                grads.push(dxd.to_vec());
+            }
+            let lse = lse.iter().map(|v| T::from_f64(f64::from(*v))).collect();
+            [vec![od.to_vec(), lse], grads].concat()
         });
-        let mut want = cpu(m);
-        cross_entropy::forward_cpu(&x, &target, &mut want, cols, opts, Par::Seq).unwrap();
         close(&got[0], &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
         let mut wdx = cpu(n);
-        cross_entropy::backward_cpu(&grad, &x, &target, &mut wdx, cols, opts, Par::Seq).unwrap();
-        close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
+        cross_entropy::backward_cpu(&grad, &x, &target, None, &mut wdx, cols, opts, Par::Seq).unwrap();
+        close(&got[2], &wdx, 4.0 * tol, &format!("{what} grad"));
+        close(&got[3], &wdx, 4.0 * tol, &format!("{what} grad given the lse"));
     }
 
     // a target out of range is an error, from the count the kernels leave
@@ -308,12 +325,12 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     let t = Emu { sm_count: sm, reverse: false };
     let (xd, td, od, sd) = (up(&x), Buf::shifted(&bad, shift), z(1), garbage::<f32>(rows + 2, 0));
     let err =
-        unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), sd.addr(), rows, cols, opts) }
+        unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), 0, sd.addr(), rows, cols, opts) }
             .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
     let (gd, dxd) = (Buf::shifted(&[T::from_f64(1.0)], shift), z(n));
     let err = unsafe {
-        cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr(), rows, cols, opts)
+        cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), 0, dxd.addr(), sd.addr(), rows, cols, opts)
     }
     .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
