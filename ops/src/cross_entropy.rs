@@ -1,14 +1,19 @@
-//! `keel::cross_entropy` and `keel::cross_entropy_backward`.
+//! `keel::cross_entropy`, `keel::cross_entropy_with_lse` and
+//! `keel::cross_entropy_backward`.
 //!
 //! `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100,
 //! float label_smoothing=0.0, str reduction="mean") -> Tensor` for logits
 //! `[N, V]` and int64 `target[N]`, as `torch.nn.functional.cross_entropy`.
-//! `cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing,
-//! reduction) -> grad_logits` recomputes the softmax from the logits (fused:
-//! nothing logits-sized is saved by the forward).
+//! `cross_entropy_with_lse` (same arguments) also returns each row's
+//! log-sum-exp (`[N]`, float32, or float64 for float64 logits; 0 for ignored
+//! rows). `cross_entropy_backward(grad, logits, target, ignore_index,
+//! label_smoothing, reduction, lse=None) -> grad_logits` takes that lse, or
+//! recomputes it from the logits (fused either way: nothing logits-sized is
+//! saved by the forward).
 use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{check_err, kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
+use keel::cpu::Element;
 use keel::ops::cross_entropy::{Options, Reduction};
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
@@ -57,6 +62,68 @@ fn loss_shape(c: &Rows, reduction: Reduction) -> Vec<i64> {
     }
 }
 
+/// The dtype of the lse: the accumulation type of `dtype`.
+fn lse_dtype(dtype: ScalarType) -> ScalarType {
+    if dtype == ScalarType::F64 {
+        ScalarType::F64
+    } else {
+        ScalarType::F32
+    }
+}
+
+/// The forward of `cross_entropy` and `cross_entropy_with_lse`: the loss, and
+/// the lse when `with_lse`.
+fn forward(
+    op: &'static str,
+    (logits, target, ii, ls, reduction): (Tensor, Tensor, i64, f64, String),
+    with_lse: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (c, opts) = check(op, &logits, &target, ii, ls, &reduction)?;
+    let out = Tensor::empty(&loss_shape(&c, opts.reduction), c.dtype, c.device)?;
+    let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
+    match c.device.kind {
+        DeviceType::Cpu => with_float_type!(c.dtype, T => {
+            // SAFETY: checked contiguous CPU tensors (logits of T, target of i64); `out` and `lse`
+            // (of T's accumulation type) are fresh.
+            let (x, t, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<i64>()?, out.as_mut_slice::<T>()?) };
+            let l = match &lse {
+                // SAFETY: as above.
+                Some(l) => Some(unsafe { l.as_mut_slice::<<T as Element>::Acc>()? }),
+                None => None,
+            };
+            with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, l, c.cols, opts, par)).map_err(kernel_err)?
+        }),
+        DeviceType::Cuda => {
+            let call = CudaCall::new(op, c.device)?;
+            let dtype = checks::cuda_dtype(c.dtype)?;
+            let n = keel::ops::cross_entropy::scratch_len(c.rows) as i64;
+            let scratch = Tensor::empty(&[n], ScalarType::F32, c.device)?;
+            let (px, pt, po, ps) = (ptr(Some(&logits))?, ptr(Some(&target))?, ptr(Some(&out))?, ptr(Some(&scratch))?);
+            let pl = ptr(lse.as_ref())?;
+            // SAFETY: checked contiguous CUDA tensors on the guarded device; `out`, `lse` (f32) and
+            // `scratch` are fresh.
+            unsafe {
+                keel::ops::cross_entropy::forward_cuda_raw(
+                    &call.gpu,
+                    &call.stream,
+                    dtype,
+                    px,
+                    pt,
+                    po,
+                    pl,
+                    ps,
+                    c.rows,
+                    c.cols,
+                    opts,
+                )
+            }
+            .map_err(kernel_err)?
+        }
+        DeviceType::Meta | DeviceType::Other(_) => {}
+    }
+    Ok((out, lse))
+}
+
 /// `cross_entropy`.
 pub(crate) struct CrossEntropy;
 
@@ -65,44 +132,43 @@ impl BoxedOp for CrossEntropy {
     type Args = (Tensor, Tensor, i64, f64, String);
     type Out = (Tensor,);
 
-    fn run((logits, target, ii, ls, reduction): Self::Args) -> Result<Self::Out> {
-        let op = Self::NAME;
-        let (c, opts) = check(op, &logits, &target, ii, ls, &reduction)?;
-        let out = Tensor::empty(&loss_shape(&c, opts.reduction), c.dtype, c.device)?;
-        match c.device.kind {
-            DeviceType::Cpu => with_float_type!(c.dtype, T => {
-                // SAFETY: checked contiguous CPU tensors (logits of T, target of i64); `out` is fresh.
-                let (x, t, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<i64>()?, out.as_mut_slice::<T>()?) };
-                with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, c.cols, opts, par)).map_err(kernel_err)?
-            }),
-            DeviceType::Cuda => {
-                let call = CudaCall::new(op, c.device)?;
-                let dtype = checks::cuda_dtype(c.dtype)?;
-                let n = keel::ops::cross_entropy::scratch_len(c.rows) as i64;
-                let scratch = Tensor::empty(&[n], ScalarType::F32, c.device)?;
-                let (px, pt, po, ps) =
-                    (ptr(Some(&logits))?, ptr(Some(&target))?, ptr(Some(&out))?, ptr(Some(&scratch))?);
-                // SAFETY: checked contiguous CUDA tensors on the guarded device; `out` and `scratch` are fresh.
-                unsafe {
-                    keel::ops::cross_entropy::forward_cuda_raw(
-                        &call.gpu,
-                        &call.stream,
-                        dtype,
-                        px,
-                        pt,
-                        po,
-                        ps,
-                        c.rows,
-                        c.cols,
-                        opts,
-                    )
-                }
-                .map_err(kernel_err)?
-            }
-            DeviceType::Meta | DeviceType::Other(_) => {}
-        }
-        Ok((out,))
+    fn run(args: Self::Args) -> Result<Self::Out> {
+        Ok((forward(Self::NAME, args, false)?.0,))
     }
+}
+
+/// `cross_entropy_with_lse`.
+pub(crate) struct CrossEntropyWithLse;
+
+impl BoxedOp for CrossEntropyWithLse {
+    const NAME: &'static str = "cross_entropy_with_lse";
+    type Args = (Tensor, Tensor, i64, f64, String);
+    type Out = (Tensor, Tensor);
+
+    fn run(args: Self::Args) -> Result<Self::Out> {
+        match forward(Self::NAME, args, true)? {
+            (loss, Some(lse)) => Ok((loss, lse)),
+            (_, None) => unreachable!("forward returns the lse when asked for it"),
+        }
+    }
+}
+
+/// Checks the optional `lse` of `cross_entropy_backward` against the logits.
+fn check_lse(op: &str, lse: &Tensor, c: &Rows) -> Result<()> {
+    checks::same_device(op, "lse", lse, "logits", c.device)?;
+    let want = lse_dtype(c.dtype);
+    if lse.dtype()? != want {
+        let msg = format!(
+            "must have dtype {want} (cross_entropy_with_lse's lse for {} logits), got {}",
+            c.dtype,
+            lse.dtype()?
+        );
+        return Err(invalid(op, "lse", msg));
+    }
+    if lse.sizes()? != [c.rows as i64] {
+        return Err(invalid(op, "lse", format!("must have shape [{}] (one per row), got {:?}", c.rows, lse.sizes()?)));
+    }
+    checks::contiguous(op, "lse", lse)
 }
 
 /// `cross_entropy_backward`.
@@ -110,10 +176,10 @@ pub(crate) struct CrossEntropyBackward;
 
 impl BoxedOp for CrossEntropyBackward {
     const NAME: &'static str = "cross_entropy_backward";
-    type Args = (Tensor, Tensor, Tensor, i64, f64, String);
+    type Args = (Tensor, Tensor, Tensor, i64, f64, String, Option<Tensor>);
     type Out = (Tensor,);
 
-    fn run((grad, logits, target, ii, ls, reduction): Self::Args) -> Result<Self::Out> {
+    fn run((grad, logits, target, ii, ls, reduction, lse): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
         let (c, opts) = check(op, &logits, &target, ii, ls, &reduction)?;
         checks::same_device(op, "grad", &grad, "logits", c.device)?;
@@ -123,14 +189,22 @@ impl BoxedOp for CrossEntropyBackward {
             return Err(invalid(op, "grad", format!("must have shape {want:?} (the loss's), got {:?}", grad.sizes()?)));
         }
         checks::contiguous(op, "grad", &grad)?;
+        if let Some(l) = &lse {
+            check_lse(op, l, &c)?;
+        }
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
-                // SAFETY: checked contiguous CPU tensors; `grad_logits` is fresh.
+                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type); `grad_logits` is fresh.
                 let (g, x, t, dx) = unsafe {
                     (grad.as_slice::<T>()?, logits.as_slice::<T>()?, target.as_slice::<i64>()?, grad_logits.as_mut_slice::<T>()?)
                 };
-                with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, dx, c.cols, opts, par))
+                let l = match &lse {
+                    // SAFETY: as above.
+                    Some(l) => Some(unsafe { l.as_slice::<<T as Element>::Acc>()? }),
+                    None => None,
+                };
+                with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, l, dx, c.cols, opts, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
@@ -138,9 +212,10 @@ impl BoxedOp for CrossEntropyBackward {
                 let dtype = checks::cuda_dtype(c.dtype)?;
                 let n = keel::ops::cross_entropy::scratch_len(c.rows) as i64;
                 let scratch = Tensor::empty(&[n], ScalarType::F32, c.device)?;
-                let (pg, px, pt) = (ptr(Some(&grad))?, ptr(Some(&logits))?, ptr(Some(&target))?);
+                let (pg, px, pt, pl) =
+                    (ptr(Some(&grad))?, ptr(Some(&logits))?, ptr(Some(&target))?, ptr(lse.as_ref())?);
                 let (pd, ps) = (ptr(Some(&grad_logits))?, ptr(Some(&scratch))?);
-                // SAFETY: checked contiguous CUDA tensors on the guarded device; outputs are fresh.
+                // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32); outputs are fresh.
                 unsafe {
                     keel::ops::cross_entropy::backward_cuda_raw(
                         &call.gpu,
@@ -149,6 +224,7 @@ impl BoxedOp for CrossEntropyBackward {
                         pg,
                         px,
                         pt,
+                        pl,
                         pd,
                         ps,
                         c.rows,

@@ -44,8 +44,11 @@ const OPS: &[OpDef] = &[
     op::<crate::cross_entropy::CrossEntropy>(
         "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor",
     ),
+    op::<crate::cross_entropy::CrossEntropyWithLse>(
+        "cross_entropy_with_lse(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> (Tensor, Tensor)",
+    ),
     op::<crate::cross_entropy::CrossEntropyBackward>(
-        "cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) -> Tensor",
+        "cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, Tensor? lse=None) -> Tensor",
     ),
     op::<crate::rotary::RotaryEmbedding>(
         "rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",

@@ -3,7 +3,7 @@ stable C ABI, so one wheel serves every torch from 2.10 on.
 
 Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``,
 ``keel.layer_norm``, ``keel.fused_add_rms_norm``, ``keel.silu_and_mul``,
-``keel.gelu_and_mul``, ``keel.softmax``, ``keel.cross_entropy``,
+``keel.gelu_and_mul``, ``keel.softmax``, ``keel.cross_entropy``, ``keel.cross_entropy_with_lse``,
 ``keel.rotary_embedding``) and drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
 and work under ``torch.compile``.
 """
@@ -18,6 +18,7 @@ _autograd.register()
 from . import nn  # noqa: E402
 from .functional import (  # noqa: E402
     cross_entropy,
+    cross_entropy_with_lse,
     fused_add_rms_norm,
     gelu_and_mul,
     layer_norm,
@@ -36,6 +37,7 @@ __all__ = [
     "gelu_and_mul",
     "softmax",
     "cross_entropy",
+    "cross_entropy_with_lse",
     "rotary_embedding",
     "nn",
     "LIBRARY_PATH",

@@ -105,6 +105,29 @@ def _cross_entropy_backward(ctx, grad):
     return _grad(ctx, 0, g), None, None, None, None
 
 
+def _cross_entropy_lse_setup(ctx, inputs, output):
+    logits, target, ignore_index, label_smoothing, reduction = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.args = (ignore_index, label_smoothing, reduction)
+    ctx.set_materialize_grads(False)
+
+
+def _cross_entropy_lse_backward(ctx, grad, grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    if not ctx.needs_input_grad[0] or (grad is None and grad_lse is None):
+        return None, None, None, None, None
+    g = None
+    if grad is not None:
+        # The forward's lse: each row of logits is read once.
+        g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse)
+    if grad_lse is not None:
+        # d lse / d x = softmax(x) (for a z-loss, say); an ignored row's lse is the constant 0.
+        live = (target != ctx.args[0]).to(lse.dtype)
+        p = torch.exp(logits.to(lse.dtype) - lse[:, None]) * (grad_lse.to(lse.dtype) * live)[:, None]
+        g = p.to(logits.dtype) if g is None else (g.to(lse.dtype) + p).to(logits.dtype)
+    return g, None, None, None, None
+
+
 def _rotary_setup(ctx, inputs, output):
     x, cos, sin, interleaved = inputs
     ctx.save_for_backward(x, cos, sin)
@@ -142,4 +165,5 @@ def register() -> None:
     reg("keel::gelu_and_mul", _gelu_and_mul_backward, setup_context=_gelu_and_mul_setup)
     reg("keel::softmax", _softmax_backward, setup_context=_softmax_setup)
     reg("keel::cross_entropy", _cross_entropy_backward, setup_context=_cross_entropy_setup)
+    reg("keel::cross_entropy_with_lse", _cross_entropy_lse_backward, setup_context=_cross_entropy_lse_setup)
     reg("keel::rotary_embedding", _rotary_backward, setup_context=_rotary_setup)

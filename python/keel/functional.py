@@ -106,8 +106,10 @@ def cross_entropy(
 ) -> Tensor:
     """Fused cross-entropy: ``F.cross_entropy(logits, target, ...)`` with the same arguments.
 
-    No log-softmax is kept for the backward (it is recomputed from the logits), so
-    forward + backward allocate one logits-sized buffer: the gradient.
+    No log-softmax is kept for the backward: when ``logits`` needs a gradient, the
+    forward keeps one log-sum-exp per row (``cross_entropy_with_lse``), and the backward
+    reads each row of logits once to write the gradient. Forward + backward allocate one
+    logits-sized buffer: the gradient.
 
     Args:
         logits: ``[N, V]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
@@ -121,7 +123,29 @@ def cross_entropy(
     Returns:
         The loss in ``logits``' dtype. Differentiable in ``logits``.
     """
-    return torch.ops.keel.cross_entropy(logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
+    logits, target = logits.contiguous(), target.contiguous()
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return torch.ops.keel.cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
+    return torch.ops.keel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction)
+
+
+def cross_entropy_with_lse(
+    logits: Tensor,
+    target: Tensor,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> Tuple[Tensor, Tensor]:
+    """:func:`cross_entropy`, and each row's log-sum-exp of ``logits``.
+
+    The same arguments and loss as :func:`cross_entropy`. The second result is
+    ``torch.logsumexp(logits, -1)`` (``[N]``, float32, or float64 for float64 logits),
+    with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
+    (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
+    """
+    return torch.ops.keel.cross_entropy_with_lse(
+        logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction
+    )
 
 
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:

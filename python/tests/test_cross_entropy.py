@@ -1,6 +1,8 @@
 """keel.cross_entropy against F.cross_entropy: every reduction, ignore_index,
-label smoothing, gradients, opcheck, gradcheck, torch.compile, bad targets,
-and the peak extra memory of forward + backward."""
+label smoothing, gradients (through the forward's saved log-sum-exp, and
+through the op that recomputes it), keel.cross_entropy_with_lse against
+torch.logsumexp, opcheck, gradcheck, torch.compile, bad targets, and the peak
+extra memory of forward + backward."""
 import os
 import subprocess
 import sys
@@ -32,18 +34,44 @@ def test_loss_and_gradient_match_torch(device, n, v, reduction, label_smoothing)
         t = targets(n, v, device)
         if n == 1:
             t[0] = 0
-        xk = x.clone().requires_grad_()
-        loss = keel.cross_entropy(xk, t, label_smoothing=label_smoothing, reduction=reduction)
-        xr = x.double().requires_grad_()
+        xr = x.double().clone().requires_grad_()
         want = F.cross_entropy(xr, t, label_smoothing=label_smoothing, reduction=reduction)
-        assert loss.shape == want.shape and loss.dtype == dtype
-        atol, rtol = TOL[dtype]
-        # Each loss is lse - x_t: cancellation of terms of size |x|, so atol scales with it.
-        torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
         g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
-        loss.backward(g)
         want.backward(g.double())
-        torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+        atol, rtol = TOL[dtype]
+        # keel.cross_entropy keeps the lse for the backward; the op itself recomputes it.
+        for op in (keel.cross_entropy, torch.ops.keel.cross_entropy):
+            xk = x.clone().requires_grad_()
+            loss = op(xk, t, -100, label_smoothing, reduction)
+            assert loss.shape == want.shape and loss.dtype == dtype
+            # Each loss is lse - x_t: cancellation of terms of size |x|, so atol scales with it.
+            torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
+            loss.backward(g)
+            torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("n,v", [(1, 1), (5, 7), (64, 1000)])
+def test_with_lse_matches_logsumexp_and_its_gradient(device, n, v):
+    for dtype in dtypes_for(device):
+        x = make((n, v), dtype, device, 0, 4.0)
+        t = targets(n, v, device)
+        xk = x.clone().requires_grad_()
+        loss, lse = keel.cross_entropy_with_lse(xk, t, label_smoothing=0.1)
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        assert lse.shape == (n,) and lse.dtype == acc
+        xr = x.double().clone().requires_grad_()
+        live = t != -100
+        want_lse = torch.logsumexp(xr, -1) * live
+        want = F.cross_entropy(xr, t, label_smoothing=0.1)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5 * 4, rtol=1e-5)
+        assert (lse[~live] == 0).all()
+        atol, rtol = TOL[dtype]
+        torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2, equal_nan=True)
+        # A z-loss: the gradient also flows through the lse.
+        (loss + 0.3 * lse.square().sum()).backward()
+        (want + 0.3 * want_lse.square().sum()).backward()
+        torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 4, rtol=rtol * 4, equal_nan=True)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -64,6 +92,12 @@ def test_gradcheck_f64():
     t = torch.tensor([0, -100, 4, 2])
     for reduction in REDUCTIONS:
         assert torch.autograd.gradcheck(lambda z: keel.cross_entropy(z, t, label_smoothing=0.2, reduction=reduction), (x,))
+        assert torch.autograd.gradcheck(
+            lambda z: torch.ops.keel.cross_entropy(z, t, -100, 0.2, reduction), (x,)
+        )
+        # Loss and lse, each alone and together.
+        assert torch.autograd.gradcheck(lambda z: keel.cross_entropy_with_lse(z, t, reduction=reduction), (x,))
+        assert torch.autograd.gradcheck(lambda z: keel.cross_entropy_with_lse(z, t, reduction=reduction)[1], (x,))
 
 
 @pytest.mark.parametrize("device", devices())
@@ -75,7 +109,10 @@ def test_opcheck(device):
     for reduction in REDUCTIONS:
         opcheck(torch.ops.keel.cross_entropy.default, (x, t, -100, 0.1, reduction), test_utils=OPCHECK_UTILS)
         g = torch.randn(6, device=device) if reduction == "none" else torch.tensor(0.5, device=device)
+        opcheck(torch.ops.keel.cross_entropy_with_lse.default, (x, t, -100, 0.1, reduction), test_utils=OPCHECK_UTILS)
         opcheck(torch.ops.keel.cross_entropy_backward.default, (g, x.detach(), t, -100, 0.1, reduction), test_utils=OPCHECK_UTILS)
+        lse = torch.logsumexp(x.detach(), -1)
+        opcheck(torch.ops.keel.cross_entropy_backward.default, (g, x.detach(), t, -100, 0.1, reduction, lse), test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -109,6 +146,10 @@ BAD = [
     ("label_smoothing", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 1]), label_smoothing=-0.1), r"keel::cross_entropy: argument 'label_smoothing' must be in \[0, 1\]"),
     ("integer logits", lambda: keel.cross_entropy(torch.ones(3, 5, dtype=torch.int64), torch.tensor([0, 1, 1])), r"keel::cross_entropy: argument 'logits' must be float32"),
     ("grad shape", lambda: torch.ops.keel.cross_entropy_backward(torch.randn(3), torch.randn(3, 5), torch.tensor([0, 1, 1]), -100, 0.0, "mean"), r"keel::cross_entropy_backward: argument 'grad' must have shape \[\]"),
+    ("lse dtype", lambda: torch.ops.keel.cross_entropy_backward(torch.tensor(1.0, dtype=torch.bfloat16), torch.randn(3, 5, dtype=torch.bfloat16), torch.tensor([0, 1, 1]), -100, 0.0, "mean", torch.zeros(3, dtype=torch.bfloat16)), r"keel::cross_entropy_backward: argument 'lse' must have dtype torch.float32 \(cross_entropy_with_lse's lse for torch.bfloat16 logits\), got torch.bfloat16"),
+    ("lse shape", lambda: torch.ops.keel.cross_entropy_backward(torch.tensor(1.0), torch.randn(3, 5), torch.tensor([0, 1, 1]), -100, 0.0, "mean", torch.zeros(4)), r"keel::cross_entropy_backward: argument 'lse' must have shape \[3\] \(one per row\), got \[4\]"),
+    ("lse device", lambda: torch.ops.keel.cross_entropy_backward(torch.tensor(1.0), torch.randn(3, 5), torch.tensor([0, 1, 1]), -100, 0.0, "mean", torch.zeros(3, device="meta")), r"keel::cross_entropy_backward: argument 'lse'"),
+    ("with_lse target", lambda: keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"keel::cross_entropy: argument 'target' holds 5 at row 1"),
 ]
 
 
@@ -123,6 +164,8 @@ def test_meta_and_empty():
     t = torch.empty(5, dtype=torch.int64, device="meta")
     assert torch.ops.keel.cross_entropy(x, t, -100, 0.0, "none").shape == (5,)
     assert torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean").shape == ()
+    loss, lse = torch.ops.keel.cross_entropy_with_lse(x, t, -100, 0.0, "mean")
+    assert loss.shape == () and lse.shape == (5,) and lse.dtype == torch.float32 and lse.device.type == "meta"
     empty = keel.cross_entropy(torch.empty(0, 4), torch.empty(0, dtype=torch.int64))
     assert torch.isnan(empty) and torch.isnan(F.cross_entropy(torch.empty(0, 4), torch.empty(0, dtype=torch.int64)))
 
