@@ -159,6 +159,29 @@ def test_bad_input_raises_runtime_error_naming_op_and_argument(name, call, msg):
         call()
 
 
+@pytest.mark.parametrize("device", devices())
+def test_nn_module_matches_torch(device):
+    x = torch.randn(9, 13, device=device)
+    t = targets(9, 13, device, ignore_index=3)
+    for kw in (dict(), dict(ignore_index=3, reduction="sum", label_smoothing=0.2), dict(reduction="none")):
+        xk, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        loss, want = keel.nn.CrossEntropyLoss(**kw)(xk, t), torch.nn.CrossEntropyLoss(**kw)(xr, t)
+        torch.testing.assert_close(loss, want)
+        loss.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(xk.grad, xr.grad)
+    with pytest.raises(ValueError, match="argument 'weight'"):
+        keel.nn.CrossEntropyLoss(weight=torch.ones(13))
+    with pytest.raises(ValueError, match="argument 'reduction'"):
+        keel.nn.CrossEntropyLoss(reduction="avg")
+    with pytest.raises(ValueError, match="'size_average' and 'reduce'"):
+        keel.nn.CrossEntropyLoss(None, True)
+    # torch's positional order
+    torch.testing.assert_close(keel.nn.CrossEntropyLoss(None, None, 3)(x, t), torch.nn.CrossEntropyLoss(None, None, 3)(x, t))
+    with pytest.raises(RuntimeError, match="keel::cross_entropy: argument 'target' must have dtype torch.int64"):
+        keel.nn.CrossEntropyLoss()(x, torch.softmax(x, -1))
+
+
 def test_meta_and_empty():
     x = torch.empty(5, 7, device="meta")
     t = torch.empty(5, dtype=torch.int64, device="meta")

@@ -5,9 +5,9 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..functional import layer_norm, rms_norm, silu_and_mul
+from ..functional import cross_entropy, layer_norm, rms_norm, silu_and_mul
 
-__all__ = ["RMSNorm", "LayerNorm", "SwiGLU"]
+__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss"]
 
 
 def _shape(normalized_shape) -> tuple:
@@ -156,3 +156,47 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class CrossEntropyLoss(nn.Module):
+    """Keel's ``torch.nn.CrossEntropyLoss`` for ``[N, V]`` logits and ``[N]`` class indices.
+
+    The same ``ignore_index``, ``reduction`` and ``label_smoothing`` as torch, through
+    :func:`keel.cross_entropy` (fused: forward + backward allocate one logits-sized buffer).
+    The constructor's signature is torch's. Class weights and probability targets are
+    not supported: a ``weight`` other than ``None`` is refused here (as are torch's
+    deprecated ``size_average`` and ``reduce``), and targets that are not int64 class indices raise a
+    RuntimeError naming ``target``. For a language model, flatten first:
+    ``loss_fn(logits.view(-1, vocab), labels.view(-1))``.
+    """
+
+    def __init__(
+        self,
+        weight: Optional[Tensor] = None,
+        size_average=None,
+        ignore_index: int = -100,
+        reduce=None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if weight is not None:
+            raise ValueError("keel.nn.CrossEntropyLoss: argument 'weight': class weights are not supported")
+        if size_average is not None or reduce is not None:
+            raise ValueError(
+                "keel.nn.CrossEntropyLoss: arguments 'size_average' and 'reduce' (deprecated in torch) are not "
+                "supported: use 'reduction'"
+            )
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(
+                f"keel.nn.CrossEntropyLoss: argument 'reduction' must be \"mean\", \"sum\" or \"none\", got {reduction!r}"
+            )
+        self.ignore_index = ignore_index
+        self.reduction = reduction
+        self.label_smoothing = label_smoothing
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction)
+
+    def extra_repr(self) -> str:
+        return f"ignore_index={self.ignore_index}, reduction={self.reduction}, label_smoothing={self.label_smoothing}"
