@@ -43,7 +43,9 @@ pub fn forward_cpu<T: Element>(
 }
 
 /// CPU backward: `grad_logits` from the loss gradient `grad`, given the
-/// forward's `lse` or recomputing it.
+/// forward's `lse` or recomputing it. A given `lse` must be the one the
+/// forward wrote for these logits: it is trusted (another value gives a wrong
+/// gradient, not an error).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_cpu<T: Element>(
     grad: &[T],
