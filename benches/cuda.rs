@@ -110,6 +110,11 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
 
 fn benches(c: &mut Criterion) {
     if !is_available() {
+        // scripts/gpu-run.sh sets KEEL_REQUIRE_GPU=1: there, a GPU that is not found is an error.
+        assert!(
+            std::env::var("KEEL_REQUIRE_GPU").as_deref() != Ok("1"),
+            "cuda benches: no GPU, and KEEL_REQUIRE_GPU=1"
+        );
         println!("cuda benches: skipped (no CUDA driver or GPU found on this machine)");
         return;
     }

@@ -3,9 +3,11 @@
 //! CPU kernels (themselves checked against f64 references). Skips, saying
 //! why, where no GPU is usable.
 use keel::cpu::{bf16, f16, Acc, Element, Par};
-use keel::cuda::{gpu, is_available, CudaElement, CudaSlice, CudaStream};
+use keel::cuda::{gpu, CudaElement, CudaSlice, CudaStream};
 use keel::ops::{cross_entropy, fused_add_rms_norm, gated, layer_norm, rotary, softmax};
 use std::sync::Arc;
+
+mod common;
 
 fn data<T: Element>(n: usize, seed: usize) -> Vec<T> {
     (0..n).map(|i| T::from_f64((((i + seed) * 7919 % 2001) as f64 - 1000.0) / 400.0)).collect()
@@ -168,8 +170,7 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
 
 #[test]
 fn cuda_matches_cpu() {
-    if !is_available() {
-        eprintln!("SKIPPED cuda_matches_cpu: no usable CUDA device on this machine");
+    if common::skip_without_gpu("cuda_matches_cpu") {
         return;
     }
     for (rows, cols) in [(1, 7), (3, 34), (64, 4096), (5, 4094), (1000, 130), (2, 8200)] {

@@ -1,8 +1,10 @@
 //! CUDA rms_norm against the CPU kernel (itself checked against the f64
 //! reference). Skips, saying why, where no GPU is usable.
 use keel::cpu::{bf16, f16, Element, Par};
-use keel::cuda::{gpu, is_available, CudaElement};
+use keel::cuda::{gpu, CudaElement};
 use keel::ops::rms_norm as op;
+
+mod common;
 
 fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     let g = gpu(0).unwrap();
@@ -42,8 +44,7 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
 
 #[test]
 fn cuda_matches_cpu() {
-    if !is_available() {
-        eprintln!("SKIPPED cuda_matches_cpu: no usable CUDA device on this machine");
+    if common::skip_without_gpu("cuda_matches_cpu") {
         return;
     }
     for (rows, cols) in [(1, 7), (3, 33), (64, 4096), (5, 4095), (1000, 129), (2, 8200)] {

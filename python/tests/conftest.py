@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -20,6 +22,9 @@ def devices():
     out = ["cpu"]
     if torch.cuda.is_available():
         out.append("cuda")
+    elif os.environ.get("KEEL_REQUIRE_GPU") == "1":
+        # scripts/gpu-run.sh on a GPU machine: a CUDA case that skips would hide a broken setup.
+        raise RuntimeError("KEEL_REQUIRE_GPU=1 but torch.cuda.is_available() is False")
     else:
         out.append(pytest.param("cuda", marks=pytest.mark.skip(reason="no CUDA GPU on this machine (torch.cuda.is_available() is False)")))
     return out

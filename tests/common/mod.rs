@@ -58,3 +58,16 @@ pub fn assert_close_floor<T: Tol>(got: &[T], want: &[f64], scale: f64, floor: f6
 pub fn sum_scale<T: Tol>(n: usize) -> f64 {
     1.0 + (n as f64).sqrt() * f32::EPSILON as f64 / T::TOL.rtol
 }
+
+/// Whether a GPU test should stop here: true (after saying why) where no CUDA
+/// device is usable. With `KEEL_REQUIRE_GPU=1` (set by `scripts/gpu-run.sh` on
+/// a GPU machine) a missing GPU fails the test instead of skipping it.
+pub fn skip_without_gpu(test: &str) -> bool {
+    if keel::cuda::is_available() {
+        return false;
+    }
+    let why = "no usable CUDA device on this machine";
+    assert!(std::env::var("KEEL_REQUIRE_GPU").as_deref() != Ok("1"), "{test}: {why}, and KEEL_REQUIRE_GPU=1");
+    eprintln!("SKIPPED {test}: {why}");
+    true
+}

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Checks and measures Keel's CUDA path on a GPU machine that has torch (python3)
+# but no Rust toolchain, from the repo root, with the .gpu/ folder that
+# scripts/gpu-bundle.sh built elsewhere (the wheel and the CUDA binaries).
+#
+#   bash scripts/gpu-run.sh [checks|bench|report|all] [OUT_DIR]
+#
+#   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
+#           op's CUDA kernels against the CPU kernels); the rms_norm example;
+#           the Python tests with the wheel (CPU and CUDA cases).
+#   bench   the criterion CUDA benches (device-synchronised), short runs.
+#   report  benches/report/report.py: Keel against torch eager and
+#           torch.compile, CPU and CUDA, into OUT_DIR/report/.
+#   all     the three (the default).
+#
+# Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
+# bench.log, report/. KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
+# test that would skip for want of a GPU into a failure; KEEL_REQUIRE_GPU=0
+# runs the same steps on a machine without one (a dry run of this script).
+# Every step runs; the exit status is that of the first that failed.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+what="${1:-all}"
+out="${2:-${OUT:-/tmp/keel-gpu}}"
+py="${KEEL_PY:-python3}"
+export KEEL_REQUIRE_GPU="${KEEL_REQUIRE_GPU:-1}" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+for f in ops_cuda rms_norm_cuda bench_cuda rms_norm; do
+  [ -x ".gpu/$f" ] || { echo "gpu-run: .gpu/$f missing: run scripts/gpu-bundle.sh where Rust is, and carry .gpu" >&2; exit 2; }
+done
+
+status=0
+# step LOG COMMAND...: runs COMMAND, appending its output to LOG and showing it.
+step() {
+  local log="$1"; shift
+  echo "=== $*" | tee -a "$log"
+  "$@" 2>&1 | tee -a "$log"
+  local rc="${PIPESTATUS[0]}"
+  if [ "$rc" != 0 ]; then
+    echo "=== exit $rc: $*" | tee -a "$log"
+    [ "$status" != 0 ] || status="$rc"
+  fi
+}
+
+# The wheel, installed beside the machine's torch without touching it.
+site="$(mktemp -d)/site"
+"$py" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$site" .gpu/keel-*.whl || exit 2
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "$what" = checks ] || [ "$what" = all ]; then
+  log="$out/checks.log"; : > "$log"
+  step "$log" nvidia-smi
+  step "$log" "$py" -c "import torch, keel; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, 'keel', keel.LIBRARY_PATH)"
+  step "$log" .gpu/rms_norm_cuda --nocapture
+  step "$log" .gpu/ops_cuda --nocapture
+  step "$log" .gpu/rms_norm
+  step "$log" "$py" -m pytest -q -p no:cacheprovider -rs python/tests
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  log="$out/bench.log"; : > "$log"
+  step "$log" .gpu/bench_cuda --bench --warm-up-time 0.3 --measurement-time 1
+fi
+if [ "$what" = report ] || [ "$what" = all ]; then
+  log="$out/report.log"; : > "$log"
+  step "$log" "$py" benches/report/report.py --out "$out/report"
+fi
+exit "$status"
