@@ -18,7 +18,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
 use crate::par::Par;
 use crate::rows::{next_row, Blocks, Split};
-use crate::simd::{dispatch, sum_pairs};
+use crate::simd::{dispatch, prefetch_part, sum_pairs};
 use crate::softmax::{exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
@@ -249,8 +249,9 @@ fn row_sum<T: Element>(x: &[T]) -> T::Acc {
 
 /// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`;
 /// `e = exp(x - m)`, `s` its sum. Given the row's `lse`, `e = exp(x - lse)` and
-/// `s = 1`, with no pass for the max (`x - lse <= 0`, as `exp_into` needs: the
-/// forward rounds `lse >= max`, which is representable, to nearest).
+/// `s = 1`, with no pass for the max (`x - lse <= 0`, as `exp_nonpos` needs:
+/// the forward rounds `lse >= max`, which is representable, to nearest), and
+/// for f32 and f64 no scratch row: the gradient is written as it is computed.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn row_grad_into<T: Element>(
@@ -264,13 +265,44 @@ fn row_grad_into<T: Element>(
     (ahead, ahead_w): (&[T], &[T]),
 ) {
     let one = T::Acc::ONE;
+    let off = T::Acc::from_f64(g * eps / x.len() as f64);
+    if let Some(m) = lse {
+        if std::mem::size_of::<T>() == std::mem::size_of::<T::Acc>() {
+            // f32, f64: no rounding to do, so no scratch row either.
+            exp_affine_into(x, dx, m, T::Acc::from_f64(g), off, ahead, ahead_w);
+            let p = (x[t].to_acc() - m).exp_nonpos();
+            dx[t] = T::from_f64(g * (p.to_f64() - eps / x.len() as f64) - g * (1.0 - eps));
+            return;
+        }
+    }
     let m = lse.unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
     let s = if lse.is_some() { one } else { s };
-    let (gs, off) = (T::Acc::from_f64(g / s.to_f64()), T::Acc::from_f64(g * eps / x.len() as f64));
+    let gs = T::Acc::from_f64(g / s.to_f64());
     T::from_acc_slice_affine(scratch, (gs, off), dx);
     let p = scratch[t].to_f64() / s.to_f64();
     dx[t] = T::from_f64(g * (p - eps / x.len() as f64) - g * (1.0 - eps));
+}
+
+/// `dx_i = exp(x_i - m) gs - off`, rounded once to `T`, straight into `dx`
+/// (for f32 and f64, whose rounding from `T::Acc` is none), prefetching as
+/// `exp_into` does; `m` at least the row's max.
+#[inline(always)]
+fn exp_affine_into<T: Element>(x: &[T], dx: &mut [T], m: T::Acc, gs: T::Acc, off: T::Acc, ahead: &[T], ahead_w: &[T]) {
+    const W: usize = 32;
+    let f = |v: T| T::from_acc((v.to_acc() - m).exp_nonpos() * gs - off);
+    let (cx, cd) = (x.chunks_exact(W), dx.chunks_exact_mut(W));
+    let at = x.len() - cx.remainder().len();
+    for (k, (cx, cd)) in cx.zip(cd).enumerate() {
+        prefetch_part::<T, false>(ahead, k, W);
+        prefetch_part::<T, true>(ahead_w, k, W);
+        for i in 0..W {
+            cd[i] = f(cx[i]);
+        }
+    }
+    for (d, v) in dx[at..].iter_mut().zip(&x[at..]) {
+        *d = f(*v);
+    }
 }
 
 /// Reference forward in f64: the reduced loss (`rows` values for `None`).
