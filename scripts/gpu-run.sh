@@ -14,7 +14,8 @@
 #   all     the three (the default).
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
-# bench.log, report/. KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
+# bench.log, report.log, report/ (8 files in all). KEEL_REPORT_ARGS adds words
+# to report.py's command line (e.g. "--no-thp" where time is short). KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
 # test that would skip for want of a GPU into a failure; KEEL_REQUIRE_GPU=0
 # runs the same steps on a machine without one (a dry run of this script).
 # Every step runs; the exit status is that of the first that failed.
@@ -63,6 +64,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = report ] || [ "$what" = all ]; then
   log="$out/report.log"; : > "$log"
-  step "$log" "$py" benches/report/report.py --out "$out/report"
+  # shellcheck disable=SC2086  # KEEL_REPORT_ARGS: extra words for report.py, e.g. "--no-thp --ops softmax"
+  step "$log" "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
 fi
 exit "$status"
