@@ -126,4 +126,33 @@ fn rows_far_from_zero_or_with_outliers_keep_full_accuracy() {
         forward_cpu(&x, None, None, &mut y, cols, 1e-5, Par::Seq).unwrap();
         assert_close(&y, &forward_ref(&x, None, None, cols, 1e-5), 4.0, "forward");
     }
+    // The backward of the same rows in every dtype: bf16 and f16 take their
+    // moments and gradient sums from one shifted pass, which must fall back to
+    // the exact path where the shift is poor (the outlier row).
+    backward_of_hard_rows::<f32>();
+    backward_of_hard_rows::<f16>();
+    backward_of_hard_rows::<bf16>();
+}
+
+fn backward_of_hard_rows<T: Tol>() {
+    let cols = 1031;
+    let noise = |i: usize, seed: usize| ((i * 7919 + seed) % 2001) as f64 / 1000.0 - 1.0;
+    let rows: [Vec<f64>; 3] = [
+        (0..cols).map(|i| 100.0 + 4.0 * noise(i, 0)).collect(),
+        (0..cols).map(|i| if i < 16 { 1e4 } else { noise(i, 0) }).collect(),
+        (0..cols).map(|i| noise(i, 0)).collect(),
+    ];
+    let w: Vec<T> = to_elems(&(0..cols).map(|i| 1.0 + 0.5 * noise(i, 3)).collect::<Vec<_>>());
+    for x in rows {
+        let (x, dy) = (to_elems::<T>(&x), to_elems::<T>(&(0..cols).map(|i| noise(i, 7)).collect::<Vec<_>>()));
+        let (want_dx, ..) = backward_ref(&dy, &x, Some(&w), None, cols, 1e-5);
+        let mut dx = vec![T::default(); cols];
+        backward_cpu(&dy, &x, Some(&w), None, &mut dx, None, None, cols, 1e-5, Par::Seq).unwrap();
+        // As in `check`: dx subtracts terms of the size of rstd * |dy * w|.
+        let xs: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
+        let mean = xs.iter().sum::<f64>() / cols as f64;
+        let var = xs.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
+        let floor = 4.0 * 1.5 / (var + 1e-5).sqrt();
+        assert_close_floor(&dx, &want_dx, 8.0 * sum_scale::<T>(cols), floor, "grad_input of a hard row");
+    }
 }
