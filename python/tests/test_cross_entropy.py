@@ -134,6 +134,20 @@ def test_torch_compile_fullgraph(device):
     head(h, w, t).backward()
     torch.testing.assert_close(g, h.grad)
 
+    # With a z-loss on the lse: gradients through both outputs of cross_entropy_with_lse.
+    def z_head(h, w, t):
+        loss, lse = keel.cross_entropy_with_lse(h @ w, t, label_smoothing=0.05)
+        return loss + 1e-2 * lse.square().mean()
+
+    h.grad = None
+    out = torch.compile(z_head, fullgraph=True)(h, w, t)
+    torch.testing.assert_close(out, z_head(h, w, t))
+    out.backward()
+    g = h.grad.clone()
+    h.grad = None
+    z_head(h, w, t).backward()
+    torch.testing.assert_close(g, h.grad)
+
 
 BAD = [
     ("target too big", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"keel::cross_entropy: argument 'target' holds 5 at row 1, out of range for 5 classes \(and not ignore_index = -100\)"),
