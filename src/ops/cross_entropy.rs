@@ -17,7 +17,7 @@
 //! forward's `lse`, only that once.
 pub use keel_cpu::cross_entropy::{Options, Reduction};
 
-use super::check_cols;
+use super::{check_cols, check_len};
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{driver, Error, Result};
@@ -260,14 +260,6 @@ fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {
     stream.alloc_zeros::<f32>(scratch_len(rows)).map_err(driver("allocating cross_entropy scratch"))
 }
 
-/// `Err` naming `arg` unless `got == want`.
-fn check_length(op: &'static str, arg: &'static str, got: usize, want: usize) -> Result<()> {
-    if got == want {
-        return Ok(());
-    }
-    Err(Error::Invalid { op, arg, msg: format!("has length {got}, expected {want}") })
-}
-
 /// CUDA forward on `cudarc` buffers, launched on `stream` (which it
 /// synchronises); each row's log-sum-exp into `lse` when given.
 pub fn forward_cuda<T: CudaElement>(
@@ -281,9 +273,9 @@ pub fn forward_cuda<T: CudaElement>(
 ) -> Result<()> {
     const OP: &str = "cross_entropy";
     let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
-    check_length(OP, "out", out.len(), opts.reduction.out_len(rows))?;
+    check_len(OP, "out", out.len(), opts.reduction.out_len(rows))?;
     if let Some(l) = &lse {
-        check_length(OP, "lse", l.len(), rows)?;
+        check_len(OP, "lse", l.len(), rows)?;
     }
     let gpu = gpu(stream.context().ordinal())?;
     let sc = scratch(stream, rows)?;
@@ -311,10 +303,10 @@ pub fn backward_cuda<T: CudaElement>(
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
-    check_length(OP, "grad", grad.len(), opts.reduction.out_len(rows))?;
-    check_length(OP, "grad_logits", grad_logits.len(), logits.len())?;
+    check_len(OP, "grad", grad.len(), opts.reduction.out_len(rows))?;
+    check_len(OP, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
-        check_length(OP, "lse", l.len(), rows)?;
+        check_len(OP, "lse", l.len(), rows)?;
     }
     let gpu = gpu(stream.context().ordinal())?;
     let sc = scratch(stream, rows)?;

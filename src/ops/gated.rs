@@ -8,6 +8,7 @@
 //! - CUDA: element-wise grid-stride loop, 128-bit loads of each half.
 pub use keel_cpu::gated::Activation;
 
+use super::check_len;
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
@@ -171,13 +172,7 @@ pub fn backward_cuda<T: CudaElement>(
     d: usize,
 ) -> Result<()> {
     let rows = keel_cpu::gated::check(act.op(), input.len(), "grad_out", grad_out.len(), d)?;
-    if grad_input.len() != input.len() {
-        return Err(Error::Invalid {
-            op: act.op(),
-            arg: "grad_input",
-            msg: format!("has length {}, expected {}", grad_input.len(), input.len()),
-        });
-    }
+    check_len(act.op(), "grad_input", grad_input.len(), input.len())?;
     let gpu = gpu(stream.context().ordinal())?;
     let (pg, _g1) = grad_out.device_ptr(stream);
     let (pi, _g2) = input.device_ptr(stream);

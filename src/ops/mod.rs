@@ -27,6 +27,14 @@ pub(crate) fn check_cols(op: &'static str, rows: usize, cols: usize) -> Result<(
     Ok(())
 }
 
+/// `Err` naming `arg` of `op` unless a buffer's length `got` is `want`.
+pub(crate) fn check_len(op: &'static str, arg: &'static str, got: usize, want: usize) -> Result<()> {
+    if got == want {
+        return Ok(());
+    }
+    Err(Error::Invalid { op, arg, msg: format!("has length {got}, expected {want}") })
+}
+
 /// Blocks (and rows of f32 partial sums) of a backward that reduces a
 /// parameter gradient over rows: two per SM, at most one per row.
 pub(crate) fn reduce_parts(sm_count: u32, rows: usize) -> usize {

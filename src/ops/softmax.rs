@@ -6,10 +6,10 @@
 //!   `-inf` row gives NaN, as in torch.
 //! - CUDA: one block per row, a max-and-sum-of-exp pass (online softmax) and a
 //!   store pass, 128-bit loads.
-use super::check_cols;
+use super::{check_cols, check_len};
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -105,9 +105,7 @@ pub unsafe fn backward_cuda_raw(
 
 fn rows_of(op: &'static str, len: usize, cols: usize, others: &[(&'static str, usize)]) -> Result<usize> {
     for &(arg, n) in others {
-        if n != len {
-            return Err(Error::Invalid { op, arg, msg: format!("has length {n}, expected {len}") });
-        }
+        check_len(op, arg, n, len)?;
     }
     Ok(keel_cpu::softmax::check(op, len, cols, 0.0)?)
 }
