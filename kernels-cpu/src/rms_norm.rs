@@ -16,7 +16,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, sum_pairs, sums3};
+use crate::simd::{dispatch, sum_map, sum_pairs, sums3};
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
@@ -174,7 +174,9 @@ fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
 
 #[inline(always)]
 pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
-    let r = inv_rms(sum_pairs(x, x, |a, b| a * b), x.len(), eps);
+    // Each form where it vectorises full width (see `sum_map`).
+    let sum_sq = if std::mem::size_of::<T>() == 2 { sum_pairs(x, x, |a, b| a * b) } else { sum_map(x, |a| a * a) };
+    let r = inv_rms(sum_sq, x.len(), eps);
     match weight {
         Some(w) => T::write_acc(
             y,
