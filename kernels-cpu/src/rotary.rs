@@ -15,6 +15,8 @@ use crate::par::Par;
 use crate::rows::{Blocks, Split};
 use crate::simd::dispatch;
 
+mod wide;
+
 /// The shape of a call: `x` is `[batch, seq, heads, head_dim]`, `cos`/`sin` are
 /// `[seq, rotary_dim / 2]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,15 +88,28 @@ pub fn apply<T: Element>(
         dispatch(
             #[inline(always)]
             || {
-                for (i, (x, y)) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)).enumerate() {
-                    let pos = ((start + i) / heads) % seq;
+                // The row's position and head, stepped rather than divided
+                // out per row (a division is about as long as rotating a
+                // bf16 head of 128).
+                let (mut pos, mut head) = ((start / heads) % seq, start % heads);
+                for (x, y) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
                     let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
                     if interleaved {
                         rotate_pairs(x, y, c, s, sign);
                     } else {
                         rotate_halves(x, y, c, s, sign);
                     }
-                    y[2 * half..].copy_from_slice(&x[2 * half..]);
+                    if 2 * half < d {
+                        y[2 * half..].copy_from_slice(&x[2 * half..]);
+                    }
+                    head += 1;
+                    if head == heads {
+                        head = 0;
+                        pos += 1;
+                        if pos == seq {
+                            pos = 0;
+                        }
+                    }
                 }
             },
         );
@@ -108,10 +123,26 @@ fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Ac
     let h = c.len();
     let (x1, x2) = (&x[..h], &x[h..2 * h]);
     let (y1, y2) = y[..2 * h].split_at_mut(h);
-    for ((((y1, y2), (a, b)), c), s) in y1.iter_mut().zip(y2.iter_mut()).zip(x1.iter().zip(x2)).zip(c).zip(s) {
-        let (a, b, c, s) = (a.to_acc(), b.to_acc(), c.to_acc(), s.to_acc() * sign);
-        *y1 = T::from_acc(a * c - b * s);
-        *y2 = T::from_acc(b * c + a * s);
+    let pair = |i: usize, y1: &mut [T], y2: &mut [T]| {
+        let (a, b, c, s) = (x1[i].to_acc(), x2[i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
+        y1[i] = T::from_acc(a * c - b * s);
+        y2[i] = T::from_acc(b * c + a * s);
+    };
+    if !wide::applies::<T>() {
+        for i in 0..h {
+            pair(i, y1, y2);
+        }
+        return;
+    }
+    let mut i = 0;
+    while i < h {
+        let n = (h - i).min(wide::N);
+        if n < wide::N || !wide::halves(i, x1, x2, c, s, y1, y2, sign.to_f64() as f32) {
+            for j in i..i + n {
+                pair(j, y1, y2);
+            }
+        }
+        i += n;
     }
 }
 
