@@ -7,6 +7,7 @@
 //! bit-exact with `half` (round to nearest even, NaN kept NaN): the tests check
 //! every f16 and bf16 value.
 use crate::narrow;
+use crate::sum_squares;
 use half::{bf16, f16};
 use std::ops::{Add, Div, Mul, Sub};
 
@@ -173,12 +174,15 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
             *d = Self::from_acc(*s * scale - shift);
         }
     }
+    /// `sum(x_i^2)` in the accumulation type: rms_norm's reduction, with
+    /// explicit AVX-512 code for f32, bf16 and f16 (see `sum_squares.rs`).
+    fn sum_squares(x: &[Self]) -> Self::Acc;
 }
 
 /// `Element` for a type that is its own accumulator (f32, f64): no rounding,
 /// and `write_acc` hands `out` itself to `fill`.
 macro_rules! own_acc_element {
-    ($t:ty, $name:literal) => {
+    ($t:ty, $name:literal, $sum_squares:path) => {
         impl Element for $t {
             type Acc = $t;
             const NAME: &'static str = $name;
@@ -201,12 +205,16 @@ macro_rules! own_acc_element {
             fn from_acc_slice(src: &[Self], dst: &mut [Self]) {
                 dst.copy_from_slice(src)
             }
+            #[inline(always)]
+            fn sum_squares(x: &[Self]) -> Self {
+                $sum_squares(x)
+            }
         }
     };
 }
 
-own_acc_element!(f32, "f32");
-own_acc_element!(f64, "f64");
+own_acc_element!(f32, "f32", sum_squares::f32s);
+own_acc_element!(f64, "f64", sum_squares::generic);
 
 impl Element for bf16 {
     type Acc = f32;
@@ -229,6 +237,10 @@ impl Element for bf16 {
     #[inline(always)]
     fn from_acc_slice_affine(src: &[f32], (scale, shift): (f32, f32), dst: &mut [Self]) {
         narrow::bf16_slice::<true>(src, (scale, shift), dst, |v| Self::from_acc(v * scale - shift))
+    }
+    #[inline(always)]
+    fn sum_squares(x: &[Self]) -> f32 {
+        sum_squares::bf16s(x)
     }
 }
 
@@ -253,6 +265,10 @@ impl Element for f16 {
     #[inline(always)]
     fn from_acc_slice_affine(src: &[f32], (scale, shift): (f32, f32), dst: &mut [Self]) {
         narrow::f16_slice::<true>(src, (scale, shift), dst, |v| Self::from_acc(v * scale - shift))
+    }
+    #[inline(always)]
+    fn sum_squares(x: &[Self]) -> f32 {
+        sum_squares::f16s(x)
     }
 }
 

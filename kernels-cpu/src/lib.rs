@@ -27,6 +27,7 @@ pub mod rotary;
 mod rows;
 mod simd;
 pub mod softmax;
+mod sum_squares;
 
 pub use element::{Acc, Element};
 pub use error::{Error, Result};

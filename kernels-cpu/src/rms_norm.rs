@@ -15,8 +15,8 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
-use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, sum_map, sum_pairs, sums3};
+use crate::rows::{row_and_next, sum_partials, Blocks, Split};
+use crate::simd::{dispatch, prefetching, sums3};
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
@@ -154,9 +154,10 @@ pub(crate) fn backward_unchecked<T: Element>(
                 #[inline(always)]
                 || {
                     for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
-                        let row = r * cols..(r + 1) * cols;
-                        let (x, dy, add) = (&x[row.clone()], &dy[row.clone()], add.map(|a| &a[row]));
-                        backward_row(x, dy, add, weight, dx, dw.as_deref_mut().map(|d| &mut d[..]), eps);
+                        let ((x, next_x), (dy, next_dy)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
+                        let add = add.map(|a| &a[r * cols..][..cols]);
+                        let dw = dw.as_deref_mut().map(|d| &mut d[..]);
+                        backward_row(x, dy, add, weight, dx, dw, eps, &[next_dy, next_x]);
                     }
                 },
             );
@@ -174,8 +175,7 @@ fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
 
 #[inline(always)]
 pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
-    // Each form where it vectorises full width (see `sum_map`).
-    let sum_sq = if std::mem::size_of::<T>() == 2 { sum_pairs(x, x, |a, b| a * b) } else { sum_map(x, |a| a * a) };
+    let sum_sq = T::sum_squares(x);
     let r = inv_rms(sum_sq, x.len(), eps);
     match weight {
         Some(w) => T::write_acc(
@@ -202,7 +202,9 @@ pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T]
 }
 
 /// With `r = inv_rms(x)`, `g = dy * w`:
-/// `dx = r * g - x * r^3 * sum(g * x) / n (+ add)` and `dw += dy * x * r`.
+/// `dx = r * g - x * r^3 * sum(g * x) / n (+ add)` and `dw += dy * x * r`;
+/// `ahead` is the next row of `dy` and `x`, prefetched as `dx` is written.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn backward_row<T: Element>(
     x: &[T],
@@ -212,6 +214,7 @@ fn backward_row<T: Element>(
     dx: &mut [T],
     dw: Option<&mut [T::Acc]>,
     eps: T::Acc,
+    ahead: &[&[T]],
 ) {
     let n = x.len();
     // sum(x^2) and sum(g * x) in one pass over dy, w and x.
@@ -221,6 +224,36 @@ fn backward_row<T: Element>(
     };
     let r = inv_rms(sum_sq, n, eps);
     let c = r * r * r * gx / T::Acc::from_usize(n);
+    let mut dw = dw;
+    // Written part by part, prefetching the next row for the sums above.
+    prefetching(
+        dx,
+        ahead,
+        0,
+        #[inline(always)]
+        |k, dx| {
+            let m = dx.len();
+            let dw = dw.as_deref_mut().map(|d| &mut d[k..][..m]);
+            let (w, add) = (weight.map(|w| &w[k..][..m]), add.map(|a| &a[k..][..m]));
+            grad_part(&x[k..][..m], &dy[k..][..m], add, w, dx, dw, r, c);
+        },
+    );
+}
+
+/// `dx = r * dy * w - x * c (+ add)` and `dw += dy * x * r` over one part of
+/// a row.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn grad_part<T: Element>(
+    x: &[T],
+    dy: &[T],
+    add: Option<&[T]>,
+    weight: Option<&[T]>,
+    dx: &mut [T],
+    dw: Option<&mut [T::Acc]>,
+    r: T::Acc,
+    c: T::Acc,
+) {
     let mut dw = dw;
     match (weight, add) {
         // The training case: dx and dw in one pass over dy and x.

@@ -80,6 +80,14 @@ pub(crate) fn next_row<T>(rest: &[T], cols: usize) -> &[T] {
     &rest[..rest.len().min(cols)]
 }
 
+/// Row `r` of `s` (rows of `cols`) and the row after it (empty after the
+/// last): a row and what its kernel prefetches while it works on it.
+#[inline(always)]
+pub(crate) fn row_and_next<T>(s: &[T], r: usize, cols: usize) -> (&[T], &[T]) {
+    let (row, rest) = s[r * cols..].split_at(cols);
+    (row, next_row(rest, cols))
+}
+
 /// `out[j] = sum over blocks b of partial[b * cols + j]`, in block order
 /// (deterministic for a given block count); zeros when there are no blocks.
 pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: usize) {

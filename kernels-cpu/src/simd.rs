@@ -98,6 +98,25 @@ pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usiz
     let _ = (ahead, i, n);
 }
 
+/// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements
+/// (`part` is `out[k..k + PREFETCH_PART]`, shorter at the end), first
+/// prefetching for reading the same range, offset by `at`, of each slice of
+/// `ahead` (as far as it reaches): a write pass over one row that loads the
+/// next row while it works.
+#[inline(always)]
+pub(crate) fn prefetching<T, U>(out: &mut [T], ahead: &[&[U]], at: usize, mut f: impl FnMut(usize, &mut [T])) {
+    for (i, part) in out.chunks_mut(PREFETCH_PART).enumerate() {
+        let k = i * PREFETCH_PART;
+        for a in ahead {
+            prefetch_part::<U, false>(a.get(at + k..).unwrap_or(&[]), 0, part.len());
+        }
+        f(k, part);
+    }
+}
+
+/// Elements per part of [`prefetching`].
+pub(crate) const PREFETCH_PART: usize = 256;
+
 /// Number of independent accumulators in reductions: enough lanes for two
 /// AVX-512 registers of f32, so the loop is not bound by add latency.
 pub(crate) const LANES: usize = 32;
@@ -123,12 +142,11 @@ pub(crate) fn sum_pairs<T: Element>(a: &[T], b: &[T], f: impl Fn(T::Acc, T::Acc)
 
 /// Sum of `f(a_i)` over one slice, as [`sum_pairs`] does for two.
 ///
-/// LLVM's vectorisation of these lane loops depends on the exact closure:
-/// rms_norm's sum of squares written as `sum_pairs(x, x, |a, b| a * b)`
-/// compiled to two-lane code for f32 (`vmovsd` loads and `xmm` products:
-/// half of its forward time through torch) and to full-width code for bf16,
-/// while this function did the opposite for bf16 and f16 (0.6-0.8x). Check
-/// the disassembly (`perf annotate`) of a kernel after changing either.
+/// LLVM's vectorisation of these lane loops depends on the exact closure and
+/// on the build: rms_norm's sum of squares compiled to full-width code in one
+/// build and to scalar or two-lane code in another, which is why it now has
+/// explicit AVX-512 code (`sum_squares.rs`; this loop is its fallback). Check
+/// the disassembly (`perf annotate`) of a kernel after changing one of these.
 #[inline(always)]
 pub(crate) fn sum_map<T: Element>(a: &[T], f: impl Fn(T::Acc) -> T::Acc) -> T::Acc {
     let mut acc = [T::Acc::ZERO; LANES];
