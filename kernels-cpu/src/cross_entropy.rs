@@ -17,7 +17,7 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
 use crate::par::Par;
-use crate::rows::{next_row, Blocks, Split};
+use crate::rows::{next_row, row_and_next, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, sum_pairs};
 use crate::softmax::{exp_into, exp_sum, row_max};
 
@@ -146,9 +146,9 @@ pub fn forward<T: Element>(
                 #[inline(always)]
                 || {
                     for (i, (&t, l)) in target[r.clone()].iter().zip(l.iter_mut()).enumerate() {
-                        let (x, ahead) = x[i * cols..].split_at(cols);
+                        let (x, ahead) = row_and_next(x, i, cols);
                         if t != opts.ignore_index {
-                            *l = row_loss(x, t as usize, opts.label_smoothing, next_row(ahead, cols));
+                            *l = row_loss(x, t as usize, opts.label_smoothing, ahead);
                         }
                     }
                 },
@@ -210,12 +210,12 @@ pub fn backward<T: Element>(
             || {
                 for i in 0..r.len() {
                     let (row, t) = (r.start + i, target[r.start + i]);
-                    let (x, ahead) = x[i * cols..].split_at(cols);
+                    let (x, ahead) = row_and_next(x, i, cols);
                     let (dx, ahead_w) = dx[i * cols..].split_at_mut(cols);
                     if t == opts.ignore_index {
                         dx.iter_mut().for_each(|d| *d = T::default());
                     } else {
-                        let ahead = (next_row(ahead, cols), next_row(ahead_w, cols));
+                        let ahead = (ahead, next_row(ahead_w, cols));
                         let (g, eps, lse) = (row_grad(row), opts.label_smoothing, lse.map(|l| l[row]));
                         row_grad_into(x, t as usize, dx, &mut scratch, g, eps, lse, ahead);
                     }

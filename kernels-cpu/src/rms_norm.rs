@@ -212,7 +212,7 @@ fn backward_row<T: Element>(
     add: Option<&[T]>,
     weight: Option<&[T]>,
     dx: &mut [T],
-    dw: Option<&mut [T::Acc]>,
+    mut dw: Option<&mut [T::Acc]>,
     eps: T::Acc,
     ahead: &[&[T]],
 ) {
@@ -224,12 +224,10 @@ fn backward_row<T: Element>(
     };
     let r = inv_rms(sum_sq, n, eps);
     let c = r * r * r * gx / T::Acc::from_usize(n);
-    let mut dw = dw;
     // Written part by part, prefetching the next row for the sums above.
     prefetching(
         dx,
         ahead,
-        0,
         #[inline(always)]
         |k, dx| {
             let m = dx.len();

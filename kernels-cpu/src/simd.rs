@@ -100,22 +100,21 @@ pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usiz
 
 /// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements
 /// (`part` is `out[k..k + PREFETCH_PART]`, shorter at the end), first
-/// prefetching for reading the same range, offset by `at`, of each slice of
-/// `ahead` (as far as it reaches): a write pass over one row that loads the
-/// next row while it works.
+/// prefetching for reading the same range of each slice of `ahead` (as far
+/// as it reaches): a write pass over one row that loads the next row while
+/// it works.
 #[inline(always)]
-pub(crate) fn prefetching<T, U>(out: &mut [T], ahead: &[&[U]], at: usize, mut f: impl FnMut(usize, &mut [T])) {
+pub(crate) fn prefetching<T, U>(out: &mut [T], ahead: &[&[U]], mut f: impl FnMut(usize, &mut [T])) {
     for (i, part) in out.chunks_mut(PREFETCH_PART).enumerate() {
-        let k = i * PREFETCH_PART;
         for a in ahead {
-            prefetch_part::<U, false>(a.get(at + k..).unwrap_or(&[]), 0, part.len());
+            prefetch_part::<U, false>(a, i, PREFETCH_PART);
         }
-        f(k, part);
+        f(i * PREFETCH_PART, part);
     }
 }
 
 /// Elements per part of [`prefetching`].
-pub(crate) const PREFETCH_PART: usize = 256;
+const PREFETCH_PART: usize = 256;
 
 /// Number of independent accumulators in reductions: enough lanes for two
 /// AVX-512 registers of f32, so the loop is not bound by add latency.

@@ -15,7 +15,7 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
-use crate::rows::{next_row, Blocks, Split};
+use crate::rows::{next_row, row_and_next, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, reduce2, sum_pairs};
 
 const OP_FWD: &str = "softmax";
@@ -48,9 +48,9 @@ pub fn forward<T: Element>(x: &[T], out: &mut [T], cols: usize, scale: f64, par:
             || {
                 let rows = x.len() / cols;
                 for r in 0..rows {
-                    let (x, ahead) = x[r * cols..].split_at(cols);
+                    let (x, ahead) = row_and_next(x, r, cols);
                     let (y, ahead_w) = y[r * cols..].split_at_mut(cols);
-                    forward_row(x, y, &mut scratch, scale, next_row(ahead, cols), next_row(ahead_w, cols));
+                    forward_row(x, y, &mut scratch, scale, ahead, next_row(ahead_w, cols));
                 }
             },
         );
