@@ -68,27 +68,37 @@ unsafe fn v4_bf16<R>(f: impl FnOnce() -> R) -> R {
     f()
 }
 
-/// Hints the CPU to load the cache lines of `ahead[i * n..(i + 1) * n]` (as
-/// far as `ahead` reaches): called by a compute-bound pass over one row for
-/// the next row, so that its first read does not wait on memory.
+/// Hints the CPU to load the cache lines of `ahead[i * n..(i + 1) * n]`
+/// (nothing once `i * n` is past the end of `ahead`): called by a
+/// compute-bound pass over one row for the next row, so that its first read
+/// does not wait on memory.
+///
+/// One bounds check and then one prefetch per 64 bytes (`n` is a constant at
+/// every call, so the loop unrolls). The last part may reach past the end of
+/// `ahead`: a prefetch reads nothing and cannot fault, so that costs at most
+/// a line fetched for nothing. The clamped version before it spent ~25
+/// instructions per part on `min`s and its loop, a third of softmax's inner
+/// loop.
 #[inline(always)]
 pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usize) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
         let size = std::mem::size_of::<T>();
-        let start = (i * n).min(ahead.len()) * size;
-        let end = ((i + 1) * n).min(ahead.len()) * size;
-        let base = ahead.as_ptr().cast::<i8>();
-        let mut at = start;
-        while at < end {
-            // SAFETY: `at < end <= size_of_val(ahead)`, so the pointer is in
-            // `ahead`; a prefetch reads nothing and cannot fault.
+        if i * n >= ahead.len() {
+            return;
+        }
+        let base = ahead.as_ptr().cast::<i8>().wrapping_add(i * n * size);
+        let mut at = 0;
+        while at < n * size {
+            // SAFETY: a prefetch reads nothing and cannot fault, whatever
+            // the address; the pointer is computed with `wrapping_add` and
+            // never dereferenced.
             unsafe {
                 if WRITE {
-                    _mm_prefetch::<_MM_HINT_ET0>(base.add(at))
+                    _mm_prefetch::<_MM_HINT_ET0>(base.wrapping_add(at))
                 } else {
-                    _mm_prefetch::<_MM_HINT_T0>(base.add(at))
+                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at))
                 }
             };
             at += 64;
