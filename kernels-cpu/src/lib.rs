@@ -28,6 +28,7 @@ mod rows;
 mod simd;
 pub mod softmax;
 mod sum_squares;
+mod wide;
 
 pub use element::{Acc, Element};
 pub use error::{Error, Result};

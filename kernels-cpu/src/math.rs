@@ -15,10 +15,10 @@
 //! without FMA (before 2013) pulp runs the scalar path, where `mul_add` is a
 //! correct but slow library call.
 
-const LOG2E: f32 = std::f32::consts::LOG2_E;
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two so that `x - n ln2` is exact for the `n` that occur.
-const LN2_HI: f32 = 0.693_359_4;
-const LN2_LO: f32 = -2.121_944_4e-4;
+pub(crate) const LN2_HI: f32 = 0.693_359_4;
+pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
 /// 1.5 * 2^23: adding it rounds an f32 below 2^22 to an integer (ties to even)
 /// and leaves that integer in the low mantissa bits.
 const ROUND_MAGIC: f32 = 12_582_912.0;
@@ -53,14 +53,14 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
 
 /// Below this, `e^x` is an f32 subnormal (`-126 ln 2`); [`exp_nonpos_f32`]
 /// returns 0 there.
-const NORMAL_CUTOFF: f32 = -87.336_54;
+pub(crate) const NORMAL_CUTOFF: f32 = -87.336_54;
 /// 1.5 * 2^23 + 127: adding it rounds to an integer `k` and leaves `k + 127`
 /// (the biased exponent of `2^k`) in the low mantissa bits.
-const ROUND_MAGIC_BIASED: f32 = 12_583_039.0;
+pub(crate) const ROUND_MAGIC_BIASED: f32 = 12_583_039.0;
 /// Minimax coefficients (relative error 8.4e-8 in exact arithmetic) of
 /// `e^t ~ 1 + t (C1 + t (C2 + t (C3 + t (C4 + t C5))))` on `[-ln2/2, ln2/2]`,
 /// fitted for Keel by linear programming on 20001 points and rounded to f32.
-const EXP_C: [f32; 5] = [0.999_999_76, 0.499_991_45, 0.166_676_54, 0.041_898_746, 0.008_286_256];
+pub(crate) const EXP_C: [f32; 5] = [0.999_999_76, 0.499_991_45, 0.166_676_54, 0.041_898_746, 0.008_286_256];
 
 /// `e^x` for `x <= 0` (and NaN, which it returns): the `exp` of softmax and
 /// cross-entropy after the row maximum is subtracted. A degree-5 polynomial

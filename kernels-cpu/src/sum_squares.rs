@@ -1,5 +1,5 @@
-//! `sum(x_i^2)` over a row (rms_norm's reduction), written with AVX-512
-//! intrinsics where the CPU has them.
+//! `sum(x_i^2)` over a row (rms_norm's reduction), written with explicit
+//! AVX-512 or AVX2 code where the CPU has either ([`crate::wide`]).
 //!
 //! The other reductions leave vectorisation to LLVM (lane arrays in
 //! [`crate::simd`]). For this one that proved unstable: the same source gave
@@ -9,129 +9,85 @@
 //! one source: 1.8 ms built in one checkout, 2.5-3.3 ms in another). Here the
 //! vector code is explicit, so every build runs the same instructions.
 //!
-//! Order of the sum: four 16-lane accumulators with fused multiply-adds over
-//! groups of 64, a masked last group, then a tree over the lanes. The
+//! Order of the sum: four vector accumulators (16 or 8 lanes) with fused
+//! multiply-adds over groups of four vectors, then the whole vectors left,
+//! then a part vector, then a tree over the lanes. The
 //! fallback ([`sum_map`]) sums the same squares in another order; both are
 //! within f32 accumulation error of the exact sum, as the tests check.
 use crate::element::Element;
 use crate::simd::sum_map;
 use half::{bf16, f16};
 
-/// The lane loop, for types without explicit code (f64) and CPUs without
-/// AVX-512.
+/// The lane loop, for types without explicit code (f64) and CPUs with
+/// neither AVX-512 nor AVX2.
 #[inline(always)]
 pub(crate) fn generic<T: Element>(x: &[T]) -> T::Acc {
     sum_map(x, |a| a * a)
 }
 
-/// Defines `$name(x: &[$t]) -> f32` with the AVX-512 loader `$load`.
-macro_rules! with_avx512 {
-    ($name:ident, $t:ty, $load:ident) => {
-        /// `sum(x_i^2)` in f32: AVX-512 where the CPU has it, else [`generic`].
+/// Defines `$name(x: &[$t]) -> f32`, the explicit code where the CPU has
+/// some (see [`crate::wide`]).
+macro_rules! explicit {
+    ($name:ident, $t:ty) => {
+        /// `sum(x_i^2)` in f32: explicit AVX-512 or AVX2 where the CPU has
+        /// it, else [`generic`].
         #[inline(always)]
         pub(crate) fn $name(x: &[$t]) -> f32 {
             #[cfg(target_arch = "x86_64")]
-            if crate::simd::has_v4_bf16() {
-                // SAFETY: `has_v4_bf16` found AVX512F, BW and VL and FMA, the
-                // features `x86::sum_sq` and the loader are compiled for; the
-                // loaders read only the lanes they are given.
-                return unsafe {
-                    x86::sum_sq(
-                        x,
-                        #[inline(always)]
-                        |p, n| x86::$load(p, n),
-                    )
-                };
+            if let Some(s) = crate::wide::x86::run(x86::SumSq(x)) {
+                return s;
             }
             generic(x)
         }
     };
 }
 
-with_avx512!(f32s, f32, load_f32);
-with_avx512!(bf16s, bf16, load_bf16);
-with_avx512!(f16s, f16, load_f16);
+explicit!(f32s, f32);
+explicit!(bf16s, bf16);
+explicit!(f16s, f16);
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use half::{bf16, f16};
-    use std::arch::x86_64::*;
+    use crate::wide::x86::{Kernel, Lanes};
 
-    /// The mask of the first `n <= 16` lanes.
-    #[inline(always)]
-    fn lanes(n: usize) -> __mmask16 {
-        if n >= 16 {
-            0xffff
-        } else {
-            (1u16 << n) - 1
-        }
-    }
+    /// `sum(x_i^2)` for `T` in f32, bf16, f16 (the macro's types).
+    pub(super) struct SumSq<'a, T>(pub(super) &'a [T]);
 
-    /// # Safety
-    /// AVX512F; `p..p + n` readable.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    pub(super) unsafe fn load_f32(p: *const f32, n: usize) -> __m512 {
-        // SAFETY: the masked load reads only the first `n` lanes.
-        unsafe { _mm512_maskz_loadu_ps(lanes(n), p) }
-    }
-
-    /// bf16 to f32: the 16 bits become the high half of each lane (exact).
-    ///
-    /// # Safety
-    /// AVX512F, BW and VL; `p..p + n` readable.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    #[inline]
-    pub(super) unsafe fn load_bf16(p: *const bf16, n: usize) -> __m512 {
-        // SAFETY: as `load_f32`.
-        let h = unsafe { _mm256_maskz_loadu_epi16(lanes(n), p.cast()) };
-        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-    }
-
-    /// f16 to f32 with `vcvtph2ps` (exact).
-    ///
-    /// # Safety
-    /// AVX512F, BW and VL; `p..p + n` readable.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-    #[inline]
-    pub(super) unsafe fn load_f16(p: *const f16, n: usize) -> __m512 {
-        // SAFETY: as `load_f32`.
-        let h = unsafe { _mm256_maskz_loadu_epi16(lanes(n), p.cast()) };
-        _mm512_cvtph_ps(h)
-    }
-
-    /// `sum(x_i^2)`, `load(p, n)` widening the first `n <= 16` values at
-    /// `p` to f32 (the other lanes 0).
-    ///
-    /// # Safety
-    /// The CPU must have the features of `load`, and `load` must read no more
-    /// than the `n` values it is given.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-    pub(super) unsafe fn sum_sq<T>(x: &[T], load: impl Fn(*const T, usize) -> __m512) -> f32 {
-        let p = x.as_ptr();
-        let z = _mm512_setzero_ps();
-        let mut acc = [z; 4];
-        let mut at = 0;
-        // SAFETY (all loads): `at + 16 * k + 16 <= x.len()` in the loop, and
-        // the last loads read `x.len() - at` values from `at`.
-        unsafe {
-            while at + 64 <= x.len() {
-                for (k, a) in acc.iter_mut().enumerate() {
-                    let v = load(p.add(at + 16 * k), 16);
-                    *a = _mm512_fmadd_ps(v, v, *a);
+    impl<T: 'static> Kernel for SumSq<'_, T> {
+        type Output = f32;
+        #[inline(always)]
+        fn run<L: Lanes>(self, l: L) -> f32 {
+            let (x, n) = (self.0, L::N);
+            let p = x.as_ptr();
+            let mut acc = [l.splat(0.0); 4];
+            let mut at = 0;
+            // SAFETY (all loads): `at + n * k + n <= x.len()` in the first
+            // loop; the second reads `n` values while whole ones are left,
+            // then the `x.len() - at < n` values left. `T` is one of the
+            // types `load` reads (the macro's).
+            unsafe {
+                while at + 4 * n <= x.len() {
+                    for (k, a) in acc.iter_mut().enumerate() {
+                        let v = l.load(p.add(at + n * k));
+                        *a = l.fmadd(v, v, *a);
+                    }
+                    at += 4 * n;
                 }
-                at += 64;
+                let mut k = 0;
+                while at + n <= x.len() {
+                    let v = l.load(p.add(at));
+                    acc[k] = l.fmadd(v, v, acc[k]);
+                    at += n;
+                    k += 1;
+                }
+                if at < x.len() {
+                    // The other lanes load as 0 and add 0.
+                    let v = l.load_part(p.add(at), x.len() - at);
+                    acc[k] = l.fmadd(v, v, acc[k]);
+                }
             }
-            let mut k = 0;
-            while at < x.len() {
-                let v = load(p.add(at), x.len() - at);
-                acc[k] = _mm512_fmadd_ps(v, v, acc[k]);
-                at += 16;
-                k += 1;
-            }
+            l.reduce_add(l.add(l.add(acc[0], acc[1]), l.add(acc[2], acc[3])))
         }
-        let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        _mm512_reduce_add_ps(s)
     }
 }
 
@@ -165,6 +121,32 @@ mod tests {
         check::<f32>();
         check::<bf16>();
         check::<f16>();
+    }
+
+    /// Each width the CPU has, not only the best, against the f64 sum.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn every_width_matches_f64() {
+        use crate::wide::x86::{run_with, Width, V16, V8};
+        fn at<L: Width>(l: L) {
+            let data: Vec<bf16> = (0..300).map(|i| bf16::from_f64(((i * 37 % 101) as f64 - 50.0) / 7.0)).collect();
+            let wide: Vec<f32> = data.iter().map(|v| v.to_f32()).collect();
+            for n in 0..=300 {
+                let want: f64 = wide[..n].iter().map(|&v| v as f64 * v as f64).sum();
+                let tol = 1e-6 * want * (n as f64).sqrt().max(1.0);
+                let b = run_with(l, super::x86::SumSq(&data[..n]));
+                let f = run_with(l, super::x86::SumSq(&wide[..n]));
+                assert!((b as f64 - want).abs() <= tol && (f as f64 - want).abs() <= tol, "n={n}: {b} {f} vs {want}");
+            }
+        }
+        match V8::try_new() {
+            Some(l) => at(l),
+            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
+        }
+        match V16::try_new() {
+            Some(l) => at(l),
+            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features"),
+        }
     }
 
     /// Specials reach the sum: NaN gives NaN, infinity infinity, in the

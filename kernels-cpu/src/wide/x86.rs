@@ -1,0 +1,193 @@
+//! The vector operations the explicit kernels use ([`Lanes`]), their AVX2
+//! and AVX-512 implementations, and [`run`], which calls a [`Kernel`] at the
+//! best width this CPU has.
+//!
+//! As in pulp: a [`Lanes`] value is a zero-sized token that exists only when
+//! the CPU has its features, so its methods are safe; they are
+//! `#[inline(always)]` and only meant to be called inside a [`Kernel`]'s
+//! `run`, which [`run`] calls from a function compiled for those features
+//! (that is what lets the intrinsics inline).
+mod avx2;
+mod avx512;
+
+pub(crate) use avx2::V8;
+pub(crate) use avx512::V16;
+
+/// f32 vectors of one width, with the loads of the element types that have
+/// explicit code ([`super::has_lanes`]: f32, bf16, f16).
+///
+/// Arithmetic is IEEE single precision, lane by lane, with the rounding of
+/// the scalar operation of the same name (`fmadd` rounds once).
+pub(crate) trait Lanes: Copy {
+    /// Lanes per vector.
+    const N: usize;
+    /// Vector registers of the instruction set (16 for AVX2, 32 for
+    /// AVX-512): a kernel unrolls less where it would otherwise spill.
+    const REGS: usize;
+    /// The vector type.
+    type V: Copy;
+
+    /// Every lane `v`.
+    fn splat(self, v: f32) -> Self::V;
+    /// `N` values at `p` widened to f32 (exactly).
+    ///
+    /// # Safety
+    /// `T` is f32, bf16 or f16; `p..p + N` is readable.
+    unsafe fn load<T: 'static>(self, p: *const T) -> Self::V;
+    /// The first `n < N` values at `p` widened to f32, the other lanes 0.
+    ///
+    /// # Safety
+    /// `T` is f32, bf16 or f16; `p..p + n` is readable.
+    unsafe fn load_part<T: 'static>(self, p: *const T, n: usize) -> Self::V;
+    /// Writes the `N` lanes to `p`.
+    ///
+    /// # Safety
+    /// `p..p + N` is writable.
+    unsafe fn store(self, p: *mut f32, v: Self::V);
+    /// Writes the first `n < N` lanes to `p`.
+    ///
+    /// # Safety
+    /// `p..p + n` is writable.
+    unsafe fn store_part(self, p: *mut f32, v: Self::V, n: usize);
+
+    /// `a + b`.
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a - b`.
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b`.
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a * b + c`, rounded once.
+    fn fmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// `c - a * b`, rounded once.
+    fn fnmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    /// `a > b ? a : b` (`vmaxps`): `b` where either is NaN.
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `max(v, acc)` in the first `n < N` lanes, `acc` in the others.
+    fn max_part(self, acc: Self::V, v: Self::V, n: usize) -> Self::V;
+    /// `acc + v` in the first `n < N` lanes, `acc` in the others.
+    fn add_part(self, acc: Self::V, v: Self::V, n: usize) -> Self::V;
+    /// Each lane's bits shifted left by 23 (an integer in the low mantissa
+    /// bits becomes the exponent field).
+    fn shl23(self, v: Self::V) -> Self::V;
+    /// `v` where `x` is not below `cutoff` (NaN included), else 0.
+    fn zero_below(self, x: Self::V, cutoff: Self::V, v: Self::V) -> Self::V;
+    /// The sum of the lanes (in a tree order).
+    fn reduce_add(self, v: Self::V) -> f32;
+    /// The largest lane (no lane may be NaN).
+    fn reduce_max(self, v: Self::V) -> f32;
+}
+
+/// A kernel written once for every width: [`run`] calls `run` with the
+/// CPU's best [`Lanes`]. Implementations mark `run` `#[inline(always)]`.
+pub(crate) trait Kernel {
+    /// What the kernel returns.
+    type Output;
+    /// The kernel's body at width `L`.
+    fn run<L: Lanes>(self, l: L) -> Self::Output;
+}
+
+/// Runs `k` with 16-lane AVX-512 vectors where the CPU has
+/// [`crate::simd::has_v4_bf16`]'s features, else with 8-lane AVX2 ones where
+/// it has AVX2, FMA and F16C; `None` (without running it) on other CPUs.
+#[inline(always)]
+pub(crate) fn run<K: Kernel>(k: K) -> Option<K::Output> {
+    if let Some(l) = V16::try_new() {
+        return Some(run_with(l, k));
+    }
+    V8::try_new().map(|l| run_with(l, k))
+}
+
+/// Runs `k` at the width of `l` (the tests run every width the CPU has).
+#[inline(always)]
+pub(crate) fn run_with<L: Width, K: Kernel>(l: L, k: K) -> K::Output {
+    l.enter(k)
+}
+
+/// A [`Lanes`] that can enter code compiled for its features.
+pub(crate) trait Width: Lanes {
+    /// Calls `k.run(self)` from a function compiled for this width's
+    /// features.
+    fn enter<K: Kernel>(self, k: K) -> K::Output;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every lane of `v`, through `store`.
+    fn lanes<L: Lanes>(l: L, v: L::V) -> Vec<f32> {
+        let mut out = vec![f32::NAN; L::N];
+        // SAFETY: `out` holds `N` values.
+        unsafe { l.store(out.as_mut_ptr(), v) };
+        out
+    }
+
+    /// The operations against scalar f32 arithmetic, lane by lane, at one
+    /// width.
+    struct Ops;
+    impl Kernel for Ops {
+        type Output = ();
+        #[inline(always)]
+        fn run<L: Lanes>(self, l: L) {
+            let n = L::N;
+            let a: Vec<f32> = (0..n).map(|i| i as f32 * 1.25 - 3.0).collect();
+            let b: Vec<f32> = (0..n).map(|i| 2.5 - i as f32 * 0.5).collect();
+            let c: Vec<f32> = (0..n).map(|i| (i as f32).sqrt()).collect();
+            // SAFETY: each vector holds `N` values.
+            let (va, vb, vc) = unsafe { (l.load(a.as_ptr()), l.load(b.as_ptr()), l.load(c.as_ptr())) };
+            let each = |f: fn(f32, f32, f32) -> f32| (0..n).map(|i| f(a[i], b[i], c[i])).collect::<Vec<_>>();
+            assert_eq!(lanes(l, l.add(va, vb)), each(|a, b, _| a + b));
+            assert_eq!(lanes(l, l.sub(va, vb)), each(|a, b, _| a - b));
+            assert_eq!(lanes(l, l.mul(va, vb)), each(|a, b, _| a * b));
+            assert_eq!(lanes(l, l.fmadd(va, vb, vc)), each(|a, b, c| a.mul_add(b, c)));
+            assert_eq!(lanes(l, l.fnmadd(va, vb, vc)), each(|a, b, c| (-a).mul_add(b, c)));
+            assert_eq!(lanes(l, l.max(va, vb)), each(|a, b, _| if a > b { a } else { b }));
+            for k in 0..n {
+                let want = |f: fn(f32, f32) -> f32| {
+                    (0..n).map(|i| if i < k { f(a[i], b[i]) } else { a[i] }).collect::<Vec<_>>()
+                };
+                assert_eq!(lanes(l, l.max_part(va, vb, k)), want(|a, b| if b > a { b } else { a }), "k={k}");
+                assert_eq!(lanes(l, l.add_part(va, vb, k)), want(|a, b| a + b), "k={k}");
+                // SAFETY: `k < N` values are read and written.
+                let part = unsafe { l.load_part(b.as_ptr(), k) };
+                let want: Vec<f32> = (0..n).map(|i| if i < k { b[i] } else { 0.0 }).collect();
+                assert_eq!(lanes(l, part), want, "load_part k={k}");
+                let mut out = vec![7.0f32; n];
+                // SAFETY: `out` holds `N > k` values.
+                unsafe { l.store_part(out.as_mut_ptr(), vb, k) };
+                assert_eq!(out, (0..n).map(|i| if i < k { b[i] } else { 7.0 }).collect::<Vec<_>>());
+            }
+            let ints: Vec<f32> = (0..n).map(|i| f32::from_bits(127 + i as u32)).collect();
+            // SAFETY: as above.
+            let shifted = lanes(l, l.shl23(unsafe { l.load(ints.as_ptr()) }));
+            assert_eq!(shifted, (0..n).map(|i| (2.0f32).powi(i as i32)).collect::<Vec<_>>());
+            let x: Vec<f32> = (0..n).map(|i| [f32::NAN, -1.0, 1.0, -5.0][i % 4]).collect();
+            // SAFETY: as above.
+            let z = lanes(l, l.zero_below(unsafe { l.load(x.as_ptr()) }, l.splat(-2.0), vc));
+            assert_eq!(z, (0..n).map(|i| if x[i] < -2.0 { 0.0 } else { c[i] }).collect::<Vec<_>>());
+            assert_eq!(l.reduce_add(va), a.iter().sum::<f32>());
+            assert_eq!(l.reduce_max(vb), 2.5);
+            for (t, bits) in [(0usize, 0x3fc0_u16), (1, 0xc0a0)] {
+                let v = vec![half::bf16::from_bits(bits); n];
+                let h = vec![half::f16::from_f32(half::bf16::from_bits(bits).to_f32()); n];
+                // SAFETY: `N` values each.
+                let (vb16, vh) = unsafe { (l.load(v.as_ptr()), l.load(h.as_ptr())) };
+                let want = vec![half::bf16::from_bits(bits).to_f32(); n];
+                assert_eq!(lanes(l, vb16), want, "bf16 {t}");
+                assert_eq!(lanes(l, vh), want, "f16 {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_width_computes_as_scalar_f32() {
+        match V8::try_new() {
+            Some(l) => run_with(l, Ops),
+            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
+        }
+        match V16::try_new() {
+            Some(l) => run_with(l, Ops),
+            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features, so V16 never runs here"),
+        }
+    }
+}

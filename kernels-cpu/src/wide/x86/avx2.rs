@@ -1,0 +1,173 @@
+//! [`Lanes`] on 8-lane AVX2 vectors (with FMA, and F16C for f16).
+//!
+//! AVX2 has no lane masks: a part vector is loaded from and stored to a
+//! zeroed stack copy (once per row, at its end), and the part operations
+//! blend through a lane-index compare.
+use super::super::is;
+use super::{Kernel, Lanes, Width};
+use half::{bf16, f16};
+use std::arch::x86_64::*;
+
+/// The token of AVX2 + FMA + F16C: exists only on CPUs that have them.
+#[derive(Clone, Copy)]
+pub(crate) struct V8(());
+
+impl V8 {
+    /// The token, if this CPU has AVX2, FMA and F16C (detected once).
+    #[inline(always)]
+    pub(crate) fn try_new() -> Option<Self> {
+        use std::sync::atomic::{AtomicU8, Ordering};
+        // A relaxed atomic, as `has_v4_bf16`: this is read once per row.
+        static HAS: AtomicU8 = AtomicU8::new(2);
+        let has = match HAS.load(Ordering::Relaxed) {
+            2 => {
+                let has = is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c");
+                HAS.store(has as u8, Ordering::Relaxed);
+                has
+            }
+            v => v == 1,
+        };
+        has.then_some(Self(()))
+    }
+
+    /// Lanes `< n` all ones, the others zero.
+    #[inline(always)]
+    fn first(self, n: usize) -> __m256 {
+        // SAFETY (all intrinsics in this impl): the token exists only on a
+        // CPU with AVX2, FMA and F16C.
+        unsafe {
+            let idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), idx))
+        }
+    }
+}
+
+/// Calls `k` from code compiled for AVX2, FMA and F16C.
+///
+/// # Safety
+/// The CPU has those features.
+#[target_feature(enable = "avx,avx2,fma,f16c")]
+unsafe fn enter<K: Kernel>(l: V8, k: K) -> K::Output {
+    k.run(l)
+}
+
+impl Width for V8 {
+    #[inline(always)]
+    fn enter<K: Kernel>(self, k: K) -> K::Output {
+        // SAFETY: the token exists only on a CPU with those features.
+        unsafe { enter(self, k) }
+    }
+}
+
+// SAFETY (every intrinsic below): the token exists only on a CPU with AVX2,
+// FMA and F16C; pointers are the callers' to make valid, as each method says.
+impl Lanes for V8 {
+    const N: usize = 8;
+    const REGS: usize = 16;
+    type V = __m256;
+
+    #[inline(always)]
+    fn splat(self, v: f32) -> __m256 {
+        unsafe { _mm256_set1_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn load<T: 'static>(self, p: *const T) -> __m256 {
+        // SAFETY: the caller's: `p..p + 8` readable, `T` one of the three.
+        unsafe {
+            if is::<T, bf16>() {
+                // bf16 to f32: the 16 bits become the high half of each lane.
+                let h = _mm_loadu_si128(p.cast());
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else if is::<T, f16>() {
+                _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+            } else {
+                _mm256_loadu_ps(p.cast())
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn load_part<T: 'static>(self, p: *const T, n: usize) -> __m256 {
+        // Zero bytes are 0.0 in each of the three types.
+        let mut buf = [0f32; 8];
+        // SAFETY: `n < 8` values of at most 4 bytes fit in `buf`; the caller
+        // makes `p..p + n` readable.
+        unsafe {
+            std::ptr::copy_nonoverlapping(p.cast::<u8>(), buf.as_mut_ptr().cast::<u8>(), n * size_of::<T>());
+            self.load(buf.as_ptr().cast::<T>())
+        }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m256) {
+        // SAFETY: the caller's.
+        unsafe { _mm256_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn store_part(self, p: *mut f32, v: __m256, n: usize) {
+        let mut buf = [0f32; 8];
+        // SAFETY: `buf` holds 8; the caller makes `p..p + n` writable.
+        unsafe {
+            _mm256_storeu_ps(buf.as_mut_ptr(), v);
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), p, n);
+        }
+    }
+
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fmadd(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        unsafe { _mm256_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn fnmadd(self, a: __m256, b: __m256, c: __m256) -> __m256 {
+        unsafe { _mm256_fnmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max_part(self, acc: __m256, v: __m256, n: usize) -> __m256 {
+        unsafe { _mm256_blendv_ps(acc, _mm256_max_ps(v, acc), self.first(n)) }
+    }
+    #[inline(always)]
+    fn add_part(self, acc: __m256, v: __m256, n: usize) -> __m256 {
+        unsafe { _mm256_blendv_ps(acc, _mm256_add_ps(acc, v), self.first(n)) }
+    }
+    #[inline(always)]
+    fn shl23(self, v: __m256) -> __m256 {
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(v))) }
+    }
+    #[inline(always)]
+    fn zero_below(self, x: __m256, cutoff: __m256, v: __m256) -> __m256 {
+        // "Not less than", unordered: true for NaN, which keeps its lane.
+        unsafe { _mm256_and_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(x, cutoff), v) }
+    }
+    #[inline(always)]
+    fn reduce_add(self, v: __m256) -> f32 {
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+        }
+    }
+    #[inline(always)]
+    fn reduce_max(self, v: __m256) -> f32 {
+        unsafe {
+            let s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)))
+        }
+    }
+}

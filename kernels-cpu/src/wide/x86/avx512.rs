@@ -1,0 +1,141 @@
+//! [`Lanes`] on 16-lane AVX-512 vectors, with lane masks for the parts.
+use super::super::is;
+use super::{Kernel, Lanes, Width};
+use crate::simd::has_v4_bf16;
+use half::{bf16, f16};
+use std::arch::x86_64::*;
+
+/// The token of AVX512F, BW, VL and FMA (as part of
+/// [`has_v4_bf16`]'s set): exists only on CPUs that have them.
+#[derive(Clone, Copy)]
+pub(crate) struct V16(());
+
+impl V16 {
+    /// The token, if this CPU has [`has_v4_bf16`]'s features.
+    #[inline(always)]
+    pub(crate) fn try_new() -> Option<Self> {
+        has_v4_bf16().then_some(Self(()))
+    }
+}
+
+/// The mask of the first `n` lanes (all 16 when `n >= 16`).
+#[inline(always)]
+fn first(n: usize) -> __mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
+/// Calls `k` from code compiled for AVX-512 (F, BW, VL) and FMA.
+///
+/// # Safety
+/// The CPU has those features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+unsafe fn enter<K: Kernel>(l: V16, k: K) -> K::Output {
+    k.run(l)
+}
+
+impl Width for V16 {
+    #[inline(always)]
+    fn enter<K: Kernel>(self, k: K) -> K::Output {
+        // SAFETY: the token exists only on a CPU with those features.
+        unsafe { enter(self, k) }
+    }
+}
+
+// SAFETY (every intrinsic below): the token exists only on a CPU with
+// AVX512F, BW, VL and FMA; pointers are the callers' to make valid, as each
+// method says.
+impl Lanes for V16 {
+    const N: usize = 16;
+    const REGS: usize = 32;
+    type V = __m512;
+
+    #[inline(always)]
+    fn splat(self, v: f32) -> __m512 {
+        unsafe { _mm512_set1_ps(v) }
+    }
+    #[inline(always)]
+    unsafe fn load<T: 'static>(self, p: *const T) -> __m512 {
+        // SAFETY: the caller's.
+        unsafe { self.load_part(p, 16) }
+    }
+    #[inline(always)]
+    unsafe fn load_part<T: 'static>(self, p: *const T, n: usize) -> __m512 {
+        // SAFETY: the masked loads read only the first `n` lanes, which the
+        // caller makes readable.
+        unsafe {
+            if is::<T, bf16>() {
+                // bf16 to f32: the 16 bits become the high half of each lane.
+                let h = _mm256_maskz_loadu_epi16(first(n), p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            } else if is::<T, f16>() {
+                _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first(n), p.cast()))
+            } else {
+                _mm512_maskz_loadu_ps(first(n), p.cast())
+            }
+        }
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32, v: __m512) {
+        // SAFETY: the caller's.
+        unsafe { _mm512_storeu_ps(p, v) }
+    }
+    #[inline(always)]
+    unsafe fn store_part(self, p: *mut f32, v: __m512, n: usize) {
+        // SAFETY: the masked store writes only the first `n` lanes.
+        unsafe { _mm512_mask_storeu_ps(p, first(n), v) }
+    }
+
+    #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn fmadd(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn fnmadd(self, a: __m512, b: __m512, c: __m512) -> __m512 {
+        unsafe { _mm512_fnmadd_ps(a, b, c) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max_part(self, acc: __m512, v: __m512, n: usize) -> __m512 {
+        unsafe { _mm512_mask_max_ps(acc, first(n), v, acc) }
+    }
+    #[inline(always)]
+    fn add_part(self, acc: __m512, v: __m512, n: usize) -> __m512 {
+        unsafe { _mm512_mask_add_ps(acc, first(n), acc, v) }
+    }
+    #[inline(always)]
+    fn shl23(self, v: __m512) -> __m512 {
+        unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_castps_si512(v))) }
+    }
+    #[inline(always)]
+    fn zero_below(self, x: __m512, cutoff: __m512, v: __m512) -> __m512 {
+        // "Not less than", unordered: true for NaN, which keeps its lane.
+        unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, cutoff), v) }
+    }
+    #[inline(always)]
+    fn reduce_add(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_add_ps(v) }
+    }
+    #[inline(always)]
+    fn reduce_max(self, v: __m512) -> f32 {
+        unsafe { _mm512_reduce_max_ps(v) }
+    }
+}
