@@ -11,7 +11,7 @@
 //! recomputes it from the logits (fused either way: nothing logits-sized is
 //! saved by the forward).
 use crate::checks::{self, invalid, with_float_type, Rows};
-use crate::device::{check_err, kernel_err, ptr, CudaCall};
+use crate::device::{check_err, kernel_err, kernel_err_as, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
 use keel::cpu::Element;
 use keel::ops::cross_entropy::{Options, Reduction};
@@ -91,7 +91,7 @@ fn forward(
                 Some(l) => Some(unsafe { l.as_mut_slice::<<T as Element>::Acc>()? }),
                 None => None,
             };
-            with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, l, c.cols, opts, par)).map_err(kernel_err)?
+            with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, l, c.cols, opts, par)).map_err(kernel_err_as(op))?
         }),
         DeviceType::Cuda => {
             let call = CudaCall::new(op, c.device)?;
@@ -117,7 +117,7 @@ fn forward(
                     opts,
                 )
             }
-            .map_err(kernel_err)?
+            .map_err(kernel_err_as(op))?
         }
         DeviceType::Meta | DeviceType::Other(_) => {}
     }

@@ -36,6 +36,21 @@ pub(crate) fn check_err(e: keel::cpu::Error) -> Error {
     kernel_err(e.into())
 }
 
+/// [`kernel_err`] naming the registered op `op` in argument errors: for a
+/// kernel that serves several ops and names the one it was written for
+/// (`cross_entropy_with_lse` runs `cross_entropy`'s).
+pub(crate) fn kernel_err_as(op: &'static str) -> impl Fn(keel::Error) -> Error {
+    move |e| match e {
+        keel::Error::Cpu(keel::cpu::Error::Shape { arg, msg, .. }) | keel::Error::Invalid { arg, msg, .. } => {
+            Error::Invalid(format!("keel::{op}: argument '{arg}' {msg}"))
+        }
+        keel::Error::Cpu(keel::cpu::Error::Length { arg, got, expected, .. }) => {
+            Error::Invalid(format!("keel::{op}: argument '{arg}' has length {got}, expected {expected}"))
+        }
+        other => kernel_err(other),
+    }
+}
+
 /// Maps a kernel-layer error to an error raised in Python. Argument errors
 /// read like the ops' own checks (`keel::op: argument 'arg' ...`).
 pub(crate) fn kernel_err(e: keel::Error) -> Error {

@@ -154,7 +154,8 @@ BAD = [
     ("lse dtype", lambda: torch.ops.keel.cross_entropy_backward(torch.tensor(1.0, dtype=torch.bfloat16), torch.randn(3, 5, dtype=torch.bfloat16), torch.tensor([0, 1, 1]), -100, 0.0, "mean", torch.zeros(3, dtype=torch.bfloat16)), r"keel::cross_entropy_backward: argument 'lse' must have dtype torch.float32 \(cross_entropy_with_lse's lse for torch.bfloat16 logits\), got torch.bfloat16"),
     ("lse shape", lambda: torch.ops.keel.cross_entropy_backward(torch.tensor(1.0), torch.randn(3, 5), torch.tensor([0, 1, 1]), -100, 0.0, "mean", torch.zeros(4)), r"keel::cross_entropy_backward: argument 'lse' must have shape \[3\] \(one per row\), got \[4\]"),
     ("lse device", lambda: torch.ops.keel.cross_entropy_backward(torch.tensor(1.0), torch.randn(3, 5), torch.tensor([0, 1, 1]), -100, 0.0, "mean", torch.zeros(3, device="meta")), r"keel::cross_entropy_backward: argument 'lse'"),
-    ("with_lse target", lambda: keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"keel::cross_entropy: argument 'target' holds 5 at row 1"),
+    ("with_lse target", lambda: keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"keel::cross_entropy_with_lse: argument 'target' holds 5 at row 1, out of range for 5 classes"),
+    ("with_lse negative target", lambda: torch.ops.keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, -7, 1])), r"keel::cross_entropy_with_lse: argument 'target' holds -7 at row 1"),
 ]
 
 
