@@ -50,6 +50,10 @@ pub trait Acc:
     /// maxNum): one `vmaxps` plus a NaN fix-up, which vectorises where the
     /// `if v > m` form was left scalar.
     fn max(self, other: Self) -> Self;
+    /// `self * a + b`, rounded once: one FMA instruction under
+    /// [`crate::simd::dispatch`] on CPUs that have FMA (a slow library call
+    /// on the few that do not).
+    fn mul_add(self, a: Self, b: Self) -> Self;
 }
 
 impl Acc for f32 {
@@ -91,6 +95,10 @@ impl Acc for f32 {
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
+    #[inline(always)]
+    fn mul_add(self, a: Self, b: Self) -> Self {
+        f32::mul_add(self, a, b)
+    }
 }
 
 impl Acc for f64 {
@@ -131,6 +139,10 @@ impl Acc for f64 {
     #[inline(always)]
     fn max(self, other: Self) -> Self {
         f64::max(self, other)
+    }
+    #[inline(always)]
+    fn mul_add(self, a: Self, b: Self) -> Self {
+        f64::mul_add(self, a, b)
     }
 }
 
