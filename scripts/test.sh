@@ -33,7 +33,14 @@ scripts/check-ptx.sh
 step "cargo check --features nvtx (NVTX ranges around launches; needs libclang)"
 find_libclang() { ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* 2>/dev/null | head -n1; }
 if [ -z "$(find_libclang)" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get install -y -q libclang-dev >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libclang-dev >/dev/null 2>&1; }) || true
+  # Waits up to 2 minutes for a dpkg lock held by another apt; on failure the
+  # last lines of apt's output say why (session 13's first run skipped here
+  # without a word, and the same install worked by hand minutes later).
+  apt_log="$(mktemp)"
+  apt_get() { apt-get -o DPkg::Lock::Timeout=120 "$@" >>"$apt_log" 2>&1; }
+  (apt_get install -y -q libclang-dev || { apt_get update -q && apt_get install -y -q libclang-dev; }) \
+    || { echo "apt-get could not install libclang-dev:"; tail -n 5 "$apt_log"; }
+  rm -f "$apt_log"
 fi
 if lib="$(find_libclang)" && [ -n "$lib" ]; then
   LIBCLANG_PATH="$(dirname "$lib")" cargo check -q -p keel-ops --features nvtx && echo "nvtx feature builds"
