@@ -50,9 +50,9 @@ pub trait Acc:
     /// maxNum): one `vmaxps` plus a NaN fix-up, which vectorises where the
     /// `if v > m` form was left scalar.
     fn max(self, other: Self) -> Self;
-    /// `self * a + b`, rounded once: one FMA instruction under
-    /// [`crate::simd::dispatch`] on CPUs that have FMA (a slow library call
-    /// on the few that do not).
+    /// `self * a + b`, rounded once: one FMA instruction inside the kernels'
+    /// SIMD dispatch on CPUs that have FMA (a slow library call on the few
+    /// that do not).
     fn mul_add(self, a: Self, b: Self) -> Self;
 }
 
