@@ -59,8 +59,9 @@ pub(crate) fn check_rows(op: &'static str, len: usize, cols: usize, eps: f64) ->
 }
 
 impl Error {
-    /// The same error reported for the op `op` (a kernel that runs another's checks).
-    pub(crate) fn renamed(self, op: &'static str) -> Self {
+    /// The same error reported for the op `op` (a kernel that runs another's
+    /// checks, or serves another op).
+    pub fn renamed(self, op: &'static str) -> Self {
         match self {
             Error::Length { arg, got, expected, .. } => Error::Length { op, arg, got, expected },
             Error::Shape { arg, msg, .. } => Error::Shape { op, arg, msg },

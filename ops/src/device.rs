@@ -40,14 +40,12 @@ pub(crate) fn check_err(e: keel::cpu::Error) -> Error {
 /// kernel that serves several ops and names the one it was written for
 /// (`cross_entropy_with_lse` runs `cross_entropy`'s).
 pub(crate) fn kernel_err_as(op: &'static str) -> impl Fn(keel::Error) -> Error {
-    move |e| match e {
-        keel::Error::Cpu(keel::cpu::Error::Shape { arg, msg, .. }) | keel::Error::Invalid { arg, msg, .. } => {
-            Error::Invalid(format!("keel::{op}: argument '{arg}' {msg}"))
-        }
-        keel::Error::Cpu(keel::cpu::Error::Length { arg, got, expected, .. }) => {
-            Error::Invalid(format!("keel::{op}: argument '{arg}' has length {got}, expected {expected}"))
-        }
-        other => kernel_err(other),
+    move |e| {
+        kernel_err(match e {
+            keel::Error::Cpu(c) => keel::Error::Cpu(c.renamed(op)),
+            keel::Error::Invalid { arg, msg, .. } => keel::Error::Invalid { op, arg, msg },
+            other => other,
+        })
     }
 }
 
