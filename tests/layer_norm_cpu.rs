@@ -126,6 +126,15 @@ fn rows_far_from_zero_or_with_outliers_keep_full_accuracy() {
         forward_cpu(&x, None, None, &mut y, cols, 1e-5, Par::Seq).unwrap();
         assert_close(&y, &forward_ref(&x, None, None, cols, 1e-5), 4.0, "forward");
     }
+    // A long row whose first 16 elements sit far from the rest: the shift
+    // (their mean) is off by about sqrt(n / 16) standard deviations, and one
+    // pass of shifted sums would leave about 12 bits of the variance; only
+    // the exact second pass keeps it.
+    let long = 1 << 16;
+    let x: Vec<f32> = (0..long).map(|i| if i < 16 { 1e4 } else { noise(i) as f32 }).collect();
+    let mut y = vec![0f32; long];
+    forward_cpu(&x, None, None, &mut y, long, 1e-5, Par::Seq).unwrap();
+    assert_close(&y, &forward_ref(&x, None, None, long, 1e-5), 4.0, "forward, long row");
     // The backward of the same rows in every dtype: bf16 and f16 take their
     // moments and gradient sums from one shifted pass, which must fall back to
     // the exact path where the shift is poor (the outlier row).

@@ -21,6 +21,9 @@ use crate::par::Par;
 use crate::rows::{sum_partials, Blocks, Split};
 use crate::simd::{dispatch, reduce_lanes, sum_pairs, sums3, LANES};
 
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 const OP_FWD: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
 
@@ -102,6 +105,13 @@ pub fn forward<T: Element>(
     par.for_each(blocks.count, &|b| {
         let mut y = ys.get(b);
         let x = &x[blocks.rows(b).start * cols..][..y.len()];
+        #[cfg(target_arch = "x86_64")]
+        if crate::wide::has_lanes::<T>() {
+            let k = x86::Forward { x, w: weight, b: bias, y: &mut y, cols, eps: eps.to_f64() as f32 };
+            if crate::wide::x86::run(k).is_some() {
+                return;
+            }
+        }
         dispatch(
             #[inline(always)]
             || {
