@@ -97,7 +97,7 @@ pub fn forward<T: Element>(
                         },
                     );
                     // `s` is still in L1: the norm reads it from there.
-                    forward_row(s, weight, y, eps);
+                    forward_row(s, weight, y, eps, &[]);
                 }
             },
         );

