@@ -18,8 +18,8 @@
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
-use crate::rows::{sum_partials, Blocks, Split};
-use crate::simd::{dispatch, reduce_lanes, sum_pairs, sums3, LANES};
+use crate::rows::{row_and_next, sum_partials, Blocks, Split};
+use crate::simd::{dispatch, prefetching, reduce_lanes, sum_pairs, sums3, LANES};
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -153,6 +153,7 @@ pub fn backward<T: Element>(
     let eps = T::Acc::from_f64(eps);
     let blocks = Blocks::new(&par, rows, cols);
     let (want_dw, want_db) = (grad_weight.is_some(), grad_bias.is_some());
+    let wide = std::mem::size_of::<T>() == std::mem::size_of::<T::Acc>();
     let mut dw_part = vec![T::Acc::ZERO; if want_dw { blocks.count * cols } else { 0 }];
     let mut db_part = vec![T::Acc::ZERO; if want_db { blocks.count * cols } else { 0 }];
     {
@@ -167,10 +168,15 @@ pub fn backward<T: Element>(
             dispatch(
                 #[inline(always)]
                 || {
-                    for ((x, dy), dx) in x.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols))
-                    {
+                    for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
+                        let ((x, x_next), (dy, dy_next)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
                         let (dw, db) = (dw.as_deref_mut().map(|d| &mut d[..]), db.as_deref_mut().map(|d| &mut d[..]));
-                        backward_row(x, dy, weight, dx, dw, db, eps);
+                        // Prefetching the next rows pays where the pass waits
+                        // on memory: f32 4096x4096 9.7 -> 8.4 ms (criterion,
+                        // AVX2 CPU). The f16 and bf16 lane loops are bound by
+                        // their conversions: bf16 the same, f16 5% slower.
+                        let ahead = if wide { Some([x_next, dy_next]) } else { None };
+                        backward_row(x, dy, weight, dx, dw, db, eps, ahead);
                     }
                 },
             );
@@ -313,7 +319,10 @@ fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, bias: Option<&[T]>, y:
 }
 
 /// With `xh = (x - mean) * rstd` and `g = dy * w`:
-/// `dx = rstd * (g - mean(g) - xh * mean(g * xh))`, `dw += dy * xh`, `db += dy`.
+/// `dx = rstd * (g - mean(g) - xh * mean(g * xh))`, `dw += dy * xh`, `db += dy`;
+/// `ahead` (when given) is the next row of `x` and `dy`, prefetched as `dx`
+/// is written.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn backward_row<T: Element>(
     x: &[T],
@@ -323,6 +332,7 @@ fn backward_row<T: Element>(
     dw: Option<&mut [T::Acc]>,
     db: Option<&mut [T::Acc]>,
     eps: T::Acc,
+    ahead: Option<[&[T]; 2]>,
 ) {
     let n = T::Acc::from_usize(x.len());
     // bf16 and f16: one pass for the moments and the two gradient sums. With
@@ -357,8 +367,41 @@ fn backward_row<T: Element>(
         };
         (m, sum_g, sum_gxh)
     };
-    let rstd = m.rstd;
     let (mg, mgx) = (sum_g / n, sum_gxh / n);
+    let Some(ahead) = ahead else {
+        return grad_part(x, dy, weight, dx, dw, db, m, (mg, mgx));
+    };
+    // Written part by part, prefetching the next row for the sums above.
+    let (mut dw, mut db) = (dw, db);
+    prefetching(
+        dx,
+        &ahead,
+        #[inline(always)]
+        |at, dx| {
+            let len = dx.len();
+            let dw = dw.as_deref_mut().map(|d| &mut d[at..][..len]);
+            let db = db.as_deref_mut().map(|d| &mut d[at..][..len]);
+            let w = weight.map(|w| &w[at..][..len]);
+            grad_part(&x[at..][..len], &dy[at..][..len], w, dx, dw, db, m, (mg, mgx));
+        },
+    );
+}
+
+/// `dx`, and `dw`, `db` when given, over one part of a row, from the row's
+/// moments and gradient means `(mean(g), mean(g xh))`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn grad_part<T: Element>(
+    x: &[T],
+    dy: &[T],
+    weight: Option<&[T]>,
+    dx: &mut [T],
+    dw: Option<&mut [T::Acc]>,
+    db: Option<&mut [T::Acc]>,
+    m: Moments<T::Acc>,
+    (mg, mgx): (T::Acc, T::Acc),
+) {
+    let rstd = m.rstd;
     let (mut dw, mut db) = (dw, db);
     match weight {
         // The training case: dx, dw and db in one pass over dy and x.
