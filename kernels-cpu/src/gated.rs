@@ -13,6 +13,9 @@ use crate::par::Par;
 use crate::rows::{Blocks, Split};
 use crate::simd::dispatch;
 
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
 /// The activation applied to the first half.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Activation {
@@ -77,17 +80,20 @@ impl Activation {
 }
 
 /// One activation, monomorphised so each compiles to its own vector loop.
-trait Act {
+pub(crate) trait Act {
+    /// Whether this is [`Silu`], which has explicit SIMD (`gated/x86.rs`).
+    const SILU: bool = false;
     fn f<A: Acc>(x: A) -> A;
     /// `(f(x), f'(x))`.
     fn f_df<A: Acc>(x: A) -> (A, A);
 }
 
-struct Silu;
+pub(crate) struct Silu;
 struct Gelu;
 struct GeluTanh;
 
 impl Act for Silu {
+    const SILU: bool = true;
     #[inline(always)]
     fn f<A: Acc>(x: A) -> A {
         x / (A::ONE + (A::ZERO - x).exp())
@@ -197,6 +203,11 @@ fn forward_with<F: Act, T: Element>(input: &[T], out: &mut [T], rows: usize, d: 
     par.for_each(blocks.count, &|b| {
         let mut y = ys.get(b);
         let x = &input[blocks.rows(b).start * 2 * d..][..2 * y.len()];
+        #[cfg(target_arch = "x86_64")]
+        if F::SILU && crate::wide::has_lanes::<T>() && crate::wide::x86::run(x86::SiluMul { x, y: &mut y, d }).is_some()
+        {
+            return;
+        }
         dispatch(
             #[inline(always)]
             || {

@@ -21,25 +21,32 @@ pub(crate) const LN2_HI: f32 = 0.693_359_4;
 pub(crate) const LN2_LO: f32 = -2.121_944_4e-4;
 /// 1.5 * 2^23: adding it rounds an f32 below 2^22 to an integer (ties to even)
 /// and leaves that integer in the low mantissa bits.
-const ROUND_MAGIC: f32 = 12_582_912.0;
+pub(crate) const ROUND_MAGIC: f32 = 12_582_912.0;
+/// Range of [`exp_f32`]: 0 below `EXP_LO`, its input clamped to both.
+pub(crate) const EXP_LO: f32 = -87.3;
+/// See [`EXP_LO`].
+pub(crate) const EXP_HI: f32 = 89.0;
+/// The Cephes `expf` polynomial of [`exp_f32`] on `[-ln2/2, ln2/2]`, highest
+/// degree first.
+pub(crate) const EXP7_C: [f32; 6] = [1.987_569_1e-4, 1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5];
 
 /// `e^x`.
 #[inline(always)]
 pub(crate) fn exp_f32(x: f32) -> f32 {
-    let flush = x < -87.3;
+    let flush = x < EXP_LO;
     // From 88.38 on, n = 128 below and 2^n's exponent field is all ones:
     // +inf, with no select (one cost silu's backward 15%).
-    let x = x.clamp(-87.3, 89.0);
+    let x = x.clamp(EXP_LO, EXP_HI);
     let t = x.mul_add(LOG2E, ROUND_MAGIC);
     let n = t - ROUND_MAGIC;
     let r = n.mul_add(-LN2_LO, n.mul_add(-LN2_HI, x));
-    // Cephes expf polynomial on [-ln2/2, ln2/2].
-    let mut p = 1.987_569_1e-4f32;
-    p = p.mul_add(r, 1.398_199_9e-3);
-    p = p.mul_add(r, 8.333_452e-3);
-    p = p.mul_add(r, 4.166_579_6e-2);
-    p = p.mul_add(r, 1.666_666_5e-1);
-    p = p.mul_add(r, 0.5);
+    let c = EXP7_C;
+    let mut p = c[0];
+    p = p.mul_add(r, c[1]);
+    p = p.mul_add(r, c[2]);
+    p = p.mul_add(r, c[3]);
+    p = p.mul_add(r, c[4]);
+    p = p.mul_add(r, c[5]);
     let y = (p * r).mul_add(r, r) + 1.0;
     // 2^n from the integer left in t's mantissa.
     let n_int = t.to_bits().wrapping_sub(ROUND_MAGIC.to_bits()) as i32;

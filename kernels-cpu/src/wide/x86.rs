@@ -62,6 +62,10 @@ pub(crate) trait Lanes: Copy {
     fn fnmadd(self, a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     /// `a > b ? a : b` (`vmaxps`): `b` where either is NaN.
     fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a < b ? a : b` (`vminps`): `b` where either is NaN.
+    fn min(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a / b`.
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
     /// `max(v, acc)` in the first `n < N` lanes, `acc` in the others.
     fn max_part(self, acc: Self::V, v: Self::V, n: usize) -> Self::V;
     /// `acc + v` in the first `n < N` lanes, `acc` in the others.
@@ -142,6 +146,12 @@ mod tests {
             assert_eq!(lanes(l, l.fmadd(va, vb, vc)), each(|a, b, c| a.mul_add(b, c)));
             assert_eq!(lanes(l, l.fnmadd(va, vb, vc)), each(|a, b, c| (-a).mul_add(b, c)));
             assert_eq!(lanes(l, l.max(va, vb)), each(|a, b, _| if a > b { a } else { b }));
+            assert_eq!(lanes(l, l.min(va, vb)), each(|a, b, _| if a < b { a } else { b }));
+            assert_eq!(lanes(l, l.div(va, vc)), each(|a, _, c| a / c));
+            // NaN in either operand gives the second, for both.
+            let nan = l.splat(f32::NAN);
+            assert!(lanes(l, l.max(va, nan)).iter().all(|v| v.is_nan()));
+            assert_eq!(lanes(l, l.min(nan, va)), a);
             for k in 0..n {
                 let want = |f: fn(f32, f32) -> f32| {
                     (0..n).map(|i| if i < k { f(a[i], b[i]) } else { a[i] }).collect::<Vec<_>>()

@@ -138,6 +138,14 @@ impl Lanes for V8 {
         unsafe { _mm256_max_ps(a, b) }
     }
     #[inline(always)]
+    fn min(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256, b: __m256) -> __m256 {
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
     fn max_part(self, acc: __m256, v: __m256, n: usize) -> __m256 {
         unsafe { _mm256_blendv_ps(acc, _mm256_max_ps(v, acc), self.first(n)) }
     }

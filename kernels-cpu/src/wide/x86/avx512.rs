@@ -114,6 +114,14 @@ impl Lanes for V16 {
         unsafe { _mm512_max_ps(a, b) }
     }
     #[inline(always)]
+    fn min(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512, b: __m512) -> __m512 {
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
     fn max_part(self, acc: __m512, v: __m512, n: usize) -> __m512 {
         unsafe { _mm512_mask_max_ps(acc, first(n), v, acc) }
     }
