@@ -238,10 +238,18 @@ fn backward_row<T: Element>(
         ahead,
         #[inline(always)]
         |k, dx| {
-            let m = dx.len();
-            let dw = dw.as_deref_mut().map(|d| &mut d[k..][..m]);
-            let (w, add) = (weight.map(|w| &w[k..][..m]), add.map(|a| &a[k..][..m]));
-            grad_part(&x[k..][..m], &dy[k..][..m], add, w, dx, dw, r, c);
+            // Computed in `T::Acc` and narrowed in blocks (F16C for f16,
+            // where one value at a time took 3x bf16's time).
+            T::write_acc(
+                dx,
+                #[inline(always)]
+                |at, dx| {
+                    let (k, m) = (k + at, dx.len());
+                    let dw = dw.as_deref_mut().map(|d| &mut d[k..][..m]);
+                    let (w, add) = (weight.map(|w| &w[k..][..m]), add.map(|a| &a[k..][..m]));
+                    grad_part(&x[k..][..m], &dy[k..][..m], add, w, dx, dw, r, c);
+                },
+            )
         },
     );
 }
@@ -255,7 +263,7 @@ fn grad_part<T: Element>(
     dy: &[T],
     add: Option<&[T]>,
     weight: Option<&[T]>,
-    dx: &mut [T],
+    dx: &mut [T::Acc],
     dw: Option<&mut [T::Acc]>,
     r: T::Acc,
     c: T::Acc,
@@ -267,28 +275,28 @@ fn grad_part<T: Element>(
             let dw = dw.take().unwrap_or_default();
             for (((dx, x), (dy, w)), dw) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)).zip(dw.iter_mut()) {
                 let (x, dy) = (x.to_acc(), dy.to_acc());
-                *dx = T::from_acc(r * dy * w.to_acc() - x * c);
+                *dx = r * dy * w.to_acc() - x * c;
                 *dw = *dw + dy * x * r;
             }
         }
         (Some(w), None) => {
             for ((dx, x), (dy, w)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w)) {
-                *dx = T::from_acc(r * dy.to_acc() * w.to_acc() - x.to_acc() * c);
+                *dx = r * dy.to_acc() * w.to_acc() - x.to_acc() * c;
             }
         }
         (None, None) => {
             for ((dx, x), dy) in dx.iter_mut().zip(x).zip(dy) {
-                *dx = T::from_acc(r * dy.to_acc() - x.to_acc() * c);
+                *dx = r * dy.to_acc() - x.to_acc() * c;
             }
         }
         (Some(w), Some(a)) => {
             for ((dx, x), ((dy, w), a)) in dx.iter_mut().zip(x).zip(dy.iter().zip(w).zip(a)) {
-                *dx = T::from_acc(r * dy.to_acc() * w.to_acc() - x.to_acc() * c + a.to_acc());
+                *dx = r * dy.to_acc() * w.to_acc() - x.to_acc() * c + a.to_acc();
             }
         }
         (None, Some(a)) => {
             for ((dx, x), (dy, a)) in dx.iter_mut().zip(x).zip(dy.iter().zip(a)) {
-                *dx = T::from_acc(r * dy.to_acc() - x.to_acc() * c + a.to_acc());
+                *dx = r * dy.to_acc() - x.to_acc() * c + a.to_acc();
             }
         }
     }
