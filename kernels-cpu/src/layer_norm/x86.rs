@@ -21,6 +21,7 @@
 use super::{shift, Moments};
 use crate::element::{Acc, Element};
 use crate::narrow::BLOCK;
+use crate::rows::row_and_next;
 use crate::simd::{prefetch_part, sum_pairs};
 use crate::wide::cast_mut;
 use crate::wide::x86::{Kernel, Lanes};
@@ -42,9 +43,9 @@ impl<T: Element> Kernel for Forward<'_, T> {
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
         let Forward { x, w, b, y, cols, eps } = self;
-        for (r, (xr, y)) in x.chunks_exact(cols).zip(y.chunks_exact_mut(cols)).enumerate() {
+        for (r, y) in y.chunks_exact_mut(cols).enumerate() {
+            let (xr, ahead) = row_and_next(x, r, cols);
             let m = moments(l, xr, eps);
-            let ahead = x.get((r + 1) * cols..).unwrap_or_default();
             write_row(l, xr, w, b, y, m, ahead);
         }
     }
