@@ -127,7 +127,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn every_width_matches_f64() {
-        use crate::wide::x86::{run_with, Width, V16, V8};
+        use crate::wide::x86::{every_width, run_with, Width};
         fn at<L: Width>(l: L) {
             let data: Vec<bf16> = (0..300).map(|i| bf16::from_f64(((i * 37 % 101) as f64 - 50.0) / 7.0)).collect();
             let wide: Vec<f32> = data.iter().map(|v| v.to_f32()).collect();
@@ -139,14 +139,7 @@ mod tests {
                 assert!((b as f64 - want).abs() <= tol && (f as f64 - want).abs() <= tol, "n={n}: {b} {f} vs {want}");
             }
         }
-        match V8::try_new() {
-            Some(l) => at(l),
-            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
-        }
-        match V16::try_new() {
-            Some(l) => at(l),
-            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features"),
-        }
+        every_width!(at);
     }
 
     /// Specials reach the sum: NaN gives NaN, infinity infinity, in the

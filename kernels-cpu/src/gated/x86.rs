@@ -131,7 +131,7 @@ mod tests {
     use super::SiluMul;
     use crate::element::Element;
     use crate::gated::{Act, Silu};
-    use crate::wide::x86::{run_with, Width, V16, V8};
+    use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 
     /// `a` values across `exp`'s range and past it (its clamps, 0 and the
@@ -196,13 +196,6 @@ mod tests {
 
     #[test]
     fn every_width_matches_the_lane_loop() {
-        match V8::try_new() {
-            Some(l) => every_type(l),
-            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
-        }
-        match V16::try_new() {
-            Some(l) => every_type(l),
-            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features"),
-        }
+        every_width!(every_type);
     }
 }

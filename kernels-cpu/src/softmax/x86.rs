@@ -204,7 +204,7 @@ mod tests {
     use super::{ExpSum, Max};
     use crate::element::Element;
     use crate::simd::dispatch;
-    use crate::wide::x86::{run_with, Width, V16, V8};
+    use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 
     /// The explicit passes at width `l` against the lane loops, for every
@@ -265,14 +265,7 @@ mod tests {
 
     #[test]
     fn explicit_passes_match_the_lane_loops_at_every_width() {
-        match V8::try_new() {
-            Some(l) => at_width(l),
-            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
-        }
-        match V16::try_new() {
-            Some(l) => at_width(l),
-            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features, so V16 never runs here"),
-        }
+        every_width!(at_width);
     }
 
     /// No explicit code for f64: the callers take the lane loops.

@@ -107,6 +107,26 @@ pub(crate) fn run_with<L: Width, K: Kernel>(l: L, k: K) -> K::Output {
     l.enter(k)
 }
 
+/// Runs `$f(l)` (a function generic over [`Width`]) with each width this
+/// CPU has, not only the best, and prints which are skipped: the tests' way
+/// of checking every width's code on a CPU that has it.
+#[cfg(test)]
+macro_rules! every_width {
+    ($f:expr) => {{
+        use $crate::wide::x86::{V16, V8};
+        match V8::try_new() {
+            Some(l) => $f(l),
+            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
+        }
+        match V16::try_new() {
+            Some(l) => $f(l),
+            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features, so V16 never runs here"),
+        }
+    }};
+}
+#[cfg(test)]
+pub(crate) use every_width;
+
 /// A [`Lanes`] that can enter code compiled for its features.
 pub(crate) trait Width: Lanes {
     /// Calls `k.run(self)` from a function compiled for this width's
@@ -191,13 +211,9 @@ mod tests {
 
     #[test]
     fn every_width_computes_as_scalar_f32() {
-        match V8::try_new() {
-            Some(l) => run_with(l, Ops),
-            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
+        fn ops<L: Width>(l: L) {
+            run_with(l, Ops)
         }
-        match V16::try_new() {
-            Some(l) => run_with(l, Ops),
-            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features, so V16 never runs here"),
-        }
+        every_width!(ops);
     }
 }
