@@ -44,8 +44,6 @@ pub trait Acc:
     fn exp_nonpos(self) -> Self;
     /// The error function.
     fn erf(self) -> Self;
-    /// Hyperbolic tangent.
-    fn tanh(self) -> Self;
     /// The larger of two values, the other one when either is NaN (IEEE
     /// maxNum): one `vmaxps` plus a NaN fix-up, which vectorises where the
     /// `if v > m` form was left scalar.
@@ -88,10 +86,6 @@ impl Acc for f32 {
         crate::math::erf_f32(self)
     }
     #[inline(always)]
-    fn tanh(self) -> Self {
-        crate::math::tanh_f32(self)
-    }
-    #[inline(always)]
     fn max(self, other: Self) -> Self {
         f32::max(self, other)
     }
@@ -131,10 +125,6 @@ impl Acc for f64 {
     #[inline(always)]
     fn erf(self) -> Self {
         libm::erf(self)
-    }
-    #[inline(always)]
-    fn tanh(self) -> Self {
-        f64::tanh(self)
     }
     #[inline(always)]
     fn max(self, other: Self) -> Self {

@@ -5,7 +5,8 @@
 //!   `grad_out` hold `rows * d`. `rows` may be 0.
 //! - Numerics: the activation and product in `T::Acc`, one rounding to `T`
 //!   (torch rounds `act(a)` first, then the product). f32 uses the
-//!   vectorised `exp`/`erf`/`tanh` of `math` (within 5e-7 absolute).
+//!   vectorised `exp`/`erf` of `math` (within 5e-7 absolute), the tanh
+//!   gelu in its sigmoid form, `x sigmoid(2u)` (one division, not two).
 //! - Backward: `grad_a = dy * b * act'(a)`, `grad_b = dy * act(a)`.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
@@ -81,19 +82,19 @@ impl Activation {
 
 /// One activation, monomorphised so each compiles to its own vector loop.
 pub(crate) trait Act {
-    /// Whether this is [`Silu`], which has explicit SIMD (`gated/x86.rs`).
-    const SILU: bool = false;
+    /// Which activation this is (each has explicit SIMD in `gated/x86.rs`).
+    const KIND: Activation;
     fn f<A: Acc>(x: A) -> A;
     /// `(f(x), f'(x))`.
     fn f_df<A: Acc>(x: A) -> (A, A);
 }
 
 pub(crate) struct Silu;
-struct Gelu;
-struct GeluTanh;
+pub(crate) struct Gelu;
+pub(crate) struct GeluTanh;
 
 impl Act for Silu {
-    const SILU: bool = true;
+    const KIND: Activation = Activation::Silu;
     #[inline(always)]
     fn f<A: Acc>(x: A) -> A {
         x / (A::ONE + (A::ZERO - x).exp())
@@ -108,11 +109,12 @@ impl Act for Silu {
 const FRAC_1_SQRT_2: f64 = std::f64::consts::FRAC_1_SQRT_2;
 /// 1 / sqrt(2 pi)
 const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
-/// sqrt(2 / pi)
-const SQRT_2_PI: f64 = 0.797_884_560_802_865_4;
+/// 2 sqrt(2 / pi)
+const SQRT_8_PI: f64 = 1.595_769_121_605_730_8;
 const GELU_C: f64 = 0.044715;
 
 impl Act for Gelu {
+    const KIND: Activation = Activation::Gelu;
     #[inline(always)]
     fn f<A: Acc>(x: A) -> A {
         let half = A::from_f64(0.5);
@@ -127,19 +129,24 @@ impl Act for Gelu {
     }
 }
 
+/// `gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x sigmoid(2u)`, where `u =
+/// sqrt(2/pi) (x + 0.044715 x^3)`. The sigmoid form takes one division where
+/// the tanh form takes two (divisions were most of its cost on an AVX2 CPU),
+/// and has no cancellation in `1 + tanh(u)` for negative `x`. `-inf` gives
+/// NaN, as the tanh form and torch do.
 impl Act for GeluTanh {
+    const KIND: Activation = Activation::GeluTanh;
     #[inline(always)]
     fn f<A: Acc>(x: A) -> A {
-        let half = A::from_f64(0.5);
-        let t = (A::from_f64(SQRT_2_PI) * (x + A::from_f64(GELU_C) * x * x * x)).tanh();
-        half * x * (A::ONE + t)
+        let v = A::from_f64(SQRT_8_PI) * (x + A::from_f64(GELU_C) * x * x * x);
+        x / (A::ONE + (A::ZERO - v).exp())
     }
     #[inline(always)]
     fn f_df<A: Acc>(x: A) -> (A, A) {
-        let (half, k, c) = (A::from_f64(0.5), A::from_f64(SQRT_2_PI), A::from_f64(GELU_C));
-        let t = (k * (x + c * x * x * x)).tanh();
-        let dt = (A::ONE - t * t) * k * (A::ONE + A::from_f64(3.0) * c * x * x);
-        (half * x * (A::ONE + t), half * (A::ONE + t) + half * x * dt)
+        let (k, c) = (A::from_f64(SQRT_8_PI), A::from_f64(GELU_C));
+        let s = A::ONE / (A::ONE + (A::ZERO - k * (x + c * x * x * x)).exp());
+        let dv = k * (A::ONE + A::from_f64(3.0) * c * x * x);
+        (x * s, s + x * s * (A::ONE - s) * dv)
     }
 }
 
@@ -204,8 +211,7 @@ fn forward_with<F: Act, T: Element>(input: &[T], out: &mut [T], rows: usize, d: 
         let mut y = ys.get(b);
         let x = &input[blocks.rows(b).start * 2 * d..][..2 * y.len()];
         #[cfg(target_arch = "x86_64")]
-        if F::SILU && crate::wide::has_lanes::<T>() && crate::wide::x86::run(x86::SiluMul { x, y: &mut y, d }).is_some()
-        {
+        if x86::forward::<F, T>(x, &mut y, d) {
             return;
         }
         dispatch(

@@ -13,9 +13,9 @@
 //! multiplied then subtracted, and [`crate::math::exp_nonpos_f32`]'s
 //! operations in its order. Only the order of the sum differs (two vector
 //! accumulators, a part last step, then a tree over the lanes).
-use crate::math::{EXP_C, LN2_HI, LN2_LO, LOG2E, NORMAL_CUTOFF, ROUND_MAGIC_BIASED};
 use crate::simd::prefetch_part;
 use crate::wide::has_lanes;
+use crate::wide::x86::math::ExpNonpos;
 use crate::wide::x86::{run, Kernel, Lanes};
 
 /// `max(x_i * scale)` (NaN skipped, `-inf` for an empty row), or `None`
@@ -108,7 +108,7 @@ impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
         // whatever the width), as the lane loop's.
         const PART: usize = 32;
         let (s, mv) = (l.splat(self.scale), l.splat(self.m));
-        let c = Exp::new(l);
+        let c = ExpNonpos::new(l);
         // Two accumulators with AVX-512's 32 registers; one with AVX2's 16,
         // where the ten constants, the scale and the maximum leave no room
         // for a second (it was spilled, and reloaded on every step).
@@ -153,48 +153,6 @@ impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
             }
         }
         l.reduce_add(l.add(acc[0], acc[1]))
-    }
-}
-
-/// The constants of [`crate::math::exp_nonpos_f32`], broadcast.
-struct Exp<V> {
-    log2e: V,
-    magic: V,
-    ln2_hi: V,
-    ln2_lo: V,
-    c: [V; 5],
-    cutoff: V,
-}
-
-impl<V: Copy> Exp<V> {
-    #[inline(always)]
-    fn new<L: Lanes<V = V>>(l: L) -> Self {
-        Self {
-            log2e: l.splat(LOG2E),
-            magic: l.splat(ROUND_MAGIC_BIASED),
-            ln2_hi: l.splat(LN2_HI),
-            ln2_lo: l.splat(LN2_LO),
-            c: EXP_C.map(|c| l.splat(c)),
-            cutoff: l.splat(NORMAL_CUTOFF),
-        }
-    }
-
-    /// `exp_nonpos_f32` on every lane, operation for operation.
-    #[inline(always)]
-    fn eval<L: Lanes<V = V>>(&self, l: L, x: V) -> V {
-        let k = l.fmadd(x, self.log2e, self.magic);
-        let s = l.shl23(k);
-        let n = l.sub(k, self.magic);
-        // `n * -c + x` as `x - n * c`: the same value.
-        let t = l.fnmadd(n, self.ln2_hi, x);
-        let t = l.fnmadd(n, self.ln2_lo, t);
-        let mut p = l.fmadd(self.c[4], t, self.c[3]);
-        p = l.fmadd(p, t, self.c[2]);
-        p = l.fmadd(p, t, self.c[1]);
-        p = l.fmadd(p, t, self.c[0]);
-        let v = l.fmadd(l.mul(t, s), p, s);
-        // 0 below the cutoff; NaN compares "not less" and stays NaN.
-        l.zero_below(x, self.cutoff, v)
     }
 }
 

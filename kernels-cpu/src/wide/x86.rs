@@ -9,6 +9,7 @@
 //! (that is what lets the intrinsics inline).
 mod avx2;
 mod avx512;
+pub(crate) mod math;
 
 pub(crate) use avx2::V8;
 pub(crate) use avx512::V16;
@@ -66,6 +67,12 @@ pub(crate) trait Lanes: Copy {
     fn min(self, a: Self::V, b: Self::V) -> Self::V;
     /// `a / b`.
     fn div(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `|v|` (the sign bit cleared, NaN stays NaN).
+    fn abs(self, v: Self::V) -> Self::V;
+    /// `mag`'s magnitude with `sign`'s sign bit, as `f32::copysign`.
+    fn copysign(self, mag: Self::V, sign: Self::V) -> Self::V;
+    /// `then` where `a >= b`, else `other` (`other` where either is NaN).
+    fn select_ge(self, a: Self::V, b: Self::V, then: Self::V, other: Self::V) -> Self::V;
     /// `max(v, acc)` in the first `n < N` lanes, `acc` in the others.
     fn max_part(self, acc: Self::V, v: Self::V, n: usize) -> Self::V;
     /// `acc + v` in the first `n < N` lanes, `acc` in the others.
@@ -168,10 +175,19 @@ mod tests {
             assert_eq!(lanes(l, l.max(va, vb)), each(|a, b, _| if a > b { a } else { b }));
             assert_eq!(lanes(l, l.min(va, vb)), each(|a, b, _| if a < b { a } else { b }));
             assert_eq!(lanes(l, l.div(va, vc)), each(|a, _, c| a / c));
+            assert_eq!(lanes(l, l.abs(va)), each(|a, _, _| a.abs()));
+            assert_eq!(lanes(l, l.copysign(vc, vb)), each(|_, b, c| c.copysign(b)));
+            assert_eq!(lanes(l, l.select_ge(va, vb, vc, va)), each(|a, b, c| if a >= b { c } else { a }));
             // NaN in either operand gives the second, for both.
             let nan = l.splat(f32::NAN);
             assert!(lanes(l, l.max(va, nan)).iter().all(|v| v.is_nan()));
             assert_eq!(lanes(l, l.min(nan, va)), a);
+            assert_eq!(lanes(l, l.select_ge(nan, va, vb, vc)), c);
+            assert_eq!(lanes(l, l.select_ge(va, nan, vb, vc)), c);
+            let (neg0, negnan) = (l.splat(-0.0), l.splat(-f32::NAN));
+            assert!(lanes(l, l.abs(neg0)).iter().all(|v| v.to_bits() == 0));
+            assert!(lanes(l, l.abs(negnan)).iter().all(|v| v.is_nan() && v.is_sign_positive()));
+            assert!(lanes(l, l.copysign(va, neg0)).iter().zip(&a).all(|(v, a)| *v == -a.abs()));
             for k in 0..n {
                 let want = |f: fn(f32, f32) -> f32| {
                     (0..n).map(|i| if i < k { f(a[i], b[i]) } else { a[i] }).collect::<Vec<_>>()

@@ -146,6 +146,22 @@ impl Lanes for V8 {
         unsafe { _mm256_div_ps(a, b) }
     }
     #[inline(always)]
+    fn abs(self, v: __m256) -> __m256 {
+        unsafe { _mm256_andnot_ps(_mm256_set1_ps(-0.0), v) }
+    }
+    #[inline(always)]
+    fn copysign(self, mag: __m256, sign: __m256) -> __m256 {
+        unsafe {
+            let bit = _mm256_set1_ps(-0.0);
+            _mm256_or_ps(_mm256_andnot_ps(bit, mag), _mm256_and_ps(bit, sign))
+        }
+    }
+    #[inline(always)]
+    fn select_ge(self, a: __m256, b: __m256, then: __m256, other: __m256) -> __m256 {
+        // Ordered: false where either is NaN.
+        unsafe { _mm256_blendv_ps(other, then, _mm256_cmp_ps::<_CMP_GE_OQ>(a, b)) }
+    }
+    #[inline(always)]
     fn max_part(self, acc: __m256, v: __m256, n: usize) -> __m256 {
         unsafe { _mm256_blendv_ps(acc, _mm256_max_ps(v, acc), self.first(n)) }
     }

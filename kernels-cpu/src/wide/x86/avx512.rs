@@ -122,6 +122,24 @@ impl Lanes for V16 {
         unsafe { _mm512_div_ps(a, b) }
     }
     #[inline(always)]
+    fn abs(self, v: __m512) -> __m512 {
+        unsafe { _mm512_abs_ps(v) }
+    }
+    #[inline(always)]
+    fn copysign(self, mag: __m512, sign: __m512) -> __m512 {
+        unsafe {
+            // Bits of `sign` where the mask is set (the sign bit), of `mag` elsewhere.
+            let bit = _mm512_set1_epi32(i32::MIN);
+            let (m, s) = (_mm512_castps_si512(mag), _mm512_castps_si512(sign));
+            _mm512_castsi512_ps(_mm512_or_si512(_mm512_andnot_si512(bit, m), _mm512_and_si512(bit, s)))
+        }
+    }
+    #[inline(always)]
+    fn select_ge(self, a: __m512, b: __m512, then: __m512, other: __m512) -> __m512 {
+        // Ordered: false where either is NaN.
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(a, b), other, then) }
+    }
+    #[inline(always)]
     fn max_part(self, acc: __m512, v: __m512, n: usize) -> __m512 {
         unsafe { _mm512_mask_max_ps(acc, first(n), v, acc) }
     }

@@ -1,0 +1,218 @@
+//! The functions of [`crate::math`] on [`Lanes`] vectors, operation for
+//! operation, so that an explicit kernel gives the lane loop's values bit
+//! for bit (the tests compare every function with its scalar one at every
+//! width the CPU has).
+//!
+//! Each holds its constants broadcast: a kernel makes one per block of rows,
+//! outside its loops (left to LLVM, the lane loops broadcast them from
+//! memory again on every step).
+use super::Lanes;
+use crate::math::{
+    ERF_P, ERF_Q, EXP7_C, EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, NORMAL_CUTOFF, ROUND_MAGIC, ROUND_MAGIC_BIASED,
+};
+
+/// [`crate::math::exp_f32`].
+pub(crate) struct Exp<V> {
+    lo: V,
+    hi: V,
+    log2e: V,
+    magic: V,
+    bias: V,
+    ln2_hi: V,
+    ln2_lo: V,
+    c: [V; 6],
+}
+
+impl<V: Copy> Exp<V> {
+    /// The constants, broadcast.
+    #[inline(always)]
+    pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
+        Self {
+            lo: l.splat(EXP_LO),
+            hi: l.splat(EXP_HI),
+            log2e: l.splat(LOG2E),
+            magic: l.splat(ROUND_MAGIC),
+            bias: l.splat(127.0),
+            ln2_hi: l.splat(LN2_HI),
+            ln2_lo: l.splat(LN2_LO),
+            c: EXP7_C.map(|c| l.splat(c)),
+        }
+    }
+
+    /// `exp_f32` on every lane.
+    #[inline(always)]
+    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x0: V) -> V {
+        // `clamp`: the bound as the first operand, so a NaN `x0` comes
+        // through both (`vmaxps`/`vminps` give the second operand then).
+        let x = l.min(self.hi, l.max(self.lo, x0));
+        let t = l.fmadd(x, self.log2e, self.magic);
+        let n = l.sub(t, self.magic);
+        // `n * -c + x` as `x - n * c`: the same value.
+        let r = l.fnmadd(n, self.ln2_lo, l.fnmadd(n, self.ln2_hi, x));
+        let mut p = self.c[0];
+        for &c in &self.c[1..] {
+            p = l.fmadd(p, r, c);
+        }
+        let y = l.add(l.fmadd(l.mul(p, r), r, r), l.splat(1.0));
+        // 2^n: `t + 127` is exact (an integer below 2^24), and its low
+        // mantissa bits hold `n + 127`, in 1..=255 after the clamp.
+        let v = l.mul(y, l.shl23(l.add(t, self.bias)));
+        // 0 below the range; NaN compares "not less" and stays NaN.
+        l.zero_below(x0, self.lo, v)
+    }
+}
+
+/// [`crate::math::exp_nonpos_f32`].
+pub(crate) struct ExpNonpos<V> {
+    log2e: V,
+    magic: V,
+    ln2_hi: V,
+    ln2_lo: V,
+    c: [V; 5],
+    cutoff: V,
+}
+
+impl<V: Copy> ExpNonpos<V> {
+    /// The constants, broadcast.
+    #[inline(always)]
+    pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
+        Self {
+            log2e: l.splat(LOG2E),
+            magic: l.splat(ROUND_MAGIC_BIASED),
+            ln2_hi: l.splat(LN2_HI),
+            ln2_lo: l.splat(LN2_LO),
+            c: EXP_C.map(|c| l.splat(c)),
+            cutoff: l.splat(NORMAL_CUTOFF),
+        }
+    }
+
+    /// `exp_nonpos_f32` on every lane.
+    #[inline(always)]
+    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x: V) -> V {
+        let k = l.fmadd(x, self.log2e, self.magic);
+        let s = l.shl23(k);
+        let n = l.sub(k, self.magic);
+        // `n * -c + x` as `x - n * c`: the same value.
+        let t = l.fnmadd(n, self.ln2_hi, x);
+        let t = l.fnmadd(n, self.ln2_lo, t);
+        let mut p = l.fmadd(self.c[4], t, self.c[3]);
+        p = l.fmadd(p, t, self.c[2]);
+        p = l.fmadd(p, t, self.c[1]);
+        p = l.fmadd(p, t, self.c[0]);
+        let v = l.fmadd(l.mul(t, s), p, s);
+        // 0 below the cutoff; NaN compares "not less" and stays NaN.
+        l.zero_below(x, self.cutoff, v)
+    }
+}
+
+/// [`crate::math::erf_f32`].
+pub(crate) struct Erf<V> {
+    lo: V,
+    hi: V,
+    big: V,
+    one: V,
+    p: [V; 7],
+    q: [V; 5],
+}
+
+impl<V: Copy> Erf<V> {
+    /// The constants, broadcast.
+    #[inline(always)]
+    pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
+        Self {
+            lo: l.splat(-4.0),
+            hi: l.splat(4.0),
+            big: l.splat(crate::math::ERF_ONE_FROM),
+            one: l.splat(1.0),
+            p: ERF_P.map(|c| l.splat(c)),
+            q: ERF_Q.map(|c| l.splat(c)),
+        }
+    }
+
+    /// `erf_f32` on every lane.
+    #[inline(always)]
+    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x0: V) -> V {
+        // The clamp as in `Exp::eval`: a NaN comes through.
+        let x = l.min(self.hi, l.max(self.lo, x0));
+        let x2 = l.mul(x, x);
+        let mut p = self.p[0];
+        for &c in &self.p[1..] {
+            p = l.fmadd(p, x2, c);
+        }
+        let mut q = self.q[0];
+        for &c in &self.q[1..] {
+            q = l.fmadd(q, x2, c);
+        }
+        let v = l.div(l.mul(x, p), q);
+        // ±1 from |x| = 3.92 on; NaN is not "at least" and keeps `v`.
+        l.select_ge(l.abs(x0), self.big, l.copysign(self.one, x0), v)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Erf, Exp, ExpNonpos};
+    use crate::math::{erf_f32, exp_f32, exp_nonpos_f32};
+    use crate::wide::x86::{every_width, run_with, Kernel, Lanes, Width};
+
+    /// Which function [`All`] evaluates.
+    #[derive(Clone, Copy, Debug)]
+    enum F {
+        Exp,
+        ExpNonpos,
+        Erf,
+    }
+
+    /// One function over whole vectors of `x` into `y`.
+    struct All<'a>(F, &'a [f32], &'a mut [f32]);
+    impl Kernel for All<'_> {
+        type Output = ();
+        #[inline(always)]
+        fn run<L: Lanes>(self, l: L) {
+            let (e, n, r) = (Exp::new(l), ExpNonpos::new(l), Erf::new(l));
+            for (x, y) in self.1.chunks_exact(L::N).zip(self.2.chunks_exact_mut(L::N)) {
+                // SAFETY: `N` values each.
+                unsafe {
+                    let x = l.load(x.as_ptr());
+                    let v = match self.0 {
+                        F::Exp => e.eval(l, x),
+                        F::ExpNonpos => n.eval(l, x),
+                        F::Erf => r.eval(l, x),
+                    };
+                    l.store(y.as_mut_ptr(), v);
+                }
+            }
+        }
+    }
+
+    /// Specials, each function's clamps and cutoffs, and dense sweeps.
+    fn inputs() -> Vec<f32> {
+        let mut x = vec![0.0, -0.0, 1e-40, -1e-40, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN];
+        x.extend([f32::MAX, f32::MIN, 87.2, -87.2, 87.4, -87.4, 88.5, -88.5, 89.5, -89.5, 200.0, -200.0]);
+        x.extend([3.919_999_8, -3.919_999_8, 3.92, -3.92, 3.99, 4.0, -4.0, 4.01, -4.01, -87.336_54, -87.34]);
+        x.extend((0..8192).map(|i| -100.0 + i as f32 * 0.025));
+        x.extend((0..4096).map(|i| (i as f32 * 0.7331).sin() * 5.0));
+        x.truncate(x.len() / 16 * 16);
+        x
+    }
+
+    fn each<L: Width>(l: L) {
+        let x = inputs();
+        type Scalar = fn(f32) -> f32;
+        let scalar: [(F, Scalar); 3] = [(F::Exp, exp_f32), (F::ExpNonpos, exp_nonpos_f32), (F::Erf, erf_f32)];
+        for (f, want) in scalar {
+            let mut y = vec![0f32; x.len()];
+            run_with(l, All(f, &x, &mut y));
+            for (x, y) in x.iter().zip(&y) {
+                let want = want(*x);
+                let same = y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan());
+                assert!(same, "{f:?}({x}) at width {}: {y} vs {want}", L::N);
+            }
+        }
+    }
+
+    #[test]
+    fn every_function_matches_its_scalar_one_bit_for_bit() {
+        every_width!(each);
+    }
+}
