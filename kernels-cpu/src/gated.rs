@@ -253,6 +253,10 @@ fn backward_with<F: Act, T: Element>(
         let start = blocks.rows(b).start;
         let x = &input[start * 2 * d..][..dx.len()];
         let dy = &grad_out[start * d..][..dx.len() / 2];
+        #[cfg(target_arch = "x86_64")]
+        if x86::backward::<F, T>(x, dy, &mut dx, d) {
+            return;
+        }
         dispatch(
             #[inline(always)]
             || {

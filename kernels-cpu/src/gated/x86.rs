@@ -1,27 +1,29 @@
-//! The gated forwards (silu_and_mul, gelu_and_mul exact and tanh) in
-//! explicit SIMD, written once for AVX-512 and AVX2 ([`crate::wide`]),
-//! prefetching the next row.
+//! The gated ops (silu_and_mul, gelu_and_mul exact and tanh), forward and
+//! backward, in explicit SIMD written once for AVX-512 and AVX2
+//! ([`crate::wide`]); the forward prefetches the next row.
 //!
-//! The lane loop in `gated.rs` is compute-bound in bf16 and f16 on an AVX2
-//! CPU (criterion, 4096x8192: silu bf16 8.1 ms, f16 13.6, where f32, twice
-//! the bytes, takes 6.9). Here the constants of `exp` and `erf` are
-//! broadcast once per block, f16 goes through F16C, and every step is full
-//! width. criterion, same CPU, old/new alternated: silu f16 13.6 -> 6.8 ms,
-//! bf16 8.1 -> 7.7 ms, f32 unchanged (it moves 192 MB at about a copy's
-//! bandwidth); gelu figures in docs/BENCHMARKS.md (session 15).
+//! The lane loops in `gated.rs` are compute-bound in bf16 and f16 on an AVX2
+//! CPU (criterion, 4096x8192: silu forward bf16 8.1 ms, f16 13.6, where
+//! f32, twice the bytes, takes 6.9; backward f16 19-27 ms, where f32 takes
+//! 13-17). Here the constants of `exp` and `erf` are broadcast once per
+//! block, f16 goes through F16C, and every step is full width. criterion,
+//! same CPU, old/new alternated: silu forward f16 13.6 -> 6.8 ms, bf16 8.1
+//! -> 7.7, f32 unchanged (it moves 192 MB at about a copy's bandwidth); the
+//! other figures are in docs/BENCHMARKS.md (session 15).
 //!
 //! The values are the lane loop's, bit for bit: the functions of
-//! [`crate::wide::x86::math`] and each activation's `f` operation for
-//! operation, then `f(a) * g` (the tests compare both at every width the
+//! [`crate::wide::x86::math`] and each activation's `f` and `f_df`
+//! operation for operation, then the products in the lane loop's order (the
+//! tests compare every activation, dtype and direction at every width the
 //! CPU has).
-use super::{Act, Activation, Gelu, GeluTanh, Silu, FRAC_1_SQRT_2, GELU_C, SQRT_8_PI};
-use crate::element::Element;
+use super::{Act, Activation, Gelu, GeluTanh, Silu, FRAC_1_SQRT_2, FRAC_1_SQRT_2PI, GELU_C, SQRT_8_PI};
+use crate::element::{Acc, Element};
 use crate::narrow::BLOCK;
 use crate::rows::row_and_next;
 use crate::simd::prefetch_part;
-use crate::wide::cast_mut;
 use crate::wide::x86::math::{Erf, Exp};
 use crate::wide::x86::{run, Kernel, Lanes};
+use crate::wide::{cast_mut, is};
 use std::marker::PhantomData;
 
 /// Runs the explicit forward of `A` over `x` into `y` (whole rows of `2d`
@@ -47,6 +49,8 @@ trait WideAct {
     fn consts<L: Lanes>(l: L) -> Self::C<L::V>;
     /// The activation of each lane, as the scalar `Act::f` computes it.
     fn f<L: Lanes>(l: L, c: &Self::C<L::V>, a: L::V) -> L::V;
+    /// The activation and its derivative, as the scalar `Act::f_df`.
+    fn f_df<L: Lanes>(l: L, c: &Self::C<L::V>, a: L::V) -> (L::V, L::V);
 }
 
 impl WideAct for Silu {
@@ -60,19 +64,35 @@ impl WideAct for Silu {
     fn f<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> L::V {
         l.div(a, l.add(l.splat(1.0), e.eval(l, l.sub(l.splat(0.0), a))))
     }
+    /// `s = 1 / (1 + e^-a)`: `(a s, s (1 + a (1 - s)))`.
+    #[inline(always)]
+    fn f_df<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> (L::V, L::V) {
+        let one = l.splat(1.0);
+        let s = l.div(one, l.add(one, e.eval(l, l.sub(l.splat(0.0), a))));
+        (l.mul(a, s), l.mul(s, l.add(one, l.mul(a, l.sub(one, s)))))
+    }
 }
 
 impl WideAct for Gelu {
-    type C<V: Copy> = Erf<V>;
+    type C<V: Copy> = (Erf<V>, Exp<V>);
     #[inline(always)]
-    fn consts<L: Lanes>(l: L) -> Erf<L::V> {
-        Erf::new(l)
+    fn consts<L: Lanes>(l: L) -> (Erf<L::V>, Exp<L::V>) {
+        (Erf::new(l), Exp::new(l))
     }
     /// `0.5 a (1 + erf(a / sqrt 2))`, multiplied left to right.
     #[inline(always)]
-    fn f<L: Lanes>(l: L, e: &Erf<L::V>, a: L::V) -> L::V {
+    fn f<L: Lanes>(l: L, (e, _): &(Erf<L::V>, Exp<L::V>), a: L::V) -> L::V {
         let erf = e.eval(l, l.mul(a, l.splat(FRAC_1_SQRT_2 as f32)));
         l.mul(l.mul(l.splat(0.5), a), l.add(l.splat(1.0), erf))
+    }
+    /// `cdf = 0.5 (1 + erf(a / sqrt 2))`, `pdf = e^(-0.5 a a) / sqrt(2 pi)`:
+    /// `(a cdf, cdf + a pdf)`.
+    #[inline(always)]
+    fn f_df<L: Lanes>(l: L, (e, x): &(Erf<L::V>, Exp<L::V>), a: L::V) -> (L::V, L::V) {
+        let half = l.splat(0.5);
+        let cdf = l.mul(half, l.add(l.splat(1.0), e.eval(l, l.mul(a, l.splat(FRAC_1_SQRT_2 as f32)))));
+        let pdf = l.mul(x.eval(l, l.sub(l.splat(0.0), l.mul(l.mul(half, a), a))), l.splat(FRAC_1_SQRT_2PI as f32));
+        (l.mul(a, cdf), l.add(cdf, l.mul(a, pdf)))
     }
 }
 
@@ -89,6 +109,15 @@ impl WideAct for GeluTanh {
         let cube = l.mul(l.mul(l.mul(l.splat(GELU_C as f32), a), a), a);
         let v = l.mul(l.splat(SQRT_8_PI as f32), l.add(a, cube));
         l.div(a, l.add(l.splat(1.0), e.eval(l, l.sub(l.splat(0.0), v))))
+    }
+    /// `s = 1 / (1 + e^-v)`, `v' = k (1 + 3 c a a)`: `(a s, s + a s (1 - s) v')`.
+    #[inline(always)]
+    fn f_df<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> (L::V, L::V) {
+        let (one, k, c) = (l.splat(1.0), l.splat(SQRT_8_PI as f32), l.splat(GELU_C as f32));
+        let v = l.mul(k, l.add(a, l.mul(l.mul(l.mul(c, a), a), a)));
+        let s = l.div(one, l.add(one, e.eval(l, l.sub(l.splat(0.0), v))));
+        let dv = l.mul(k, l.add(one, l.mul(l.mul(l.mul(l.splat(3.0), c), a), a)));
+        (l.mul(a, s), l.add(s, l.mul(l.mul(l.mul(a, s), l.sub(one, s)), dv)))
     }
 }
 
@@ -142,9 +171,111 @@ impl<T: Element, A: WideAct> Kernel for GatedMul<'_, T, A> {
     }
 }
 
+/// Runs the explicit backward of `A`: `x` and `dx` whole rows of `2d`, `dy`
+/// rows of `d`; false (without running) where there is none, as [`forward`].
+#[inline(always)]
+pub(super) fn backward<A: Act, T: Element>(x: &[T], dy: &[T], dx: &mut [T], d: usize) -> bool {
+    if !crate::wide::has_lanes::<T>() {
+        return false;
+    }
+    match A::KIND {
+        Activation::Silu => run(GatedMulBack::<T, Silu> { x, dy, dx, d, act: PhantomData }).is_some(),
+        Activation::Gelu => run(GatedMulBack::<T, Gelu> { x, dy, dx, d, act: PhantomData }).is_some(),
+        Activation::GeluTanh => run(GatedMulBack::<T, GeluTanh> { x, dy, dx, d, act: PhantomData }).is_some(),
+    }
+}
+
+/// The backward over rows: `da = dy g act'(a)` and `dg = dy act(a)`, each
+/// multiplied left to right as in `backward_row`. f32 is stored in place;
+/// bf16 and f16 go through a block of f32 and [`Element::from_acc_slice`].
+struct GatedMulBack<'a, T, A> {
+    x: &'a [T],
+    dy: &'a [T],
+    dx: &'a mut [T],
+    d: usize,
+    act: PhantomData<A>,
+}
+
+impl<T: Element, A: WideAct> Kernel for GatedMulBack<'_, T, A> {
+    type Output = ();
+    #[inline(always)]
+    fn run<L: Lanes>(self, l: L) {
+        let GatedMulBack { x, dy, dx, d, .. } = self;
+        let c = A::consts(l);
+        let mut bufs = [[T::Acc::ZERO; BLOCK]; 2];
+        for ((x, dy), dx) in x.chunks_exact(2 * d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(2 * d)) {
+            let (a, g) = x.split_at(d);
+            let (da, dg) = dx.split_at_mut(d);
+            let mut at = 0;
+            while at < d {
+                let len = BLOCK.min(d - at);
+                let (a, g, dy) = (a[at..][..len].as_ptr(), g[at..][..len].as_ptr(), dy[at..][..len].as_ptr());
+                let (da, dg) = (&mut da[at..][..len], &mut dg[at..][..len]);
+                if is::<T, f32>() {
+                    // SAFETY: `T` is f32; `a`, `g`, `dy` hold `len` values,
+                    // as do the outputs.
+                    unsafe {
+                        back_block::<L, A, T>(l, &c, [a, g, dy], [da.as_mut_ptr().cast(), dg.as_mut_ptr().cast()], len)
+                    };
+                } else {
+                    let [ta, tg] = &mut bufs;
+                    let e = "gated x86: T::Acc is f32 for f32, bf16, f16";
+                    let oa = cast_mut::<T::Acc, f32>(&mut ta[..len]).expect(e).as_mut_ptr();
+                    let og = cast_mut::<T::Acc, f32>(&mut tg[..len]).expect(e).as_mut_ptr();
+                    // SAFETY: as above, into the blocks (`BLOCK >= len`).
+                    unsafe { back_block::<L, A, T>(l, &c, [a, g, dy], [oa, og], len) };
+                    T::from_acc_slice(&ta[..len], da);
+                    T::from_acc_slice(&tg[..len], dg);
+                }
+                at += len;
+            }
+        }
+    }
+}
+
+/// `len` values of `da` and `dg` from `[a, g, dy]`.
+///
+/// # Safety
+/// The three inputs hold `len` readable values of `T` (f32, bf16 or f16),
+/// the two outputs `len` writable f32.
+#[inline(always)]
+unsafe fn back_block<L: Lanes, A: WideAct, T: 'static>(
+    l: L,
+    c: &A::C<L::V>,
+    [a, g, dy]: [*const T; 3],
+    [oa, og]: [*mut f32; 2],
+    len: usize,
+) {
+    let mut i = 0;
+    // SAFETY: whole vectors while they fit, then the `len - i < N` left.
+    unsafe {
+        while i + L::N <= len {
+            let (va, vg) = back_step::<L, A>(l, c, l.load(a.add(i)), l.load(g.add(i)), l.load(dy.add(i)));
+            l.store(oa.add(i), va);
+            l.store(og.add(i), vg);
+            i += L::N;
+        }
+        if i < len {
+            let n = len - i;
+            let (va, vg) =
+                back_step::<L, A>(l, c, l.load_part(a.add(i), n), l.load_part(g.add(i), n), l.load_part(dy.add(i), n));
+            l.store_part(oa.add(i), va, n);
+            l.store_part(og.add(i), vg, n);
+        }
+    }
+}
+
+/// `(dy g act'(a), dy act(a))`. A function, not a closure: a closure left
+/// out of line runs without the vector features.
+#[inline(always)]
+fn back_step<L: Lanes, A: WideAct>(l: L, c: &A::C<L::V>, a: L::V, g: L::V, dy: L::V) -> (L::V, L::V) {
+    let (f, df) = A::f_df(l, c, a);
+    (l.mul(l.mul(dy, g), df), l.mul(dy, f))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{GatedMul, WideAct};
+    use super::{GatedMul, GatedMulBack, WideAct};
     use crate::element::Element;
     use crate::gated::{Act, Gelu, GeluTanh, Silu};
     use crate::wide::x86::{every_width, run_with, Width};
@@ -185,10 +316,37 @@ mod tests {
         }
     }
 
+    /// The backward kernel against `backward_row`'s scalar code (`(dy g)
+    /// df` and `dy f` from `Act::f_df`) bit for bit, as [`check`]; row
+    /// widths past one block, with a part block and a part vector.
+    fn check_back<A: Act + WideAct, T: Element<Acc = f32>, L: Width>(l: L) {
+        for d in [1, 7, 8, 19, 130, 300, 2000] {
+            let row: Vec<T> = inputs(d).into_iter().map(T::from_acc).collect();
+            let x = [row.clone(), row].concat();
+            let dy: Vec<T> = (0..2 * d).map(|i| T::from_acc(0.75 - (i % 11) as f32 * 0.25)).collect();
+            let mut dx = vec![T::from_acc(-7.0); 4 * d];
+            run_with(l, GatedMulBack::<T, A> { x: &x, dy: &dy, dx: &mut dx, d, act: PhantomData });
+            for (i, got) in dx.iter().enumerate() {
+                let (r, j) = (i / (2 * d), i % (2 * d));
+                let (a, g, dy) =
+                    (x[r * 2 * d + j % d].to_acc(), x[r * 2 * d + d + j % d].to_acc(), dy[r * d + j % d].to_acc());
+                let (f, df) = <A as Act>::f_df(a);
+                let want = T::from_acc(if j < d { dy * g * df } else { dy * f });
+                let (got, want) = (got.to_acc(), want.to_acc());
+                let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+                let name = A::KIND.name();
+                assert!(same, "{name} backward {} d={d} i={i}: a={a} got {got} want {want}", T::NAME);
+            }
+        }
+    }
+
     fn every_type<A: Act + WideAct, L: Width>(l: L) {
         check::<A, f32, L>(l);
         check::<A, bf16, L>(l);
         check::<A, f16, L>(l);
+        check_back::<A, f32, L>(l);
+        check_back::<A, bf16, L>(l);
+        check_back::<A, f16, L>(l);
     }
 
     fn every_act<L: Width>(l: L) {
