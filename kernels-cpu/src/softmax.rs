@@ -22,6 +22,8 @@ use crate::wide::cast_mut;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_backward;
 
 const OP_FWD: &str = "softmax";
 const OP_BWD: &str = "softmax_backward";
@@ -86,26 +88,35 @@ pub fn backward<T: Element>(
         let mut dx = dxs.get(b);
         let at = blocks.rows(b).start * cols;
         let (y, dy) = (&y[at..][..dx.len()], &grad_out[at..][..dx.len()]);
+        #[cfg(target_arch = "x86_64")]
+        if x86_backward::backward_rows(y, dy, &mut dx, cols, scale.to_f64() as f32) {
+            return;
+        }
         dispatch(
             #[inline(always)]
-            || {
-                for ((y, dy), dx) in y.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols)) {
-                    let dot = sum_pairs(dy, y, |g, y| g * y);
-                    T::write_acc(
-                        dx,
-                        #[inline(always)]
-                        |at, dx| {
-                            let (y, dy) = (&y[at..][..dx.len()], &dy[at..][..dx.len()]);
-                            for ((dx, y), dy) in dx.iter_mut().zip(y).zip(dy) {
-                                *dx = scale * y.to_acc() * (dy.to_acc() - dot);
-                            }
-                        },
-                    );
-                }
-            },
+            || backward_rows_lanes(y, dy, &mut dx, cols, scale),
         );
     });
     Ok(())
+}
+
+/// The backward over whole rows, left to LLVM's vectoriser (the fallback of
+/// `softmax/x86_backward.rs`): `dot = sum(dy y)`, then `dx = (s y) (dy - dot)`.
+#[inline(always)]
+fn backward_rows_lanes<T: Element>(y: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: T::Acc) {
+    for ((y, dy), dx) in y.chunks_exact(cols).zip(dy.chunks_exact(cols)).zip(dx.chunks_exact_mut(cols)) {
+        let dot = sum_pairs(dy, y, |g, y| g * y);
+        T::write_acc(
+            dx,
+            #[inline(always)]
+            |at, dx| {
+                let (y, dy) = (&y[at..][..dx.len()], &dy[at..][..dx.len()]);
+                for ((dx, y), dy) in dx.iter_mut().zip(y).zip(dy) {
+                    *dx = scale * y.to_acc() * (dy.to_acc() - dot);
+                }
+            },
+        );
+    }
 }
 
 /// `max(x_i * scale)` over a row (NaN is skipped here; it reaches the output
