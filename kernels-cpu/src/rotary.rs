@@ -150,7 +150,9 @@ fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Ac
 #[inline(always)]
 fn rotate_pairs<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
-    for (((y, x), c), s) in y[..2 * h].chunks_exact_mut(2).zip(x[..2 * h].chunks_exact(2)).zip(c).zip(s) {
+    let i = wide::pairs(&x[..2 * h], c, s, &mut y[..2 * h], sign.to_f64() as f32);
+    let (x, y, c, s) = (&x[2 * i..2 * h], &mut y[2 * i..2 * h], &c[i..h], &s[i..h]);
+    for (((y, x), c), s) in y.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s) {
         let (a, b, c, s) = (x[0].to_acc(), x[1].to_acc(), c.to_acc(), s.to_acc() * sign);
         y[0] = T::from_acc(a * c - b * s);
         y[1] = T::from_acc(b * c + a * s);

@@ -4,8 +4,8 @@
 //!
 //! On an AVX2 CPU without this path the generic loop's software f16
 //! conversions took 48.7 ms for the 4x1024x32x128 NeoX benchmark, against
-//! 2.6 ms for bf16 (criterion); with it, 2.6 ms. (GPT-J, interleaved, keeps
-//! the generic loop: 7.6 ms for f16 there.)
+//! 2.6 ms for bf16 (criterion); with it, 2.6 ms. GPT-J (interleaved) f16
+//! has [`pairs`] (AVX2 and F16C, also on AVX-512 CPUs): 7.6 ms before it.
 //!
 //! The generic loop converts f16 in software both ways, which held f16
 //! rotary to about 33 GiB/s in criterion (4x1024x32x128, NeoX), against
@@ -85,6 +85,51 @@ pub(super) fn halves<T: Element>(
     false
 }
 
+/// [`pairs`] rotates whole groups of this many pairs.
+pub(super) const NP: usize = 4;
+
+/// Whether [`pairs`] can run for `T` on this CPU (f16, with AVX2, FMA and
+/// F16C: AVX-512 CPUs have them too).
+#[inline(always)]
+pub(super) fn applies_pairs<T: Element>() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is::<T, half::f16>() && crate::wide::x86::V8::try_new().is_some()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Rotates the first `c.len() / NP * NP` pairs of the GPT-J layout
+/// (`x[2i]`, `x[2i + 1]` by `c[i]`, `s[i]` times `sign`) and returns how
+/// many it did: 0, writing nothing, where [`applies_pairs`] does not hold.
+///
+/// # Panics
+/// If `s` is shorter than `c`, or `x` or `y` than `2 c.len()` (where
+/// [`applies_pairs`] holds).
+#[inline(always)]
+pub(super) fn pairs<T: Element>(x: &[T], c: &[T], s: &[T], y: &mut [T], sign: f32) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    if applies_pairs::<T>() {
+        let n = c.len() / NP * NP;
+        let (x, y, c, s) = (&x[..2 * n], &mut y[..2 * n], &c[..n], &s[..n]);
+        // SAFETY: `applies_pairs` found T to be f16 (2 bytes, bits as u16)
+        // and AVX2 with F16C; `x` and `y` hold 2n elements, `c` and `s` n,
+        // read and written unaligned.
+        unsafe {
+            x86::pairs_f16_avx2(
+                (x.as_ptr().cast(), c.as_ptr().cast(), s.as_ptr().cast()),
+                y.as_mut_ptr().cast(),
+                n,
+                sign,
+            )
+        };
+        return n;
+    }
+    let _ = (x, c, s, y, sign);
+    0
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -149,11 +194,48 @@ mod x86 {
             }
         }
     }
+
+    /// See [`super::pairs`]: `n` pairs (a multiple of 4), four per step, as
+    /// the generic loop computes them. With `x = [a0 b0 a1 b1 ..]`, its
+    /// pair-swap `[b0 a0 b1 a1 ..]`, `c` and `s` each repeated per pair and
+    /// `s` negated in the even lanes, `x c + swap s` is `a c + b (-s)`,
+    /// which is `a c - b s`, and `b c + a s`: the same products and the same
+    /// sum or difference, so the same bits.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; `x` and `y` reach `2n` `u16`s, `c` and `s`
+    /// `n`; `n` is a multiple of 4.
+    #[target_feature(enable = "avx2,f16c")]
+    #[inline]
+    pub(super) unsafe fn pairs_f16_avx2(
+        (x, c, s): (*const u16, *const u16, *const u16),
+        y: *mut u16,
+        n: usize,
+        sign: f32,
+    ) {
+        const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
+        let dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        // `-sign` in the even lanes (the first of each pair), `sign` in the odd.
+        let alt = _mm256_setr_ps(-sign, sign, -sign, sign, -sign, sign, -sign, sign);
+        for k in (0..n).step_by(4) {
+            // SAFETY: (caller) 8 of `x` read and 8 of `y` written at `2k`,
+            // 4 of `c` and `s` read at `k`, with `k + 4 <= n`.
+            unsafe {
+                let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.add(2 * k).cast()));
+                let widen4 = |p: *const u16| _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(p.cast())));
+                let cv = _mm256_permutevar8x32_ps(widen4(c.add(k)), dup);
+                let sv = _mm256_mul_ps(_mm256_permutevar8x32_ps(widen4(s.add(k)), dup), alt);
+                let swap = _mm256_permute_ps::<0b10_11_00_01>(xv);
+                let v = _mm256_add_ps(_mm256_mul_ps(xv, cv), _mm256_mul_ps(swap, sv));
+                _mm_storeu_si128(y.add(2 * k).cast(), _mm256_cvtps_ph::<RNE>(v));
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{applies, halves, N};
+    use super::{applies, applies_pairs, halves, pairs, N, NP};
     use crate::element::Element;
     use crate::simd::dispatch;
     use half::f16;
@@ -185,6 +267,41 @@ mod tests {
                 let (a, b, c, s) = (x1[i].to_acc(), x2[i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
                 let want = (f16::from_acc(a * c - b * s), f16::from_acc(b * c + a * s));
                 for (got, want) in [(y1[i], want.0), (y2[i], want.1)] {
+                    assert!(
+                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                        "pair {i}, sign {sign}: {:#06x}, want {:#06x}",
+                        got.to_bits(),
+                        want.to_bits()
+                    );
+                }
+            }
+        }
+    }
+
+    /// Every group of [`pairs`] (GPT-J) equals the generic loop's
+    /// expression bit for bit, as above.
+    #[test]
+    fn f16_pair_groups_match_the_scalar_rotation() {
+        if !applies_pairs::<f16>() {
+            eprintln!("skipped: this CPU lacks AVX2 with F16C for the f16 GPT-J rotary path");
+            return;
+        }
+        let all: Vec<f16> = (0..=u16::MAX).step_by(7).map(f16::from_bits).collect();
+        // One pair past whole groups: left alone.
+        let h = (all.len() - 29) / 2 / NP * NP - NP + 1;
+        let (x, c, s) = (&all[..2 * h], &all[13..][..h], &all[29..][..h]);
+        for sign in [1.0f32, -1.0] {
+            let mut y = vec![f16::from_bits(0x7777); 2 * h];
+            let done = dispatch(
+                #[inline(always)]
+                || pairs(x, c, s, &mut y, sign),
+            );
+            assert_eq!(done, h - 1);
+            assert_eq!(&y[2 * done..], [f16::from_bits(0x7777); 2]);
+            for i in 0..done {
+                let (a, b, c, s) = (x[2 * i].to_acc(), x[2 * i + 1].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
+                let want = (f16::from_acc(a * c - b * s), f16::from_acc(b * c + a * s));
+                for (got, want) in [(y[2 * i], want.0), (y[2 * i + 1], want.1)] {
                     assert!(
                         got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
                         "pair {i}, sign {sign}: {:#06x}, want {:#06x}",
