@@ -20,6 +20,9 @@ use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
 use crate::rows::{row_and_next, sum_partials, Blocks, Split};
 use crate::simd::{dispatch, prefetching, reduce_lanes, sum_pairs, sums3, LANES};
+use crate::wide::{cast, cast_mut};
+use crate::widen;
+use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -168,6 +171,14 @@ pub fn backward<T: Element>(
             dispatch(
                 #[inline(always)]
                 || {
+                    if widen::applies::<T>() {
+                        let dx = cast_mut::<T, f16>(&mut dx).expect("layer_norm: widen applies to f16 only");
+                        let e = "f16's Acc is f32";
+                        let dw = dw.as_deref_mut().map(|d| cast_mut::<T::Acc, f32>(&mut d[..]).expect(e));
+                        let db = db.as_deref_mut().map(|d| cast_mut::<T::Acc, f32>(&mut d[..]).expect(e));
+                        let (x, dy, weight) = (cast::<T, f16>(x), cast::<T, f16>(dy), weight.map(cast::<T, f16>));
+                        return backward_rows_f16(x, dy, weight, dx, (dw, db), eps.to_f64() as f32, cols);
+                    }
                     for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
                         let ((x, x_next), (dy, dy_next)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
                         let (dw, db) = (dw.as_deref_mut().map(|d| &mut d[..]), db.as_deref_mut().map(|d| &mut d[..]));
@@ -189,6 +200,31 @@ pub fn backward<T: Element>(
         sum_partials(&db_part, gb, cols);
     }
     Ok(())
+}
+
+/// The backward's rows for f16 where [`widen`] applies: each row's `x` and
+/// `dy` widened to f32 first (the weight once), then [`backward_row`] with
+/// f32 inputs and f16 outputs: the f16 loop's values, bit for bit (measured,
+/// criterion 4096x4096 on an AVX2 CPU: see `widen.rs`).
+#[inline(always)]
+fn backward_rows_f16(
+    x: &[f16],
+    dy: &[f16],
+    weight: Option<&[f16]>,
+    dx: &mut [f16],
+    (mut dw, mut db): (Option<&mut [f32]>, Option<&mut [f32]>),
+    eps: f32,
+    cols: usize,
+) {
+    let mut bufs: [Vec<f32>; 3] = Default::default();
+    let [xs, dys, ws] = &mut bufs;
+    let widened = "layer_norm: widen applies";
+    let weight = weight.map(|w| widen::to_f32(w, ws).expect(widened));
+    for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
+        let (x, dy) = (&x[r * cols..][..cols], &dy[r * cols..][..cols]);
+        let (x, dy) = (widen::to_f32(x, xs).expect(widened), widen::to_f32(dy, dys).expect(widened));
+        backward_row(x, dy, weight, dx, dw.as_deref_mut(), db.as_deref_mut(), eps, None);
+    }
 }
 
 /// The moments of a row: `mean = k + m1` kept as a shift `k` (close to the
@@ -322,19 +358,23 @@ fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, bias: Option<&[T]>, y:
 /// `dx = rstd * (g - mean(g) - xh * mean(g * xh))`, `dw += dy * xh`, `db += dy`;
 /// `ahead` (when given) is the next row of `x` and `dy`, prefetched as `dx`
 /// is written.
+///
+/// The inputs are `I`, the output `O`: the same type, or f32 inputs widened
+/// from an f16 row for f16 outputs (see [`backward_rows_f16`]). Which path
+/// runs is `O`'s choice, so the values are the same either way.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn backward_row<T: Element>(
-    x: &[T],
-    dy: &[T],
-    weight: Option<&[T]>,
-    dx: &mut [T],
-    dw: Option<&mut [T::Acc]>,
-    db: Option<&mut [T::Acc]>,
-    eps: T::Acc,
-    ahead: Option<[&[T]; 2]>,
+fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
+    x: &[I],
+    dy: &[I],
+    weight: Option<&[I]>,
+    dx: &mut [O],
+    dw: Option<&mut [I::Acc]>,
+    db: Option<&mut [I::Acc]>,
+    eps: I::Acc,
+    ahead: Option<[&[O]; 2]>,
 ) {
-    let n = T::Acc::from_usize(x.len());
+    let n = I::Acc::from_usize(x.len());
     // bf16 and f16: one pass for the moments and the two gradient sums. With
     // the shift k, sum(g xh) = rstd (sum(g (x - k)) - m1 sum(g)), which loses
     // at most about a bit where the shift is good (m1^2 <= m2 / 2, the test of
@@ -343,15 +383,15 @@ fn backward_row<T: Element>(
     // 12-17% faster (x is widened once, not twice); f32 no faster (bound by
     // memory, the same either way) and up to 7% slower, so f32 and f64 keep
     // the separate moments pass.
-    let fused = if std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>() {
+    let fused = if std::mem::size_of::<O>() < std::mem::size_of::<O::Acc>() {
         let k = shift(x);
         let [s1, s2, sg, sgx] = match weight {
             Some(w) => moment_grad_sums(x, dy, w, k, |d, w| d * w),
             None => moment_grad_sums(x, dy, dy, k, |d, _| d),
         };
         let (m1, m2) = (s1 / n, s2 / n);
-        (m1 * m1 <= T::Acc::from_f64(0.5) * m2).then(|| {
-            let rstd = T::Acc::ONE / (m2 - m1 * m1 + eps).sqrt();
+        (m1 * m1 <= I::Acc::from_f64(0.5) * m2).then(|| {
+            let rstd = I::Acc::ONE / (m2 - m1 * m1 + eps).sqrt();
             (Moments { k, m1, rstd }, sg, rstd * (sgx - m1 * sg))
         })
     } else {
@@ -374,13 +414,13 @@ fn backward_row<T: Element>(
     // (F16C for f16: one value at a time took f16 2.3x bf16's time), but
     // for bf16, whose rounding LLVM fuses into the loop: through blocks it
     // was 24% slower (criterion 4096x4096: 7.3 -> 9.1 ms).
-    let bf16 = crate::wide::is::<T, half::bf16>();
-    let id = |v: T::Acc| v;
+    let bf16 = crate::wide::is::<O, half::bf16>();
+    let id = |v: I::Acc| v;
     let Some(ahead) = ahead else {
         if bf16 {
-            return grad_block(0, x, dy, weight, dx, (&mut dw, &mut db), m, g, T::from_acc);
+            return grad_block(0, x, dy, weight, dx, (&mut dw, &mut db), m, g, O::from_acc);
         }
-        return T::write_acc(
+        return O::write_acc(
             dx,
             #[inline(always)]
             |at, dx| grad_block(at, x, dy, weight, dx, (&mut dw, &mut db), m, g, id),
@@ -393,7 +433,7 @@ fn backward_row<T: Element>(
         &ahead,
         #[inline(always)]
         |k, dx| {
-            T::write_acc(
+            O::write_acc(
                 dx,
                 #[inline(always)]
                 |at, dx| grad_block(k + at, x, dy, weight, dx, (&mut dw, &mut db), m, g, id),
@@ -578,4 +618,58 @@ pub fn backward_ref<T: Element>(
         }
     }
     (dx, dw, db)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{backward_row, backward_rows_f16};
+    use crate::element::Element;
+    use crate::simd::dispatch;
+    use crate::widen;
+    use half::f16;
+
+    /// The widened f16 backward against the plain f16 one, bit for bit
+    /// (`dx`, `dw`, `db`), with and without weight and parameter gradients,
+    /// on a row whose mean is far from its spread (the exact moments path)
+    /// and ordinary ones (the fused one), with a part block and a
+    /// subnormal.
+    #[test]
+    fn widened_f16_backward_is_the_plain_one() {
+        if !widen::applies::<f16>() {
+            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+            return;
+        }
+        // Enough rows of irregular values that the two paths' different
+        // gradient sums would show in some rounding.
+        let (rows, cols) = (64, 300);
+        let val = |i: usize, k: f64| f16::from_f64((i as f64 * k).sin() * 3.0);
+        let mut x: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.37)).collect();
+        for v in &mut x[2 * cols..3 * cols] {
+            *v = f16::from_f64(1000.0 + v.to_f64() / 64.0);
+        }
+        x[5] = f16::from_bits(0x0001);
+        let dy: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.91)).collect();
+        let w: Vec<f16> = (0..cols).map(|i| val(i, 1.7)).collect();
+        for (weight, grads) in [(Some(&w[..]), true), (Some(&w[..]), false), (None, false)] {
+            let (mut got, mut want) = (vec![f16::ZERO; rows * cols], vec![f16::ZERO; rows * cols]);
+            let mut p: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; cols]);
+            let [dw_got, db_got, dw_want, db_want] = &mut p;
+            dispatch(|| {
+                let g = (grads.then_some(&mut dw_got[..]), grads.then_some(&mut db_got[..]));
+                backward_rows_f16(&x, &dy, weight, &mut got, g, 1e-5, cols)
+            });
+            dispatch(|| {
+                for r in 0..rows {
+                    let (x, dy, dx) = (&x[r * cols..][..cols], &dy[r * cols..][..cols], &mut want[r * cols..][..cols]);
+                    let (dw, db) = (grads.then_some(&mut dw_want[..]), grads.then_some(&mut db_want[..]));
+                    backward_row(x, dy, weight, dx, dw, db, 1e-5f32, None);
+                }
+            });
+            let bits = |v: &[f16]| v.iter().map(|v| v.to_acc().to_bits()).collect::<Vec<_>>();
+            let bits32 = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            let case = format!("weight {} grads {grads}", weight.is_some());
+            assert_eq!(bits(&got), bits(&want), "{case}");
+            assert_eq!((bits32(dw_got), bits32(db_got)), (bits32(dw_want), bits32(db_want)), "{case}");
+        }
+    }
 }

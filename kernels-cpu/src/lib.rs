@@ -29,6 +29,7 @@ mod simd;
 pub mod softmax;
 mod sum_squares;
 mod wide;
+mod widen;
 
 pub use element::{Acc, Element};
 pub use error::{Error, Result};

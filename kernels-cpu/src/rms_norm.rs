@@ -18,6 +18,9 @@ use crate::narrow::BLOCK;
 use crate::par::Par;
 use crate::rows::{row_and_next, sum_partials, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, prefetching, sums3};
+use crate::wide::{cast, cast_mut};
+use crate::widen;
+use half::f16;
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
@@ -155,6 +158,13 @@ pub(crate) fn backward_unchecked<T: Element>(
             dispatch(
                 #[inline(always)]
                 || {
+                    if widen::applies::<T>() {
+                        let dx = cast_mut::<T, f16>(&mut dx).expect("rms_norm: widen applies to f16 only");
+                        let dw = dw.as_deref_mut().map(|d| cast_mut::<T::Acc, f32>(d).expect("f16's Acc is f32"));
+                        let (x, dy) = (cast::<T, f16>(x), cast::<T, f16>(dy));
+                        let (add, weight) = (add.map(cast::<T, f16>), weight.map(cast::<T, f16>));
+                        return backward_rows_f16(x, dy, add, weight, dx, dw, eps.to_f64() as f32, cols);
+                    }
                     for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
                         let ((x, next_x), (dy, next_dy)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
                         let add = add.map(|a| &a[r * cols..][..cols]);
@@ -167,6 +177,34 @@ pub(crate) fn backward_unchecked<T: Element>(
     }
     if let Some(gw) = grad_weight {
         sum_partials(&partial, gw, cols);
+    }
+}
+
+/// The backward's rows for f16 where [`widen`] applies: each row's inputs
+/// widened to f32 first (the weight once), then [`backward_row`] with f32
+/// inputs and f16 outputs: the same values as the f16 loop, bit for bit.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn backward_rows_f16(
+    x: &[f16],
+    dy: &[f16],
+    add: Option<&[f16]>,
+    weight: Option<&[f16]>,
+    dx: &mut [f16],
+    mut dw: Option<&mut [f32]>,
+    eps: f32,
+    cols: usize,
+) {
+    let mut bufs: [Vec<f32>; 4] = Default::default();
+    let [xs, dys, adds, ws] = &mut bufs;
+    let widened = "rms_norm: widen applies";
+    let weight = weight.map(|w| widen::to_f32(w, ws).expect(widened));
+    for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
+        let ((x, next_x), (dy, next_dy)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
+        let (x, dy) = (widen::to_f32(x, xs).expect(widened), widen::to_f32(dy, dys).expect(widened));
+        let add = add.map(|a| widen::to_f32(&a[r * cols..][..cols], adds).expect(widened));
+        let dw = dw.as_deref_mut();
+        backward_row(x, dy, add, weight, dx, dw, eps, &[next_dy, next_x]);
     }
 }
 
@@ -212,17 +250,20 @@ pub(crate) fn forward_row<T: Element>(x: &[T], weight: Option<&[T]>, y: &mut [T]
 /// With `r = inv_rms(x)`, `g = dy * w`:
 /// `dx = r * g - x * r^3 * sum(g * x) / n (+ add)` and `dw += dy * x * r`;
 /// `ahead` is the next row of `dy` and `x`, prefetched as `dx` is written.
+///
+/// The inputs are `I`, the output `O` (the same type, or f32 inputs widened
+/// from an f16 row for f16 outputs: see [`backward_rows_f16`]).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn backward_row<T: Element>(
-    x: &[T],
-    dy: &[T],
-    add: Option<&[T]>,
-    weight: Option<&[T]>,
-    dx: &mut [T],
-    mut dw: Option<&mut [T::Acc]>,
-    eps: T::Acc,
-    ahead: &[&[T]],
+fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
+    x: &[I],
+    dy: &[I],
+    add: Option<&[I]>,
+    weight: Option<&[I]>,
+    dx: &mut [O],
+    mut dw: Option<&mut [I::Acc]>,
+    eps: I::Acc,
+    ahead: &[&[O]],
 ) {
     let n = x.len();
     // sum(x^2) and sum(g * x) in one pass over dy, w and x.
@@ -231,7 +272,7 @@ fn backward_row<T: Element>(
         None => sums3(dy, x, x, |dy, x, _| (x * x, dy * x)),
     };
     let r = inv_rms(sum_sq, n, eps);
-    let c = r * r * r * gx / T::Acc::from_usize(n);
+    let c = r * r * r * gx / I::Acc::from_usize(n);
     // Written part by part, prefetching the next row for the sums above.
     prefetching(
         dx,
@@ -240,7 +281,7 @@ fn backward_row<T: Element>(
         |k, dx| {
             // Computed in `T::Acc` and narrowed in blocks (F16C for f16,
             // where one value at a time took 3x bf16's time).
-            T::write_acc(
+            O::write_acc(
                 dx,
                 #[inline(always)]
                 |at, dx| {
@@ -346,4 +387,58 @@ pub fn backward_ref<T: Element>(
         }
     }
     (dx, dw)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{backward_row, backward_rows_f16};
+    use crate::element::Element;
+    use crate::simd::dispatch;
+    use crate::widen;
+    use half::f16;
+
+    /// The widened f16 backward against the plain f16 one, bit for bit
+    /// (`dx` and the accumulated `dw`), with and without weight and the
+    /// added gradient, on rows with a part block, specials included.
+    #[test]
+    fn widened_f16_backward_is_the_plain_one() {
+        if !widen::applies::<f16>() {
+            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+            return;
+        }
+        let cols = 300;
+        let val = |i: usize, k: usize| f16::from_f64(((i * k % 97) as f64 - 48.0) / 7.0);
+        let mut x: Vec<f16> = (0..3 * cols).map(|i| val(i, 13)).collect();
+        x[5] = f16::INFINITY;
+        x[cols + 7] = f16::from_bits(0x0001);
+        let dy: Vec<f16> = (0..3 * cols).map(|i| val(i, 29)).collect();
+        let add: Vec<f16> = (0..3 * cols).map(|i| val(i, 31)).collect();
+        let w: Vec<f16> = (0..cols).map(|i| val(i, 37)).collect();
+        for (weight, add) in
+            [(Some(&w[..]), None), (None, None), (Some(&w[..]), Some(&add[..])), (None, Some(&add[..]))]
+        {
+            let (mut got, mut want) = (vec![f16::ZERO; 3 * cols], vec![f16::ZERO; 3 * cols]);
+            let (mut dw_got, mut dw_want) = (vec![0f32; cols], vec![0f32; cols]);
+            let dw = weight.is_some() && add.is_none();
+            dispatch(|| backward_rows_f16(&x, &dy, add, weight, &mut got, dw.then_some(&mut dw_got[..]), 1e-5, cols));
+            dispatch(|| {
+                for r in 0..3 {
+                    fn row(v: &[f16], r: usize, cols: usize) -> &[f16] {
+                        &v[r * cols..][..cols]
+                    }
+                    let (dx, add) = (&mut want[r * cols..][..cols], add.map(|a| row(a, r, cols)));
+                    let (x, dy) = (row(&x, r, cols), row(&dy, r, cols));
+                    backward_row(x, dy, add, weight, dx, dw.then_some(&mut dw_want[..]), 1e-5f32, &[]);
+                }
+            });
+            let bits = |v: &[f16]| v.iter().map(|v| v.to_acc().to_bits()).collect::<Vec<_>>();
+            let case = format!("weight {} add {}", weight.is_some(), add.is_some());
+            assert_eq!(bits(&got), bits(&want), "{case}");
+            assert_eq!(
+                dw_got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                dw_want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{case}"
+            );
+        }
+    }
 }

@@ -31,6 +31,17 @@ pub(crate) fn has_lanes<T: 'static>() -> bool {
     is::<T, f32>() || is::<T, bf16>() || is::<T, f16>()
 }
 
+/// `x` as a slice of `U`.
+///
+/// # Panics
+/// Unless `T` is `U`.
+#[inline(always)]
+pub(crate) fn cast<T: 'static, U: 'static>(x: &[T]) -> &[U] {
+    assert!(is::<T, U>(), "cast: not the same type");
+    // SAFETY: `T` and `U` are the same type.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<U>(), x.len()) }
+}
+
 /// `x` as a slice of `U`, when `T` is `U`.
 #[inline(always)]
 pub(crate) fn cast_mut<T: 'static, U: 'static>(x: &mut [T]) -> Option<&mut [U]> {
