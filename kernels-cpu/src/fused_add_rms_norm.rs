@@ -14,6 +14,9 @@ use crate::par::Par;
 use crate::rms_norm::{self, forward_row};
 use crate::rows::{Blocks, Split};
 use crate::simd::dispatch;
+use crate::wide::{cast, cast_mut};
+use crate::widen;
+use half::f16;
 
 const OP_FWD: &str = "fused_add_rms_norm";
 const OP_BWD: &str = "fused_add_rms_norm_backward";
@@ -81,6 +84,11 @@ pub fn forward<T: Element>(
         dispatch(
             #[inline(always)]
             || {
+                if widen::applies::<T>() {
+                    let (y, s) = (cast_mut::<T, f16>(&mut y), cast_mut::<T, f16>(&mut s));
+                    let (y, s) = (y.expect("widen applies to f16 only"), s.expect("widen applies to f16 only"));
+                    return forward_rows_f16(cast(x), cast(r), weight.map(cast), y, s, eps.to_f64() as f32, cols);
+                }
                 for ((x, r), (y, s)) in x
                     .chunks_exact(cols)
                     .zip(r.chunks_exact(cols))
@@ -103,6 +111,47 @@ pub fn forward<T: Element>(
         );
     });
     Ok(())
+}
+
+/// The forward's rows for f16 where [`widen`] applies: `x` and `residual`
+/// widened to f32 (the weight once), their sum rounded to f16 into `sum`,
+/// that row widened back (exactly: the norm reads the rounded sum, as the
+/// f16 loop does), then [`forward_row`] with f32 inputs and f16 outputs. The
+/// f16 loop's values, bit for bit.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn forward_rows_f16(
+    x: &[f16],
+    residual: &[f16],
+    weight: Option<&[f16]>,
+    out: &mut [f16],
+    sum: &mut [f16],
+    eps: f32,
+    cols: usize,
+) {
+    let mut bufs: [Vec<f32>; 4] = Default::default();
+    let [xs, rs, ss, ws] = &mut bufs;
+    let widened = "fused_add_rms_norm: widen applies";
+    let weight = weight.map(|w| widen::to_f32(w, ws).expect(widened));
+    for ((x, r), (y, s)) in x
+        .chunks_exact(cols)
+        .zip(residual.chunks_exact(cols))
+        .zip(out.chunks_exact_mut(cols).zip(sum.chunks_exact_mut(cols)))
+    {
+        let (x, r) = (widen::to_f32(x, xs).expect(widened), widen::to_f32(r, rs).expect(widened));
+        f16::write_acc(
+            s,
+            #[inline(always)]
+            |at, s| {
+                let (x, r) = (&x[at..][..s.len()], &r[at..][..s.len()]);
+                for ((s, x), r) in s.iter_mut().zip(x).zip(r) {
+                    *s = x + r;
+                }
+            },
+        );
+        let s = widen::to_f32(s, ss).expect(widened);
+        forward_row(s, weight, y, eps, &[]);
+    }
 }
 
 /// Backward: `grad_sum` (the gradient of both `x` and `residual`) and, when
@@ -145,4 +194,50 @@ pub fn forward_ref<T: Element>(
 ) -> (Vec<f64>, Vec<T>) {
     let s: Vec<T> = x.iter().zip(residual).map(|(a, b)| T::from_f64(a.to_f64() + b.to_f64())).collect();
     (rms_norm::forward_ref(&s, weight, cols, eps), s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forward_rows_f16;
+    use crate::element::Element;
+    use crate::rms_norm::forward_row;
+    use crate::simd::dispatch;
+    use crate::widen;
+    use half::f16;
+
+    /// The widened f16 forward against the plain f16 one (the loop of
+    /// `forward`), bit for bit: `sum` and `out`, with and without weight,
+    /// sums that round and overflow.
+    #[test]
+    fn widened_f16_forward_is_the_plain_one() {
+        if !widen::applies::<f16>() {
+            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+            return;
+        }
+        let (rows, cols) = (16, 300);
+        let val = |i: usize, k: f64| f16::from_f64((i as f64 * k).sin() * 3.0);
+        let x: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.37)).collect();
+        let mut res: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.53)).collect();
+        res[4] = f16::MAX;
+        let w: Vec<f16> = (0..cols).map(|i| val(i, 1.7)).collect();
+        for weight in [Some(&w[..]), None] {
+            let n = rows * cols;
+            let (mut y, mut s, mut y_want, mut s_want) =
+                (vec![f16::ZERO; n], vec![f16::ZERO; n], vec![f16::ZERO; n], vec![f16::ZERO; n]);
+            dispatch(|| forward_rows_f16(&x, &res, weight, &mut y, &mut s, 1e-6, cols));
+            dispatch(|| {
+                for r in 0..rows {
+                    let row = r * cols..(r + 1) * cols;
+                    let s = &mut s_want[row.clone()];
+                    for ((s, x), r) in s.iter_mut().zip(&x[row.clone()]).zip(&res[row.clone()]) {
+                        *s = f16::from_acc(x.to_acc() + r.to_acc());
+                    }
+                    forward_row(s, weight, &mut y_want[row], 1e-6f32, &[]);
+                }
+            });
+            let bits = |v: &[f16]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&s), bits(&s_want), "sum, weight {}", weight.is_some());
+            assert_eq!(bits(&y), bits(&y_want), "out, weight {}", weight.is_some());
+        }
+    }
 }
