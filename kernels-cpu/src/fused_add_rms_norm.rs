@@ -202,7 +202,7 @@ mod tests {
     use crate::element::Element;
     use crate::rms_norm::forward_row;
     use crate::simd::dispatch;
-    use crate::widen;
+    use crate::widen::testing::{bits, runs, wave};
     use half::f16;
 
     /// The widened f16 forward against the plain f16 one (the loop of
@@ -210,16 +210,12 @@ mod tests {
     /// sums that round and overflow.
     #[test]
     fn widened_f16_forward_is_the_plain_one() {
-        if !widen::applies::<f16>() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+        if !runs() {
             return;
         }
         let (rows, cols) = (16, 300);
-        let val = |i: usize, k: f64| f16::from_f64((i as f64 * k).sin() * 3.0);
-        let x: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.37)).collect();
-        let mut res: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.53)).collect();
+        let (x, mut res, w) = (wave(rows * cols, 0.37), wave(rows * cols, 0.53), wave(cols, 1.7));
         res[4] = f16::MAX;
-        let w: Vec<f16> = (0..cols).map(|i| val(i, 1.7)).collect();
         for weight in [Some(&w[..]), None] {
             let n = rows * cols;
             let (mut y, mut s, mut y_want, mut s_want) =
@@ -235,7 +231,6 @@ mod tests {
                     forward_row(s, weight, &mut y_want[row], 1e-6f32, &[]);
                 }
             });
-            let bits = |v: &[f16]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&s), bits(&s_want), "sum, weight {}", weight.is_some());
             assert_eq!(bits(&y), bits(&y_want), "out, weight {}", weight.is_some());
         }

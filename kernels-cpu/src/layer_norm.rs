@@ -623,9 +623,8 @@ pub fn backward_ref<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::{backward_row, backward_rows_f16};
-    use crate::element::Element;
     use crate::simd::dispatch;
-    use crate::widen;
+    use crate::widen::testing::{bits, runs, wave};
     use half::f16;
 
     /// The widened f16 backward against the plain f16 one, bit for bit
@@ -635,21 +634,18 @@ mod tests {
     /// subnormal.
     #[test]
     fn widened_f16_backward_is_the_plain_one() {
-        if !widen::applies::<f16>() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+        if !runs() {
             return;
         }
         // Enough rows of irregular values that the two paths' different
         // gradient sums would show in some rounding.
         let (rows, cols) = (64, 300);
-        let val = |i: usize, k: f64| f16::from_f64((i as f64 * k).sin() * 3.0);
-        let mut x: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.37)).collect();
+        let mut x = wave(rows * cols, 0.37);
         for v in &mut x[2 * cols..3 * cols] {
             *v = f16::from_f64(1000.0 + v.to_f64() / 64.0);
         }
         x[5] = f16::from_bits(0x0001);
-        let dy: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.91)).collect();
-        let w: Vec<f16> = (0..cols).map(|i| val(i, 1.7)).collect();
+        let (dy, w) = (wave(rows * cols, 0.91), wave(cols, 1.7));
         for (weight, grads) in [(Some(&w[..]), true), (Some(&w[..]), false), (None, false)] {
             let (mut got, mut want) = (vec![f16::ZERO; rows * cols], vec![f16::ZERO; rows * cols]);
             let mut p: [Vec<f32>; 4] = std::array::from_fn(|_| vec![0f32; cols]);
@@ -665,7 +661,6 @@ mod tests {
                     backward_row(x, dy, weight, dx, dw, db, 1e-5f32, None);
                 }
             });
-            let bits = |v: &[f16]| v.iter().map(|v| v.to_acc().to_bits()).collect::<Vec<_>>();
             let bits32 = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             let case = format!("weight {} grads {grads}", weight.is_some());
             assert_eq!(bits(&got), bits(&want), "{case}");

@@ -421,9 +421,8 @@ pub fn backward_ref<T: Element>(
 #[cfg(test)]
 mod tests {
     use super::{backward_row, backward_rows_f16, forward_row, forward_rows_f16};
-    use crate::element::Element;
     use crate::simd::dispatch;
-    use crate::widen;
+    use crate::widen::testing::{bits, runs, wave};
     use half::f16;
 
     /// The widened f16 backward against the plain f16 one, bit for bit
@@ -431,18 +430,14 @@ mod tests {
     /// added gradient, on rows with a part block, specials included.
     #[test]
     fn widened_f16_backward_is_the_plain_one() {
-        if !widen::applies::<f16>() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+        if !runs() {
             return;
         }
         let cols = 300;
-        let val = |i: usize, k: usize| f16::from_f64(((i * k % 97) as f64 - 48.0) / 7.0);
-        let mut x: Vec<f16> = (0..3 * cols).map(|i| val(i, 13)).collect();
+        let mut x = wave(3 * cols, 0.37);
         x[5] = f16::INFINITY;
         x[cols + 7] = f16::from_bits(0x0001);
-        let dy: Vec<f16> = (0..3 * cols).map(|i| val(i, 29)).collect();
-        let add: Vec<f16> = (0..3 * cols).map(|i| val(i, 31)).collect();
-        let w: Vec<f16> = (0..cols).map(|i| val(i, 37)).collect();
+        let (dy, add, w) = (wave(3 * cols, 0.91), wave(3 * cols, 0.53), wave(cols, 1.7));
         for (weight, add) in
             [(Some(&w[..]), None), (None, None), (Some(&w[..]), Some(&add[..])), (None, Some(&add[..]))]
         {
@@ -460,7 +455,6 @@ mod tests {
                     backward_row(x, dy, add, weight, dx, dw.then_some(&mut dw_want[..]), 1e-5f32, &[]);
                 }
             });
-            let bits = |v: &[f16]| v.iter().map(|v| v.to_acc().to_bits()).collect::<Vec<_>>();
             let case = format!("weight {} add {}", weight.is_some(), add.is_some());
             assert_eq!(bits(&got), bits(&want), "{case}");
             assert_eq!(
@@ -475,16 +469,14 @@ mod tests {
     /// and without weight.
     #[test]
     fn widened_f16_forward_is_the_plain_one() {
-        if !widen::applies::<f16>() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+        if !runs() {
             return;
         }
         let (rows, cols) = (16, 300);
-        let val = |i: usize, k: f64| f16::from_f64((i as f64 * k).sin() * 3.0);
-        let mut x: Vec<f16> = (0..rows * cols).map(|i| val(i, 0.37)).collect();
+        let mut x = wave(rows * cols, 0.37);
         x[cols + 3] = f16::from_bits(0x0001);
         x[2 * cols] = f16::INFINITY;
-        let w: Vec<f16> = (0..cols).map(|i| val(i, 1.7)).collect();
+        let w = wave(cols, 1.7);
         for weight in [Some(&w[..]), None] {
             let (mut got, mut want) = (vec![f16::ZERO; rows * cols], vec![f16::ZERO; rows * cols]);
             dispatch(|| forward_rows_f16(&x, weight, &mut got, 1e-6, cols));
@@ -493,7 +485,6 @@ mod tests {
                     forward_row(x, weight, y, 1e-6f32, &[]);
                 }
             });
-            let bits = |v: &[f16]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "weight {}", weight.is_some());
         }
     }

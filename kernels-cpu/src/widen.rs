@@ -78,6 +78,32 @@ mod x86 {
     }
 }
 
+/// What the tests that compare a widened f16 path with the plain one share.
+#[cfg(test)]
+pub(crate) mod testing {
+    use half::f16;
+
+    /// Whether f16 is widened on this CPU, so a comparison means
+    /// something; prints why the test is skipped where not.
+    pub(crate) fn runs() -> bool {
+        let runs = super::applies::<f16>();
+        if !runs {
+            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+        }
+        runs
+    }
+
+    /// `n` irregular f16 values, `3 sin(k i)`.
+    pub(crate) fn wave(n: usize, k: f64) -> Vec<f16> {
+        (0..n).map(|i| f16::from_f64((i as f64 * k).sin() * 3.0)).collect()
+    }
+
+    /// The bits of each value.
+    pub(crate) fn bits(v: &[f16]) -> Vec<u16> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{applies, to_f32};
