@@ -33,16 +33,10 @@ pub(super) const N: usize = 16;
 pub(super) fn applies<T: Element>() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        is::<T, half::f16>() && (crate::simd::has_v4_bf16() || crate::wide::x86::V8::try_new().is_some())
+        crate::wide::is::<T, half::f16>() && (crate::simd::has_v4_bf16() || crate::wide::x86::V8::try_new().is_some())
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
-}
-
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn is<T: 'static, U: 'static>() -> bool {
-    std::any::TypeId::of::<T>() == std::any::TypeId::of::<U>()
 }
 
 /// Rotates pairs `at..at + N` of the NeoX layout (`y1 = a c - b s`,
@@ -88,32 +82,22 @@ pub(super) fn halves<T: Element>(
 /// [`pairs`] rotates whole groups of this many pairs.
 pub(super) const NP: usize = 4;
 
-/// Whether [`pairs`] can run for `T` on this CPU (f16, with AVX2, FMA and
-/// F16C: AVX-512 CPUs have them too).
-#[inline(always)]
-pub(super) fn applies_pairs<T: Element>() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is::<T, half::f16>() && crate::wide::x86::V8::try_new().is_some()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
-}
-
 /// Rotates the first `c.len() / NP * NP` pairs of the GPT-J layout
 /// (`x[2i]`, `x[2i + 1]` by `c[i]`, `s[i]` times `sign`) and returns how
-/// many it did: 0, writing nothing, where [`applies_pairs`] does not hold.
+/// many it did: 0, writing nothing, where `T` is not f16 or the CPU lacks
+/// F16C ([`crate::widen::applies`], the same condition: AVX-512 CPUs have
+/// AVX2, FMA and F16C too).
 ///
 /// # Panics
 /// If `s` is shorter than `c`, or `x` or `y` than `2 c.len()` (where
-/// [`applies_pairs`] holds).
+/// it runs).
 #[inline(always)]
 pub(super) fn pairs<T: Element>(x: &[T], c: &[T], s: &[T], y: &mut [T], sign: f32) -> usize {
     #[cfg(target_arch = "x86_64")]
-    if applies_pairs::<T>() {
+    if crate::widen::applies::<T>() {
         let n = c.len() / NP * NP;
         let (x, y, c, s) = (&x[..2 * n], &mut y[..2 * n], &c[..n], &s[..n]);
-        // SAFETY: `applies_pairs` found T to be f16 (2 bytes, bits as u16)
+        // SAFETY: `widen::applies` found T to be f16 (2 bytes, bits as u16)
         // and AVX2 with F16C; `x` and `y` hold 2n elements, `c` and `s` n,
         // read and written unaligned.
         unsafe {
@@ -235,7 +219,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::{applies, applies_pairs, halves, pairs, N, NP};
+    use super::{applies, halves, pairs, N, NP};
     use crate::element::Element;
     use crate::simd::dispatch;
     use half::f16;
@@ -282,7 +266,7 @@ mod tests {
     /// expression bit for bit, as above.
     #[test]
     fn f16_pair_groups_match_the_scalar_rotation() {
-        if !applies_pairs::<f16>() {
+        if !crate::widen::applies::<f16>() {
             eprintln!("skipped: this CPU lacks AVX2 with F16C for the f16 GPT-J rotary path");
             return;
         }
