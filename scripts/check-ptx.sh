@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# CI check: ptx/ matches kernels-cuda/ under the pinned nvcc, and ptxas reports
-# no register spills for sm_80 and sm_90.
+# CI check: ptx/ matches kernels-cuda/ under the pinned nvcc, ptxas reports no
+# register spills for sm_80 and sm_90, and CUDA 12.0's ptxas (the PTX JIT of the
+# oldest driver a torch >= 2.10 CUDA build runs on, R525) assembles every file.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tmp="$(mktemp -d)"
@@ -24,6 +25,12 @@ for ptx in "$root"/ptx/*.ptx; do
     fi
     kernels=$(grep -c "Compiling entry function" <<<"$report")
     echo "ptxas -arch=$arch $(basename "$ptx"): $kernels kernels, no spills"
+    if ! old="$("$KEEL_PTXAS_OLDEST" -arch=$arch "$ptx" -o /dev/null 2>&1)"; then
+      echo "CUDA 12.0's ptxas refuses $(basename "$ptx") for $arch (see kernels-cuda/ptx-isa.txt):" >&2
+      echo "$old" | head -5 >&2
+      status=1
+    fi
   done
 done
+[ "$status" = 0 ] && echo "CUDA 12.0's ptxas assembles every file for sm_80 and sm_90 (PTX ISA $(tr -d '[:space:]' < "$root/kernels-cuda/ptx-isa.txt"))"
 exit $status

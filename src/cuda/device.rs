@@ -93,8 +93,9 @@ impl Gpu {
                 Some(m) => m.clone(),
                 None => {
                     let m = self.ctx.load_module(Ptx::from_src(module.1)).map_err(driver(format!(
-                        "loading the PTX of {} (the driver must support PTX ISA 9.0, i.e. CUDA 13)",
-                        module.0
+                        "loading the PTX of {} (PTX ISA {}: does the driver predate it?)",
+                        module.0,
+                        crate::ptx::ISA
                     )))?;
                     mods.insert(module.0, m.clone());
                     m
