@@ -9,15 +9,17 @@
 //     null, lse[row] = the row's log-sum-exp (0 for ignored and bad rows).
 //   cross_entropy_reduce_*: one block; counts the rows (status[0] = bad
 //     targets, status[1] = rows not ignored) and writes the output: the row
-//     losses cast to T (reduction 0 = "none"), or their mean (1) or sum (2).
+//     losses cast to T (reduction 0 = "none"), or their mean (1) or sum (2)
+//     over the rows not ignored (NaN when a target is bad).
 // Backward: cross_entropy_count (one block, the same status), then
 //   cross_entropy_bwd_*: one block per row, taking the row's lse from the
 //   forward, or recomputing it when lse is null (one read, as above), then
 //   the gradient (one more read, and the write):
 //   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
 //   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
-//   ignored and bad rows.
-// The caller reads status[0] back and raises an error when it is not 0.
+//   ignored rows, NaN for bad ones.
+// The caller reads status[0] back and raises an error when it is not 0; where
+// it cannot (during CUDA graph capture) the NaNs are the only sign.
 #include "common.cuh"
 
 using namespace keel;
@@ -80,7 +82,7 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const 
   float s = 0.f, valid = 0.f;
   for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
     const int64_t t = target[i];
-    if (t != ignore && !bad_target(t, cols)) {
+    if (t != ignore) {  // a bad target's NaN loss makes the result NaN
       s += loss[i];
       valid += 1.f;
     }
@@ -102,7 +104,8 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
     const T* xr = x + row * cols;
     T* dr = dx + row * cols;
     if (t == ignore || bad_target(t, cols)) {
-      row_map(xr, dr, cols, vec, [&](int, float) { return 0.f; });
+      const float fill = t == ignore ? 0.f : NAN;
+      row_map(xr, dr, cols, vec, [&](int, float) { return fill; });
       continue;
     }
     float g = to_f32(grad[reduction == 0 ? row : 0]);

@@ -188,6 +188,41 @@ def test_nn_module_matches_torch(device):
         keel.nn.CrossEntropyLoss()(x, torch.softmax(x, -1))
 
 
+@pytest.mark.parametrize("device", devices()[1:])
+def test_cuda_graph_capture_and_replay(device):
+    """Forward + backward captured in a CUDA graph (nothing may synchronise there, so the
+    target check cannot read back) replay as eager does; a bad target then makes the loss
+    and its row's gradient NaN instead of raising."""
+    n, v = 64, 1000
+    x, t = torch.randn(n, v, device=device), targets(n, v, device)
+    xs = x.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph asks
+        for _ in range(2):
+            xs.grad = None
+            keel.cross_entropy(xs, t).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    xs.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = keel.cross_entropy(xs, t)
+        loss.backward()
+    graph.replay()
+    torch.cuda.synchronize()
+    xr = x.clone().requires_grad_()
+    want = F.cross_entropy(xr, t)
+    want.backward()
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(loss, want.detach(), atol=atol, rtol=rtol)
+    torch.testing.assert_close(xs.grad, xr.grad, atol=atol, rtol=rtol)
+    t[3] = v  # out of range, seen only by the replay
+    graph.replay()
+    torch.cuda.synchronize()
+    assert loss.isnan().item()
+    assert xs.grad[3].isnan().all().item()
+
+
 def test_meta_and_empty():
     x = torch.empty(5, 7, device="meta")
     t = torch.empty(5, dtype=torch.int64, device="meta")

@@ -30,10 +30,20 @@ struct Lib {
 }
 
 /// The emulated device: its SM count sizes the grids, as a GPU's does;
-/// `reverse` runs each block's threads in the opposite order between barriers.
+/// `reverse` runs each block's threads in the opposite order between barriers;
+/// `capturing` plays a stream being captured into a CUDA graph, on which a
+/// read back fails as the driver's would.
 pub(crate) struct Emu {
     pub(crate) sm_count: u32,
     pub(crate) reverse: bool,
+    pub(crate) capturing: bool,
+}
+
+impl Emu {
+    /// A device of `sm_count` SMs, threads in order, not capturing.
+    pub(crate) fn new(sm_count: u32) -> Self {
+        Emu { sm_count, reverse: false, capturing: false }
+    }
 }
 
 /// Why the emulation cannot run here (no C++ compiler, no CUDA headers), or
@@ -242,7 +252,14 @@ impl Target for Emu {
         Ok(())
     }
 
-    unsafe fn read_i32s(&self, _what: &str, src: u64, dst: &mut [i32]) -> Result<()> {
+    fn capturing(&self) -> Result<bool> {
+        Ok(self.capturing)
+    }
+
+    unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()> {
+        if self.capturing {
+            return Err(emu_error(what, "a synchronising read during stream capture (it would invalidate the graph)"));
+        }
         // SAFETY: `src` is host memory holding `dst.len()` i32s (our contract).
         unsafe { std::ptr::copy_nonoverlapping(src as *const i32, dst.as_mut_ptr(), dst.len()) };
         Ok(())

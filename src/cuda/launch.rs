@@ -2,6 +2,7 @@
 //! ranges (feature `nvtx`), argument packing, and the error mapping.
 use super::{DType, Gpu};
 use crate::error::{driver, Result};
+use cudarc::driver::sys::CUstreamCaptureStatus;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
 /// A kernel argument: device pointers are passed as `u64`.
@@ -33,6 +34,11 @@ pub(crate) trait Target {
     /// `args` must match the kernel's parameter list, and every pointer must be
     /// valid for what the kernel reads and writes under `cfg`, on this target.
     unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()>;
+
+    /// Whether the stream is being captured into a CUDA graph: then nothing
+    /// may wait for its work (a synchronising read would end the capture with
+    /// an error), so [`Target::read_i32s`] must not be called.
+    fn capturing(&self) -> Result<bool>;
 
     /// Copies `dst.len()` i32s from the device address `src` once the work
     /// launched so far is done; `what` names the read in a driver error.
@@ -70,6 +76,11 @@ impl Target for Stream<'_> {
         // SAFETY: forwarded from this function's contract.
         unsafe { b.launch(cfg) }.map_err(driver(format!("launching {kernel}")))?;
         Ok(())
+    }
+
+    fn capturing(&self) -> Result<bool> {
+        let status = self.stream.capture_status().map_err(driver("asking whether the stream is being captured"))?;
+        Ok(status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
     unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()> {

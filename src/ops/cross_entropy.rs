@@ -9,7 +9,10 @@
 //!
 //! Targets outside `[0, cols)` that are not `ignore_index` are an error. On
 //! CUDA that check reads a count back from the device, so the CUDA entry
-//! points synchronise `stream` once per call.
+//! points synchronise `stream` once per call; while `stream` is being
+//! captured into a CUDA graph (`torch.cuda.graph`, `torch.compile`'s
+//! "reduce-overhead") they cannot, and a bad target's row gets a NaN loss
+//! and gradient (so a "mean" or "sum" is NaN) instead of the error.
 //!
 //! CUDA: one block per row; the row's max, sum of exp and (for label
 //! smoothing) sum come from one read of it (online softmax). The backward
@@ -80,6 +83,9 @@ fn single_block() -> LaunchConfig {
 
 /// Reads the bad-target count that the kernels left after the row losses in
 /// `scratch` (waiting for them), and turns a non-zero count into an error.
+/// While the stream is being captured into a CUDA graph nothing may wait for
+/// it, so nothing is read: a bad target's row then has a NaN loss (so a
+/// "mean" or "sum" is NaN) and a NaN gradient, as the kernels leave them.
 ///
 /// # Safety
 /// `scratch` must hold [`scratch_len`]`(rows)` f32s on `t`.
@@ -91,6 +97,9 @@ unsafe fn check_status(
     opts: &Options,
     cols: usize,
 ) -> Result<()> {
+    if t.capturing()? {
+        return Ok(());
+    }
     let mut status = [0i32; 2];
     // SAFETY: the two counters follow the rows f32 losses in scratch.
     unsafe { t.read_i32s("cross_entropy's target check", scratch + 4 * rows as u64, &mut status)? };
@@ -114,7 +123,8 @@ fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Res
 }
 
 /// CUDA forward on raw device pointers; synchronises `stream` to check the
-/// targets. `lse` is 0, or where each row's log-sum-exp is written (`rows`
+/// targets, except while `stream` is being captured into a CUDA graph (then a
+/// target out of range gives its row a NaN loss instead of an error). `lse` is 0, or where each row's log-sum-exp is written (`rows`
 /// f32s; 0 for ignored rows).
 ///
 /// # Safety
@@ -184,7 +194,7 @@ pub(crate) unsafe fn forward_on(
 }
 
 /// CUDA backward on raw device pointers; synchronises `stream` to check the
-/// targets. `lse` is 0 (recomputed), or the forward's `rows` f32s.
+/// targets, except during graph capture (see [`forward_cuda_raw`]). `lse` is 0 (recomputed), or the forward's `rows` f32s.
 ///
 /// # Safety
 /// As [`forward_cuda_raw`], with `grad` (`opts.reduction.out_len(rows)`

@@ -77,8 +77,8 @@ fn bits<T: Element>(v: &[T]) -> Vec<u64> {
 /// Runs `f` on an emulated GPU of `sm` SMs, with each block's threads in one
 /// order and then the other; returns the outputs, which must be identical.
 fn both<T: Element>(sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
-    let a = f(&Emu { sm_count: sm, reverse: false });
-    let b = f(&Emu { sm_count: sm, reverse: true });
+    let a = f(&Emu::new(sm));
+    let b = f(&Emu { reverse: true, ..Emu::new(sm) });
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(bits(x), bits(y), "{what} {}: depends on the order of threads between barriers", T::NAME);
     }
@@ -322,7 +322,7 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     let bad: Vec<i64> = (0..rows).map(|i| if i == rows - 1 { cols as i64 } else { 0 }).collect();
     let opts =
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
-    let t = Emu { sm_count: sm, reverse: false };
+    let t = Emu::new(sm);
     let (xd, td, od, sd) = (up(&x), Buf::shifted(&bad, shift), z(1), garbage::<f32>(rows + 2, 0));
     let err =
         unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), 0, sd.addr(), rows, cols, opts) }
@@ -334,6 +334,29 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     }
     .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
+
+    // ... except during graph capture, where nothing is read back (the emulated
+    // read fails there, as a synchronising one would end a real capture): the
+    // bad row's loss is NaN, so is the sum, and so is its gradient.
+    let t = Emu { capturing: true, ..Emu::new(sm) };
+    let (od, sd) = (z(1), garbage::<f32>(rows + 2, 0));
+    unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), 0, sd.addr(), rows, cols, opts) }
+        .expect("no read back while capturing");
+    assert!(od.to_vec()[0].to_f64().is_nan(), "the sum over a bad target while capturing");
+    let (dxd, sd) = (z(n), garbage::<f32>(rows + 2, 0));
+    unsafe {
+        cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), 0, dxd.addr(), sd.addr(), rows, cols, opts)
+    }
+    .expect("no read back while capturing");
+    let dx = dxd.to_vec();
+    assert!(dx[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient while capturing");
+    // The other rows' gradients are those with the bad row ignored.
+    let mut ignored = bad.clone();
+    ignored[rows - 1] = opts.ignore_index;
+    let mut want = cpu(n);
+    cross_entropy::backward_cpu(&[T::from_f64(1.0)], &x, &ignored, None, &mut want, cols, opts, Par::Seq).unwrap();
+    let good = (rows - 1) * cols;
+    close(&dx[..good], &want[..good], 4.0 * tol, "good rows' gradient while capturing");
 }
 
 fn gated_and_rotary<T: Dt>(c: Case) {
