@@ -1,7 +1,8 @@
 //! CUDA layer_norm, fused_add_rms_norm, the gated activations, softmax,
 //! cross_entropy and rotary_embedding against the
-//! CPU kernels (themselves checked against f64 references). Skips, saying
-//! why, where no GPU is usable.
+//! CPU kernels (themselves checked against f64 references), and
+//! cross_entropy inside CUDA graph capture. Skips, saying why, where no GPU
+//! is usable.
 use keel::cpu::{bf16, f16, Acc, Element, Par};
 use keel::cuda::{gpu, CudaElement, CudaSlice, CudaStream};
 use keel::ops::{cross_entropy, fused_add_rms_norm, gated, layer_norm, rotary, softmax};
@@ -178,4 +179,55 @@ fn cuda_matches_cpu() {
         run::<f16>(rows, cols, 2e-3);
         run::<bf16>(rows, cols, 1.6e-2);
     }
+}
+
+/// cross_entropy's raw entry point (the one torch's kernels call) on a stream
+/// being captured into a CUDA graph: it must not read the target check back
+/// (a synchronising read would end the capture with an error). Replayed, the
+/// graph gives the eager loss; after a bad target is written into its input,
+/// a NaN loss. Outside a capture the same target is an error.
+#[test]
+fn cross_entropy_under_graph_capture() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use cudarc::driver::DevicePtr;
+    use keel::cuda::DType;
+    if common::skip_without_gpu("cross_entropy_under_graph_capture") {
+        return;
+    }
+    let g = gpu(0).unwrap();
+    let s = g.new_stream().unwrap();
+    let (rows, cols) = (8, 100);
+    let x = data::<f32>(rows * cols, 0);
+    let mut target: Vec<i64> = (0..rows).map(|i| (i * 7 % cols) as i64).collect();
+    let opts =
+        cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
+    let (xd, mut td) = (up(&s, &x), s.clone_htod(&target).unwrap());
+    let out = s.alloc_zeros::<f32>(1).unwrap();
+    let scratch = s.alloc_zeros::<f32>(cross_entropy::scratch_len(rows)).unwrap();
+    // The addresses are taken before the capture (their guards record events when dropped).
+    let (px, pt, po, ps) = (xd.device_ptr(&s).0, td.device_ptr(&s).0, out.device_ptr(&s).0, scratch.device_ptr(&s).0);
+    s.synchronize().unwrap();
+    // SAFETY (both calls): the buffers above, of the lengths the entry point asks for.
+    let forward =
+        || unsafe { cross_entropy::forward_cuda_raw(&g, &s, DType::F32, px, pt, po, 0, ps, rows, cols, opts) };
+
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    let captured = forward();
+    let graph = s.end_capture(CUgraphInstantiate_flags(0));
+    captured.expect("no read-back while capturing");
+    let graph = graph.expect("the capture ends without error").expect("a graph");
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    let mut want = vec![0f32; 1];
+    cross_entropy::forward_cpu(&x, &target, &mut want, None, cols, opts, Par::Seq).unwrap();
+    close(&s.clone_dtoh(&out).unwrap(), &want, 1e-5, "cross_entropy replayed");
+
+    target[3] = cols as i64;
+    s.memcpy_htod(&target, &mut td).unwrap();
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    let loss = s.clone_dtoh(&out).unwrap()[0];
+    assert!(loss.is_nan(), "a bad target replayed: loss {loss}, want NaN");
+    let err = forward().unwrap_err();
+    assert!(err.to_string().contains("argument 'target'"), "{err}");
 }

@@ -271,7 +271,8 @@ fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {
 }
 
 /// CUDA forward on `cudarc` buffers, launched on `stream` (which it
-/// synchronises); each row's log-sum-exp into `lse` when given.
+/// synchronises, except during graph capture: see [`forward_cuda_raw`]); each
+/// row's log-sum-exp into `lse` when given.
 pub fn forward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
@@ -299,7 +300,8 @@ pub fn forward_cuda<T: CudaElement>(
 }
 
 /// CUDA backward on `cudarc` buffers, launched on `stream` (which it
-/// synchronises), given the forward's `lse` or recomputing it.
+/// synchronises, except during graph capture), given the forward's `lse` or
+/// recomputing it.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
