@@ -211,6 +211,8 @@ fn cross_entropy_under_graph_capture() {
     let forward =
         || unsafe { cross_entropy::forward_cuda_raw(&g, &s, DType::F32, px, pt, po, 0, ps, rows, cols, opts) };
 
+    // Warm-up, as before any capture: loads the module outside it.
+    forward().expect("eager, good targets");
     s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
     let captured = forward();
     let graph = s.end_capture(CUgraphInstantiate_flags(0));
