@@ -124,8 +124,9 @@ fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Res
 
 /// CUDA forward on raw device pointers; synchronises `stream` to check the
 /// targets, except while `stream` is being captured into a CUDA graph (then a
-/// target out of range gives its row a NaN loss instead of an error). `lse` is 0, or where each row's log-sum-exp is written (`rows`
-/// f32s; 0 for ignored rows).
+/// target out of range gives its row a NaN loss instead of an error). `lse`
+/// is 0, or where each row's log-sum-exp is written (`rows` f32s; 0 for
+/// ignored rows).
 ///
 /// # Safety
 /// `logits` (`rows * cols` of `dtype`), `target` (`rows` i64), `out`
@@ -194,7 +195,8 @@ pub(crate) unsafe fn forward_on(
 }
 
 /// CUDA backward on raw device pointers; synchronises `stream` to check the
-/// targets, except during graph capture (see [`forward_cuda_raw`]). `lse` is 0 (recomputed), or the forward's `rows` f32s.
+/// targets, except during graph capture (see [`forward_cuda_raw`]). `lse` is
+/// 0 (recomputed), or the forward's `rows` f32s.
 ///
 /// # Safety
 /// As [`forward_cuda_raw`], with `grad` (`opts.reduction.out_len(rows)`
