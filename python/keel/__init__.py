@@ -15,6 +15,10 @@ from . import _autograd  # noqa: E402
 
 _autograd.register()
 
+from . import _fake  # noqa: E402
+
+_fake.register()
+
 from . import nn  # noqa: E402
 from .functional import (  # noqa: E402
     cross_entropy,

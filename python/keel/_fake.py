@@ -1,0 +1,207 @@
+"""Fake (shape-only) kernels, so that torch.compile and torch.export keep sizes symbolic.
+
+The stable C ABI gives a kernel its tensors' sizes as plain integers: it has no
+symbolic sizes. Run on FakeTensors with symbolic sizes, the Rust Meta kernels
+therefore make torch specialise every size they read. Without the kernels
+here, ``torch.compile`` recompiles a function using a Keel op for each new
+batch size (and falls back to eager once its recompile limit is reached), and
+``torch.export`` refuses a dynamic dim.
+
+Each kernel here builds its op's outputs from the symbolic sizes (``_RULES``:
+a few lines per op). The argument checks stay the Rust Meta kernel's, so that
+compile reports the same errors, naming the op and the argument, as eager: it
+runs on meta tensors holding the example's concrete sizes and strides (the
+sizes' hints; no guard is added), and its outputs must agree with the rule's,
+or the call raises. Where a size has no hint (a data-dependent size), the
+checks are left to the real kernel, at run time.
+
+Only FakeTensors use these kernels: a tensor on the meta device still reaches
+the Rust Meta kernel directly. torch's public ``register_fake`` would also
+replace that Meta kernel, so the kernels are added to torch's fake-kernel
+registry directly (an internal of torch, unchanged from 2.10 to 2.15; where it
+is missing, Keel warns and the ops specialise as before).
+"""
+import warnings
+
+import torch
+
+ops = torch.ops.keel
+# Set by register(): torch.utils._python_dispatch._disable_current_modes.
+_disable_current_modes = None
+
+
+def _hint(v):
+    """The concrete value behind a symbolic scalar (None where it has none); any
+    other value as it is."""
+    if not isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return v
+    hint = getattr(getattr(v, "node", None), "hint", None)
+    if isinstance(v, torch.SymBool):
+        return hint if isinstance(hint, bool) else None
+    if isinstance(v, torch.SymInt):
+        return hint if isinstance(hint, int) and not isinstance(hint, bool) else None
+    return float(hint) if isinstance(hint, (int, float)) else None
+
+
+class _NoHint(Exception):
+    """A size without a concrete value: the Meta kernel cannot run on this call."""
+
+
+def _concrete(v):
+    """`v` with a tensor as a meta tensor of its dtype and concrete sizes and
+    strides, a symbolic scalar as its hint; raises _NoHint where one has none."""
+    if isinstance(v, torch.Tensor):
+        sizes = [_hint(s) for s in v.shape]
+        strides = [_hint(s) for s in v.stride()]
+        if None in sizes or None in strides:
+            raise _NoHint
+        return torch.empty_strided(sizes, strides, dtype=v.dtype, device="meta")
+    c = _hint(v)
+    if c is None and v is not None:
+        raise _NoHint
+    return c
+
+
+def _meta_outputs(op, args, kwargs):
+    """The Rust Meta kernel's outputs on concrete stand-ins (it raises on bad
+    arguments); None where a size has no hint."""
+    # Outside FakeTensorMode (and any mode above it): plain meta tensors, which
+    # the dispatcher takes to the Rust Meta kernel.
+    with _disable_current_modes():
+        try:
+            cargs = [_concrete(a) for a in args]
+            ckwargs = {k: _concrete(v) for k, v in kwargs.items()}
+        except _NoHint:
+            return None
+        out = op(*cargs, **ckwargs)
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _like(t, dtype=None):
+    return tuple(t.shape), dtype or t.dtype
+
+
+def _param_grad(p, dtype):
+    """A parameter's gradient: its sizes (`[cols]`), or `[0]` where it is None."""
+    return (tuple(p.shape) if p is not None else (0,)), dtype
+
+
+def _gated(x, *_):
+    return (*x.shape[:-1], x.shape[-1] // 2), x.dtype
+
+
+def _loss(logits, reduction):
+    return ((logits.shape[0],) if reduction == "none" else ()), logits.dtype
+
+
+def _lse(logits):
+    return (logits.shape[0],), (torch.float64 if logits.dtype == torch.float64 else torch.float32)
+
+
+# Each op's outputs, (sizes, dtype) each, from its arguments (as the schema
+# names them; the defaults do not matter, the Rust kernel checks the values).
+_RULES = {
+    "rms_norm": lambda input, weight=None, eps=1e-6: [_like(input)],
+    "rms_norm_backward": lambda grad_out, input, weight, eps: [
+        _like(input),
+        _param_grad(weight, input.dtype),
+    ],
+    "layer_norm": lambda input, weight=None, bias=None, eps=1e-5: [_like(input)],
+    "layer_norm_backward": lambda grad_out, input, weight, bias, eps: [
+        _like(input),
+        _param_grad(weight, input.dtype),
+        _param_grad(bias, input.dtype),
+    ],
+    "fused_add_rms_norm": lambda input, residual, weight=None, eps=1e-6: [_like(input), _like(input)],
+    "fused_add_rms_norm_backward": lambda grad_out, grad_sum, sum, weight, eps: [
+        _like(sum),
+        _param_grad(weight, sum.dtype),
+    ],
+    "silu_and_mul": lambda input: [_gated(input)],
+    "silu_and_mul_backward": lambda grad_out, input: [_like(input)],
+    "gelu_and_mul": lambda input, approximate="none": [_gated(input)],
+    "gelu_and_mul_backward": lambda grad_out, input, approximate="none": [_like(input)],
+    "softmax": lambda input, scale=1.0: [_like(input)],
+    "softmax_backward": lambda grad_out, output, scale: [_like(output)],
+    "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean": [
+        _loss(logits, reduction)
+    ],
+    "cross_entropy_with_lse": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean": [
+        _loss(logits, reduction),
+        _lse(logits),
+    ],
+    "cross_entropy_backward": lambda grad, logits, target, ignore_index, label_smoothing, reduction, lse=None: [
+        _like(logits)
+    ],
+    "rotary_embedding": lambda x, cos, sin, interleaved=False: [_like(x)],
+    "rotary_embedding_backward": lambda grad_out, cos, sin, interleaved: [_like(grad_out)],
+}
+
+
+def _agree(name, meta, fake):
+    """Raises unless the Rust Meta kernel's outputs are the rule's at the hints."""
+    if len(meta) != len(fake):
+        raise RuntimeError(f"keel::{name}: internal error: {len(meta)} outputs from Meta, {len(fake)} from fake")
+    for i, (m, f) in enumerate(zip(meta, fake)):
+        if m.dtype != f.dtype or list(m.shape) != [_hint(s) for s in f.shape]:
+            raise RuntimeError(
+                f"keel::{name}: internal error: its fake kernel gives output {i} as "
+                f"{f.dtype} {list(f.shape)}, its Meta kernel as {m.dtype} {list(m.shape)}; "
+                "please report this"
+            )
+
+
+def _one_device(name, named):
+    """The device of the tensor arguments; raises, as the real kernels do, where
+    they differ (the Meta kernel sees only meta stand-ins)."""
+    tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
+    first, device = tensors[0][0], tensors[0][1].device
+    for n, t in tensors[1:]:
+        if t.device != device:
+            raise RuntimeError(f"keel::{name}: argument '{n}' is on {t.device} but '{first}' is on {device}")
+    return device
+
+
+def _fake_kernel(name, rule):
+    op = getattr(ops, name).default
+
+    names = [a.name for a in op._schema.arguments]
+
+    def fake(*args, **kwargs):
+        device = _one_device(name, [*zip(names, args), *kwargs.items()])
+        meta = _meta_outputs(op, args, kwargs)
+        outs = tuple(torch.empty(s, dtype=d, device=device) for s, d in rule(*args, **kwargs))
+        if meta is not None:
+            _agree(name, meta, outs)
+        return outs[0] if len(outs) == 1 else outs
+
+    fake.__name__ = f"keel_{name}_fake"
+    fake.__qualname__ = fake.__name__
+    return fake
+
+
+REGISTERED = False
+"""Whether the fake kernels are in place (False only where torch's registry
+has changed shape; then the ops specialise sizes under torch.compile)."""
+
+
+def register() -> None:
+    """Adds each op's fake kernel to torch's registry (FakeTensor reads it
+    before the Meta kernel), leaving the Meta kernels as they are."""
+    global REGISTERED, _disable_current_modes
+    try:
+        from torch._library import simple_registry
+        from torch._library.utils import Kernel
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        holders = {name: simple_registry.singleton.find(f"keel::{name}").fake_impl for name in _RULES}
+        for name, holder in holders.items():
+            holder.kernels.append(Kernel(_fake_kernel(name, _RULES[name]), f"{__file__}:{name}"))
+    except (ImportError, AttributeError, TypeError) as e:
+        warnings.warn(
+            f"keel: could not register fake kernels with this torch ({e!r}); under "
+            "torch.compile and torch.export, Keel's ops will specialise sizes (recompile for each shape)",
+            stacklevel=2,
+        )
+        return
+    REGISTERED = True
