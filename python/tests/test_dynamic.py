@@ -193,3 +193,42 @@ def test_export_with_dynamic_batch():
     for n in (1, 6, 11):
         x, t = torch.randn(n, 16), torch.randint(0, 16, (n,))
         assert_close(ep.module()(x, t), m(x, t), torch.float32)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = keel.nn.RMSNorm(16)
+        self.up = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        return keel.softmax(keel.silu_and_mul(self.up(self.norm(x))), 0.5)
+
+
+def test_aot_inductor_package_with_dynamic_batch(tmp_path):
+    """torch.export, then AOTInductor: the package calls Keel's ops through torch's
+    dispatcher, and loads in a new process that imports keel."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    m = _Block().eval()
+    ep = torch.export.export(m, (torch.randn(4, 16),), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "block.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    xs = [torch.randn(n, 16) for n in (2, 7, 13)]
+    for x in xs:
+        assert_close(loaded(x), m(x), torch.float32)
+    torch.save({"xs": xs, "want": [m(x).detach() for x in xs]}, tmp_path / "io.pt")
+    script = (
+        "import sys, torch, keel\n"
+        # torch 2.10's loader uses this module without importing it.
+        "import torch._inductor.codecache\n"
+        "io = torch.load(sys.argv[2])\n"
+        "f = torch._inductor.aoti_load_package(sys.argv[1])\n"
+        "for x, w in zip(io['xs'], io['want']):\n"
+        "    torch.testing.assert_close(f(x), w, atol=1e-5, rtol=1.3e-6)\n"
+        "print('ok')\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "io.pt")], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
