@@ -2,9 +2,12 @@
 
 The stable C ABI cannot register autograd, so it is done here, once, at import
 and before any op is used (registering after first use breaks AOT dispatch).
-Each formula calls the op's own backward operator.
+Each formula calls the op's own backward operator, except in a backward that
+must itself be differentiable (``create_graph=True``): see ``_twice``.
 """
 import torch
+
+from . import _twice
 
 ops = torch.ops.keel
 
@@ -22,6 +25,9 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
+    if _twice.wanted():
+        gx, gw, _ = _twice.vjp(_twice.rms_norm, (x, weight, ctx.eps), (grad,), ctx.needs_input_grad)
+        return gx, gw, None
     gx, gw = ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
     return _grad(ctx, 0, gx), _grad(ctx, 1, gw) if weight is not None else None, None
 
@@ -34,6 +40,9 @@ def _layer_norm_setup(ctx, inputs, output):
 
 def _layer_norm_backward(ctx, grad):
     x, weight, bias = ctx.saved_tensors
+    if _twice.wanted():
+        gx, gw, gb, _ = _twice.vjp(_twice.layer_norm, (x, weight, bias, ctx.eps), (grad,), ctx.needs_input_grad)
+        return gx, gw, gb, None
     gx, gw, gb = ops.layer_norm_backward(grad.contiguous(), x, weight, bias, ctx.eps)
     return (
         _grad(ctx, 0, gx),
@@ -54,6 +63,12 @@ def _fused_add_rms_norm_backward(ctx, grad_out, grad_sum):
     s, weight = ctx.saved_tensors
     if grad_out is None and grad_sum is None:
         return None, None, None, None
+    if _twice.wanted():
+        needs = (True, weight is not None and ctx.needs_input_grad[2], False)
+        gs, gw, _ = _twice.vjp(_twice.rms_norm, (s, weight, ctx.eps), (grad_out,), needs)
+        g = grad_sum if gs is None else gs if grad_sum is None else gs + grad_sum
+        gr = g.clone() if g is not None and ctx.needs_input_grad[0] and ctx.needs_input_grad[1] else g
+        return _grad(ctx, 0, g), _grad(ctx, 1, gr), gw, None
     if grad_out is None:
         grad_out = torch.zeros_like(s)
     grad_sum = None if grad_sum is None else grad_sum.contiguous()
@@ -70,6 +85,8 @@ def _silu_and_mul_setup(ctx, inputs, output):
 
 def _silu_and_mul_backward(ctx, grad):
     (x,) = ctx.saved_tensors
+    if _twice.wanted():
+        return tuple(_twice.vjp(_twice.gated, (x,), (grad,), ctx.needs_input_grad))
     return _grad(ctx, 0, ops.silu_and_mul_backward(grad.contiguous(), x))
 
 
@@ -80,6 +97,9 @@ def _gelu_and_mul_setup(ctx, inputs, output):
 
 def _gelu_and_mul_backward(ctx, grad):
     (x,) = ctx.saved_tensors
+    if _twice.wanted():
+        gelu = lambda t: _twice.gated(t, ctx.approximate)  # noqa: E731
+        return _twice.vjp(gelu, (x,), (grad,), ctx.needs_input_grad)[0], None
     return _grad(ctx, 0, ops.gelu_and_mul_backward(grad.contiguous(), x, ctx.approximate)), None
 
 
@@ -90,6 +110,8 @@ def _softmax_setup(ctx, inputs, output):
 
 def _softmax_backward(ctx, grad):
     (y,) = ctx.saved_tensors
+    if _twice.wanted():
+        return _grad(ctx, 0, _twice.softmax_backward(grad, y, ctx.scale)), None
     return _grad(ctx, 0, ops.softmax_backward(grad.contiguous(), y, ctx.scale)), None
 
 
@@ -101,6 +123,9 @@ def _cross_entropy_setup(ctx, inputs, output):
 
 def _cross_entropy_backward(ctx, grad):
     logits, target = ctx.saved_tensors
+    if _twice.wanted():
+        loss = lambda t: _twice.cross_entropy(t, target, *ctx.args)[0]  # noqa: E731
+        return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], None, None, None, None
     g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args)
     return _grad(ctx, 0, g), None, None, None, None
 
@@ -116,6 +141,9 @@ def _cross_entropy_lse_backward(ctx, grad, grad_lse):
     logits, target, lse = ctx.saved_tensors
     if not ctx.needs_input_grad[0] or (grad is None and grad_lse is None):
         return None, None, None, None, None
+    if _twice.wanted():
+        both = lambda t: _twice.cross_entropy(t, target, *ctx.args)  # noqa: E731
+        return _twice.vjp(both, (logits,), (grad, grad_lse), ctx.needs_input_grad)[0], None, None, None, None
     g = None
     if grad is not None:
         # The forward's lse: each row of logits is read once.
@@ -143,6 +171,8 @@ def _rotary_pairs(t, half, interleaved):
 
 def _rotary_backward(ctx, grad):
     x, cos, sin = ctx.saved_tensors
+    if _twice.wanted():
+        return tuple(_twice.vjp(_twice.rotary, (x, cos, sin, ctx.interleaved), (grad,), ctx.needs_input_grad))
     grad = grad.contiguous()
     gx = ops.rotary_embedding_backward(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
     gcos = gsin = None

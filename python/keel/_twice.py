@@ -1,0 +1,110 @@
+"""Backwards that are themselves differentiable: the double backward.
+
+Keel's backward operators (``keel::rms_norm_backward`` ...) have no autograd
+formula of their own, so a backward run with ``create_graph=True`` (gradient
+penalties, Hessian-vector products, ``torch.autograd.functional.hessian``)
+would go through them with torch's "not implemented" fallback: a warning and a
+second derivative of zero. Instead, the formulas in ``_autograd`` call these
+functions when grad mode is on inside the backward, which is exactly when the
+backward must record a graph: each recomputes the op from its saved inputs in
+torch's own differentiable ops (with Keel's accumulation dtype) and takes the
+vector-Jacobian product with ``create_graph=True``. A plain ``backward()``
+(grad mode off in the backward) keeps the fused Keel backward kernels.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def wanted() -> bool:
+    """True inside a backward that must itself be differentiable."""
+    return torch.is_grad_enabled()
+
+
+def _acc(t):
+    """Keel's accumulation dtype for `t`: float64 for float64, else float32."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def vjp(fn, inputs, grads, needs):
+    """The gradients of `fn(*inputs)` (a tensor or a tuple) against `grads` (None
+    where an output has no gradient), for the inputs whose `needs` is true, with
+    a graph; None for the others. (`needs` may be shorter than `inputs`: the
+    dispatcher drops trailing arguments equal to their defaults.)"""
+    take = [
+        i
+        for i, t in enumerate(inputs)
+        if i < len(needs) and needs[i] and isinstance(t, torch.Tensor) and t.requires_grad
+    ]
+    with torch.enable_grad():
+        outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    result = [None] * len(inputs)
+    if not take or not pairs:
+        return result
+    got = torch.autograd.grad(
+        [o for o, _ in pairs],
+        [inputs[i] for i in take],
+        [g for _, g in pairs],
+        create_graph=True,
+        allow_unused=True,
+    )
+    for i, g in zip(take, got):
+        result[i] = g
+    return result
+
+
+def rms_norm(x, weight, eps):
+    """`F.rms_norm` over the last dim, in Keel's accumulation dtype."""
+    a = x.to(_acc(x))
+    y = a * torch.rsqrt(a.square().mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def layer_norm(x, weight, bias, eps):
+    """`F.layer_norm` over the last dim, in Keel's accumulation dtype."""
+    acc = _acc(x)
+    w = None if weight is None else weight.to(acc)
+    b = None if bias is None else bias.to(acc)
+    return F.layer_norm(x.to(acc), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def gated(x, approximate=None):
+    """`act(x[..., :d]) * x[..., d:]`: silu where `approximate` is None, else gelu."""
+    a, g = x.to(_acc(x)).chunk(2, -1)
+    act = F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)
+    return (act * g).to(x.dtype)
+
+
+def softmax_backward(grad, y, scale):
+    """`scale * y * (grad - sum(grad * y))`, the softmax backward from its output."""
+    acc = _acc(y)
+    g, p = grad.to(acc), y.to(acc)
+    return (scale * p * (g - (g * p).sum(-1, keepdim=True))).to(y.dtype)
+
+
+def cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
+    """`F.cross_entropy` and each row's log-sum-exp (0 for ignored rows), in
+    Keel's accumulation dtype; the loss in the logits' dtype."""
+    a = logits.to(_acc(logits))
+    loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+    lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
+    return loss.to(logits.dtype), lse
+
+
+def rotary(x, cos, sin, interleaved):
+    """Rotary embedding in torch ops: each pair `(a, b)` of the first
+    `2 * cos.shape[-1]` dims becomes `(a cos - b sin, b cos + a sin)`."""
+    half = cos.shape[-1]
+    acc = _acc(x)
+    c, s = (t.to(acc)[None, :, None, :] for t in (cos, sin))
+    head, rest = x[..., : 2 * half].to(acc), x[..., 2 * half :]
+    if interleaved:
+        a, b = head[..., 0::2], head[..., 1::2]
+        rot = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
+    else:
+        a, b = head[..., :half], head[..., half:]
+        rot = torch.cat([a * c - b * s, b * c + a * s], -1)
+    return torch.cat([rot.to(x.dtype), rest], -1)

@@ -1,0 +1,104 @@
+"""Double backward (backward with create_graph=True): gradgradcheck in float64 for
+every op, and the fused Keel backward kernels still serve a plain backward."""
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import keel
+from conftest import devices
+
+
+def _t(*shape, seed, grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_(grad)
+
+
+def _target(n, v, seed, ignore=()):
+    t = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(seed))
+    t[list(ignore)] = -100
+    return t
+
+
+def _cases():
+    x, w, b = _t(3, 6, seed=1), _t(6, seed=2), _t(6, seed=3)
+    r = _t(3, 6, seed=4)
+    logits, target = _t(4, 5, seed=5), _target(4, 5, seed=6, ignore=(2,))
+    rx, cs, sn = _t(2, 3, 2, 8, seed=7), _t(3, 3, seed=8), _t(3, 3, seed=9)
+    return {
+        "rms_norm": (lambda x, w: keel.rms_norm(x, w, 1e-5), (x, w)),
+        "rms_norm no weight": (lambda x: keel.rms_norm(x), (x,)),
+        "layer_norm": (lambda x, w, b: keel.layer_norm(x, w, b), (x, w, b)),
+        "layer_norm weight only": (lambda x, w: keel.layer_norm(x, w, None), (x, w)),
+        "fused_add_rms_norm": (lambda x, r, w: keel.fused_add_rms_norm(x, r, w, 1e-5), (x, r, w)),
+        "fused_add_rms_norm sum only": (lambda x, r: keel.fused_add_rms_norm(x, r)[1] * 2, (x, r)),
+        "silu_and_mul": (keel.silu_and_mul, (x,)),
+        "gelu_and_mul": (lambda x: keel.gelu_and_mul(x), (x,)),
+        "gelu_and_mul tanh": (lambda x: keel.gelu_and_mul(x, "tanh"), (x,)),
+        "softmax": (lambda x: keel.softmax(x, 0.7), (x,)),
+        "cross_entropy mean": (lambda z: keel.cross_entropy(z, target, label_smoothing=0.2), (logits,)),
+        "cross_entropy sum": (lambda z: keel.cross_entropy(z, target, reduction="sum"), (logits,)),
+        "cross_entropy none": (lambda z: keel.cross_entropy(z, target, reduction="none"), (logits,)),
+        "cross_entropy_with_lse": (lambda z: keel.cross_entropy_with_lse(z, target, label_smoothing=0.1), (logits,)),
+        "rotary": (lambda x, c, s: keel.rotary_embedding(x, c, s), (rx, cs, sn)),
+        "rotary interleaved": (lambda x, c, s: keel.rotary_embedding(x, c, s, interleaved=True), (rx, cs, sn)),
+    }
+
+
+CASES = _cases()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradgradcheck_f64(name):
+    fn, inputs = CASES[name]
+    with warnings.catch_warnings():
+        # torch's fallback for an op without autograd warns, then gives zeros.
+        warnings.filterwarnings("error", message=".*autograd kernel was not registered.*")
+        assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+class _Ops(TorchDispatchMode):
+    """Records the ops that run."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_plain_backward_keeps_the_fused_kernels():
+    x, w = _t(4, 8, seed=1), _t(8, seed=2)
+    loss = keel.softmax(keel.rms_norm(x, w)).square().sum()
+    with _Ops() as plain:
+        torch.autograd.grad(loss, (x, w), retain_graph=True)
+    assert {"keel.rms_norm_backward.default", "keel.softmax_backward.default"} <= plain.seen
+    with _Ops() as twice:
+        torch.autograd.grad(loss, (x, w), create_graph=True)
+    assert not any(op.startswith("keel.") for op in twice.seen), twice.seen
+
+
+@pytest.mark.parametrize("device", devices())
+def test_second_derivative_matches_torch_in_float32(device):
+    """A gradient penalty (the norm of d loss / d x, differentiated again) against
+    the same expression in torch's ops."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+
+    def penalty(norm, act):
+        (gx,) = torch.autograd.grad(act(norm(x, w)).sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.square().sum(), (x, w))
+
+    got = penalty(lambda x, w: keel.rms_norm(x, w), keel.silu_and_mul)
+    want = penalty(
+        lambda x, w: F.rms_norm(x, (16,), w, 1e-6),
+        lambda h: F.silu(h[..., :8]) * h[..., 8:],
+    )
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
