@@ -10,14 +10,42 @@ backward must record a graph: each recomputes the op from its saved inputs in
 torch's own differentiable ops (with Keel's accumulation dtype) and takes the
 vector-Jacobian product with ``create_graph=True``. A plain ``backward()``
 (grad mode off in the backward) keeps the fused Keel backward kernels.
+
+Forward-mode AD is the same story: torch passes dual tensors through a custom
+op and drops their tangents, so where an argument is dual the typed API
+(``keel.rms_norm`` ...) returns these torch-op versions (``through_torch``), and
+a Keel backward that meets dual gradients takes the path above.
 """
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad as _fwad
+
+
+def forward_ad_on() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level()``."""
+    return getattr(_fwad, "_current_level", -1) >= 0
 
 
 def wanted() -> bool:
-    """True inside a backward that must itself be differentiable."""
-    return torch.is_grad_enabled()
+    """True inside a backward that must itself be differentiable: one that records
+    a graph, or runs on dual tensors of forward-mode AD (forward-over-reverse)."""
+    return torch.is_grad_enabled() or forward_ad_on()
+
+
+def through_torch(op, ref, *args):
+    """For forward-mode AD: `op(*args)` (Keel) unless an argument is dual; then
+    `ref(*args)`, the op in torch's ops, whose result carries the tangents (and a
+    reverse-mode graph, so forward-over-reverse works), after `op` has run on the
+    primals alone to check the arguments (so the errors are Keel's).
+
+    torch drops a custom op's tangents without a word (its own ``custom_op`` too),
+    and raises where the input also needs a gradient; the typed API calls this
+    whenever forward-mode AD is on."""
+    if not any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args):
+        return op(*args)
+    with torch.no_grad():
+        op(*[_fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    return ref(*args)
 
 
 def _acc(t):
@@ -76,6 +104,17 @@ def gated(x, approximate=None):
     a, g = x.to(_acc(x)).chunk(2, -1)
     act = F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)
     return (act * g).to(x.dtype)
+
+
+def softmax(x, scale):
+    """`torch.softmax(x * scale, -1)` in Keel's accumulation dtype."""
+    return torch.softmax(x.to(_acc(x)) * scale, -1).to(x.dtype)
+
+
+def fused_add_rms_norm(x, residual, weight, eps):
+    """`(rms_norm(s), s)` for `s = x + residual`, rounded to the dtype first."""
+    s = x + residual
+    return rms_norm(s, weight, eps), s
 
 
 def softmax_backward(grad, y, scale):

@@ -4,6 +4,10 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import _twice
+
+_keel = torch.ops.keel
+
 
 def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
     """RMS normalisation over the last dimension.
@@ -20,7 +24,13 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input`` and ``weight``.
     """
-    return torch.ops.keel.rms_norm(input.contiguous(), None if weight is None else weight.contiguous(), eps)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_rms_norm, _twice.rms_norm, input, weight, eps)
+    return _rms_norm(input, weight, eps)
+
+
+def _rms_norm(input, weight, eps):
+    return _keel.rms_norm(input.contiguous(), _c(weight), eps)
 
 
 def layer_norm(
@@ -39,7 +49,13 @@ def layer_norm(
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``, ``weight`` and ``bias``.
     """
-    return torch.ops.keel.layer_norm(input.contiguous(), _c(weight), _c(bias), eps)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_layer_norm, _twice.layer_norm, input, weight, bias, eps)
+    return _layer_norm(input, weight, bias, eps)
+
+
+def _layer_norm(input, weight, bias, eps):
+    return _keel.layer_norm(input.contiguous(), _c(weight), _c(bias), eps)
 
 
 def fused_add_rms_norm(
@@ -59,7 +75,13 @@ def fused_add_rms_norm(
         ``(normed, sum)``, both shaped like ``input``. Differentiable in ``input``,
         ``residual`` and ``weight``.
     """
-    return torch.ops.keel.fused_add_rms_norm(input.contiguous(), residual.contiguous(), _c(weight), eps)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_fused_add_rms_norm, _twice.fused_add_rms_norm, input, residual, weight, eps)
+    return _fused_add_rms_norm(input, residual, weight, eps)
+
+
+def _fused_add_rms_norm(input, residual, weight, eps):
+    return _keel.fused_add_rms_norm(input.contiguous(), residual.contiguous(), _c(weight), eps)
 
 
 def silu_and_mul(input: Tensor) -> Tensor:
@@ -68,7 +90,13 @@ def silu_and_mul(input: Tensor) -> Tensor:
     The first half is the gate, the second the up projection (vLLM's layout).
     f32 math, one rounding. Differentiable.
     """
-    return torch.ops.keel.silu_and_mul(input.contiguous())
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_silu_and_mul, _twice.gated, input)
+    return _silu_and_mul(input)
+
+
+def _silu_and_mul(input):
+    return _keel.silu_and_mul(input.contiguous())
 
 
 def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
@@ -77,7 +105,13 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
     ``approximate`` is ``"none"`` (exact, erf) or ``"tanh"``, as in ``F.gelu``; anything
     else raises a RuntimeError. f32 math, one rounding. Differentiable.
     """
-    return torch.ops.keel.gelu_and_mul(input.contiguous(), approximate)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_gelu_and_mul, _twice.gated, input, approximate)
+    return _gelu_and_mul(input, approximate)
+
+
+def _gelu_and_mul(input, approximate):
+    return _keel.gelu_and_mul(input.contiguous(), approximate)
 
 
 def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
@@ -94,7 +128,13 @@ def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``.
     """
-    return torch.ops.keel.softmax(input.contiguous(), scale)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_softmax, _twice.softmax, input, scale)
+    return _softmax(input, scale)
+
+
+def _softmax(input, scale):
+    return _keel.softmax(input.contiguous(), scale)
 
 
 def cross_entropy(
@@ -125,6 +165,8 @@ def cross_entropy(
     Returns:
         The loss in ``logits``' dtype. Differentiable in ``logits``.
     """
+    if _twice.forward_ad_on():
+        return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     logits, target = logits.contiguous(), target.contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
         return torch.ops.keel.cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
@@ -145,9 +187,14 @@ def cross_entropy_with_lse(
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
     """
-    return torch.ops.keel.cross_entropy_with_lse(
-        logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction
-    )
+    args = (logits, target, ignore_index, label_smoothing, reduction)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_cross_entropy_with_lse, _twice.cross_entropy, *args)
+    return _cross_entropy_with_lse(*args)
+
+
+def _cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction):
+    return _keel.cross_entropy_with_lse(logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
 
 
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
@@ -162,7 +209,13 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
     Returns:
         A new tensor shaped like ``x``. Differentiable in ``x`` (and in ``cos``/``sin``).
     """
-    return torch.ops.keel.rotary_embedding(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+    if _twice.forward_ad_on():
+        return _twice.through_torch(_rotary_embedding, _twice.rotary, x, cos, sin, interleaved)
+    return _rotary_embedding(x, cos, sin, interleaved)
+
+
+def _rotary_embedding(x, cos, sin, interleaved):
+    return _keel.rotary_embedding(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
 
 
 def _c(t: Optional[Tensor]) -> Optional[Tensor]:

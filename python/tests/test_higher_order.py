@@ -1,9 +1,12 @@
-"""Double backward (backward with create_graph=True): gradgradcheck in float64 for
-every op, and the fused Keel backward kernels still serve a plain backward."""
+"""Beyond first-order reverse mode: double backward (create_graph=True; gradgradcheck
+in float64 for every op, and the fused Keel backward kernels still serve a plain
+backward), and forward-mode AD (jvp and forward-over-reverse Hessian-vector
+products against finite differences)."""
 import warnings
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import keel
@@ -102,3 +105,67 @@ def test_second_derivative_matches_torch_in_float32(device):
     )
     for g, e in zip(got, want):
         torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-4)
+
+
+def _outputs(y):
+    return y if isinstance(y, tuple) else (y,)
+
+
+def _shifted(inputs, tangents, h):
+    return [x.detach() + h * t for x, t in zip(inputs, tangents)]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_ad_jvp_matches_finite_differences(name):
+    """The tangent of each output under forward-mode AD (torch drops a custom op's
+    tangents; the typed API adds them) against a central difference in float64."""
+    fn, inputs = CASES[name]
+    g = torch.Generator().manual_seed(11)
+    tangents = [torch.randn(x.shape, generator=g, dtype=x.dtype) for x in inputs]
+    with fwAD.dual_level():
+        outs = _outputs(fn(*[fwAD.make_dual(x.detach(), t) for x, t in zip(inputs, tangents)]))
+        got = [fwAD.unpack_dual(o).tangent for o in outs]
+    h = 1e-6
+    plus, minus = _outputs(fn(*_shifted(inputs, tangents, h))), _outputs(fn(*_shifted(inputs, tangents, -h)))
+    for t, p, m in zip(got, plus, minus):
+        assert t is not None, name
+        torch.testing.assert_close(t, (p - m) / (2 * h), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "fused_add_rms_norm", "gelu_and_mul tanh",
+                                  "softmax", "cross_entropy mean", "rotary"])
+def test_forward_over_reverse_hvp_matches_finite_differences(name):
+    """A Hessian-vector product: forward-mode AD through the backward (the backward
+    sees dual gradients) against a central difference of gradients."""
+    fn, inputs = CASES[name]
+    x, rest = inputs[0], inputs[1:]
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(12), dtype=x.dtype)
+
+    def grad_at(z):
+        z = z.detach().requires_grad_()
+        out = _outputs(fn(z, *rest))
+        return torch.autograd.grad(sum(o.square().sum() for o in out), z)[0]
+
+    with fwAD.dual_level():
+        z = x.detach().requires_grad_()
+        out = _outputs(fn(fwAD.make_dual(z, v), *rest))
+        (gz,) = torch.autograd.grad(sum(o.square().sum() for o in out), z)
+        hvp = fwAD.unpack_dual(gz).tangent
+    h = 1e-6
+    assert hvp is not None
+    torch.testing.assert_close(hvp, (grad_at(x + h * v) - grad_at(x - h * v)) / (2 * h), atol=1e-5, rtol=1e-4)
+
+
+def test_keel_backward_meeting_dual_gradients_keeps_their_tangents():
+    """torch.ops.keel.softmax (no typed API in between) on a plain input, its
+    output times a dual tensor: the gradient reaching Keel's backward is dual, and
+    the backward keeps its tangent (d/du of J^T u is J^T du)."""
+    x = _t(3, 6, seed=1)
+    u, du = _t(3, 6, seed=2, grad=False), _t(3, 6, seed=3, grad=False)
+    with fwAD.dual_level():
+        y = torch.ops.keel.softmax(x, 0.5)
+        (gx,) = torch.autograd.grad((y * fwAD.make_dual(u, du)).sum(), x)
+        tangent = fwAD.unpack_dual(gx).tangent
+    (want,) = torch.autograd.grad((torch.softmax(x * 0.5, -1) * du).sum(), x)
+    assert tangent is not None
+    torch.testing.assert_close(tangent, want)
