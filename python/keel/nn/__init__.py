@@ -29,12 +29,28 @@ def _flat(module_name: str, x: Tensor, normalized_shape: tuple) -> tuple:
     return x.reshape(*x.shape[: x.dim() - k], n), n
 
 
+def _param(p: Optional[Tensor], x: Tensor, n: int) -> Optional[Tensor]:
+    """A parameter as ``[n]`` in ``x``'s dtype: float32 parameters with bfloat16 or
+    float16 activations (mixed precision, autocast) are cast, as torch's modules
+    accept them; the cast is differentiable, so the gradient reaches the parameter
+    in its own dtype."""
+    if p is None:
+        return None
+    p = p.reshape(n)
+    if p.dtype != x.dtype and p.is_floating_point() and x.is_floating_point():
+        p = p.to(x.dtype)
+    return p
+
+
 class RMSNorm(nn.Module):
     """Keel's ``torch.nn.RMSNorm``: same constructor, parameters and state dict.
 
     ``normalized_shape`` may span several trailing dimensions (they are
     normalised together, as in torch). ``eps=None`` uses
-    ``torch.finfo(input.dtype).eps``, as torch does.
+    ``torch.finfo(input.dtype).eps``, as torch does. A weight of another float
+    dtype than the input (float32 parameters, bfloat16 activations) is cast to
+    the input's dtype, where torch multiplies by it in float32: the results
+    agree within the input dtype's rounding.
     """
 
     def __init__(
@@ -62,8 +78,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         flat, n = _flat("keel.nn.RMSNorm", x, self.normalized_shape)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
-        w = None if self.weight is None else self.weight.reshape(n)
-        return rms_norm(flat, w, eps).reshape(x.shape)
+        return rms_norm(flat, _param(self.weight, x, n), eps).reshape(x.shape)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -74,7 +89,8 @@ class LayerNorm(nn.Module):
 
     ``normalized_shape`` may span several trailing dimensions (normalised
     together, as in torch); ``bias=False`` or ``elementwise_affine=False`` drop
-    the parameters as torch does.
+    the parameters as torch does. Parameters of another float dtype than the
+    input are cast to it, as in :class:`RMSNorm`.
     """
 
     def __init__(
@@ -109,8 +125,7 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         flat, n = _flat("keel.nn.LayerNorm", x, self.normalized_shape)
-        w = None if self.weight is None else self.weight.reshape(n)
-        b = None if self.bias is None else self.bias.reshape(n)
+        w, b = _param(self.weight, x, n), _param(self.bias, x, n)
         return layer_norm(flat, w, b, self.eps).reshape(x.shape)
 
     def extra_repr(self) -> str:
