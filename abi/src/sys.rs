@@ -97,6 +97,20 @@ api! {
         aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;
         // libtorch_cuda only
         aoti_torch_get_current_cuda_stream: fn(i32, *mut *mut c_void) -> ErrorCode;
+        // The dtypes Keel does not compute with, only names in its errors.
+        aoti_torch_dtype_uint8: fn() -> i32;
+        aoti_torch_dtype_uint16: fn() -> i32;
+        aoti_torch_dtype_uint32: fn() -> i32;
+        aoti_torch_dtype_uint64: fn() -> i32;
+        aoti_torch_dtype_int8: fn() -> i32;
+        aoti_torch_dtype_int16: fn() -> i32;
+        aoti_torch_dtype_complex32: fn() -> i32;
+        aoti_torch_dtype_complex64: fn() -> i32;
+        aoti_torch_dtype_complex128: fn() -> i32;
+        aoti_torch_dtype_float8_e5m2: fn() -> i32;
+        aoti_torch_dtype_float8_e4m3fn: fn() -> i32;
+        aoti_torch_dtype_float8_e5m2fnuz: fn() -> i32;
+        aoti_torch_dtype_float8_e4m3fnuz: fn() -> i32;
     }
 }
 

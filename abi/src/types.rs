@@ -60,6 +60,29 @@ impl ScalarType {
         })
     }
 
+    /// torch's name of a dtype Keel does not compute with (`"torch.complex64"`),
+    /// from the shim's getters; None where this torch has no getter for it.
+    fn other_name(code: i32) -> Option<&'static str> {
+        let a = api().ok()?;
+        let named = [
+            (a.aoti_torch_dtype_uint8, "torch.uint8"),
+            (a.aoti_torch_dtype_uint16, "torch.uint16"),
+            (a.aoti_torch_dtype_uint32, "torch.uint32"),
+            (a.aoti_torch_dtype_uint64, "torch.uint64"),
+            (a.aoti_torch_dtype_int8, "torch.int8"),
+            (a.aoti_torch_dtype_int16, "torch.int16"),
+            (a.aoti_torch_dtype_complex32, "torch.complex32"),
+            (a.aoti_torch_dtype_complex64, "torch.complex64"),
+            (a.aoti_torch_dtype_complex128, "torch.complex128"),
+            (a.aoti_torch_dtype_float8_e5m2, "torch.float8_e5m2"),
+            (a.aoti_torch_dtype_float8_e4m3fn, "torch.float8_e4m3fn"),
+            (a.aoti_torch_dtype_float8_e5m2fnuz, "torch.float8_e5m2fnuz"),
+            (a.aoti_torch_dtype_float8_e4m3fnuz, "torch.float8_e4m3fnuz"),
+        ];
+        // SAFETY: argument-less constant getters.
+        named.into_iter().find_map(|(get, name)| get.filter(|g| unsafe { g() } == code).map(|_| name))
+    }
+
     /// Bytes per element, for the types Keel computes with.
     pub fn size(self) -> Option<usize> {
         match self {
@@ -82,7 +105,10 @@ impl fmt::Display for ScalarType {
             ScalarType::I64 => f.write_str("torch.int64"),
             ScalarType::I32 => f.write_str("torch.int32"),
             ScalarType::Bool => f.write_str("torch.bool"),
-            ScalarType::Other(c) => write!(f, "dtype code {c}"),
+            ScalarType::Other(c) => match ScalarType::other_name(*c) {
+                Some(name) => f.write_str(name),
+                None => write!(f, "dtype code {c}"),
+            },
         }
     }
 }

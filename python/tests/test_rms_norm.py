@@ -109,6 +109,11 @@ def test_meta_shapes_and_checks():
 
 BAD = [
     ("integer input", lambda: (torch.ones(2, 4, dtype=torch.int64), None, 1e-6), r"argument 'input' must be float32"),
+    # dtypes Keel never computes with are named as torch names them, not by code
+    ("complex input", lambda: (torch.ones(2, 4, dtype=torch.complex64), None, 1e-6), r"argument 'input' must be float32, float16, bfloat16 or float64, got torch.complex64$"),
+    ("fp8 input", lambda: (torch.ones(2, 4).to(torch.float8_e4m3fn), None, 1e-6), r"argument 'input' must be .* got torch.float8_e4m3fn$"),
+    ("int8 input", lambda: (torch.ones(2, 4, dtype=torch.int8), None, 1e-6), r"argument 'input' must be .* got torch.int8$"),
+    ("uint8 weight", lambda: (torch.randn(2, 4), torch.ones(4, dtype=torch.uint8), 1e-6), r"argument 'weight' has dtype torch.uint8"),
     ("weight shape", lambda: (torch.randn(2, 4), torch.randn(5), 1e-6), r"argument 'weight' must have shape \[4\]"),
     ("weight 2-d", lambda: (torch.randn(2, 4), torch.randn(1, 4), 1e-6), r"argument 'weight' must have shape \[4\]"),
     ("weight dtype", lambda: (torch.randn(2, 4), torch.randn(4, dtype=torch.float64), 1e-6), r"argument 'weight' has dtype torch.float64"),
