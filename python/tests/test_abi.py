@@ -39,3 +39,11 @@ def test_kernels_registered_for_cpu_cuda_and_meta():
 
 def test_library_path_is_the_abi3_build():
     assert keel.LIBRARY_PATH.endswith(".so") and "_C" in keel.LIBRARY_PATH
+
+
+def test_package_is_marked_typed():
+    """PEP 561: the installed package carries py.typed, so type checkers read the
+    typed API's annotations."""
+    import os
+
+    assert os.path.isfile(os.path.join(os.path.dirname(keel.__file__), "py.typed"))
