@@ -169,3 +169,15 @@ def test_keel_backward_meeting_dual_gradients_keeps_their_tangents():
     (want,) = torch.autograd.grad((torch.softmax(x * 0.5, -1) * du).sum(), x)
     assert tangent is not None
     torch.testing.assert_close(tangent, want)
+
+
+def test_vmap_runs_through_torch_fallback():
+    """torch.vmap has no batching rule for Keel's ops: torch's per-example fallback
+    runs them (with a performance warning) and the results are the loop's."""
+    x, w = torch.randn(3, 4, 8), torch.randn(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.vmap(lambda a: keel.rms_norm(a, w))(x)
+        got_sm = torch.vmap(keel.softmax, in_dims=1)(x)
+    torch.testing.assert_close(got, torch.stack([keel.rms_norm(a, w) for a in x]))
+    torch.testing.assert_close(got_sm, torch.stack([keel.softmax(x[:, i]) for i in range(4)]))
