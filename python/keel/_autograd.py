@@ -177,10 +177,11 @@ def _rotary_backward(ctx, grad):
     gx = ops.rotary_embedding_backward(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
     gcos = gsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-        # d(a cos - b sin, b cos + a sin): summed over batch and heads, in f32.
+        # d(a cos - b sin, b cos + a sin): summed over batch and heads, in f32 (f64 for f64).
         half = cos.shape[-1]
-        a, b = (t.float() for t in _rotary_pairs(x, half, ctx.interleaved))
-        ga, gb = (t.float() for t in _rotary_pairs(grad, half, ctx.interleaved))
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        a, b = (t.to(acc) for t in _rotary_pairs(x, half, ctx.interleaved))
+        ga, gb = (t.to(acc) for t in _rotary_pairs(grad, half, ctx.interleaved))
         gcos = (ga * a + gb * b).sum((0, 2)).to(cos.dtype) if ctx.needs_input_grad[1] else None
         gsin = (gb * a - ga * b).sum((0, 2)).to(sin.dtype) if ctx.needs_input_grad[2] else None
     return gx, gcos, gsin, None

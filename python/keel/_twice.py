@@ -11,10 +11,11 @@ torch's own differentiable ops (with Keel's accumulation dtype) and takes the
 vector-Jacobian product with ``create_graph=True``. A plain ``backward()``
 (grad mode off in the backward) keeps the fused Keel backward kernels.
 
-Forward-mode AD is the same story: torch passes dual tensors through a custom
-op and drops their tangents, so where an argument is dual the typed API
-(``keel.rms_norm`` ...) returns these torch-op versions (``through_torch``), and
-a Keel backward that meets dual gradients takes the path above.
+Forward-mode AD and ``torch.func`` transforms are the same story: torch drops a
+custom op's tangents, and runs no custom op's autograd inside ``torch.func``, so
+there the typed API (``keel.rms_norm`` ...) returns these torch-op versions after
+Keel's argument checks (``through_torch``), and a Keel backward that meets dual
+gradients takes the path above.
 """
 import torch
 import torch.nn.functional as F
@@ -32,20 +33,61 @@ def wanted() -> bool:
     return torch.is_grad_enabled() or forward_ad_on()
 
 
-def through_torch(op, ref, *args):
-    """For forward-mode AD: `op(*args)` (Keel) unless an argument is dual; then
-    `ref(*args)`, the op in torch's ops, whose result carries the tangents (and a
-    reverse-mode graph, so forward-over-reverse works), after `op` has run on the
-    primals alone to check the arguments (so the errors are Keel's).
+def functorch_on() -> bool:
+    """True inside a ``torch.func`` transform (grad, vjp, jvp, jacrev, vmap ...),
+    outside torch.compile's tracing (where torch 2.10 reports a transform of its
+    own, and the Keel ops must stay in the graph)."""
+    if torch.compiler.is_compiling():
+        return False
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
-    torch drops a custom op's tangents without a word (its own ``custom_op`` too),
-    and raises where the input also needs a gradient; the typed API calls this
-    whenever forward-mode AD is on."""
+
+def transformed() -> bool:
+    """True where the typed API takes :func:`through_torch`."""
+    return forward_ad_on() or functorch_on()
+
+
+def through_torch(op, ref, *args):
+    """`op(*args)` (Keel's op through its Python caller, e.g. ``functional._rms_norm``)
+    where torch's autograd machinery serves it, else `ref(*args)`: the op in
+    torch's ops, after Keel's checks of the arguments (so the errors are Keel's).
+
+    - Inside a ``torch.func`` transform: torch runs no custom op's autograd
+      there (``register_autograd`` is unsupported, for torch's own ``custom_op``
+      too), and vmap would run the op once per example; `ref` is a plain torch
+      computation that every transform supports. The checks run on meta
+      stand-ins with the arguments' shapes, dtypes and strides.
+    - Forward-mode AD with a dual argument: torch drops a custom op's tangents
+      without a word, and raises where the input also needs a gradient; `ref`
+      carries the tangents (and a reverse graph, so forward-over-reverse works).
+      The checks run on the primals.
+    """
+    if functorch_on():
+        _check_on_meta(op, args)
+        return ref(*args)
     if not any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args):
         return op(*args)
     with torch.no_grad():
         op(*[_fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a for a in args])
     return ref(*args)
+
+
+def _check_on_meta(op, args):
+    """Runs Keel's argument checks (the Meta kernel's, and one device for all
+    tensors) on meta tensors shaped like `args`' tensors."""
+    name = op.__name__.lstrip("_")
+    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    names = [a.name for a in getattr(torch.ops.keel, name).default._schema.arguments]
+    first, device = names[tensors[0][0]], tensors[0][1].device
+    for i, t in tensors[1:]:
+        if t.device != device:
+            raise RuntimeError(f"keel::{name}: argument '{names[i]}' is on {t.device} but '{first}' is on {device}")
+    metas = [
+        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
+        for a in args
+    ]
+    op(*metas)
 
 
 def _acc(t):

@@ -24,7 +24,7 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input`` and ``weight``.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_rms_norm, _twice.rms_norm, input, weight, eps)
     return _rms_norm(input, weight, eps)
 
@@ -49,7 +49,7 @@ def layer_norm(
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``, ``weight`` and ``bias``.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_layer_norm, _twice.layer_norm, input, weight, bias, eps)
     return _layer_norm(input, weight, bias, eps)
 
@@ -75,7 +75,7 @@ def fused_add_rms_norm(
         ``(normed, sum)``, both shaped like ``input``. Differentiable in ``input``,
         ``residual`` and ``weight``.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_fused_add_rms_norm, _twice.fused_add_rms_norm, input, residual, weight, eps)
     return _fused_add_rms_norm(input, residual, weight, eps)
 
@@ -90,7 +90,7 @@ def silu_and_mul(input: Tensor) -> Tensor:
     The first half is the gate, the second the up projection (vLLM's layout).
     f32 math, one rounding. Differentiable.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_silu_and_mul, _twice.gated, input)
     return _silu_and_mul(input)
 
@@ -105,7 +105,7 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
     ``approximate`` is ``"none"`` (exact, erf) or ``"tanh"``, as in ``F.gelu``; anything
     else raises a RuntimeError. f32 math, one rounding. Differentiable.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_gelu_and_mul, _twice.gated, input, approximate)
     return _gelu_and_mul(input, approximate)
 
@@ -128,7 +128,7 @@ def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_softmax, _twice.softmax, input, scale)
     return _softmax(input, scale)
 
@@ -165,7 +165,7 @@ def cross_entropy(
     Returns:
         The loss in ``logits``' dtype. Differentiable in ``logits``.
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     logits, target = logits.contiguous(), target.contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
@@ -188,7 +188,7 @@ def cross_entropy_with_lse(
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
     """
     args = (logits, target, ignore_index, label_smoothing, reduction)
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_cross_entropy_with_lse, _twice.cross_entropy, *args)
     return _cross_entropy_with_lse(*args)
 
@@ -209,7 +209,7 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
     Returns:
         A new tensor shaped like ``x``. Differentiable in ``x`` (and in ``cos``/``sin``).
     """
-    if _twice.forward_ad_on():
+    if _twice.transformed():
         return _twice.through_torch(_rotary_embedding, _twice.rotary, x, cos, sin, interleaved)
     return _rotary_embedding(x, cos, sin, interleaved)
 

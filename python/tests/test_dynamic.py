@@ -232,3 +232,26 @@ def test_aot_inductor_package_with_dynamic_batch(tmp_path):
     )
     run = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "io.pt")], capture_output=True, text=True)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_compiled_graphs_call_keel_kernels():
+    """The typed API keeps Keel's ops (not their torch-op versions, which serve
+    torch.func and forward AD) in the graphs torch.compile makes, forward and
+    backward."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=capture, bw_compiler=capture)
+    f = torch.compile(_llama_block, backend=backend, fullgraph=True)
+    x = torch.randn(2, 3, 16, requires_grad=True)
+    f(x, torch.randn(16), torch.randn(16, 32), torch.randn(3, 4), torch.randn(3, 4)).sum().backward()
+    fw, bw = seen
+    assert {"keel.rms_norm.default", "keel.silu_and_mul.default", "keel.softmax.default"} <= fw, fw
+    assert {"keel.rms_norm_backward.default", "keel.softmax_backward.default"} <= bw, bw

@@ -171,13 +171,66 @@ def test_keel_backward_meeting_dual_gradients_keeps_their_tangents():
     torch.testing.assert_close(tangent, want)
 
 
-def test_vmap_runs_through_torch_fallback():
-    """torch.vmap has no batching rule for Keel's ops: torch's per-example fallback
-    runs them (with a performance warning) and the results are the loop's."""
-    x, w = torch.randn(3, 4, 8), torch.randn(8)
+def _single(fn, n):
+    """`fn` with its outputs summed into one tensor (for jacrev's one output)."""
+
+    def f(*a):
+        return sum(o.sum() * (i + 1) for i, o in enumerate(_outputs(fn(*a))))
+
+    return f
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_func_grad_and_jacrev_match_autograd(name):
+    """torch.func.grad and jacrev (reverse mode inside a transform) against
+    torch.autograd on the same function, in float64."""
+    fn, inputs = CASES[name]
+    f = _single(fn, len(inputs))
+    argnums = tuple(range(len(inputs)))
+    got = torch.func.grad(f, argnums=argnums)(*[x.detach() for x in inputs])
+    want = torch.autograd.grad(f(*inputs), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    jac = torch.func.jacrev(lambda *a: _outputs(fn(*a))[0], argnums=0)(*[x.detach() for x in inputs])
+    ref = torch.autograd.functional.jacobian(lambda x: _outputs(fn(x, *inputs[1:]))[0], inputs[0].detach())
+    torch.testing.assert_close(jac, ref)
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "layer_norm", "silu_and_mul", "softmax", "cross_entropy mean", "rotary"])
+def test_torch_func_jvp_and_hessian(name):
+    fn, inputs = CASES[name]
+    x, rest = inputs[0].detach(), [a.detach() for a in inputs[1:]]
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(13), dtype=x.dtype)
+    first = lambda z: _outputs(fn(z, *rest))[0]  # noqa: E731
+    _, tangent = torch.func.jvp(first, (x,), (v,))
+    h = 1e-6
+    torch.testing.assert_close(tangent, (first(x + h * v) - first(x - h * v)) / (2 * h), atol=1e-6, rtol=1e-5)
+    if x.numel() <= 36:
+        loss = lambda z: first(z).square().sum()  # noqa: E731
+        hess = torch.func.hessian(loss)(x)
+        ref = torch.autograd.functional.hessian(loss, x)
+        torch.testing.assert_close(hess, ref)
+
+
+def test_vmap_batches_without_a_per_example_loop():
+    """Inside torch.vmap the typed API runs the torch-op version, which torch
+    batches itself: no fallback warning, the loop's results."""
+    x, w = torch.randn(3, 4, 8), torch.randn(3, 8)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = torch.vmap(lambda a: keel.rms_norm(a, w))(x)
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.vmap(keel.rms_norm)(x, w)
         got_sm = torch.vmap(keel.softmax, in_dims=1)(x)
-    torch.testing.assert_close(got, torch.stack([keel.rms_norm(a, w) for a in x]))
+        got_ce = torch.vmap(lambda z, t: keel.cross_entropy(z, t))(x, torch.randint(0, 8, (3, 4)))
+    torch.testing.assert_close(got, torch.stack([keel.rms_norm(a, b) for a, b in zip(x, w)]))
     torch.testing.assert_close(got_sm, torch.stack([keel.softmax(x[:, i]) for i in range(4)]))
+    assert got_ce.shape == (3,)
+
+
+def test_bad_argument_inside_torch_func_names_op_and_argument():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' must have shape \[8\]"):
+        torch.func.grad(lambda a: keel.rms_norm(a, torch.randn(7)).sum())(x)
+    with pytest.raises(RuntimeError, match=r"keel::gelu_and_mul: argument 'approximate'"):
+        torch.vmap(lambda a: keel.gelu_and_mul(a, "fast"))(x)
+    with pytest.raises(RuntimeError, match=r"keel::softmax: argument 'input' must be float32"):
+        torch.vmap(keel.softmax)(torch.ones(3, 8, dtype=torch.int64))
