@@ -151,9 +151,10 @@ def _agree(name, meta, fake):
             )
 
 
-def _one_device(name, named):
-    """The device of the tensor arguments; raises, as the real kernels do, where
-    they differ (the Meta kernel sees only meta stand-ins)."""
+def one_device(name, named):
+    """The device of the tensor arguments (`named`: (name, value) pairs); raises,
+    as the real kernels do, where they differ (the Meta kernel sees only meta
+    stand-ins; ``_twice`` uses this too)."""
     tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
     first, device = tensors[0][0], tensors[0][1].device
     for n, t in tensors[1:]:
@@ -168,7 +169,7 @@ def _fake_kernel(name, rule):
     names = [a.name for a in op._schema.arguments]
 
     def fake(*args, **kwargs):
-        device = _one_device(name, [*zip(names, args), *kwargs.items()])
+        device = one_device(name, [*zip(names, args), *kwargs.items()])
         meta = _meta_outputs(op, args, kwargs)
         outs = tuple(torch.empty(s, dtype=d, device=device) for s, d in rule(*args, **kwargs))
         if meta is not None:

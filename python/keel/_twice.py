@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
+from ._fake import one_device
+
 
 def forward_ad_on() -> bool:
     """True inside ``torch.autograd.forward_ad.dual_level()``."""
@@ -78,12 +80,8 @@ def _check_on_meta(op, args):
     """Runs Keel's argument checks (the Meta kernel's, and one device for all
     tensors) on meta tensors shaped like `args`' tensors."""
     name = op.__name__.lstrip("_")
-    tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     names = [a.name for a in getattr(torch.ops.keel, name).default._schema.arguments]
-    first, device = names[tensors[0][0]], tensors[0][1].device
-    for i, t in tensors[1:]:
-        if t.device != device:
-            raise RuntimeError(f"keel::{name}: argument '{names[i]}' is on {t.device} but '{first}' is on {device}")
+    one_device(name, list(zip(names, args)))
     metas = [
         torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
         for a in args

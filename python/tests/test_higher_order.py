@@ -234,3 +234,5 @@ def test_bad_argument_inside_torch_func_names_op_and_argument():
         torch.vmap(lambda a: keel.gelu_and_mul(a, "fast"))(x)
     with pytest.raises(RuntimeError, match=r"keel::softmax: argument 'input' must be float32"):
         torch.vmap(keel.softmax)(torch.ones(3, 8, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' is on meta but 'input' is on cpu"):
+        torch.func.grad(lambda a: keel.rms_norm(a, torch.empty(8, device="meta")).sum())(x)
