@@ -207,27 +207,32 @@ OVERHEAD_MODES = {"grad mode": contextlib.nullcontext, "no_grad": torch.no_grad,
 
 
 def tiny_cases(device: str) -> list:
-    """Per-call overhead: (name, keel call, torch call) on tiny f32 tensors.
+    """Per-call overhead: (name, keel op call, keel typed-API call, torch call) on
+    tiny f32 tensors.
 
     Make them under the mode they are timed in (inference_mode tensors must be
-    made inside it). The `torch.ops.aten` row takes the same Python path as a
-    `torch.ops.keel` call, for a comparison of the ops' own cost.
+    made inside it). The `torch.ops.aten` rows take the same Python path as a
+    `torch.ops.keel` call, for a comparison of the ops' own cost; the typed API
+    (`keel.softmax` ...) is what users call, and where no gradient can be needed
+    it skips torch's Python autograd kernel.
     """
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, 64, generator=g).to(device)
     w = torch.ones(64, device=device)
     h = torch.randn(1, 128, generator=g).to(device)
     t = torch.tensor([3], device=device)
+    softmax = (lambda: torch.ops.keel.softmax(x, 1.0), lambda: keel.softmax(x, 1.0))
+    ce = (lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"), lambda: keel.cross_entropy(x, t))
     return [
-        ("rms_norm [1,64]", lambda: torch.ops.keel.rms_norm(x, w, 1e-6), lambda: _rms_norm(x, w)),
-        ("softmax [1,64]", lambda: torch.ops.keel.softmax(x, 1.0), lambda: torch.softmax(x, -1)),
-        ("softmax [1,64], torch through torch.ops.aten._softmax", lambda: torch.ops.keel.softmax(x, 1.0),
+        ("rms_norm [1,64]", lambda: torch.ops.keel.rms_norm(x, w, 1e-6), lambda: keel.rms_norm(x, w, 1e-6),
+         lambda: _rms_norm(x, w)),
+        ("softmax [1,64]", *softmax, lambda: torch.softmax(x, -1)),
+        ("softmax [1,64], torch through torch.ops.aten._softmax", *softmax,
          lambda: torch.ops.aten._softmax(x, -1, False)),
-        ("silu_and_mul [1,128]", lambda: torch.ops.keel.silu_and_mul(h), lambda: _silu_and_mul(h)),
-        ("cross_entropy [1,64]", lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"),
-         lambda: F.cross_entropy(x, t)),
-        ("cross_entropy [1,64], torch through torch.ops.aten.cross_entropy_loss",
-         lambda: torch.ops.keel.cross_entropy(x, t, -100, 0.0, "mean"),
+        ("silu_and_mul [1,128]", lambda: torch.ops.keel.silu_and_mul(h), lambda: keel.silu_and_mul(h),
+         lambda: _silu_and_mul(h)),
+        ("cross_entropy [1,64]", *ce, lambda: F.cross_entropy(x, t)),
+        ("cross_entropy [1,64], torch through torch.ops.aten.cross_entropy_loss", *ce,
          lambda: torch.ops.aten.cross_entropy_loss(x, t, None, 1, -100, 0.0)),
-        ("x + x [1,64] (any torch op)", None, lambda: x + x),
+        ("x + x [1,64] (any torch op)", None, None, lambda: x + x),
     ]

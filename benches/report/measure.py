@@ -139,9 +139,10 @@ def main() -> None:
             del cases
         for mode, ctx in OVERHEAD_MODES.items():
             with ctx():
-                for name, kf, tf in tiny_cases(device):
+                for name, kf, kt, tf in tiny_cases(device):
                     out["overhead"].append({"device": device, "name": name, "mode": mode,
                                             "keel_us": per_call(kf, device) * 1e6 if kf else None,
+                                            "typed_us": per_call(kt, device) * 1e6 if kt else None,
                                             "torch_us": per_call(tf, device) * 1e6})
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -236,3 +236,24 @@ def test_bad_argument_inside_torch_func_names_op_and_argument():
         torch.vmap(keel.softmax)(torch.ones(3, 8, dtype=torch.int64))
     with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' is on meta but 'input' is on cpu"):
         torch.func.grad(lambda a: keel.rms_norm(a, torch.empty(8, device="meta")).sum())(x)
+
+
+def test_typed_api_without_gradients_skips_only_the_autograd_kernel():
+    """Where no gradient can be needed, the typed API calls the op below torch's
+    autograd kernel (which would decide the same, in Python): same values, no
+    graph, and dispatch modes below autograd still see the op."""
+    x, w = _t(3, 6, seed=1, grad=False), _t(6, seed=2, grad=False)
+    xg = x.clone().requires_grad_()
+    with torch.no_grad():
+        with _Ops() as seen:
+            y = keel.rms_norm(xg, w)
+        assert "keel.rms_norm.default" in seen.seen
+        assert not y.requires_grad
+        torch.testing.assert_close(y, torch.ops.keel.rms_norm(x, w, 1e-6), atol=0, rtol=0)
+    y = keel.softmax(x)
+    assert y.grad_fn is None and not y.requires_grad
+    y = keel.softmax(xg)
+    assert y.grad_fn is not None
+    (g,) = torch.autograd.grad(y.square().sum(), xg)
+    (want,) = torch.autograd.grad(torch.softmax(xg, -1).square().sum(), xg)
+    torch.testing.assert_close(g, want)

@@ -70,8 +70,10 @@ def test_verdicts(keel_ms, misses):
 
 def test_compute_bound_ops_have_no_bandwidth_target_and_overhead_is_judged():
     run = _run([_row("ce", 5.0, 10.0, 10.0, bound=False, err=1.0)],
-               [{"device": "cpu", "name": "tiny", "keel_us": 3.0, "torch_us": 1.0}])
-    tail = markdown([run], []).split("## Targets missed in this run")[1]
+               [{"device": "cpu", "name": "tiny", "keel_us": 3.0, "typed_us": 2.5, "torch_us": 1.0}])
+    text = markdown([run], [])
+    assert "| 3.00 | 2.50 | 1.00 |" in text
+    tail = text.split("## Targets missed in this run")[1]
     assert "of bandwidth" not in tail
     assert "error 1.0e+00 over tolerance" in tail
     assert "per-call overhead of tiny (grad mode): 3.00 µs against torch's 1.00 µs" in tail
