@@ -8,6 +8,7 @@ must itself be differentiable (``create_graph=True``): see ``_twice``.
 import torch
 
 from . import _twice
+from ._common import acc_dtype
 
 ops = torch.ops.keel
 
@@ -179,7 +180,7 @@ def _rotary_backward(ctx, grad):
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         # d(a cos - b sin, b cos + a sin): summed over batch and heads, in f32 (f64 for f64).
         half = cos.shape[-1]
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        acc = acc_dtype(x)
         a, b = (t.to(acc) for t in _rotary_pairs(x, half, ctx.interleaved))
         ga, gb = (t.to(acc) for t in _rotary_pairs(grad, half, ctx.interleaved))
         gcos = (ga * a + gb * b).sum((0, 2)).to(cos.dtype) if ctx.needs_input_grad[1] else None

@@ -21,13 +21,17 @@ replace that Meta kernel, so the kernels are added to torch's fake-kernel
 registry directly (an internal of torch, unchanged from 2.10 to 2.15; where it
 is missing, Keel warns and the ops specialise as before).
 """
+import contextlib
 import warnings
 
 import torch
 
+from ._common import acc_dtype, one_device
+
 ops = torch.ops.keel
-# Set by register(): torch.utils._python_dispatch._disable_current_modes.
-_disable_current_modes = None
+# Set by register() to torch.utils._python_dispatch._disable_current_modes; until
+# then (or where that fails) meta_outputs, still used by _twice, disables nothing.
+_disable_current_modes = contextlib.nullcontext
 
 
 def _hint(v):
@@ -62,9 +66,10 @@ def _concrete(v):
     return c
 
 
-def _meta_outputs(op, args, kwargs):
-    """The Rust Meta kernel's outputs on concrete stand-ins (it raises on bad
-    arguments); None where a size has no hint."""
+def meta_outputs(op, args, kwargs):
+    """`op`'s outputs (the Rust Meta kernel's) on concrete stand-ins of the
+    arguments (it raises on bad ones); None where a size has no hint. `op` is
+    an op overload, or a Python caller of one (``_twice`` passes those)."""
     # Outside FakeTensorMode (and any mode above it): plain meta tensors, which
     # the dispatcher takes to the Rust Meta kernel.
     with _disable_current_modes():
@@ -77,8 +82,8 @@ def _meta_outputs(op, args, kwargs):
     return out if isinstance(out, tuple) else (out,)
 
 
-def _like(t, dtype=None):
-    return tuple(t.shape), dtype or t.dtype
+def _like(t):
+    return tuple(t.shape), t.dtype
 
 
 def _param_grad(p, dtype):
@@ -86,7 +91,7 @@ def _param_grad(p, dtype):
     return (tuple(p.shape) if p is not None else (0,)), dtype
 
 
-def _gated(x, *_):
+def _gated(x):
     return (*x.shape[:-1], x.shape[-1] // 2), x.dtype
 
 
@@ -95,7 +100,7 @@ def _loss(logits, reduction):
 
 
 def _lse(logits):
-    return (logits.shape[0],), (torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    return (logits.shape[0],), acc_dtype(logits)
 
 
 # Each op's outputs, (sizes, dtype) each, from its arguments (as the schema
@@ -151,18 +156,6 @@ def _agree(name, meta, fake):
             )
 
 
-def one_device(name, named):
-    """The device of the tensor arguments (`named`: (name, value) pairs); raises,
-    as the real kernels do, where they differ (the Meta kernel sees only meta
-    stand-ins; ``_twice`` uses this too)."""
-    tensors = [(n, v) for n, v in named if isinstance(v, torch.Tensor)]
-    first, device = tensors[0][0], tensors[0][1].device
-    for n, t in tensors[1:]:
-        if t.device != device:
-            raise RuntimeError(f"keel::{name}: argument '{n}' is on {t.device} but '{first}' is on {device}")
-    return device
-
-
 def _fake_kernel(name, rule):
     op = getattr(ops, name).default
 
@@ -170,7 +163,7 @@ def _fake_kernel(name, rule):
 
     def fake(*args, **kwargs):
         device = one_device(name, [*zip(names, args), *kwargs.items()])
-        meta = _meta_outputs(op, args, kwargs)
+        meta = meta_outputs(op, args, kwargs)
         outs = tuple(torch.empty(s, dtype=d, device=device) for s, d in rule(*args, **kwargs))
         if meta is not None:
             _agree(name, meta, outs)

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
-from ._fake import one_device
+from ._common import acc_dtype, one_device
+from ._fake import meta_outputs
 
 
 def forward_ad_on() -> bool:
@@ -82,16 +83,7 @@ def _check_on_meta(op, args):
     name = op.__name__.lstrip("_")
     names = [a.name for a in getattr(torch.ops.keel, name).default._schema.arguments]
     one_device(name, list(zip(names, args)))
-    metas = [
-        torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") if isinstance(a, torch.Tensor) else a
-        for a in args
-    ]
-    op(*metas)
-
-
-def _acc(t):
-    """Keel's accumulation dtype for `t`: float64 for float64, else float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    meta_outputs(op, args, {})
 
 
 def vjp(fn, inputs, grads, needs):
@@ -125,7 +117,7 @@ def vjp(fn, inputs, grads, needs):
 
 def rms_norm(x, weight, eps):
     """`F.rms_norm` over the last dim, in Keel's accumulation dtype."""
-    a = x.to(_acc(x))
+    a = x.to(acc_dtype(x))
     y = a * torch.rsqrt(a.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight.to(y.dtype)
@@ -134,7 +126,7 @@ def rms_norm(x, weight, eps):
 
 def layer_norm(x, weight, bias, eps):
     """`F.layer_norm` over the last dim, in Keel's accumulation dtype."""
-    acc = _acc(x)
+    acc = acc_dtype(x)
     w = None if weight is None else weight.to(acc)
     b = None if bias is None else bias.to(acc)
     return F.layer_norm(x.to(acc), (x.shape[-1],), w, b, eps).to(x.dtype)
@@ -142,14 +134,14 @@ def layer_norm(x, weight, bias, eps):
 
 def gated(x, approximate=None):
     """`act(x[..., :d]) * x[..., d:]`: silu where `approximate` is None, else gelu."""
-    a, g = x.to(_acc(x)).chunk(2, -1)
+    a, g = x.to(acc_dtype(x)).chunk(2, -1)
     act = F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)
     return (act * g).to(x.dtype)
 
 
 def softmax(x, scale):
     """`torch.softmax(x * scale, -1)` in Keel's accumulation dtype."""
-    return torch.softmax(x.to(_acc(x)) * scale, -1).to(x.dtype)
+    return torch.softmax(x.to(acc_dtype(x)) * scale, -1).to(x.dtype)
 
 
 def fused_add_rms_norm(x, residual, weight, eps):
@@ -160,7 +152,7 @@ def fused_add_rms_norm(x, residual, weight, eps):
 
 def softmax_backward(grad, y, scale):
     """`scale * y * (grad - sum(grad * y))`, the softmax backward from its output."""
-    acc = _acc(y)
+    acc = acc_dtype(y)
     g, p = grad.to(acc), y.to(acc)
     return (scale * p * (g - (g * p).sum(-1, keepdim=True))).to(y.dtype)
 
@@ -168,7 +160,7 @@ def softmax_backward(grad, y, scale):
 def cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
     """`F.cross_entropy` and each row's log-sum-exp (0 for ignored rows), in
     Keel's accumulation dtype; the loss in the logits' dtype."""
-    a = logits.to(_acc(logits))
+    a = logits.to(acc_dtype(logits))
     loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
     return loss.to(logits.dtype), lse
@@ -178,7 +170,7 @@ def rotary(x, cos, sin, interleaved):
     """Rotary embedding in torch ops: each pair `(a, b)` of the first
     `2 * cos.shape[-1]` dims becomes `(a cos - b sin, b cos + a sin)`."""
     half = cos.shape[-1]
-    acc = _acc(x)
+    acc = acc_dtype(x)
     c, s = (t.to(acc)[None, :, None, :] for t in (cos, sin))
     head, rest = x[..., : 2 * half].to(acc), x[..., 2 * half :]
     if interleaved:

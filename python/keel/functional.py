@@ -26,9 +26,7 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input`` and ``weight``.
     """
-    if _twice.transformed():
-        return _twice.through_torch(_rms_norm, _twice.rms_norm, input, weight, eps)
-    return _run(_rms_norm, input, weight, eps)
+    return _call(_rms_norm, _twice.rms_norm, input, weight, eps)
 
 
 def _rms_norm(input, weight, eps):
@@ -51,9 +49,7 @@ def layer_norm(
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``, ``weight`` and ``bias``.
     """
-    if _twice.transformed():
-        return _twice.through_torch(_layer_norm, _twice.layer_norm, input, weight, bias, eps)
-    return _run(_layer_norm, input, weight, bias, eps)
+    return _call(_layer_norm, _twice.layer_norm, input, weight, bias, eps)
 
 
 def _layer_norm(input, weight, bias, eps):
@@ -77,9 +73,7 @@ def fused_add_rms_norm(
         ``(normed, sum)``, both shaped like ``input``. Differentiable in ``input``,
         ``residual`` and ``weight``.
     """
-    if _twice.transformed():
-        return _twice.through_torch(_fused_add_rms_norm, _twice.fused_add_rms_norm, input, residual, weight, eps)
-    return _run(_fused_add_rms_norm, input, residual, weight, eps)
+    return _call(_fused_add_rms_norm, _twice.fused_add_rms_norm, input, residual, weight, eps)
 
 
 def _fused_add_rms_norm(input, residual, weight, eps):
@@ -92,9 +86,7 @@ def silu_and_mul(input: Tensor) -> Tensor:
     The first half is the gate, the second the up projection (vLLM's layout).
     f32 math, one rounding. Differentiable.
     """
-    if _twice.transformed():
-        return _twice.through_torch(_silu_and_mul, _twice.gated, input)
-    return _run(_silu_and_mul, input)
+    return _call(_silu_and_mul, _twice.gated, input)
 
 
 def _silu_and_mul(input):
@@ -107,9 +99,7 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
     ``approximate`` is ``"none"`` (exact, erf) or ``"tanh"``, as in ``F.gelu``; anything
     else raises a RuntimeError. f32 math, one rounding. Differentiable.
     """
-    if _twice.transformed():
-        return _twice.through_torch(_gelu_and_mul, _twice.gated, input, approximate)
-    return _run(_gelu_and_mul, input, approximate)
+    return _call(_gelu_and_mul, _twice.gated, input, approximate)
 
 
 def _gelu_and_mul(input, approximate):
@@ -130,9 +120,7 @@ def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``.
     """
-    if _twice.transformed():
-        return _twice.through_torch(_softmax, _twice.softmax, input, scale)
-    return _run(_softmax, input, scale)
+    return _call(_softmax, _twice.softmax, input, scale)
 
 
 def _softmax(input, scale):
@@ -172,7 +160,7 @@ def cross_entropy(
     logits, target = logits.contiguous(), target.contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
         return _keel.cross_entropy_with_lse.default(logits, target, ignore_index, label_smoothing, reduction)[0]
-    return _run(_keel.cross_entropy.default, logits, target, ignore_index, label_smoothing, reduction)
+    return _call(_keel.cross_entropy.default, None, logits, target, ignore_index, label_smoothing, reduction)
 
 
 def cross_entropy_with_lse(
@@ -189,10 +177,7 @@ def cross_entropy_with_lse(
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
     """
-    args = (logits, target, ignore_index, label_smoothing, reduction)
-    if _twice.transformed():
-        return _twice.through_torch(_cross_entropy_with_lse, _twice.cross_entropy, *args)
-    return _run(_cross_entropy_with_lse, *args)
+    return _call(_cross_entropy_with_lse, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
 
 
 def _cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction):
@@ -211,9 +196,7 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
     Returns:
         A new tensor shaped like ``x``. Differentiable in ``x`` (and in ``cos``/``sin``).
     """
-    if _twice.transformed():
-        return _twice.through_torch(_rotary_embedding, _twice.rotary, x, cos, sin, interleaved)
-    return _run(_rotary_embedding, x, cos, sin, interleaved)
+    return _call(_rotary_embedding, _twice.rotary, x, cos, sin, interleaved)
 
 
 def _rotary_embedding(x, cos, sin, interleaved):
@@ -223,11 +206,20 @@ def _rotary_embedding(x, cos, sin, interleaved):
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
-def _run(fn, *args):
-    """`fn(*args)`, past torch's autograd kernel for the op where no gradient can
-    be needed (grad mode off, or no argument requiring one): the decision that
-    kernel makes itself, in Python, costing about 5 us a call. Not while
-    torch.compile traces, nor under inference mode (which skips it already)."""
+def _call(fn, ref, *args):
+    """`fn(*args)`, `fn` a private caller of a Keel op (as ``_rms_norm``).
+
+    - Inside a torch.func transform or forward-mode AD: ``_twice``'s torch-op
+      version `ref` after Keel's checks (:func:`_twice.through_torch`); `ref`
+      None where the caller has handled those already.
+    - Where no gradient can be needed (grad mode off, or no argument requiring
+      one): `fn` below torch's autograd kernel for the op, which would only make
+      that decision itself, in Python, costing about 5 us a call. Not while
+      torch.compile traces, nor under inference mode (which skips it already).
+    One function, not two: a second Python frame cost 0.35 us a call (measured).
+    """
+    if ref is not None and _twice.transformed():
+        return _twice.through_torch(fn, ref, *args)
     if torch.is_grad_enabled():
         # A loop, not any(<generator>): the generator, left early, cost 4 us here.
         for a in args:
