@@ -95,7 +95,8 @@ fn main() {
 }
 
 /// Lowers the `.version` directive of the PTX file at `path` to `isa` where it
-/// declares a newer one; the same edit as `scripts/regen-ptx.sh` makes.
+/// declares a newer one. (`scripts/regen-ptx.sh` runs this build script, so
+/// the committed `ptx/` gets the same edit.)
 fn cap_isa(path: &Path, isa: &str) {
     let text = fs::read_to_string(path).unwrap();
     let number = |v: &str| -> (u32, u32) {
