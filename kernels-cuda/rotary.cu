@@ -4,13 +4,16 @@
 // Pairs are (i, i + rotary_dim/2) (GPT-NeoX) or (2i, 2i + 1) (GPT-J,
 // interleaved). sign = -1 rotates by the opposite angle (the backward).
 //
-// A row is one head of one token (head_dim elements). `lanes` threads (a
+// A row is one head of one token (head_dim elements, contiguous); x's rows
+// are at b * sb + s * ss + h * sh (element strides of its batch, seq and heads
+// dims: q or k sliced from a fused qkv, or a [batch, heads, seq, head_dim]
+// tensor transposed, read in place), y's are contiguous. `lanes` threads (a
 // power of two up to 32) share a row, so a block of blockDim threads works
 // on blockDim / lanes rows at a time, grid-stride over rows; the row's
 // position is worked out once per row, not per element (64-bit division is
 // a long instruction sequence on the GPU). 16-byte loads and stores when the
-// rows, halves and pointers allow (NeoX: half a multiple of the pack; GPT-J:
-// rotary_dim a multiple of it, each pack holding pack/2 pairs), scalar
+// rows, strides, halves and pointers allow (NeoX: half a multiple of the pack;
+// GPT-J: rotary_dim a multiple of it, each pack holding pack/2 pairs), scalar
 // otherwise. f32 math, one rounding.
 // Kernel symbols: rotary_{f32,f16,bf16}.
 #include "common.cuh"
@@ -26,18 +29,19 @@ __device__ __forceinline__ void rotate(float a, float b, float c, float s, T& ya
 template <typename T>
 __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restrict__ cos_, const T* __restrict__ sin_,
                                        T* __restrict__ y, int64_t rows, int seq, int heads, int head_dim, int half,
-                                       int interleaved, float sign, int lanes) {
+                                       int interleaved, float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {
   constexpr int N = Pack<T>::N;
   const int lane = threadIdx.x % lanes, groups = blockDim.x / lanes;
   if ((int)threadIdx.x >= groups * lanes) return;  // no barriers here: leaving early is safe
   const int rot = 2 * half, rest = head_dim - rot;
-  const bool vec = head_dim % N == 0 && rot % N == 0 && (interleaved || half % N == 0) && aligned16(x) &&
-                   aligned16(y) && aligned16(cos_) && aligned16(sin_);
+  const bool vec = head_dim % N == 0 && rot % N == 0 && (interleaved || half % N == 0) && sb % N == 0 &&
+                   ss % N == 0 && sh % N == 0 && aligned16(x) && aligned16(y) && aligned16(cos_) && aligned16(sin_);
   for (int64_t row = (int64_t)blockIdx.x * groups + threadIdx.x / lanes; row < rows;
        row += (int64_t)gridDim.x * groups) {
-    const T* xr = x + row * head_dim;
+    const int64_t token = row / heads, b = token / seq;
+    const int64_t head = row - token * heads, pos = token - b * seq;
+    const T* xr = x + b * sb + pos * ss + head * sh;
     T* yr = y + row * head_dim;
-    const int64_t pos = (row / heads) % seq;
     const T* cr = cos_ + pos * half;
     const T* sr = sin_ + pos * half;
     if (vec && !interleaved) {
@@ -80,8 +84,8 @@ __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restr
 #define KEEL_ROTARY(SUFFIX, T)                                                                                  \
   extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos_, const T* sin_, T* y, int64_t rows,      \
                                              int seq, int heads, int head_dim, int half, int interleaved,       \
-                                             float sign, int lanes) {                                           \
-    rotary<T>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign, lanes);                     \
+                                             float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {       \
+    rotary<T>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign, lanes, sb, ss, sh);         \
   }
 
 KEEL_ROTARY(f32, float)

@@ -166,6 +166,26 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
                 }
             }
         }
+        // x read through its strides: [batch, heads, seq, head_dim] transposed,
+        // and heads one element apart from a spare one (no 16-byte vectors);
+        // against the CPU's strided kernel on the same storage.
+        let (batch, heads) = (2, 3);
+        let shape = rotary::Shape { batch, seq: rows, heads, head_dim: cols, rotary_dim: 2 * half };
+        let transposed = rotary::Strides { batch: heads * rows * cols, seq: cols, heads: rows * cols };
+        let padded =
+            rotary::Strides { batch: rows * (heads + 1) * (cols + 1), seq: (heads + 1) * (cols + 1), heads: cols + 1 };
+        for (layout, st) in [("transposed", transposed), ("padded", padded)] {
+            let storage = data::<T>(shape.span(st).unwrap(), 19);
+            let sd_ = up(&s, &storage);
+            for interleaved in [false, true] {
+                let mut y = zeros(shape.numel());
+                rotary::apply_strided_cuda(&s, &sd_, st, &cd, &sd, &mut y, shape, interleaved, false).unwrap();
+                let mut want = cpu(shape.numel());
+                rotary::apply_strided_cpu(&storage, st, &cos, &sin, &mut want, shape, interleaved, false, Par::Seq)
+                    .unwrap();
+                close(&s.clone_dtoh(&y).unwrap(), &want, tol, &format!("rotary {layout} interleaved={interleaved}"));
+            }
+        }
     }
 }
 

@@ -1,11 +1,13 @@
 //! Property tests: the CPU rotary embedding (both layouts, forward and the
 //! inverse rotation) against the f64 reference, every dtype, partial rotary
 //! dims, sequential and on rayon; and that the inverse undoes the forward.
+//! The strided entry point (x read in place through its strides) against the
+//! contiguous one on a gathered copy.
 mod common;
 
 use common::{assert_close, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
-use keel::ops::rotary::{apply_cpu, Shape};
+use keel::ops::rotary::{apply_cpu, apply_strided_cpu, Shape, Strides};
 use keel_cpu::rotary::apply_ref;
 use proptest::prelude::*;
 
@@ -37,8 +39,75 @@ fn check<T: Tol>(shape: Shape, x: &[f64], angles: &[f64]) {
     }
 }
 
+/// The orders of x's storage dims (batch 0, seq 1, heads 2), outermost first.
+const ORDERS: [[usize; 3]; 6] = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+
+/// A shape and a layout of x: its dims stored in any order, each head padded by
+/// up to 3 elements, maybe a spare head per token (q sliced from a wider
+/// projection), maybe the batch broadcast (stride 0); the storage holds the
+/// span of that layout.
+fn strided_case() -> impl Strategy<Value = (Shape, Strides, Vec<f64>, Vec<f64>)> {
+    (case(), 0usize..6, 0usize..=3, 0usize..=1, any::<bool>()).prop_flat_map(
+        |((shape, _, angles), order, pad, spare, broadcast)| {
+            let sizes = [shape.batch, shape.seq, shape.heads + spare];
+            let (mut st, mut step) = ([0usize; 3], shape.head_dim + pad);
+            for &d in ORDERS[order].iter().rev() {
+                st[d] = step;
+                step *= sizes[d].max(1);
+            }
+            if broadcast {
+                st[0] = 0;
+            }
+            let strides = Strides { batch: st[0], seq: st[1], heads: st[2] };
+            let storage = prop::collection::vec(-4.0f64..4.0, shape.span(strides).unwrap());
+            (Just(shape), Just(strides), storage, Just(angles))
+        },
+    )
+}
+
+/// x's elements in contiguous order, gathered from `storage` through `st`.
+fn gather<T: Copy>(storage: &[T], st: Strides, shape: Shape) -> Vec<T> {
+    let mut x = Vec::with_capacity(shape.numel());
+    for b in 0..shape.batch {
+        for s in 0..shape.seq {
+            for h in 0..shape.heads {
+                x.extend_from_slice(&storage[b * st.batch + s * st.seq + h * st.heads..][..shape.head_dim]);
+            }
+        }
+    }
+    x
+}
+
+fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(shape: Shape, st: Strides, storage: &[f64], angles: &[f64]) {
+    let storage = to_elems::<T>(storage);
+    let x = gather(&storage, st, shape);
+    let cos = to_elems::<T>(&angles.iter().map(|a| a.cos()).collect::<Vec<_>>());
+    let sin = to_elems::<T>(&angles.iter().map(|a| a.sin()).collect::<Vec<_>>());
+    for interleaved in [false, true] {
+        for inverse in [false, true] {
+            let mut want = vec![T::default(); shape.numel()];
+            apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
+            for (name, par) in [("seq", Par::Seq), ("rayon", Par::Rayon)] {
+                let mut y = vec![T::default(); shape.numel()];
+                apply_strided_cpu(&storage, st, &cos, &sin, &mut y, shape, interleaved, inverse, par).unwrap();
+                // The same arithmetic per element as on the contiguous copy.
+                assert_eq!(y, want, "{st:?} interleaved={interleaved} inverse={inverse} {name}");
+            }
+        }
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_strided_matches_contiguous((shape, st, x, a) in strided_case()) { check_strided::<f32>(shape, st, &x, &a); }
+
+    #[test]
+    fn bf16_strided_matches_contiguous((shape, st, x, a) in strided_case()) { check_strided::<bf16>(shape, st, &x, &a); }
+
+    #[test]
+    fn f16_strided_matches_contiguous((shape, st, x, a) in strided_case()) { check_strided::<f16>(shape, st, &x, &a); }
 
     #[test]
     fn f32_matches_reference((shape, x, a) in case()) { check::<f32>(shape, &x, &a); }
@@ -88,4 +157,16 @@ fn bad_shapes_are_errors() {
         err(apply_cpu(&[0f32; 8], &[0f32; 4], &[0f32; 3], &mut y, shape, false, false, Par::Seq)),
         "rotary_embedding: argument 'sin' has length 3, expected 4"
     );
+    // Strided: x must reach the last row (position 1 at 6, plus a head of 4).
+    let st = Strides { batch: 0, seq: 6, heads: 4 };
+    let (c, s) = ([0f32; 4], [0f32; 4]);
+    assert_eq!(
+        err(apply_strided_cpu(&[0f32; 9], st, &c, &s, &mut y, shape, false, false, Par::Seq)),
+        "rotary_embedding: argument 'x': holds 9 elements, but its shape and strides \
+         Strides { batch: 0, seq: 6, heads: 4 } reach 10"
+    );
+    assert!(apply_strided_cpu(&[0f32; 10], st, &c, &s, &mut y, shape, false, false, Par::Seq).is_ok());
+    let huge = Strides { batch: 0, seq: usize::MAX, heads: 4 };
+    assert!(err(apply_strided_cpu(&[0f32; 10], huge, &c, &s, &mut y, shape, false, false, Par::Seq))
+        .contains("overflow the address space"));
 }

@@ -157,6 +157,40 @@ impl Tensor {
         Ok(unsafe { std::slice::from_raw_parts(p as *const T, n) })
     }
 
+    /// Elements from the first (at [`Tensor::data_ptr`]) to one past the last
+    /// that the sizes and strides reach: the memory a strided view reads
+    /// (0 when the tensor is empty). `None` for a negative stride or on
+    /// overflow.
+    pub fn span(&self) -> Result<Option<usize>> {
+        if self.numel()? == 0 {
+            return Ok(Some(0));
+        }
+        let last = self.sizes()?.iter().zip(self.strides()?).try_fold(0usize, |acc, (&n, &s)| {
+            let step = usize::try_from(s).ok()?.checked_mul(usize::try_from(n - 1).ok()?)?;
+            acc.checked_add(step)
+        });
+        Ok(last.and_then(|l| l.checked_add(1)))
+    }
+
+    /// The [`Tensor::span`] of a CPU tensor as a slice, which the tensor's
+    /// strides index (contiguous or not); `None` where the span is.
+    ///
+    /// # Safety
+    /// The tensor must be on the CPU, of element type `T`, and not written
+    /// through any other handle while the slice lives.
+    pub unsafe fn as_span_slice<T>(&self) -> Result<Option<&[T]>> {
+        let Some(n) = self.span()? else {
+            return Ok(None);
+        };
+        let p = self.data_ptr()?;
+        if n == 0 || p.is_null() {
+            return Ok(Some(&[]));
+        }
+        // SAFETY: per this function's contract; the span lies within the
+        // tensor's storage, as every element the view reaches does.
+        Ok(Some(unsafe { std::slice::from_raw_parts(p as *const T, n) }))
+    }
+
     /// The elements of a contiguous CPU tensor as a mutable slice.
     ///
     /// # Safety

@@ -9,6 +9,11 @@
 //! Each pair `(a, b)` becomes `(a cos - b sin, b cos + a sin)`, computed in
 //! `T::Acc` and rounded once. The backward is the rotation by the opposite
 //! angle (`sin` negated), which [`apply`] does with `inverse = true`.
+//!
+//! [`apply_strided`] reads an `x` whose batch, seq and heads dims have any
+//! strides (each head contiguous): `q` and `k` sliced from a fused qkv
+//! projection, or a `[batch, heads, seq, head_dim]` tensor transposed to this
+//! layout, with no copy. The output is always contiguous.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
 use crate::par::Par;
@@ -39,6 +44,46 @@ impl Shape {
         self.batch * self.seq * self.heads * self.head_dim
     }
 
+    /// The strides of a contiguous `x`.
+    pub fn contiguous(&self) -> Strides {
+        Strides { batch: self.seq * self.heads * self.head_dim, seq: self.heads * self.head_dim, heads: self.head_dim }
+    }
+
+    /// Elements a slice must hold for `x` laid out with `strides`: one past
+    /// the last element (0 when `x` is empty); `None` on overflow.
+    pub fn span(&self, strides: Strides) -> Option<usize> {
+        if self.numel() == 0 {
+            return Some(0);
+        }
+        let last = [(self.batch, strides.batch), (self.seq, strides.seq), (self.heads, strides.heads)]
+            .into_iter()
+            .try_fold(0usize, |acc, (n, s)| acc.checked_add((n - 1).checked_mul(s)?))?;
+        last.checked_add(self.head_dim)
+    }
+
+    /// [`Shape::check`] for an `x` laid out with `strides`: its slice must hold
+    /// at least [`Shape::span`] elements.
+    pub fn check_strided(
+        &self,
+        op: &'static str,
+        x: usize,
+        strides: Strides,
+        cos: usize,
+        sin: usize,
+        out: usize,
+    ) -> Result<()> {
+        self.check(op, self.numel(), cos, sin, out)?;
+        match self.span(strides) {
+            Some(span) if x >= span => Ok(()),
+            Some(span) => Err(Error::Shape {
+                op,
+                arg: "x",
+                msg: format!("holds {x} elements, but its shape and strides {strides:?} reach {span}"),
+            }),
+            None => Err(Error::Shape { op, arg: "x", msg: format!("strides {strides:?} overflow the address space") }),
+        }
+    }
+
     /// Checks `rotary_dim` and the slice lengths, naming `op` and the argument.
     pub fn check(&self, op: &'static str, x: usize, cos: usize, sin: usize, out: usize) -> Result<()> {
         if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
@@ -58,6 +103,19 @@ impl Shape {
     }
 }
 
+/// Element strides of `x`'s first three dims; its last dim (`head_dim`) is
+/// contiguous. Heads may overlap or repeat (a stride of 0 broadcasts): `x` is
+/// only read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strides {
+    /// Between batch entries.
+    pub batch: usize,
+    /// Between positions.
+    pub seq: usize,
+    /// Between heads.
+    pub heads: usize,
+}
+
 /// Writes the rotation of `x` to `out` (by the opposite angle when `inverse`:
 /// the backward, applied to the output gradient).
 #[allow(clippy::too_many_arguments)]
@@ -73,10 +131,47 @@ pub fn apply<T: Element>(
 ) -> Result<()> {
     let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
     shape.check(op, x.len(), cos.len(), sin.len(), out.len())?;
+    run(x, shape.contiguous(), cos, sin, out, shape, interleaved, inverse, par);
+    Ok(())
+}
+
+/// [`apply`] for an `x` laid out with `strides` (see [`Strides`]); `out` is
+/// contiguous. `x` must hold at least [`Shape::span`] elements.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_strided<T: Element>(
+    x: &[T],
+    strides: Strides,
+    cos: &[T],
+    sin: &[T],
+    out: &mut [T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
+    shape.check_strided(op, x.len(), strides, cos.len(), sin.len(), out.len())?;
+    run(x, strides, cos, sin, out, shape, interleaved, inverse, par);
+    Ok(())
+}
+
+/// [`apply_strided`] after its checks.
+#[allow(clippy::too_many_arguments)]
+fn run<T: Element>(
+    x: &[T],
+    st: Strides,
+    cos: &[T],
+    sin: &[T],
+    out: &mut [T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) {
     let (d, half, heads, seq) = (shape.head_dim, shape.rotary_dim / 2, shape.heads, shape.seq);
     let rows = shape.batch * seq * heads;
     if rows == 0 || d == 0 {
-        return Ok(());
+        return;
     }
     let sign = if inverse { T::Acc::ZERO - T::Acc::ONE } else { T::Acc::ONE };
     let blocks = Blocks::new(&par, rows, d);
@@ -84,15 +179,15 @@ pub fn apply<T: Element>(
     par.for_each(blocks.count, &|b| {
         let mut y = ys.get(b);
         let start = blocks.rows(b).start;
-        let x = &x[start * d..][..y.len()];
         dispatch(
             #[inline(always)]
             || {
-                // The row's position and head, stepped rather than divided
-                // out per row (a division is about as long as rotating a
-                // bf16 head of 128).
-                let (mut pos, mut head) = ((start / heads) % seq, start % heads);
-                for (x, y) in x.chunks_exact(d).zip(y.chunks_exact_mut(d)) {
+                // The row's batch entry, position and head, stepped rather
+                // than divided out per row (a division is about as long as
+                // rotating a bf16 head of 128).
+                let (mut batch, mut pos, mut head) = (start / (seq * heads), (start / heads) % seq, start % heads);
+                for y in y.chunks_exact_mut(d) {
+                    let x = &x[batch * st.batch + pos * st.seq + head * st.heads..][..d];
                     let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
                     if interleaved {
                         rotate_pairs(x, y, c, s, sign);
@@ -108,13 +203,13 @@ pub fn apply<T: Element>(
                         pos += 1;
                         if pos == seq {
                             pos = 0;
+                            batch += 1;
                         }
                     }
                 }
             },
         );
     });
-    Ok(())
 }
 
 /// NeoX layout: `(x[i], x[i + h])` for `i < h`.

@@ -102,10 +102,16 @@ impl Rows {
 
 /// The checks every op over the last dimension makes of its main tensor `arg`.
 pub(crate) fn rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result<Rows> {
+    let r = strided_rows_of(op, arg, t)?;
+    contiguous(op, arg, t)?;
+    Ok(r)
+}
+
+/// [`rows_of`] for an op that reads `t` through its strides: any layout.
+pub(crate) fn strided_rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result<Rows> {
     let device = supported_device(op, arg, t)?;
     let dtype = float_dtype(op, arg, t, device)?;
     let (rows, cols) = rows_cols(op, arg, t)?;
-    contiguous(op, arg, t)?;
     Ok(Rows { arg, device, dtype, rows, cols })
 }
 

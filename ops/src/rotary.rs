@@ -4,19 +4,34 @@
 //! for `x[batch, seq, heads, head_dim]`, `cos`/`sin[seq, rotary_dim / 2]`.
 //! `rotary_embedding_backward(grad_out, cos, sin, interleaved) -> grad_x`: the
 //! rotation by the opposite angle.
+//!
+//! `x` (and `grad_out`) may have any strides whose last one is 1: it is read
+//! in place (q and k sliced from a fused qkv projection, or a
+//! `[batch, heads, seq, head_dim]` tensor transposed to this layout). The
+//! output is contiguous.
 use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
-use keel::ops::rotary::Shape;
+use keel::ops::rotary::{Shape, Strides};
 use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
 
-/// Checks `x` (4-D) and `cos`, `sin` against it; returns the shape.
-fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Rows, Shape)> {
-    let c = checks::rows_of(op, arg, x)?;
+/// Checks `x` (4-D, each head contiguous) and `cos`, `sin` against it;
+/// returns the shape and `x`'s strides.
+fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Rows, Shape, Strides)> {
+    let c = checks::strided_rows_of(op, arg, x)?;
     let s = x.sizes()?;
     let &[batch, seq, heads, head_dim] = s else {
         return Err(invalid(op, arg, format!("must have 4 dims [batch, seq, heads, head_dim], got shape {s:?}")));
     };
+    let st = x.strides()?;
+    if st.iter().any(|&v| v < 0) || (head_dim > 1 && st[3] != 1) {
+        let msg = format!(
+            "must have its last dim contiguous (stride 1) and no negative stride, got strides {st:?} \
+             (call .contiguous() first)"
+        );
+        return Err(invalid(op, arg, msg));
+    }
+    let strides = Strides { batch: st[0] as usize, seq: st[1] as usize, heads: st[2] as usize };
     for (name, t) in [("cos", cos), ("sin", sin)] {
         checks::same_device(op, name, t, arg, c.device)?;
         checks::same_dtype(op, name, t, arg, c.dtype)?;
@@ -39,31 +54,35 @@ fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) ->
     }
     let rotary_dim = 2 * cos.sizes()?[1] as usize;
     let (batch, seq, heads, head_dim) = (batch as usize, seq as usize, heads as usize, head_dim as usize);
-    Ok((c, Shape { batch, seq, heads, head_dim, rotary_dim }))
+    Ok((c, Shape { batch, seq, heads, head_dim, rotary_dim }, strides))
 }
 
 fn run(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Result<(Tensor,)> {
-    let (c, shape) = check(op, arg, &x, &cos, &sin)?;
+    let (c, shape, strides) = check(op, arg, &x, &cos, &sin)?;
     let inverse = op.ends_with("_backward");
     let out = c.empty_like(&x)?;
     match c.device.kind {
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
-            // SAFETY: checked contiguous CPU tensors of element type T; `out` is fresh.
-            let (xs, cs, ss, ys) = unsafe { (x.as_slice::<T>()?, cos.as_slice::<T>()?, sin.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
-            with_torch_par(|par| keel::ops::rotary::apply_cpu(xs, cs, ss, ys, shape, interleaved, inverse, par))
+            // SAFETY: checked CPU tensors of element type T, `x` read through its
+            // strides (checked non-negative), the others contiguous; `out` is fresh.
+            let (xs, cs, ss, ys) = unsafe { (x.as_span_slice::<T>()?, cos.as_slice::<T>()?, sin.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
+            let xs = xs.ok_or_else(|| invalid(op, arg, format!("strides {strides:?} overflow the address space")))?;
+            with_torch_par(|par| keel::ops::rotary::apply_strided_cpu(xs, strides, cs, ss, ys, shape, interleaved, inverse, par))
                 .map_err(kernel_err)?
         }),
         DeviceType::Cuda => {
             let call = CudaCall::new(op, c.device)?;
             let dtype = checks::cuda_dtype(c.dtype)?;
             let (px, pc, ps, po) = (ptr(Some(&x))?, ptr(Some(&cos))?, ptr(Some(&sin))?, ptr(Some(&out))?);
-            // SAFETY: checked contiguous CUDA tensors on the guarded device; `out` is fresh.
+            // SAFETY: checked CUDA tensors on the guarded device, `x` read through
+            // its strides, the others contiguous; `out` is fresh.
             unsafe {
                 keel::ops::rotary::apply_cuda_raw(
                     &call.gpu,
                     &call.stream,
                     dtype,
                     px,
+                    strides,
                     pc,
                     ps,
                     po,

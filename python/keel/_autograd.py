@@ -8,7 +8,7 @@ must itself be differentiable (``create_graph=True``): see ``_twice``.
 import torch
 
 from . import _twice
-from ._common import acc_dtype
+from ._common import acc_dtype, heads_contiguous
 
 ops = torch.ops.keel
 
@@ -174,7 +174,7 @@ def _rotary_backward(ctx, grad):
     x, cos, sin = ctx.saved_tensors
     if _twice.wanted():
         return tuple(_twice.vjp(_twice.rotary, (x, cos, sin, ctx.interleaved), (grad,), ctx.needs_input_grad))
-    grad = grad.contiguous()
+    grad = heads_contiguous(grad)
     gx = ops.rotary_embedding_backward(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
     gcos = gsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:

@@ -1,5 +1,5 @@
-"""Two conventions of Keel's ops that its Python layers share: the accumulation
-dtype, and one device for all tensor arguments."""
+"""Conventions of Keel's ops that its Python layers share: the accumulation
+dtype, one device for all tensor arguments, and the layouts the ops read."""
 import torch
 
 
@@ -18,3 +18,10 @@ def one_device(name, named):
         if t.device != device:
             raise RuntimeError(f"keel::{name}: argument '{n}' is on {t.device} but '{first}' is on {device}")
     return device
+
+
+def heads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """`t` where an op that reads its leading dims through their strides takes
+    it as it is (last dim contiguous: stride 1, or at most one element), else a
+    contiguous copy. rotary_embedding reads `x` so."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()

@@ -5,6 +5,7 @@ import torch
 from torch import Tensor
 
 from . import _twice
+from ._common import heads_contiguous
 
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
@@ -193,14 +194,19 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
     (rotate halves: pairs ``(i, i + rotary_dim/2)``), ``True`` the GPT-J layout (pairs
     ``(2i, 2i+1)``). f32 math, one rounding.
 
+    ``x`` is read in place through its strides wherever its last dim is contiguous: ``q``
+    or ``k`` sliced from a fused qkv projection, or a ``[batch, heads, seq, head_dim]``
+    tensor passed as ``x.transpose(1, 2)``, cost no copy. Other layouts are copied first.
+
     Returns:
-        A new tensor shaped like ``x``. Differentiable in ``x`` (and in ``cos``/``sin``).
+        A new contiguous tensor shaped like ``x``. Differentiable in ``x`` (and in
+        ``cos``/``sin``).
     """
     return _call(_rotary_embedding, _twice.rotary, x, cos, sin, interleaved)
 
 
 def _rotary_embedding(x, cos, sin, interleaved):
-    return _keel.rotary_embedding.default(x.contiguous(), cos.contiguous(), sin.contiguous(), interleaved)
+    return _keel.rotary_embedding.default(heads_contiguous(x), cos.contiguous(), sin.contiguous(), interleaved)
 
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd

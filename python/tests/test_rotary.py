@@ -54,6 +54,77 @@ def test_forward_and_gradient_match_reference(device, shape, partial, interleave
         torch.testing.assert_close(xk.grad.double(), xr.grad, atol=2 * atol, rtol=rtol)
 
 
+def strided_layouts(b, s, h, d, dtype, device):
+    """(name, leaf, x): x a [b, s, h, d] view of the leaf tensor whose last dim is
+    contiguous but which is not: q and k sliced from a fused qkv projection, a
+    [b, h, s, d] tensor transposed, heads padded by one element (no 16-byte
+    vectors), and a batch broadcast from one sequence (stride 0)."""
+    qkv = make((b, s, 3 * h * d), dtype, device, 2)
+    bhsd = make((b, h, s, d), dtype, device, 3)
+    padded = make((b, s, h, d + 1), dtype, device, 4)
+    one = make((1, s, h, d), dtype, device, 5)
+    return [
+        ("q of qkv", qkv, lambda t: t[..., : h * d].view(b, s, h, d)),
+        ("k of qkv", qkv, lambda t: t[..., h * d : 2 * h * d].view(b, s, h, d)),
+        ("transposed", bhsd, lambda t: t.transpose(1, 2)),
+        ("padded heads", padded, lambda t: t[..., :d]),
+        ("broadcast batch", one, lambda t: t.expand(b, s, h, d)),
+    ]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_strided_x_is_read_in_place(device, interleaved):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    b, s, h, d = 2, 5, 3, 16
+    a = angles(s, 6, device)
+    for dtype in dtypes_for(device):
+        cos, sin = a.cos().to(dtype), a.sin().to(dtype)
+        for name, leaf, view in strided_layouts(b, s, h, d, dtype, device):
+            x = view(leaf)
+            assert not x.is_contiguous() and x.stride(-1) == 1, name
+            want = torch.ops.keel.rotary_embedding(x.contiguous(), cos, sin, interleaved)
+            # The bare op takes the view as it is, and gives the same bits.
+            assert torch.equal(torch.ops.keel.rotary_embedding(x, cos, sin, interleaved), want), name
+            # The typed API passes it on with no copy.
+            with Calls() as calls:
+                got = keel.rotary_embedding(x, cos, sin, interleaved)
+            assert calls.ops == ["keel.rotary_embedding.default"], (name, calls.ops)
+            assert torch.equal(got, want) and got.is_contiguous(), name
+            # Gradients reach the leaf through the view; the output gradient
+            # is itself strided (transposed), read in place by the backward.
+            leaf_k, leaf_r = leaf.clone().requires_grad_(), leaf.clone().requires_grad_()
+            dy = make((b, h, s, d), dtype, device, 6).transpose(1, 2)
+            keel.rotary_embedding(view(leaf_k), cos, sin, interleaved).backward(dy)
+            keel.rotary_embedding(view(leaf_r).contiguous(), cos, sin, interleaved).backward(dy.contiguous())
+            assert torch.equal(leaf_k.grad, leaf_r.grad), name
+
+
+def test_opcheck_and_compile_with_a_strided_x():
+    from torch.library import opcheck
+
+    a = torch.randn(3, 3)
+    x = torch.randn(2, 2, 3, 8, requires_grad=True).transpose(1, 2)
+    opcheck(torch.ops.keel.rotary_embedding.default, (x, a.cos(), a.sin(), False), test_utils=OPCHECK_UTILS)
+    torch._dynamo.reset()
+
+    def f(q_bhsd, cos, sin):
+        return keel.rotary_embedding(q_bhsd.transpose(1, 2), cos, sin).transpose(1, 2) * 2.0
+
+    q = torch.randn(2, 4, 3, 8)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, a.cos(), a.sin()), f(q, a.cos(), a.sin()))
+
+
 def llama_rope(q, position_ids, head_dim, base=10000.0):
     """Llama's rotary embedding (transformers' LlamaRotaryEmbedding and
     apply_rotary_pos_emb), on q laid out [batch, heads, seq, head_dim]."""
@@ -75,7 +146,8 @@ def test_matches_llama_with_its_cos_and_sin():
     positions = torch.arange(s)[None].expand(b, s)
     q = torch.randn(b, h, s, d)
     want, emb = llama_rope(q, positions, d)
-    # Keel takes [batch, seq, heads, head_dim] and the first half of Llama's cos/sin.
+    # Keel takes [batch, seq, heads, head_dim] (q transposed: read in place) and
+    # the first half of Llama's cos/sin.
     cos, sin = emb[0, :, : d // 2].cos(), emb[0, :, : d // 2].sin()
     got = keel.rotary_embedding(q.transpose(1, 2), cos, sin)
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
@@ -130,7 +202,8 @@ BAD = [
     ("rotary_dim too big", lambda: keel.rotary_embedding(torch.randn(1, 3, 2, 6), *_cs()), r"keel::rotary_embedding: argument 'cos' gives rotary_dim = 8 \(2 x its last dim\), more than head_dim = 6"),
     ("sin shape", lambda: keel.rotary_embedding(torch.randn(1, 3, 2, 8), _cs()[0], _cs(half=2)[1]), r"keel::rotary_embedding: argument 'sin' has shape \[3, 2\] but 'cos' has \[3, 4\]"),
     ("cos dtype", lambda: keel.rotary_embedding(torch.randn(1, 3, 2, 8), *_cs(dtype=torch.float64)), r"keel::rotary_embedding: argument 'cos' has dtype torch.float64 but 'x' has torch.float32"),
-    ("non-contiguous", lambda: torch.ops.keel.rotary_embedding(torch.randn(1, 2, 3, 8).transpose(1, 2), *_cs(), False), r"keel::rotary_embedding: argument 'x' must be contiguous"),
+    ("head not contiguous", lambda: torch.ops.keel.rotary_embedding(torch.randn(1, 3, 2, 16)[..., ::2], *_cs(), False), r"keel::rotary_embedding: argument 'x' must have its last dim contiguous \(stride 1\) and no negative stride, got strides \[96, 32, 16, 2\]"),
+    ("grad_out head not contiguous", lambda: torch.ops.keel.rotary_embedding_backward(torch.randn(1, 3, 2, 16)[..., ::2], *_cs(), False), r"keel::rotary_embedding_backward: argument 'grad_out' must have its last dim contiguous"),
     ("integer", lambda: keel.rotary_embedding(torch.ones(1, 3, 2, 8, dtype=torch.int32), *_cs()), r"keel::rotary_embedding: argument 'x' must be float32"),
 ]
 

@@ -406,13 +406,45 @@ fn gated_and_rotary<T: Dt>(c: Case) {
                 let got = both::<T>(sm, &what, |t| {
                     let (xd, cd, sd, yd) = (up(&x), up(&cos), up(&sin), z(m));
                     let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
-                    unsafe { rotary::apply_on(t, dt, px, pc, ps, yd.addr(), shape, interleaved, inverse) }.unwrap();
+                    let st = shape.contiguous();
+                    unsafe { rotary::apply_on(t, dt, px, st, pc, ps, yd.addr(), shape, interleaved, inverse) }.unwrap();
                     vec![yd.to_vec()]
                 });
                 let mut want = cpu(m);
                 rotary::apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
                 close(&got[0], &want, tol, &what);
             }
+        }
+    }
+
+    // rotary reading a strided x in place, against the CPU kernel on a
+    // contiguous copy: heads `pad` elements apart with a spare head per token
+    // (q sliced from a wider projection; pad 8 keeps 16-byte vectors, 1 does
+    // not), and [batch, heads, seq, head_dim] transposed to this layout.
+    let (batch, heads) = (2, 3);
+    let shape = rotary::Shape { batch, seq: rows, heads, head_dim: cols, rotary_dim: 2 * half };
+    let padded = |pad: usize| {
+        let h = cols + pad;
+        rotary::Strides { batch: rows * (heads + 1) * h, seq: (heads + 1) * h, heads: h }
+    };
+    let transposed = rotary::Strides { batch: heads * rows * cols, seq: cols, heads: rows * cols };
+    for (layout, st) in [("padded by 8", padded(8)), ("padded by 1", padded(1)), ("transposed", transposed)] {
+        let buf = data::<T>(shape.span(st).unwrap(), 23);
+        let mut xc = Vec::with_capacity(shape.numel());
+        for (b, p, h) in (0..batch).flat_map(|b| (0..rows).flat_map(move |p| (0..heads).map(move |h| (b, p, h)))) {
+            xc.extend_from_slice(&buf[b * st.batch + p * st.seq + h * st.heads..][..cols]);
+        }
+        for interleaved in [false, true] {
+            let what = format!("rotary {layout} interleaved={interleaved} {c:?}");
+            let got = both::<T>(sm, &what, |t| {
+                let (xd, cd, sd, yd) = (up(&buf), up(&cos), up(&sin), z(shape.numel()));
+                let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
+                unsafe { rotary::apply_on(t, dt, px, st, pc, ps, yd.addr(), shape, interleaved, false) }.unwrap();
+                vec![yd.to_vec()]
+            });
+            let mut want = cpu(shape.numel());
+            rotary::apply_cpu(&xc, &cos, &sin, &mut want, shape, interleaved, false, Par::Seq).unwrap();
+            close(&got[0], &want, tol, &what);
         }
     }
 }

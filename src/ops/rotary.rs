@@ -6,7 +6,9 @@
 //! - Numerics: f32 math (f64 for f64), one rounding.
 //! - CUDA: `lanes` threads per row (one head of one token), 16-byte loads
 //!   where the layout allows, the position worked out once per row.
-pub use keel_cpu::rotary::Shape;
+//! - Layout: the `_strided` functions read an `x` whose batch, seq and heads
+//!   dims have any strides (see [`Strides`]); outputs are contiguous.
+pub use keel_cpu::rotary::{Shape, Strides};
 
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
@@ -29,6 +31,22 @@ pub fn apply_cpu<T: Element>(
     par: Par<'_>,
 ) -> Result<()> {
     Ok(keel_cpu::rotary::apply(x, cos, sin, out, shape, interleaved, inverse, par)?)
+}
+
+/// CPU, `x` laid out with `strides`: see [`keel_cpu::rotary::apply_strided`].
+#[allow(clippy::too_many_arguments)]
+pub fn apply_strided_cpu<T: Element>(
+    x: &[T],
+    strides: Strides,
+    cos: &[T],
+    sin: &[T],
+    out: &mut [T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::rotary::apply_strided(x, strides, cos, sin, out, shape, interleaved, inverse, par)?)
 }
 
 fn check_limits(op: &'static str, shape: &Shape) -> Result<()> {
@@ -54,18 +72,21 @@ fn config(sm_count: u32, dtype: DType, rows: usize, shape: &Shape, interleaved: 
     (lanes, LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
 }
 
-/// CUDA on raw device pointers.
+/// CUDA on raw device pointers; `x` laid out with `strides`
+/// (`shape.contiguous()` for a contiguous one).
 ///
 /// # Safety
-/// `x` and `out` must be device addresses on `stream`'s device holding
-/// `shape.numel()` elements of `dtype`, `cos` and `sin` `seq * rotary_dim / 2`;
-/// `out` must not overlap the inputs.
+/// `x` must be a device address on `stream`'s device holding
+/// `shape.span(strides)` elements of `dtype`, `out` one holding
+/// `shape.numel()`, `cos` and `sin` `seq * rotary_dim / 2`; `out` must not
+/// overlap the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn apply_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
     dtype: DType,
     x: u64,
+    strides: Strides,
     cos: u64,
     sin: u64,
     out: u64,
@@ -74,7 +95,7 @@ pub unsafe fn apply_cuda_raw(
     inverse: bool,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { apply_on(&Stream { gpu, stream }, dtype, x, cos, sin, out, shape, interleaved, inverse) }
+    unsafe { apply_on(&Stream { gpu, stream }, dtype, x, strides, cos, sin, out, shape, interleaved, inverse) }
 }
 
 /// [`apply_cuda_raw`] on any [`Target`].
@@ -86,6 +107,7 @@ pub(crate) unsafe fn apply_on(
     t: &dyn Target,
     dtype: DType,
     x: u64,
+    strides: Strides,
     cos: u64,
     sin: u64,
     out: u64,
@@ -96,7 +118,14 @@ pub(crate) unsafe fn apply_on(
     let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
     check_limits(op, &shape)?;
     let (n, half) = (shape.numel(), shape.rotary_dim / 2);
-    shape.check(op, n, shape.seq * half, shape.seq * half, n)?;
+    // The kernel takes 64-bit signed offsets: a span that fits them keeps every
+    // row's offset in range (and one that overflows usize fails the check).
+    let span = shape.span(strides).unwrap_or(usize::MAX);
+    shape.check_strided(op, span, strides, shape.seq * half, shape.seq * half, n)?;
+    if span > i64::MAX as usize {
+        let msg = format!("strides {strides:?} reach past 2^63 elements");
+        return Err(Error::Invalid { op, arg: "x", msg });
+    }
     if n == 0 {
         return Ok(());
     }
@@ -115,6 +144,9 @@ pub(crate) unsafe fn apply_on(
         Arg::I32(interleaved as i32),
         Arg::F32(if inverse { -1.0 } else { 1.0 }),
         Arg::I32(lanes as i32),
+        Arg::I64(strides.batch as i64),
+        Arg::I64(strides.seq as i64),
+        Arg::I64(strides.heads as i64),
     ];
     // SAFETY: the argument list matches rotary_*; pointers per our contract.
     unsafe { t.launch(MODULE, &format!("rotary_{}", dtype.suffix()), cfg, &args) }
@@ -134,11 +166,30 @@ pub fn apply_cuda<T: CudaElement>(
 ) -> Result<()> {
     let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
     shape.check(op, x.len(), cos.len(), sin.len(), out.len())?;
+    apply_strided_cuda(stream, x, shape.contiguous(), cos, sin, out, shape, interleaved, inverse)
+}
+
+/// CUDA on `cudarc` buffers, `x` laid out with `strides` (it must hold at
+/// least `shape.span(strides)` elements), launched on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_strided_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+    strides: Strides,
+    cos: &CudaSlice<T>,
+    sin: &CudaSlice<T>,
+    out: &mut CudaSlice<T>,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
+    shape.check_strided(op, x.len(), strides, cos.len(), sin.len(), out.len())?;
     let gpu = gpu(stream.context().ordinal())?;
     let (px, _g1) = x.device_ptr(stream);
     let (pc, _g2) = cos.device_ptr(stream);
     let (ps, _g3) = sin.device_ptr(stream);
     let (po, _g4) = out.device_ptr_mut(stream);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { apply_cuda_raw(&gpu, stream, T::DTYPE, px, pc, ps, po, shape, interleaved, inverse) }
+    unsafe { apply_cuda_raw(&gpu, stream, T::DTYPE, px, strides, pc, ps, po, shape, interleaved, inverse) }
 }
