@@ -1,10 +1,11 @@
 //! criterion: rotary_embedding on CPU in both layouts (NeoX halves, GPT-J
 //! pairs), forward (the backward is the same kernel rotating the other way),
-//! every dtype, on rayon's pool; x `[batch, seq, 32, 128]`. Throughput counts
-//! x read and the output written.
+//! every dtype, on rayon's pool; x `[batch, seq, 32, 128]`, and NeoX on an x
+//! read through its strides (a `[batch, 32, seq, 128]` tensor transposed).
+//! Throughput counts x read and the output written.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{Element, Par};
-use keel::ops::rotary::{apply_cpu, Shape};
+use keel::ops::rotary::{apply_cpu, apply_strided_cpu, Shape, Strides};
 use std::hint::black_box;
 
 mod common;
@@ -25,6 +26,10 @@ fn bench<T: Element>(c: &mut Criterion) {
                 bn.iter(|| apply_cpu(black_box(&x), &cos, &sin, &mut y, shape, interleaved, false, par).unwrap())
             });
         }
+        let st = Strides { batch: 32 * seq * 128, seq: 128, heads: seq * 128 };
+        g.bench_function(BenchmarkId::new("neox transposed", &id), |bn| {
+            bn.iter(|| apply_strided_cpu(black_box(&x), st, &cos, &sin, &mut y, shape, false, false, par).unwrap())
+        });
     }
     g.finish();
 }

@@ -122,6 +122,22 @@ proptest! {
     fn bf16_matches_reference((shape, x, a) in case()) { check::<bf16>(shape, &x, &a); }
 }
 
+/// Transposed layouts large enough for several parallel blocks, whose edges
+/// fall inside a tile of tokens (the strided kernel then works tile by tile,
+/// head by head), and with more tokens than one tile.
+#[test]
+fn transposed_layout_over_many_blocks_matches_contiguous() {
+    for (batch, seq, heads, head_dim, rotary_dim) in [(3, 50, 7, 130, 96), (1, 300, 3, 64, 64), (2, 17, 2, 8, 8)] {
+        let shape = Shape { batch, seq, heads, head_dim, rotary_dim };
+        let st = Strides { batch: heads * seq * head_dim, seq: head_dim, heads: seq * head_dim };
+        let storage: Vec<f64> =
+            (0..shape.span(st).unwrap()).map(|i| ((i * 7919 % 2001) as f64 - 1000.0) / 400.0).collect();
+        let angles: Vec<f64> = (0..seq * rotary_dim / 2).map(|i| (i as f64 * 0.37).sin() * 3.0).collect();
+        check_strided::<f32>(shape, st, &storage, &angles);
+        check_strided::<bf16>(shape, st, &storage, &angles);
+    }
+}
+
 #[test]
 fn inverse_undoes_forward_and_layouts_pair_the_right_dims() {
     let shape = Shape { batch: 1, seq: 2, heads: 1, head_dim: 6, rotary_dim: 4 };

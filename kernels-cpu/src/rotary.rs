@@ -176,27 +176,29 @@ fn run<T: Element>(
     let sign = if inverse { T::Acc::ZERO - T::Acc::ONE } else { T::Acc::ONE };
     let blocks = Blocks::new(&par, rows, d);
     let ys = Split::new(out, blocks.per * d);
+    // Heads farther apart in x than positions (a [batch, heads, seq, head_dim]
+    // tensor transposed): rows in output order would read `heads` streams
+    // at once, one head from each; tiles of TILE tokens read TILE consecutive
+    // rows of each head instead.
+    let tiled = heads > 1 && seq > 1 && st.heads > st.seq;
     par.for_each(blocks.count, &|b| {
         let mut y = ys.get(b);
-        let start = blocks.rows(b).start;
+        let rows = blocks.rows(b);
         dispatch(
             #[inline(always)]
             || {
+                if tiled {
+                    rotate_tiles(x, st, cos, sin, &mut y, rows.clone(), shape, interleaved, sign);
+                    return;
+                }
                 // The row's batch entry, position and head, stepped rather
                 // than divided out per row (a division is about as long as
                 // rotating a bf16 head of 128).
+                let start = rows.start;
                 let (mut batch, mut pos, mut head) = (start / (seq * heads), (start / heads) % seq, start % heads);
                 for y in y.chunks_exact_mut(d) {
                     let x = &x[batch * st.batch + pos * st.seq + head * st.heads..][..d];
-                    let (c, s) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
-                    if interleaved {
-                        rotate_pairs(x, y, c, s, sign);
-                    } else {
-                        rotate_halves(x, y, c, s, sign);
-                    }
-                    if 2 * half < d {
-                        y[2 * half..].copy_from_slice(&x[2 * half..]);
-                    }
+                    rotate_row(x, y, &cos[pos * half..][..half], &sin[pos * half..][..half], interleaved, sign);
                     head += 1;
                     if head == heads {
                         head = 0;
@@ -210,6 +212,65 @@ fn run<T: Element>(
             },
         );
     });
+}
+
+/// Tokens per tile of [`rotate_tiles`]: 16 rows of 128 bf16 are 4 KiB read
+/// in a row from each head.
+const TILE: usize = 16;
+
+/// Output rows `rows` (`y` holds them) in tiles of [`TILE`] tokens, head by
+/// head within a tile.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rotate_tiles<T: Element>(
+    x: &[T],
+    st: Strides,
+    cos: &[T],
+    sin: &[T],
+    y: &mut [T],
+    rows: std::ops::Range<usize>,
+    shape: Shape,
+    interleaved: bool,
+    sign: T::Acc,
+) {
+    let (d, half, heads, seq) = (shape.head_dim, shape.rotary_dim / 2, shape.heads, shape.seq);
+    let tokens = rows.start / heads..(rows.end - 1) / heads + 1;
+    let mut tile = tokens.start;
+    while tile < tokens.end {
+        let n = (tokens.end - tile).min(TILE);
+        // Each token's position and where its heads start in x.
+        let (mut pos, mut base) = ([0usize; TILE], [0usize; TILE]);
+        for i in 0..n {
+            let (b, p) = ((tile + i) / seq, (tile + i) % seq);
+            (pos[i], base[i]) = (p, b * st.batch + p * st.seq);
+        }
+        for h in 0..heads {
+            for i in 0..n {
+                let row = (tile + i) * heads + h;
+                if !rows.contains(&row) {
+                    continue;
+                }
+                let (p, x) = (pos[i], &x[base[i] + h * st.heads..][..d]);
+                let y = &mut y[(row - rows.start) * d..][..d];
+                rotate_row(x, y, &cos[p * half..][..half], &sin[p * half..][..half], interleaved, sign);
+            }
+        }
+        tile += n;
+    }
+}
+
+/// One row: the rotated pairs, then the dims past them copied.
+#[inline(always)]
+fn rotate_row<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], interleaved: bool, sign: T::Acc) {
+    if interleaved {
+        rotate_pairs(x, y, c, s, sign);
+    } else {
+        rotate_halves(x, y, c, s, sign);
+    }
+    let rot = 2 * c.len();
+    if rot < y.len() {
+        y[rot..].copy_from_slice(&x[rot..]);
+    }
 }
 
 /// NeoX layout: `(x[i], x[i + h])` for `i < h`.
