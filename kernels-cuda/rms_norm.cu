@@ -3,6 +3,10 @@
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and the pointers are aligned (scalar
 // loads otherwise), f32 accumulation, block sums by warp shuffle.
+// The forward reads x's rows where a strided view puts them: row r, as the
+// index (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
+// i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); y is
+// contiguous.
 // Kernel symbols: rms_norm_{fwd,bwd,bwd_dw}_{f32,f16,bf16}.
 #include "common.cuh"
 
@@ -10,12 +14,15 @@ using namespace keel;
 
 template <typename T>
 __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
-                                             T* __restrict__ y, int64_t rows, int cols, float eps) {
+                                             T* __restrict__ y, int64_t rows, int cols, float eps, int64_t n1,
+                                             int64_t n2, int64_t s0, int64_t s1, int64_t s2) {
   __shared__ float scratch[32];
   constexpr int N = Pack<T>::N;
-  const bool vec = cols % N == 0 && aligned16(x) && aligned16(y) && (w == nullptr || aligned16(w));
+  const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(y) &&
+                   (w == nullptr || aligned16(w));
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row * cols;
+    const int64_t t = row / n2, i2 = row - t * n2, i0 = t / n1, i1 = t - i0 * n1;
+    const T* xr = x + i0 * s0 + i1 * s1 + i2 * s2;
     T* yr = y + row * cols;
     float ss = 0.f;
     if (vec) {
@@ -121,8 +128,9 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
 
 #define KEEL_RMS_NORM(SUFFIX, T)                                                                  \
   extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
-                                                   int cols, float eps) {                        \
-    rms_norm_fwd<T>(x, w, y, rows, cols, eps);                                                    \
+                                                   int cols, float eps, int64_t n1, int64_t n2,  \
+                                                   int64_t s0, int64_t s1, int64_t s2) {         \
+    rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                                \
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
                                                    const T* w, T* dx, float* dw_partial,          \

@@ -1,11 +1,12 @@
 //! Property tests: the CPU rms_norm kernels against the f64 reference, for
 //! every dtype, widths that are not multiples of the SIMD width, one row, zero
-//! rows, and every kind of parallelism.
+//! rows, and every kind of parallelism; the strided forward (rows placed by a
+//! `RowLayout`) against the contiguous one on a gathered copy.
 mod common;
 
 use common::{assert_close, sum_scale, to_elems, Tol};
-use keel::cpu::{bf16, f16, Par};
-use keel::ops::rms_norm::{backward_cpu, forward_cpu};
+use keel::cpu::{bf16, f16, Par, RowLayout};
+use keel::ops::rms_norm::{backward_cpu, forward_cpu, forward_strided_cpu};
 use keel_cpu::rms_norm::{backward_ref, forward_ref};
 use proptest::prelude::*;
 
@@ -60,6 +61,76 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], w: &[f64], dy: &[f64], wit
             }
         }
     }
+}
+
+/// Leading dims [a, b] of a strided x: b heads of `cols` padded by `pad` with
+/// `spare` more per token (q of a fused qkv), or stored transposed ([b, a]),
+/// or with a broadcast (stride 0) outer dim; the layout and its storage.
+fn strided_case() -> impl Strategy<Value = (RowLayout, usize, Vec<f64>, Vec<f64>)> {
+    (1usize..=6, 1usize..=4, 1usize..=150, 0usize..=3, 0usize..=2, 0usize..3).prop_flat_map(
+        |(a, b, cols, pad, spare, kind)| {
+            let h = cols + pad;
+            let strides = match kind {
+                0 => [(b + spare) * h, h],
+                1 => [h, a * h],
+                _ => [0, h],
+            };
+            let layout = RowLayout::new(&[a, b], &strides).unwrap();
+            let v = |n| prop::collection::vec(-4.0f64..4.0, n);
+            (Just(layout), Just(cols), v(layout.span(cols).unwrap()), v(cols))
+        },
+    )
+}
+
+fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: usize, storage: &[f64], w: &[f64]) {
+    let (storage, w) = (to_elems::<T>(storage), to_elems::<T>(w));
+    let x: Vec<T> = (0..layout.rows()).flat_map(|r| storage[layout.offset(r)..][..cols].to_vec()).collect();
+    for weight in [Some(&w[..]), None] {
+        let mut want = vec![T::default(); x.len()];
+        forward_cpu(&x, weight, &mut want, cols, 1e-6, Par::Seq).unwrap();
+        for par in pars() {
+            let mut y = vec![T::default(); x.len()];
+            forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap();
+            // The same arithmetic per row as on the contiguous copy.
+            assert_eq!(y, want, "{layout:?} cols {cols}");
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    #[test]
+    fn f32_strided_forward_matches_contiguous((l, cols, x, w) in strided_case()) { check_strided::<f32>(l, cols, &x, &w); }
+
+    #[test]
+    fn bf16_strided_forward_matches_contiguous((l, cols, x, w) in strided_case()) { check_strided::<bf16>(l, cols, &x, &w); }
+
+    #[test]
+    fn f16_strided_forward_matches_contiguous((l, cols, x, w) in strided_case()) { check_strided::<f16>(l, cols, &x, &w); }
+}
+
+/// Strided rows over several parallel blocks (rayon) give the sequential result.
+#[test]
+fn strided_forward_over_many_blocks() {
+    let (tokens, heads, cols) = (300, 4, 128);
+    let layout = RowLayout::new(&[tokens, heads], &[3 * heads * cols, cols]).unwrap();
+    let storage: Vec<f64> =
+        (0..layout.span(cols).unwrap()).map(|i| ((i * 7919 % 2001) as f64 - 1000.0) / 400.0).collect();
+    let w: Vec<f64> = (0..cols).map(|i| 1.0 + i as f64 / 100.0).collect();
+    check_strided::<f32>(layout, cols, &storage, &w);
+    check_strided::<bf16>(layout, cols, &storage, &w);
+    check_strided::<f16>(layout, cols, &storage, &w);
+}
+
+#[test]
+fn strided_forward_refuses_a_short_input() {
+    let layout = RowLayout::new(&[2, 3], &[40, 10]).unwrap();
+    let mut y = vec![0f32; 6 * 8];
+    let err = forward_strided_cpu(&[0f32; 67], layout, None, &mut y, 8, 1e-6, Par::Seq).unwrap_err().to_string();
+    assert!(err.contains("argument 'input': holds 67 elements, but its layout"), "{err}");
+    assert!(err.contains("reaches 68"), "{err}");
+    assert!(forward_strided_cpu(&[0f32; 68], layout, None, &mut y, 8, 1e-6, Par::Seq).is_ok());
 }
 
 proptest! {

@@ -1,6 +1,6 @@
 //! CUDA rms_norm against the CPU kernel (itself checked against the f64
-//! reference). Skips, saying why, where no GPU is usable.
-use keel::cpu::{bf16, f16, Element, Par};
+//! reference), contiguous and strided. Skips, saying why, where no GPU is usable.
+use keel::cpu::{bf16, f16, Element, Par, RowLayout};
 use keel::cuda::{gpu, CudaElement};
 use keel::ops::rms_norm as op;
 
@@ -40,6 +40,25 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     close(&got_y, &want_y, "forward", 1.0);
     close(&got_gi, &want_gi, "grad_input", 4.0);
     close(&got_gw, &want_gw, "grad_weight", 4.0 * (rows as f64).sqrt());
+
+    // The forward on a strided x: q of a fused qkv viewed [rows, 2, cols]
+    // (heads padded by 8: 16-byte vectors; by 1: none), and [2, rows, cols]
+    // transposed; against the CPU's strided kernel on the same storage.
+    for layout in [
+        RowLayout::new(&[rows, 2], &[6 * (cols + 8), cols + 8]).unwrap(),
+        RowLayout::new(&[rows, 2], &[6 * (cols + 1), cols + 1]).unwrap(),
+        RowLayout::new(&[rows, 2], &[cols, rows * cols]).unwrap(),
+    ] {
+        let storage: Vec<T> =
+            (0..layout.span(cols).unwrap()).map(|i| T::from_f64(((i * 7919 % 2001) as f64 - 1000.0) / 400.0)).collect();
+        let n = layout.rows() * cols;
+        let mut out = stream.alloc_zeros::<T>(n).unwrap();
+        let sd = stream.clone_htod(&storage).unwrap();
+        op::forward_strided_cuda(&stream, &sd, layout, Some(&dw_d), &mut out, cols, 1e-6).unwrap();
+        let mut want = vec![T::default(); n];
+        op::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, Par::Seq).unwrap();
+        close(&stream.clone_dtoh(&out).unwrap(), &want, &format!("forward {layout:?}"), 1.0);
+    }
 }
 
 #[test]

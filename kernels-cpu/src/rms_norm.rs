@@ -9,11 +9,14 @@
 //!   f64), rounded to `T` once at the end. Against the f64 reference
 //!   ([`forward_ref`]) the error is within one rounding of `T` plus the f32
 //!   accumulation error (about `1e-6 * sqrt(cols)` relative).
+//! - Layout: [`forward_strided`] reads rows placed by a [`RowLayout`] (a
+//!   strided view, each row contiguous); the output is always contiguous.
 //! - Parallelism: blocks of whole rows, spread by [`Par`]; the backward's
 //!   weight gradient is summed per block and the blocks are then added in
 //!   order, so for a given thread count the result is deterministic.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
+use crate::layout::{Offsets, RowLayout};
 use crate::narrow::BLOCK;
 use crate::par::Par;
 use crate::rows::{row_and_next, sum_partials, Blocks, Split};
@@ -100,6 +103,76 @@ pub fn forward<T: Element>(
         );
     });
     Ok(())
+}
+
+/// [`forward`] of an `x` whose rows `layout` places (each row `cols`
+/// contiguous elements); `out` is contiguous. `x` must hold at least
+/// `layout.span(cols)` elements.
+pub fn forward_strided<T: Element>(
+    x: &[T],
+    layout: RowLayout,
+    weight: Option<&[T]>,
+    out: &mut [T],
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = layout.rows();
+    check_forward(rows * cols, weight.map(<[T]>::len), out.len(), cols, eps)?;
+    let span = layout.span(cols).ok_or_else(|| Error::Shape {
+        op: OP_FWD,
+        arg: "input",
+        msg: format!("layout {layout:?} overflows the address space"),
+    })?;
+    if x.len() < span {
+        let msg = format!("holds {} elements, but its layout {layout:?} reaches {span}", x.len());
+        return Err(Error::Shape { op: OP_FWD, arg: "input", msg });
+    }
+    if rows * cols == 0 {
+        return Ok(());
+    }
+    if layout.is_contiguous(cols) {
+        return forward(&x[..rows * cols], weight, out, cols, eps, par);
+    }
+    let eps = T::Acc::from_f64(eps);
+    let blocks = Blocks::new(&par, rows, cols);
+    let ys = Split::new(out, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let mut y = ys.get(b);
+        let mut at = layout.offsets_from(blocks.rows(b).start);
+        dispatch(
+            #[inline(always)]
+            || {
+                let n = y.len() / cols;
+                if widen::applies::<T>() {
+                    let widened = "rms_norm: widen applies to f16 only";
+                    let (mut xs, mut ws) = (Vec::new(), Vec::new());
+                    let y = cast_mut::<T, f16>(&mut y).expect(widened);
+                    let weight = weight.map(|w| widen::to_f32(cast::<T, f16>(w), &mut ws).expect(widened));
+                    for (r, y) in y.chunks_exact_mut(cols).enumerate() {
+                        let (row, ahead) = strided_row_and_next(x, &mut at, r + 1 < n, cols);
+                        let row = widen::to_f32(cast::<T, f16>(row), &mut xs).expect(widened);
+                        forward_row(row, weight, y, eps.to_f64() as f32, cast::<T, f16>(ahead));
+                    }
+                    return;
+                }
+                for (r, y) in y.chunks_exact_mut(cols).enumerate() {
+                    let (row, ahead) = strided_row_and_next(x, &mut at, r + 1 < n, cols);
+                    forward_row(row, weight, y, eps, ahead);
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// The row at `at` and (where `more`) the next one, which the row kernels
+/// prefetch; moves `at` on.
+#[inline(always)]
+fn strided_row_and_next<'a, T>(x: &'a [T], at: &mut Offsets, more: bool, cols: usize) -> (&'a [T], &'a [T]) {
+    let row = &x[at.get()..][..cols];
+    at.advance();
+    (row, if more { &x[at.get()..][..cols] } else { &[] })
 }
 
 /// Backward: from `grad_out` and the forward's `x` and `weight`, writes

@@ -115,6 +115,24 @@ pub(crate) fn strided_rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result
     Ok(Rows { arg, device, dtype, rows, cols })
 }
 
+/// Where the rows of `t` (checked as `c`) lie for a row op that reads it
+/// through its strides: its last dim contiguous (stride 1, or at most one
+/// element), no negative stride, and at most three leading dims once the
+/// contiguous ones merge.
+pub(crate) fn row_layout(op: &str, arg: &str, t: &Tensor, c: &Rows) -> Result<keel::cpu::RowLayout> {
+    let (sizes, strides) = (t.sizes()?, t.strides()?);
+    let n = sizes.len();
+    let refuse = |why: &str| {
+        invalid(op, arg, format!("{why}, got sizes {sizes:?} and strides {strides:?} (call .contiguous() first)"))
+    };
+    if strides.iter().any(|&s| s < 0) || (c.cols > 1 && strides[n - 1] != 1) {
+        return Err(refuse("must have its last dim contiguous (stride 1) and no negative stride"));
+    }
+    let us = |v: &[i64]| v.iter().map(|&x| x as usize).collect::<Vec<_>>();
+    keel::cpu::RowLayout::new(&us(&sizes[..n - 1]), &us(&strides[..n - 1]))
+        .ok_or_else(|| refuse("has more than 3 leading dims that do not merge into one another"))
+}
+
 pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {
     if eps.is_finite() && eps >= 0.0 {
         Ok(())

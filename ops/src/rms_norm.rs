@@ -4,7 +4,12 @@
 //! matches `torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)`.
 //! `rms_norm_backward(grad_out, input, weight, eps) -> (grad_input, grad_weight)`;
 //! `grad_weight` has shape `[0]` when `weight` is None.
-use crate::checks::{self, with_float_type, Rows};
+//!
+//! The forward reads `input` through its strides where its last dim is
+//! contiguous (q or k of a fused qkv projection viewed per head, for QK-norm;
+//! a transposed tensor): see [`checks::row_layout`]. The backward takes
+//! contiguous tensors (the autograd formula passes them so).
+use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
@@ -16,11 +21,16 @@ const OP_BWD: &str = "rms_norm_backward";
 /// `eps` the same way on every device; shared with `fused_add_rms_norm`.
 pub(crate) fn check(op: &str, arg: &'static str, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
     let c = checks::rows_of(op, arg, x)?;
-    if let Some(w) = weight {
-        checks::param(op, "weight", w, &c)?;
-    }
-    checks::eps(op, eps)?;
+    check_params(op, &c, weight, eps)?;
     Ok(c)
+}
+
+/// [`check`]'s checks of `weight` and `eps`.
+fn check_params(op: &str, c: &Rows, weight: Option<&Tensor>, eps: f64) -> Result<()> {
+    if let Some(w) = weight {
+        checks::param(op, "weight", w, c)?;
+    }
+    checks::eps(op, eps)
 }
 
 /// The forward op.
@@ -32,30 +42,34 @@ impl BoxedOp for RmsNorm {
     type Out = (Tensor,);
 
     fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP, "input", &input, weight.as_ref(), eps)?;
+        let c = checks::strided_rows_of(OP, "input", &input)?;
+        let layout = checks::row_layout(OP, "input", &input, &c)?;
+        check_params(OP, &c, weight.as_ref(), eps)?;
         let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
-                // SAFETY: checked contiguous CPU tensors of element type T; `out`
+                // SAFETY: checked CPU tensors of element type T, `input` read
+                // through its strides (its span), the weight contiguous; `out`
                 // is freshly allocated, so no other slice of it exists.
                 let (x, w, y) = unsafe {
-                    (input.as_slice::<T>()?, weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?, out.as_mut_slice::<T>()?)
+                    (input.as_span_slice::<T>()?, weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?, out.as_mut_slice::<T>()?)
                 };
-                with_torch_par(|par| keel::ops::rms_norm::forward_cpu(x, w, y, c.cols, eps, par)).map_err(kernel_err)?
+                let x = x.ok_or_else(|| invalid(OP, "input", "has strides that overflow the address space"))?;
+                with_torch_par(|par| keel::ops::rms_norm::forward_strided_cpu(x, layout, w, y, c.cols, eps, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP, c.device)?;
-                // SAFETY: checked contiguous CUDA tensors of this dtype and shape on
-                // the guarded device; `out` is a fresh allocation.
+                // SAFETY: checked CUDA tensors of this dtype and shape on the
+                // guarded device, `input` read through `layout`; `out` is fresh.
                 unsafe {
                     keel::ops::rms_norm::forward_cuda_raw(
                         &call.gpu,
                         &call.stream,
                         checks::cuda_dtype(c.dtype)?,
                         ptr(Some(&input))?,
+                        layout,
                         ptr(weight.as_ref())?,
                         ptr(Some(&out))?,
-                        c.rows,
                         c.cols,
                         eps,
                     )

@@ -25,3 +25,23 @@ def heads_contiguous(t: torch.Tensor) -> torch.Tensor:
     it as it is (last dim contiguous: stride 1, or at most one element), else a
     contiguous copy. rotary_embedding reads `x` so."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def rows_in_place(t: torch.Tensor) -> torch.Tensor:
+    """`t` where an op that reads its rows through their strides takes it as it
+    is, else a contiguous copy: its last dim contiguous, and at most three
+    leading dims once those contiguous with each other merge (Rust's
+    ``RowLayout``). rms_norm's forward reads `input` so."""
+    if t.is_contiguous() or t.dim() == 0:
+        return t
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        return t.contiguous()
+    dims, inner = 0, None
+    for n, s in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1])):
+        if n == 1:
+            continue
+        if inner is not None and inner[0] * inner[1] == s:
+            inner = (inner[0] * n, inner[1])
+            continue
+        dims, inner = dims + 1, (n, s)
+    return t if dims <= 3 else t.contiguous()

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from . import _twice
-from ._common import heads_contiguous
+from ._common import heads_contiguous, rows_in_place
 
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
@@ -20,18 +20,21 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
 
     Args:
         input: ``[..., n]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
-            Non-contiguous inputs are made contiguous first.
+            Read in place through its strides where its last dim is contiguous (``q``
+            or ``k`` of a fused qkv projection viewed ``[tokens, heads, head_dim]``,
+            for QK-norm; a transposed tensor); other layouts are copied first.
         weight: optional ``[n]`` scale, same dtype and device as ``input``.
         eps: added to the mean square before the square root; finite and >= 0.
 
     Returns:
-        A new tensor shaped like ``input``. Differentiable in ``input`` and ``weight``.
+        A new contiguous tensor shaped like ``input``. Differentiable in ``input``
+        and ``weight`` (the backward copies a strided ``input`` first).
     """
     return _call(_rms_norm, _twice.rms_norm, input, weight, eps)
 
 
 def _rms_norm(input, weight, eps):
-    return _keel.rms_norm.default(input.contiguous(), _c(weight), eps)
+    return _keel.rms_norm.default(rows_in_place(input), _c(weight), eps)
 
 
 def layer_norm(

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import keel
-from conftest import CPU_DTYPES, CUDA_DTYPES, assert_close, devices
+from conftest import CPU_DTYPES, CUDA_DTYPES, OPCHECK_UTILS, assert_close, devices
 
 SHAPES = [(1, 7), (3, 33), (2, 3, 129), (5, 4096), (4, 1), (0, 16), (2, 0, 8), (1, 8193)]
 
@@ -119,7 +119,8 @@ BAD = [
     ("weight dtype", lambda: (torch.randn(2, 4), torch.randn(4, dtype=torch.float64), 1e-6), r"argument 'weight' has dtype torch.float64"),
     ("devices differ", lambda: (torch.randn(2, 4), torch.randn(4, device="meta"), 1e-6), r"argument 'weight' is on meta but 'input' is on cpu"),
     ("0-dim", lambda: (torch.tensor(1.0), None, 1e-6), r"argument 'input' must have at least 1 dimension"),
-    ("non-contiguous", lambda: (torch.randn(4, 6).t(), None, 1e-6), r"argument 'input' must be contiguous"),
+    ("last dim strided", lambda: (torch.randn(4, 6).t(), None, 1e-6), r"argument 'input' must have its last dim contiguous \(stride 1\) and no negative stride, got sizes \[6, 4\] and strides \[1, 6\] \(call .contiguous\(\) first\)"),
+    ("4 leading dims apart", lambda: (torch.randn(2000).as_strided((2, 2, 2, 2, 4), (1000, 300, 50, 8, 1)), None, 1e-6), r"argument 'input' has more than 3 leading dims that do not merge into one another, got sizes \[2, 2, 2, 2, 4\] and strides \[1000, 300, 50, 8, 1\]"),
     ("negative eps", lambda: (torch.randn(2, 4), None, -1.0), r"argument 'eps' must be finite and >= 0"),
     ("nan eps", lambda: (torch.randn(2, 4), None, float("nan")), r"argument 'eps' must be finite and >= 0"),
 ]
@@ -142,6 +143,85 @@ def test_bad_input_to_backward():
 def test_python_api_accepts_non_contiguous_input():
     x = torch.randn(6, 4).t()
     torch.testing.assert_close(keel.rms_norm(x), F.rms_norm(x, (6,), None, 1e-6))
+    # Four leading dims that do not merge: the op refuses them, the typed API copies.
+    x = torch.randn(2000).as_strided((2, 2, 2, 2, 4), (1000, 300, 50, 8, 1))
+    torch.testing.assert_close(keel.rms_norm(x), F.rms_norm(x, (4,), None, 1e-6))
+
+
+def strided_layouts(t, h, d, dtype, device):
+    """(name, leaf, view): views whose rows are contiguous but not back to back:
+    q and k of a fused qkv [t, 3 h d] viewed [t, h, d] (QK-norm), rows cut from
+    wider ones (padded by one element: no 16-byte vectors), a [h, t, d] tensor
+    transposed, and a broadcast batch (stride 0)."""
+    g = torch.Generator().manual_seed(7)
+    mk = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+    return [
+        ("q of qkv", mk(t, 3 * h * d), lambda a: a[:, : h * d].view(t, h, d)),
+        ("k of qkv", mk(t, 3 * h * d), lambda a: a[:, h * d : 2 * h * d].view(t, h, d)),
+        ("rows padded", mk(t, h, d + 1), lambda a: a[..., :d]),
+        ("transposed", mk(h, t, d), lambda a: a.transpose(0, 1)),
+        ("broadcast", mk(1, h, d), lambda a: a.expand(t, h, d)),
+    ]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_strided_input_is_read_in_place(device, with_weight):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    t, h, d = 7, 3, 64
+    for dtype in dtypes_for(device):
+        w = torch.randn(d, dtype=torch.float64).to(dtype).to(device) if with_weight else None
+        for name, leaf, view in strided_layouts(t, h, d, dtype, device):
+            x = view(leaf)
+            assert not x.is_contiguous() and x.stride(-1) == 1, name
+            want = torch.ops.keel.rms_norm(x.contiguous(), w, 1e-6)
+            # The bare op takes the view as it is, and gives the same bits.
+            assert torch.equal(torch.ops.keel.rms_norm(x, w, 1e-6), want), name
+            assert_close(want, reference(x, w, 1e-6), dtype)
+            # The typed API passes it on with no copy, and so does keel.nn.RMSNorm.
+            with Calls() as calls:
+                got = keel.rms_norm(x, w)
+            assert calls.ops == ["keel.rms_norm.default"], (name, calls.ops)
+            assert torch.equal(got, want) and got.is_contiguous(), name
+            if with_weight:
+                m = keel.nn.RMSNorm(d, eps=1e-6, device=device, dtype=dtype)
+                with torch.no_grad():
+                    m.weight.copy_(w)
+                    assert torch.equal(m(x), want), name
+            # Gradients reach the leaf through the view (the backward copies x).
+            leaf_k, leaf_r = leaf.clone().requires_grad_(), leaf.clone().requires_grad_()
+            dy = torch.randn(x.shape, dtype=torch.float64).to(dtype).to(device)
+            keel.rms_norm(view(leaf_k), w).backward(dy)
+            keel.rms_norm(view(leaf_r).contiguous(), w).backward(dy)
+            assert torch.equal(leaf_k.grad, leaf_r.grad), name
+
+
+def test_opcheck_and_compile_with_a_strided_input():
+    from torch.library import opcheck
+
+    qkv = torch.randn(5, 3 * 2 * 16, requires_grad=True)
+    q = qkv[:, :32].view(5, 2, 16)
+    w = torch.randn(16, requires_grad=True)
+    opcheck(torch.ops.keel.rms_norm.default, (q, w, 1e-6), test_utils=OPCHECK_UTILS)
+    torch._dynamo.reset()
+
+    def qk_norm(qkv, w):
+        q, k = qkv[:, :32].view(5, 2, 16), qkv[:, 32:64].view(5, 2, 16)
+        return keel.rms_norm(q, w) * 2.0, keel.rms_norm(k, w)
+
+    got = torch.compile(qk_norm, fullgraph=True)(qkv.detach(), w.detach())
+    for a, b in zip(got, qk_norm(qkv.detach(), w.detach())):
+        torch.testing.assert_close(a, b)
 
 
 def test_nan_and_inf_propagate_like_torch():

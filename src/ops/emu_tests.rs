@@ -8,7 +8,7 @@
 //! These do not run the PTX or touch a GPU; `tests/ops_cuda.rs` does that
 //! where there is one.
 use super::{cross_entropy, fused_add_rms_norm, gated, layer_norm, reduce_parts, rms_norm, rotary, softmax};
-use crate::cpu::{bf16, f16, Acc, Element, Par};
+use crate::cpu::{bf16, f16, Acc, Element, Par, RowLayout};
 use crate::cuda::emu::{unavailable, Buf, Emu};
 use crate::cuda::{CudaElement, Target};
 use proptest::prelude::*;
@@ -116,7 +116,8 @@ fn norms<T: Dt>(c: Case) {
         let got = both::<T>(sm, &what, |t| {
             let (xd, wd, yd) = (up(&x), up(&w), z(n));
             let pw = if weighted { wd.addr() } else { 0 };
-            unsafe { rms_norm::forward_on(t, dt, xd.addr(), pw, yd.addr(), rows, cols, 1e-6) }.unwrap();
+            let layout = RowLayout::contiguous(rows, cols);
+            unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, pw, yd.addr(), cols, 1e-6) }.unwrap();
             let (dyd, dxd, dwd, s) = (up(&dy), z(n), z(cols), scratch(t));
             let pdw = if weighted { dwd.addr() } else { 0 };
             unsafe {
@@ -147,6 +148,29 @@ fn norms<T: Dt>(c: Case) {
         if weighted {
             close(&got[2], &wdw, sum_tol, &format!("{what} grad_weight"));
         }
+    }
+
+    // rms_norm forward reading a strided x, against the CPU's strided kernel
+    // on the same storage: q of a fused qkv as [rows, 2 heads, cols] (heads
+    // padded by 8, keeping 16-byte vectors, or by 1, not), and a transposed
+    // [2, rows, cols] from [rows, 2, cols]. Each layout has 2 x rows rows.
+    let qkv = |pad: usize| {
+        let h = cols + pad;
+        RowLayout::new(&[rows, 2], &[3 * 2 * h, h]).unwrap()
+    };
+    let transposed = RowLayout::new(&[2, rows], &[cols, 2 * cols]).unwrap();
+    for (layout_name, layout) in [("qkv pad 8", qkv(8)), ("qkv pad 1", qkv(1)), ("transposed", transposed)] {
+        let what = format!("rms_norm {layout_name} {c:?}");
+        let storage = data::<T>(layout.span(cols).unwrap(), 13);
+        let m = layout.rows() * cols;
+        let got = both::<T>(sm, &what, |t| {
+            let (xd, wd, yd) = (up(&storage), up(&w), z(m));
+            unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, wd.addr(), yd.addr(), cols, 1e-6) }.unwrap();
+            vec![yd.to_vec()]
+        });
+        let mut want = cpu(m);
+        rms_norm::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, Par::Seq).unwrap();
+        close(&got[0], &want, tol, &what);
     }
 
     // layer_norm

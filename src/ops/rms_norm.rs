@@ -8,11 +8,13 @@
 //!   output type. Tolerance against an f64 reference: f32 `1e-5` abs + `1.3e-6`
 //!   rel per `sqrt(cols)`-sized sum, f16 `1e-3` rel, bf16 `1.6e-2` rel (the
 //!   `torch.testing` defaults; see `tests/rms_norm_cpu.rs`).
+//! - Layout: the forward's `_strided` functions and [`forward_cuda_raw`] read
+//!   rows placed by a [`RowLayout`] (a strided view, each row contiguous).
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight gradient per block into an f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
 use super::{reduce_parts, sum_parts};
-use crate::cpu::{Element, Par};
+use crate::cpu::{Element, Par, RowLayout};
 use crate::cuda::{gpu, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -48,6 +50,20 @@ pub fn backward_cpu<T: Element>(
     Ok(keel_cpu::rms_norm::backward(grad_out, x, weight, grad_input, grad_weight, cols, eps, par)?)
 }
 
+/// CPU forward of an `x` whose rows `layout` places. See
+/// [`keel_cpu::rms_norm::forward_strided`].
+pub fn forward_strided_cpu<T: Element>(
+    x: &[T],
+    layout: RowLayout,
+    weight: Option<&[T]>,
+    out: &mut [T],
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::rms_norm::forward_strided(x, layout, weight, out, cols, eps, par)?)
+}
+
 /// The kernels' own limits, then the shape and `eps` checks the CPU kernel uses.
 fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     super::check_cols(OP, rows, cols)?;
@@ -61,26 +77,28 @@ pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
     reduce_parts(gpu.sm_count(), rows) * cols
 }
 
-/// CUDA forward on raw device pointers (`weight` 0 for none), launched on `stream`.
+/// CUDA forward on raw device pointers (`weight` 0 for none), launched on
+/// `stream`; `x`'s rows placed by `layout` (`RowLayout::contiguous(rows,
+/// cols)` for a contiguous one), `out` contiguous.
 ///
 /// # Safety
 /// Every pointer must be a device address on `stream`'s device, valid for
-/// `rows * cols` (`cols` for `weight`) elements of `dtype`, and `out` must not
-/// overlap the inputs.
+/// `layout.span(cols)` elements of `dtype` (`x`), `layout.rows() * cols`
+/// (`out`) or `cols` (`weight`), and `out` must not overlap the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn forward_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
     dtype: DType,
     x: u64,
+    layout: RowLayout,
     weight: u64,
     out: u64,
-    rows: usize,
     cols: usize,
     eps: f64,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, weight, out, rows, cols, eps) }
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, layout, weight, out, cols, eps) }
 }
 
 /// [`forward_cuda_raw`] on any [`Target`].
@@ -92,16 +110,24 @@ pub(crate) unsafe fn forward_on(
     t: &dyn Target,
     dtype: DType,
     x: u64,
+    layout: RowLayout,
     weight: u64,
     out: u64,
-    rows: usize,
     cols: usize,
     eps: f64,
 ) -> Result<()> {
+    let rows = layout.rows();
     check_dims(rows, cols, eps)?;
+    // The kernel takes 64-bit signed offsets: a span that fits them keeps
+    // every row's offset in range.
+    if layout.span(cols).is_none_or(|s| s > i64::MAX as usize) {
+        let msg = format!("layout {layout:?} reaches past 2^63 elements");
+        return Err(Error::Invalid { op: OP, arg: "input", msg });
+    }
     if rows == 0 {
         return Ok(());
     }
+    let ([_, n1, n2], [s0, s1, s2]) = (layout.sizes(), layout.strides());
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(weight),
@@ -109,6 +135,11 @@ pub(crate) unsafe fn forward_on(
         Arg::I64(rows as i64),
         Arg::I32(cols as i32),
         Arg::F32(eps as f32),
+        Arg::I64(n1 as i64),
+        Arg::I64(n2 as i64),
+        Arg::I64(s0 as i64),
+        Arg::I64(s1 as i64),
+        Arg::I64(s2 as i64),
     ];
     // SAFETY: the argument list matches rms_norm_fwd_*; pointers per our contract.
     unsafe { launch_rows(t, MODULE, "rms_norm_fwd", dtype, rows, cols, &args) }
@@ -255,13 +286,33 @@ pub fn forward_cuda<T: CudaElement>(
     eps: f64,
 ) -> Result<()> {
     let rows = keel_cpu::rms_norm::check_forward(x.len(), weight.map(|w| w.len()), out.len(), cols, eps)?;
+    forward_strided_cuda(stream, x, RowLayout::contiguous(rows, cols), weight, out, cols, eps)
+}
+
+/// CUDA forward on `cudarc` buffers, `x`'s rows placed by `layout` (it must
+/// hold at least `layout.span(cols)` elements), launched on `stream`.
+pub fn forward_strided_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &CudaSlice<T>,
+    layout: RowLayout,
+    weight: Option<&CudaSlice<T>>,
+    out: &mut CudaSlice<T>,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    let n = layout.rows() * cols;
+    keel_cpu::rms_norm::check_forward(n, weight.map(|w| w.len()), out.len(), cols, eps)?;
+    if layout.span(cols).is_none_or(|s| x.len() < s) {
+        let msg = format!("holds {} elements, fewer than its layout {layout:?} reaches", x.len());
+        return Err(Error::Invalid { op: OP, arg: "x", msg });
+    }
     let gpu = gpu(stream.context().ordinal())?;
     let (px, _gx) = x.device_ptr(stream);
     let pw = weight.map(|w| w.device_ptr(stream));
     let (po, _go) = out.device_ptr_mut(stream);
     // SAFETY: lengths checked above; the buffers live on this stream's device
     // and the guards keep cudarc's event tracking in order.
-    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, pw.as_ref().map_or(0, |p| p.0), po, rows, cols, eps) }
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, layout, pw.as_ref().map_or(0, |p| p.0), po, cols, eps) }
 }
 
 /// CUDA backward on `cudarc` buffers; allocates its scratch on `stream`.
