@@ -115,8 +115,9 @@ def _rope_neox(q, cos, sin):
 SHAPES = {
     # rows x hidden for the row ops, the gated ops' input is [rows, 2 * hidden],
     # cross_entropy [rows, vocab], rotary [batch, seq, heads, head_dim].
-    "large": dict(rows=4096, hidden=4096, vocab=32000, rope=(4, 1024, 32, 128)),
-    "small": dict(rows=64, hidden=256, vocab=1000, rope=(1, 16, 4, 64)),
+    # qk: the QK-norm case, [tokens, heads, head_dim] viewed from a fused qkv.
+    "large": dict(rows=4096, hidden=4096, vocab=32000, rope=(4, 1024, 32, 128), qk=(4096, 32, 128)),
+    "small": dict(rows=64, hidden=256, vocab=1000, rope=(1, 16, 4, 64), qk=(64, 4, 64)),
 }
 
 
@@ -174,6 +175,25 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
                     2 * q.numel() * es)
 
     mk["rotary_embedding"] = rope
+
+    # Strided inputs, read in place by Keel (the same views go to torch):
+    # Llama's q laid out [batch, heads, seq, head_dim], passed transposed; and
+    # QK-norm on q of a fused qkv projection viewed [tokens, heads, head_dim].
+    def rope_t():
+        c = rope()
+        bq, s, heads, d = sh["rope"]
+        c.name, c.args = "rotary_embedding (x.T)", (rnd(bq, heads, s, d).transpose(1, 2),) + c.args[1:]
+        return c
+
+    mk["rotary_embedding (x.T)"] = rope_t
+
+    def qk_norm():
+        t, heads, d = sh["qk"]
+        q = rnd(t, 3 * heads * d)[:, : heads * d].view(t, heads, d)
+        return Case("rms_norm (qkv view)", f"{t}x{heads}x{d}", (q, rnd(d)),
+                    lambda q, w: torch.ops.keel.rms_norm(q, w, 1e-6), _rms_norm, 2 * q.numel() * es)
+
+    mk["rms_norm (qkv view)"] = qk_norm
 
     # Forward + backward (training): gradients for every differentiable input
     # but rotary's cos/sin; bytes are the forward's plus the backward's least

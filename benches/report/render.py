@@ -79,7 +79,10 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "run; where a row's clone got memory still mapped from an earlier free, it ran at copy speed, and "
               "that row's fraction reads low: compare its `Keel / clone` with the rows around it), and on CUDA "
               "a copy into an existing tensor. `err` is the largest error against float64, "
-              "relative to the output's scale.", ""]
+              "relative to the output's scale. Two rows take strided views, which Keel reads in place and torch "
+              "gets the same: `rotary_embedding (x.T)` (a `[batch, heads, seq, head_dim]` q passed transposed, as "
+              "Llama lays it out) and `rms_norm (qkv view)` (QK-norm on q of a fused qkv projection, viewed "
+              "`[tokens, heads, head_dim]`).", ""]
     lines += ["## Memory bandwidth", "", "| run | device | clone (fresh output) GB/s | copy into existing GB/s |",
               "|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):

@@ -16,7 +16,7 @@ from render import markdown  # noqa: E402
 
 def test_small_report_runs_and_checks_values(tmp_path):
     cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
-           "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy"]
+           "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy,rms_norm (qkv view),rotary_embedding (x.T)"]
     plots = True
     try:
         import matplotlib  # noqa: F401
@@ -27,7 +27,9 @@ def test_small_report_runs_and_checks_values(tmp_path):
     raw = json.load(open(tmp_path / "raw.json"))
     rows = raw["rows"]
     assert {(r["op"], r["dtype"]) for r in rows} == {
-        (op, dt) for op in ("rms_norm", "rms_norm fwd+bwd", "cross_entropy fwd+bwd") for dt in ("float32", "bfloat16")}
+        (op, dt)
+        for op in ("rms_norm", "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "rms_norm (qkv view)", "rotary_embedding (x.T)")
+        for dt in ("float32", "bfloat16")}
     for r in rows:
         assert r["ok"], r
         assert r["err"]["compile"] <= 2e-2, r  # torch.compile of the expression agrees too
