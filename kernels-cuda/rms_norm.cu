@@ -3,14 +3,21 @@
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and the pointers are aligned (scalar
 // loads otherwise), f32 accumulation, block sums by warp shuffle.
-// The forward reads x's rows where a strided view puts them: row r, as the
-// index (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
-// i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); y is
-// contiguous.
+// Both read x's rows where a strided view puts them: row r, as the index
+// (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
+// i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); the
+// other tensors are contiguous.
 // Kernel symbols: rms_norm_{fwd,bwd,bwd_dw}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
+
+// Where row `row` of a strided x starts (see above).
+__device__ __forceinline__ int64_t row_offset(int64_t row, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                                              int64_t s2) {
+  const int64_t t = row / n2, i2 = row - t * n2, i0 = t / n1, i1 = t - i0 * n1;
+  return i0 * s0 + i1 * s1 + i2 * s2;
+}
 
 template <typename T>
 __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
@@ -21,8 +28,7 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
   const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(y) &&
                    (w == nullptr || aligned16(w));
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const int64_t t = row / n2, i2 = row - t * n2, i0 = t / n1, i1 = t - i0 * n1;
-    const T* xr = x + i0 * s0 + i1 * s1 + i2 * s2;
+    const T* xr = x + row_offset(row, n1, n2, s0, s1, s2);
     T* yr = y + row * cols;
     float ss = 0.f;
     if (vec) {
@@ -64,19 +70,20 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
 template <typename T>
 __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ add,
                                              const T* __restrict__ x, const T* __restrict__ w,
-                                             T* __restrict__ dx,
-                                             float* __restrict__ dw_partial, int64_t rows, int cols, float eps) {
+                                             T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
+                                             int cols, float eps, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
+                                             int64_t s2) {
   __shared__ float scratch[32];
   constexpr int N = Pack<T>::N;
-  const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
-                   (w == nullptr || aligned16(w)) && (add == nullptr || aligned16(add));
+  const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(dy) &&
+                   aligned16(dx) && (w == nullptr || aligned16(w)) && (add == nullptr || aligned16(add));
   float* part = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
   if (part) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
     __syncthreads();  // the vector loop below maps columns to threads differently
   }
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row * cols;
+    const T* xr = x + row_offset(row, n1, n2, s0, s1, s2);
     const T* gr = dy + row * cols;
     const T* ar = add ? add + row * cols : nullptr;
     T* dxr = dx + row * cols;
@@ -134,8 +141,10 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
                                                    const T* w, T* dx, float* dw_partial,          \
-                                                   int64_t rows, int cols, float eps) {          \
-    rms_norm_bwd<T>(dy, add, x, w, dx, dw_partial, rows, cols, eps);                              \
+                                                   int64_t rows, int cols, float eps, int64_t n1, \
+                                                   int64_t n2, int64_t s0, int64_t s1,            \
+                                                   int64_t s2) {                                  \
+    rms_norm_bwd<T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);          \
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_dw_##SUFFIX(const float* partial, T* dw, int parts,     \
                                                       int cols) {                                \

@@ -1,12 +1,12 @@
 //! Property tests: the CPU rms_norm kernels against the f64 reference, for
 //! every dtype, widths that are not multiples of the SIMD width, one row, zero
-//! rows, and every kind of parallelism; the strided forward (rows placed by a
-//! `RowLayout`) against the contiguous one on a gathered copy.
+//! rows, and every kind of parallelism; the strided forward and backward (x's
+//! rows placed by a `RowLayout`) against the contiguous ones on a gathered copy.
 mod common;
 
 use common::{assert_close, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par, RowLayout};
-use keel::ops::rms_norm::{backward_cpu, forward_cpu, forward_strided_cpu};
+use keel::ops::rms_norm::{backward_cpu, backward_strided_cpu, forward_cpu, forward_strided_cpu};
 use keel_cpu::rms_norm::{backward_ref, forward_ref};
 use proptest::prelude::*;
 
@@ -85,14 +85,26 @@ fn strided_case() -> impl Strategy<Value = (RowLayout, usize, Vec<f64>, Vec<f64>
 fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: usize, storage: &[f64], w: &[f64]) {
     let (storage, w) = (to_elems::<T>(storage), to_elems::<T>(w));
     let x: Vec<T> = (0..layout.rows()).flat_map(|r| storage[layout.offset(r)..][..cols].to_vec()).collect();
+    let dy: Vec<T> = (0..x.len()).map(|i| T::from_f64(((i * 31 % 17) as f64 - 8.0) / 5.0)).collect();
     for weight in [Some(&w[..]), None] {
         let mut want = vec![T::default(); x.len()];
         forward_cpu(&x, weight, &mut want, cols, 1e-6, Par::Seq).unwrap();
-        for par in pars() {
+        let (mut want_dx, mut want_dw) = (vec![T::default(); x.len()], vec![T::default(); cols]);
+        let wdw = weight.map(|_| &mut want_dw[..]);
+        backward_cpu(&dy, &x, weight, &mut want_dx, wdw, cols, 1e-6, Par::Seq).unwrap();
+        for (name, par) in [("seq", Par::Seq), ("rayon", Par::Rayon)] {
             let mut y = vec![T::default(); x.len()];
             forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap();
             // The same arithmetic per row as on the contiguous copy.
-            assert_eq!(y, want, "{layout:?} cols {cols}");
+            assert_eq!(y, want, "{layout:?} cols {cols} {name}");
+            let (mut dx, mut dw) = (vec![T::default(); x.len()], vec![T::default(); cols]);
+            let gdw = weight.map(|_| &mut dw[..]);
+            backward_strided_cpu(&dy, &storage, layout, weight, &mut dx, gdw, cols, 1e-6, par).unwrap();
+            assert_eq!(dx, want_dx, "grad_input {layout:?} cols {cols} {name}");
+            if weight.is_some() && name == "seq" {
+                // The weight gradient sums per block: equal for the same blocks.
+                assert_eq!(dw, want_dw, "grad_weight {layout:?} cols {cols}");
+            }
         }
     }
 }

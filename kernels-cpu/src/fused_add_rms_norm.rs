@@ -10,6 +10,7 @@
 //!   rms_norm. It is [`crate::rms_norm`]'s backward with the extra addend.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Result};
+use crate::layout::RowLayout;
 use crate::par::Par;
 use crate::rms_norm::{self, forward_row};
 use crate::rows::{Blocks, Split};
@@ -179,7 +180,8 @@ pub fn backward<T: Element>(
         cols,
         eps,
     )?;
-    rms_norm::backward_unchecked(grad_out, grad_sum_out, sum, weight, grad_sum, grad_weight, rows, cols, eps, par);
+    let layout = RowLayout::contiguous(rows, cols);
+    rms_norm::backward_unchecked(grad_out, grad_sum_out, sum, layout, weight, grad_sum, grad_weight, cols, eps, par);
     Ok(())
 }
 

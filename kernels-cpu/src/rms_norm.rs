@@ -119,15 +119,7 @@ pub fn forward_strided<T: Element>(
 ) -> Result<()> {
     let rows = layout.rows();
     check_forward(rows * cols, weight.map(<[T]>::len), out.len(), cols, eps)?;
-    let span = layout.span(cols).ok_or_else(|| Error::Shape {
-        op: OP_FWD,
-        arg: "input",
-        msg: format!("layout {layout:?} overflows the address space"),
-    })?;
-    if x.len() < span {
-        let msg = format!("holds {} elements, but its layout {layout:?} reaches {span}", x.len());
-        return Err(Error::Shape { op: OP_FWD, arg: "input", msg });
-    }
+    check_span(x.len(), layout, cols)?;
     if rows * cols == 0 {
         return Ok(());
     }
@@ -199,26 +191,74 @@ pub fn backward<T: Element>(
         cols,
         eps,
     )?;
-    backward_unchecked(grad_out, None, x, weight, grad_input, grad_weight, rows, cols, eps, par);
+    let layout = RowLayout::contiguous(rows, cols);
+    backward_unchecked(grad_out, None, x, layout, weight, grad_input, grad_weight, cols, eps, par);
     Ok(())
 }
 
-/// The backward over checked lengths, adding `grad_add` (when given, same
-/// shape as `x`) to `grad_input`: `fused_add_rms_norm`'s gradient through its
-/// second output.
+/// [`backward`] of an `x` whose rows `layout` places (the forward's input,
+/// read in place as [`forward_strided`] does); `grad_out`, `grad_input` are
+/// contiguous. `x` must hold at least `layout.span(cols)` elements.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_strided<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    layout: RowLayout,
+    weight: Option<&[T]>,
+    grad_input: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let n = layout.rows() * cols;
+    let gw = grad_weight.as_deref().map(<[T]>::len);
+    check_backward(grad_out.len(), n, weight.map(<[T]>::len), grad_input.len(), gw, cols, eps)?;
+    check_span(x.len(), layout, cols)?;
+    backward_unchecked(grad_out, None, x, layout, weight, grad_input, grad_weight, cols, eps, par);
+    Ok(())
+}
+
+/// Checks that `x` of `len` elements holds the rows `layout` places.
+fn check_span(len: usize, layout: RowLayout, cols: usize) -> Result<()> {
+    match layout.span(cols) {
+        Some(span) if len >= span => Ok(()),
+        Some(span) => Err(Error::Shape {
+            op: OP_FWD,
+            arg: "input",
+            msg: format!("holds {len} elements, but its layout {layout:?} reaches {span}"),
+        }),
+        None => Err(Error::Shape {
+            op: OP_FWD,
+            arg: "input",
+            msg: format!("layout {layout:?} overflows the address space"),
+        }),
+    }
+}
+
+/// The backward over checked lengths, `x`'s rows placed by `layout` (the
+/// others contiguous), adding `grad_add` (when given, `grad_input`'s shape)
+/// to `grad_input`: `fused_add_rms_norm`'s gradient through its second output.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_unchecked<T: Element>(
     grad_out: &[T],
     grad_add: Option<&[T]>,
     x: &[T],
+    layout: RowLayout,
     weight: Option<&[T]>,
     grad_input: &mut [T],
     grad_weight: Option<&mut [T]>,
-    rows: usize,
     cols: usize,
     eps: f64,
     par: Par<'_>,
 ) {
+    let rows = layout.rows();
+    if rows * cols == 0 {
+        if let Some(gw) = grad_weight {
+            sum_partials::<T>(&[], gw, cols);
+        }
+        return;
+    }
     let eps = T::Acc::from_f64(eps);
     let blocks = Blocks::new(&par, rows, cols);
     let mut partial = vec![T::Acc::ZERO; if grad_weight.is_some() { blocks.count * cols } else { 0 }];
@@ -229,9 +269,10 @@ pub(crate) fn backward_unchecked<T: Element>(
         par.for_each(blocks.count, &|b| {
             let mut dx = dxs.get(b);
             let mut dw = want_dw.then(|| dws.get(b));
-            let at = blocks.rows(b).start * cols;
-            let n = dx.len();
-            let (x, dy, add) = (&x[at..][..n], &grad_out[at..][..n], grad_add.map(|a| &a[at..][..n]));
+            let start = blocks.rows(b).start;
+            let (at, n) = (start * cols, dx.len());
+            let mut ox = layout.offsets_from(start);
+            let (dy, add) = (&grad_out[at..][..n], grad_add.map(|a| &a[at..][..n]));
             dispatch(
                 #[inline(always)]
                 || {
@@ -240,10 +281,12 @@ pub(crate) fn backward_unchecked<T: Element>(
                         let dw = dw.as_deref_mut().map(|d| cast_mut::<T::Acc, f32>(d).expect("f16's Acc is f32"));
                         let (x, dy) = (cast::<T, f16>(x), cast::<T, f16>(dy));
                         let (add, weight) = (add.map(cast::<T, f16>), weight.map(cast::<T, f16>));
-                        return backward_rows_f16(x, dy, add, weight, dx, dw, eps.to_f64() as f32, cols);
+                        return backward_rows_f16(x, &mut ox, dy, add, weight, dx, dw, eps.to_f64() as f32, cols);
                     }
+                    let rows = n / cols;
                     for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
-                        let ((x, next_x), (dy, next_dy)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
+                        let (x, next_x) = strided_row_and_next(x, &mut ox, r + 1 < rows, cols);
+                        let (dy, next_dy) = row_and_next(dy, r, cols);
                         let add = add.map(|a| &a[r * cols..][..cols]);
                         let dw = dw.as_deref_mut().map(|d| &mut d[..]);
                         backward_row(x, dy, add, weight, dx, dw, eps, &[next_dy, next_x]);
@@ -280,6 +323,7 @@ fn forward_rows_f16(x: &[f16], weight: Option<&[f16]>, y: &mut [f16], eps: f32, 
 #[inline(always)]
 fn backward_rows_f16(
     x: &[f16],
+    ox: &mut Offsets,
     dy: &[f16],
     add: Option<&[f16]>,
     weight: Option<&[f16]>,
@@ -292,8 +336,9 @@ fn backward_rows_f16(
     let [xs, dys, adds, ws] = &mut bufs;
     let widened = "rms_norm: widen applies";
     let weight = weight.map(|w| widen::to_f32(w, ws).expect(widened));
+    let rows = dx.len() / cols;
     for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
-        let ((x, next_x), (dy, next_dy)) = (row_and_next(x, r, cols), row_and_next(dy, r, cols));
+        let ((x, next_x), (dy, next_dy)) = (strided_row_and_next(x, ox, r + 1 < rows, cols), row_and_next(dy, r, cols));
         let (x, dy) = (widen::to_f32(x, xs).expect(widened), widen::to_f32(dy, dys).expect(widened));
         let add = add.map(|a| widen::to_f32(&a[r * cols..][..cols], adds).expect(widened));
         let dw = dw.as_deref_mut();
@@ -517,7 +562,9 @@ mod tests {
             let (mut got, mut want) = (vec![f16::ZERO; 3 * cols], vec![f16::ZERO; 3 * cols]);
             let (mut dw_got, mut dw_want) = (vec![0f32; cols], vec![0f32; cols]);
             let dw = weight.is_some() && add.is_none();
-            dispatch(|| backward_rows_f16(&x, &dy, add, weight, &mut got, dw.then_some(&mut dw_got[..]), 1e-5, cols));
+            let mut ox = crate::RowLayout::contiguous(3, cols).offsets_from(0);
+            let dwg = dw.then_some(&mut dw_got[..]);
+            dispatch(|| backward_rows_f16(&x, &mut ox, &dy, add, weight, &mut got, dwg, 1e-5, cols));
             dispatch(|| {
                 for r in 0..3 {
                     fn row(v: &[f16], r: usize, cols: usize) -> &[f16] {

@@ -119,7 +119,7 @@ impl BoxedOp for FusedAddRmsNormBackward {
                         ptr(Some(&grad))?,
                         if weight.is_some() { ptr(Some(&grad_weight))? } else { 0 },
                         ptr(scratch.as_ref())?,
-                        c.rows,
+                        keel::cpu::RowLayout::contiguous(c.rows, c.cols),
                         c.cols,
                         eps,
                     )

@@ -5,13 +5,13 @@
 //! `rms_norm_backward(grad_out, input, weight, eps) -> (grad_input, grad_weight)`;
 //! `grad_weight` has shape `[0]` when `weight` is None.
 //!
-//! The forward reads `input` through its strides where its last dim is
-//! contiguous (q or k of a fused qkv projection viewed per head, for QK-norm;
-//! a transposed tensor): see [`checks::row_layout`]. The backward takes
-//! contiguous tensors (the autograd formula passes them so).
+//! Both read `input` through its strides where its last dim is contiguous
+//! (q or k of a fused qkv projection viewed per head, for QK-norm; a
+//! transposed tensor): see [`checks::row_layout`]. `grad_out` is contiguous.
 use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
+use keel::cpu::RowLayout;
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 const OP: &str = "rms_norm";
@@ -23,6 +23,15 @@ pub(crate) fn check(op: &str, arg: &'static str, x: &Tensor, weight: Option<&Ten
     let c = checks::rows_of(op, arg, x)?;
     check_params(op, &c, weight, eps)?;
     Ok(c)
+}
+
+/// [`check`] for an `input` read through its strides; also returns where its
+/// rows lie.
+fn check_strided(op: &str, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<(Rows, RowLayout)> {
+    let c = checks::strided_rows_of(op, "input", x)?;
+    let layout = checks::row_layout(op, "input", x, &c)?;
+    check_params(op, &c, weight, eps)?;
+    Ok((c, layout))
 }
 
 /// [`check`]'s checks of `weight` and `eps`.
@@ -42,9 +51,7 @@ impl BoxedOp for RmsNorm {
     type Out = (Tensor,);
 
     fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = checks::strided_rows_of(OP, "input", &input)?;
-        let layout = checks::row_layout(OP, "input", &input, &c)?;
-        check_params(OP, &c, weight.as_ref(), eps)?;
+        let (c, layout) = check_strided(OP, &input, weight.as_ref(), eps)?;
         let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -91,24 +98,26 @@ impl BoxedOp for RmsNormBackward {
     type Out = (Tensor, Tensor);
 
     fn run((grad_out, input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP_BWD, "input", &input, weight.as_ref(), eps)?;
+        let (c, layout) = check_strided(OP_BWD, &input, weight.as_ref(), eps)?;
         checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
         let grad_input = c.empty_like(&input)?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
-                // SAFETY: checked contiguous CPU tensors of element type T; the
+                // SAFETY: checked CPU tensors of element type T, `input` read
+                // through its strides (its span), the others contiguous; the
                 // two outputs are fresh, distinct allocations.
                 let (dy, x, w, dx, dw) = unsafe {
                     (
                         grad_out.as_slice::<T>()?,
-                        input.as_slice::<T>()?,
+                        input.as_span_slice::<T>()?,
                         weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?,
                         grad_input.as_mut_slice::<T>()?,
                         if weight.is_some() { Some(grad_weight.as_mut_slice::<T>()?) } else { None },
                     )
                 };
-                with_torch_par(|par| keel::ops::rms_norm::backward_cpu(dy, x, w, dx, dw, c.cols, eps, par)).map_err(kernel_err)?
+                let x = x.ok_or_else(|| invalid(OP_BWD, "input", "has strides that overflow the address space"))?;
+                with_torch_par(|par| keel::ops::rms_norm::backward_strided_cpu(dy, x, layout, w, dx, dw, c.cols, eps, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP_BWD, c.device)?;
@@ -131,7 +140,7 @@ impl BoxedOp for RmsNormBackward {
                         ptr(Some(&grad_input))?,
                         if weight.is_some() { ptr(Some(&grad_weight))? } else { 0 },
                         ptr(scratch.as_ref())?,
-                        c.rows,
+                        layout,
                         c.cols,
                         eps,
                     )

@@ -29,9 +29,8 @@ def _rms_norm_backward(ctx, grad):
     if _twice.wanted():
         gx, gw, _ = _twice.vjp(_twice.rms_norm, (x, weight, ctx.eps), (grad,), ctx.needs_input_grad)
         return gx, gw, None
-    # The forward may have read a strided x in place; the backward takes it
-    # contiguous (a copy only then).
-    gx, gw = ops.rms_norm_backward(grad.contiguous(), x.contiguous(), weight, ctx.eps)
+    # x as the forward got it: the backward reads a strided one in place too.
+    gx, gw = ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
     return _grad(ctx, 0, gx), _grad(ctx, 1, gw) if weight is not None else None, None
 
 

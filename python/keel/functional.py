@@ -28,7 +28,7 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
 
     Returns:
         A new contiguous tensor shaped like ``input``. Differentiable in ``input``
-        and ``weight`` (the backward copies a strided ``input`` first).
+        and ``weight`` (the backward reads a strided ``input`` in place too).
     """
     return _call(_rms_norm, _twice.rms_norm, input, weight, eps)
 

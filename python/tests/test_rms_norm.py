@@ -198,12 +198,20 @@ def test_strided_input_is_read_in_place(device, with_weight):
                 with torch.no_grad():
                     m.weight.copy_(w)
                     assert torch.equal(m(x), want), name
-            # Gradients reach the leaf through the view (the backward copies x).
+            # Gradients reach the leaf through the view, and the backward reads
+            # the saved view in place too (no copy of it).
             leaf_k, leaf_r = leaf.clone().requires_grad_(), leaf.clone().requires_grad_()
             dy = torch.randn(x.shape, dtype=torch.float64).to(dtype).to(device)
-            keel.rms_norm(view(leaf_k), w).backward(dy)
+            y = keel.rms_norm(view(leaf_k), w)
+            with Calls() as calls:
+                y.backward(dy)
+            assert "keel.rms_norm_backward.default" in calls.ops and "aten.clone.default" not in calls.ops, calls.ops
             keel.rms_norm(view(leaf_r).contiguous(), w).backward(dy)
             assert torch.equal(leaf_k.grad, leaf_r.grad), name
+            # The backward op itself takes the view, with the same bits.
+            g = torch.ops.keel.rms_norm_backward(dy, x, w, 1e-6)
+            for a, b in zip(g, torch.ops.keel.rms_norm_backward(dy, x.contiguous(), w, 1e-6)):
+                assert torch.equal(a, b), name
 
 
 def test_opcheck_and_compile_with_a_strided_input():

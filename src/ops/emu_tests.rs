@@ -131,7 +131,7 @@ fn norms<T: Dt>(c: Case) {
                     dxd.addr(),
                     pdw,
                     s.addr(),
-                    rows,
+                    RowLayout::contiguous(rows, cols),
                     cols,
                     1e-6,
                 )
@@ -150,10 +150,11 @@ fn norms<T: Dt>(c: Case) {
         }
     }
 
-    // rms_norm forward reading a strided x, against the CPU's strided kernel
-    // on the same storage: q of a fused qkv as [rows, 2 heads, cols] (heads
-    // padded by 8, keeping 16-byte vectors, or by 1, not), and a transposed
-    // [2, rows, cols] from [rows, 2, cols]. Each layout has 2 x rows rows.
+    // rms_norm forward and backward reading a strided x, against the CPU's
+    // strided kernels on the same storage: q of a fused qkv as
+    // [rows, 2 heads, cols] (heads padded by 8, keeping 16-byte vectors, or by
+    // 1, not), and a transposed [2, rows, cols] from [rows, 2, cols]. Each
+    // layout has 2 x rows rows.
     let qkv = |pad: usize| {
         let h = cols + pad;
         RowLayout::new(&[rows, 2], &[3 * 2 * h, h]).unwrap()
@@ -163,14 +164,40 @@ fn norms<T: Dt>(c: Case) {
         let what = format!("rms_norm {layout_name} {c:?}");
         let storage = data::<T>(layout.span(cols).unwrap(), 13);
         let m = layout.rows() * cols;
+        let dy2 = data::<T>(m, 29);
         let got = both::<T>(sm, &what, |t| {
             let (xd, wd, yd) = (up(&storage), up(&w), z(m));
             unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, wd.addr(), yd.addr(), cols, 1e-6) }.unwrap();
-            vec![yd.to_vec()]
+            let (dyd, dxd, dwd) = (up(&dy2), z(m), z(cols));
+            let s = garbage::<f32>(reduce_parts(t.sm_count(), layout.rows()) * cols + 1, 0);
+            let (px, pw) = (xd.addr(), wd.addr());
+            unsafe {
+                rms_norm::backward_add_on(
+                    t,
+                    dt,
+                    dyd.addr(),
+                    0,
+                    px,
+                    pw,
+                    dxd.addr(),
+                    dwd.addr(),
+                    s.addr(),
+                    layout,
+                    cols,
+                    1e-6,
+                )
+            }
+            .unwrap();
+            vec![yd.to_vec(), dxd.to_vec(), dwd.to_vec()]
         });
         let mut want = cpu(m);
         rms_norm::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, Par::Seq).unwrap();
         close(&got[0], &want, tol, &what);
+        let (mut wdx, mut wdw) = (cpu(m), cpu(cols));
+        let (x, ww) = (&storage[..], Some(&w[..]));
+        rms_norm::backward_strided_cpu(&dy2, x, layout, ww, &mut wdx, Some(&mut wdw), cols, 1e-6, Par::Seq).unwrap();
+        close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad_input"));
+        close(&got[2], &wdw, 4.0 * tol * (layout.rows() as f64).sqrt(), &format!("{what} grad_weight"));
     }
 
     // layer_norm
@@ -253,7 +280,7 @@ fn norms<T: Dt>(c: Case) {
                 dxd.addr(),
                 dwd.addr(),
                 s.addr(),
-                rows,
+                RowLayout::contiguous(rows, cols),
                 cols,
                 1e-6,
             )

@@ -7,7 +7,7 @@
 //! - The backward is [`crate::ops::rms_norm`]'s with the gradient arriving at
 //!   `sum` added: `grad_sum` is the gradient of both `x` and `residual`.
 use super::check_cols;
-use crate::cpu::{Element, Par};
+use crate::cpu::{Element, Par, RowLayout};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -196,7 +196,7 @@ pub fn backward_cuda<T: CudaElement>(
             pgi,
             pgw.as_ref().map_or(0, |p| p.0),
             ps,
-            rows,
+            RowLayout::contiguous(rows, cols),
             cols,
             eps,
         )

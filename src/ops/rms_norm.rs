@@ -64,6 +64,23 @@ pub fn forward_strided_cpu<T: Element>(
     Ok(keel_cpu::rms_norm::forward_strided(x, layout, weight, out, cols, eps, par)?)
 }
 
+/// CPU backward of an `x` whose rows `layout` places. See
+/// [`keel_cpu::rms_norm::backward_strided`].
+#[allow(clippy::too_many_arguments)]
+pub fn backward_strided_cpu<T: Element>(
+    grad_out: &[T],
+    x: &[T],
+    layout: RowLayout,
+    weight: Option<&[T]>,
+    grad_input: &mut [T],
+    grad_weight: Option<&mut [T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::rms_norm::backward_strided(grad_out, x, layout, weight, grad_input, grad_weight, cols, eps, par)?)
+}
+
 /// The kernels' own limits, then the shape and `eps` checks the CPU kernel uses.
 fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     super::check_cols(OP, rows, cols)?;
@@ -161,7 +178,7 @@ pub unsafe fn backward_cuda_raw(
     grad_input: u64,
     grad_weight: u64,
     scratch: u64,
-    rows: usize,
+    layout: RowLayout,
     cols: usize,
     eps: f64,
 ) -> Result<()> {
@@ -178,7 +195,7 @@ pub unsafe fn backward_cuda_raw(
             grad_input,
             grad_weight,
             scratch,
-            rows,
+            layout,
             cols,
             eps,
         )
@@ -202,7 +219,7 @@ pub unsafe fn backward_add_cuda_raw(
     grad_input: u64,
     grad_weight: u64,
     scratch: u64,
-    rows: usize,
+    layout: RowLayout,
     cols: usize,
     eps: f64,
 ) -> Result<()> {
@@ -218,7 +235,7 @@ pub unsafe fn backward_add_cuda_raw(
             grad_input,
             grad_weight,
             scratch,
-            rows,
+            layout,
             cols,
             eps,
         )
@@ -241,11 +258,16 @@ pub(crate) unsafe fn backward_add_on(
     grad_input: u64,
     grad_weight: u64,
     scratch: u64,
-    rows: usize,
+    layout: RowLayout,
     cols: usize,
     eps: f64,
 ) -> Result<()> {
+    let rows = layout.rows();
     check_dims(rows, cols, eps)?;
+    if layout.span(cols).is_none_or(|s| s > i64::MAX as usize) {
+        let msg = format!("layout {layout:?} reaches past 2^63 elements");
+        return Err(Error::Invalid { op: OP, arg: "input", msg });
+    }
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
@@ -253,6 +275,7 @@ pub(crate) unsafe fn backward_add_on(
     let partial = if grad_weight != 0 { scratch } else { 0 };
     let s = dtype.suffix();
     if rows > 0 {
+        let ([_, n1, n2], [s0, s1, s2]) = (layout.sizes(), layout.strides());
         let mut cfg = rows_config(rows, cols, dtype.size(), parts as u32);
         cfg.grid_dim.0 = parts as u32;
         let args = [
@@ -265,6 +288,11 @@ pub(crate) unsafe fn backward_add_on(
             Arg::I64(rows as i64),
             Arg::I32(cols as i32),
             Arg::F32(eps as f32),
+            Arg::I64(n1 as i64),
+            Arg::I64(n2 as i64),
+            Arg::I64(s0 as i64),
+            Arg::I64(s1 as i64),
+            Arg::I64(s2 as i64),
         ];
         // SAFETY: matches rms_norm_bwd_*; pointers per our contract.
         unsafe { t.launch(MODULE, &format!("rms_norm_bwd_{s}"), cfg, &args)? };
@@ -336,6 +364,38 @@ pub fn backward_cuda<T: CudaElement>(
         cols,
         eps,
     )?;
+    let layout = RowLayout::contiguous(rows, cols);
+    backward_strided_cuda(stream, grad_out, x, layout, weight, grad_input, grad_weight, cols, eps)
+}
+
+/// [`backward_cuda`] of an `x` whose rows `layout` places (it must hold at
+/// least `layout.span(cols)` elements); the other buffers are contiguous.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_strided_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    grad_out: &CudaSlice<T>,
+    x: &CudaSlice<T>,
+    layout: RowLayout,
+    weight: Option<&CudaSlice<T>>,
+    grad_input: &mut CudaSlice<T>,
+    grad_weight: Option<&mut CudaSlice<T>>,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    let rows = layout.rows();
+    keel_cpu::rms_norm::check_backward(
+        grad_out.len(),
+        rows * cols,
+        weight.map(|w| w.len()),
+        grad_input.len(),
+        grad_weight.as_deref().map(|g| g.len()),
+        cols,
+        eps,
+    )?;
+    if layout.span(cols).is_none_or(|s| x.len() < s) {
+        let msg = format!("holds {} elements, fewer than its layout {layout:?} reaches", x.len());
+        return Err(Error::Invalid { op: OP, arg: "x", msg });
+    }
     let gpu = gpu(stream.context().ordinal())?;
     let scratch: CudaSlice<f32> = stream
         .alloc_zeros(backward_scratch_len(&gpu, rows, cols).max(1))
@@ -358,7 +418,7 @@ pub fn backward_cuda<T: CudaElement>(
             pgi,
             pgw.as_ref().map_or(0, |p| p.0),
             ps,
-            rows,
+            layout,
             cols,
             eps,
         )
