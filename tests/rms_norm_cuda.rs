@@ -41,7 +41,7 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     close(&got_gi, &want_gi, "grad_input", 4.0);
     close(&got_gw, &want_gw, "grad_weight", 4.0 * (rows as f64).sqrt());
 
-    // The forward on a strided x: q of a fused qkv viewed [rows, 2, cols]
+    // Forward and backward on a strided x: q of a fused qkv viewed [rows, 2, cols]
     // (heads padded by 8: 16-byte vectors; by 1: none), and [2, rows, cols]
     // transposed; against the CPU's strided kernel on the same storage.
     for layout in [
@@ -58,6 +58,16 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
         let mut want = vec![T::default(); n];
         op::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, Par::Seq).unwrap();
         close(&stream.clone_dtoh(&out).unwrap(), &want, &format!("forward {layout:?}"), 1.0);
+        let g: Vec<T> = (0..n).map(|i| T::from_f64(((i * 104729 % 1001) as f64 - 500.0) / 300.0)).collect();
+        let gd = stream.clone_htod(&g).unwrap();
+        let (mut gi, mut gw) = (stream.alloc_zeros::<T>(n).unwrap(), stream.alloc_zeros::<T>(cols).unwrap());
+        op::backward_strided_cuda(&stream, &gd, &sd, layout, Some(&dw_d), &mut gi, Some(&mut gw), cols, 1e-6).unwrap();
+        let (mut want_gi, mut want_gw) = (vec![T::default(); n], vec![T::default(); cols]);
+        let (x, ww) = (&storage[..], Some(&w[..]));
+        op::backward_strided_cpu(&g, x, layout, ww, &mut want_gi, Some(&mut want_gw), cols, 1e-6, Par::Seq).unwrap();
+        close(&stream.clone_dtoh(&gi).unwrap(), &want_gi, &format!("grad_input {layout:?}"), 4.0);
+        let scale = 4.0 * (layout.rows() as f64).sqrt();
+        close(&stream.clone_dtoh(&gw).unwrap(), &want_gw, &format!("grad_weight {layout:?}"), scale);
     }
 }
 
