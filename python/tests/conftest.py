@@ -51,3 +51,26 @@ def make(shape, dtype, device, seed, scale=1.0):
     """Reproducible normal samples, rounded to dtype on the CPU then moved."""
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+
+
+class DispatchedOps:
+    """A context that records the ops torch dispatches below autograd inside it
+    (``calls.ops``: names such as ``"keel.rms_norm.default"``): shows that a
+    call made no copy (no ``aten.clone``) or ran a given kernel."""
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        ops = self.ops = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Record()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import keel
-from conftest import CPU_DTYPES, CUDA_DTYPES, OPCHECK_UTILS, assert_close, devices
+from conftest import CPU_DTYPES, CUDA_DTYPES, OPCHECK_UTILS, DispatchedOps, assert_close, devices
 
 SHAPES = [(1, 7), (3, 33), (2, 3, 129), (5, 4096), (4, 1), (0, 16), (2, 0, 8), (1, 8193)]
 
@@ -167,17 +167,6 @@ def strided_layouts(t, h, d, dtype, device):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_strided_input_is_read_in_place(device, with_weight):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     t, h, d = 7, 3, 64
     for dtype in dtypes_for(device):
         w = torch.randn(d, dtype=torch.float64).to(dtype).to(device) if with_weight else None
@@ -189,7 +178,7 @@ def test_strided_input_is_read_in_place(device, with_weight):
             assert torch.equal(torch.ops.keel.rms_norm(x, w, 1e-6), want), name
             assert_close(want, reference(x, w, 1e-6), dtype)
             # The typed API passes it on with no copy, and so does keel.nn.RMSNorm.
-            with Calls() as calls:
+            with DispatchedOps() as calls:
                 got = keel.rms_norm(x, w)
             assert calls.ops == ["keel.rms_norm.default"], (name, calls.ops)
             assert torch.equal(got, want) and got.is_contiguous(), name
@@ -203,7 +192,7 @@ def test_strided_input_is_read_in_place(device, with_weight):
             leaf_k, leaf_r = leaf.clone().requires_grad_(), leaf.clone().requires_grad_()
             dy = torch.randn(x.shape, dtype=torch.float64).to(dtype).to(device)
             y = keel.rms_norm(view(leaf_k), w)
-            with Calls() as calls:
+            with DispatchedOps() as calls:
                 y.backward(dy)
             assert "keel.rms_norm_backward.default" in calls.ops and "aten.clone.default" not in calls.ops, calls.ops
             keel.rms_norm(view(leaf_r).contiguous(), w).backward(dy)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import keel
-from conftest import OPCHECK_UTILS, TOL, devices, dtypes_for, make
+from conftest import OPCHECK_UTILS, TOL, DispatchedOps, devices, dtypes_for, make
 
 
 def ref_neox(x, cos, sin):
@@ -75,17 +75,6 @@ def strided_layouts(b, s, h, d, dtype, device):
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_strided_x_is_read_in_place(device, interleaved):
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     b, s, h, d = 2, 5, 3, 16
     a = angles(s, 6, device)
     for dtype in dtypes_for(device):
@@ -97,7 +86,7 @@ def test_strided_x_is_read_in_place(device, interleaved):
             # The bare op takes the view as it is, and gives the same bits.
             assert torch.equal(torch.ops.keel.rotary_embedding(x, cos, sin, interleaved), want), name
             # The typed API passes it on with no copy.
-            with Calls() as calls:
+            with DispatchedOps() as calls:
                 got = keel.rotary_embedding(x, cos, sin, interleaved)
             assert calls.ops == ["keel.rotary_embedding.default"], (name, calls.ops)
             assert torch.equal(got, want) and got.is_contiguous(), name
