@@ -76,9 +76,10 @@ impl RowLayout {
     }
 
     /// Elements a slice must hold: one past the last row's last element (0
-    /// without rows); `None` on overflow.
+    /// when nothing is read: no rows, or rows of no elements); `None` on
+    /// overflow.
     pub fn span(&self, cols: usize) -> Option<usize> {
-        if self.rows() == 0 {
+        if self.rows() == 0 || cols == 0 {
             return Some(0);
         }
         let last = self
@@ -194,5 +195,7 @@ mod tests {
             assert_eq!(l.span(4), Some(want.iter().max().unwrap() + 4));
         }
         assert_eq!(RowLayout::new(&[2, 3], &[usize::MAX, 1]).unwrap().span(1), None);
+        // Rows of no elements read nothing, wherever they start.
+        assert_eq!(RowLayout::new(&[3, 2], &[2, 8]).unwrap().span(0), Some(0));
     }
 }

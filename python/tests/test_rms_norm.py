@@ -203,6 +203,18 @@ def test_strided_input_is_read_in_place(device, with_weight):
                 assert torch.equal(a, b), name
 
 
+def test_rows_of_no_elements_give_empty_results_in_any_layout():
+    # Rows of width 0 read nothing, wherever their (strided) starts would be:
+    # a regression of the strided path, which first asked the input to hold
+    # the span up to the last row's start.
+    for x in (torch.empty(3, 2, 0), torch.empty(1, 2, 0).expand(3, 2, 0), torch.empty(4, 3, 0).transpose(0, 1)):
+        y = torch.ops.keel.rms_norm(x, None, 1e-6)
+        assert y.shape == x.shape and y.numel() == 0
+        gx, gw = torch.ops.keel.rms_norm_backward(torch.empty(x.shape), x, torch.empty(0), 1e-6)
+        assert gx.shape == x.shape and gw.shape == (0,)
+        assert keel.rms_norm(x).shape == x.shape
+
+
 def test_opcheck_and_compile_with_a_strided_input():
     from torch.library import opcheck
 
