@@ -564,6 +564,20 @@ fn every_case(test: &str, family: Family) {
     });
 }
 
+/// Rows of no elements, strided or not, are no work and no error: the CUDA
+/// entry points launch nothing (null pointers would fault if they did).
+#[test]
+fn emulated_rms_norm_of_zero_width_rows_is_a_no_op() {
+    if skip("emulated_rms_norm_of_zero_width_rows_is_a_no_op") {
+        return;
+    }
+    let t = Emu::new(1);
+    for layout in [RowLayout::contiguous(6, 0), RowLayout::new(&[3, 2], &[2, 1]).unwrap()] {
+        unsafe { rms_norm::forward_on(&t, f32::DTYPE, 0, layout, 0, 0, 0, 1e-6) }.unwrap();
+        unsafe { rms_norm::backward_add_on(&t, f32::DTYPE, 0, 0, 0, 0, 0, 0, 0, layout, 0, 1e-6) }.unwrap();
+    }
+}
+
 #[test]
 fn emulated_norms_match_cpu() {
     every_case("emulated_norms_match_cpu", Family::Norms);

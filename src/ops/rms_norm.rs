@@ -133,7 +133,8 @@ pub(crate) unsafe fn forward_on(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
-    let rows = layout.rows();
+    // Rows of no elements are no work (as the contiguous op counts them).
+    let rows = if cols == 0 { 0 } else { layout.rows() };
     check_dims(rows, cols, eps)?;
     // The kernel takes 64-bit signed offsets: a span that fits them keeps
     // every row's offset in range.
@@ -262,7 +263,8 @@ pub(crate) unsafe fn backward_add_on(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
-    let rows = layout.rows();
+    // Rows of no elements are no work (as the contiguous op counts them).
+    let rows = if cols == 0 { 0 } else { layout.rows() };
     check_dims(rows, cols, eps)?;
     if layout.span(cols).is_none_or(|s| s > i64::MAX as usize) {
         let msg = format!("layout {layout:?} reaches past 2^63 elements");
