@@ -6,6 +6,7 @@
 //! each row contiguous but puts the rows anywhere: [`RowLayout`] says where,
 //! from the leading dims' sizes and strides. Dims that are contiguous with
 //! each other merge, so most views need one or two; up to three are supported.
+use crate::error::{Error, Result};
 
 /// The leading dims of a row input (every dim but the last), merged where
 /// contiguous with each other, outermost first, padded in front with dims of
@@ -88,6 +89,20 @@ impl RowLayout {
             .zip(self.strides)
             .try_fold(0usize, |acc, (&n, s)| acc.checked_add((n - 1).checked_mul(s)?))?;
         last.checked_add(cols)
+    }
+
+    /// Checks that a slice of `len` elements holds the rows (see
+    /// [`RowLayout::span`]), naming `op` and `arg`.
+    pub fn check_len(&self, op: &'static str, arg: &'static str, len: usize, cols: usize) -> Result<()> {
+        match self.span(cols) {
+            Some(span) if len >= span => Ok(()),
+            Some(span) => Err(Error::Shape {
+                op,
+                arg,
+                msg: format!("holds {len} elements, but its layout {self:?} reaches {span}"),
+            }),
+            None => Err(Error::Shape { op, arg, msg: format!("layout {self:?} overflows the address space") }),
+        }
     }
 
     /// Offset of row `r`'s first element.

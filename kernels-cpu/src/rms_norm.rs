@@ -119,7 +119,7 @@ pub fn forward_strided<T: Element>(
 ) -> Result<()> {
     let rows = layout.rows();
     check_forward(rows * cols, weight.map(<[T]>::len), out.len(), cols, eps)?;
-    check_span(x.len(), layout, cols)?;
+    layout.check_len(OP_FWD, "input", x.len(), cols)?;
     if rows * cols == 0 {
         return Ok(());
     }
@@ -214,26 +214,9 @@ pub fn backward_strided<T: Element>(
     let n = layout.rows() * cols;
     let gw = grad_weight.as_deref().map(<[T]>::len);
     check_backward(grad_out.len(), n, weight.map(<[T]>::len), grad_input.len(), gw, cols, eps)?;
-    check_span(x.len(), layout, cols)?;
+    layout.check_len(OP_BWD, "input", x.len(), cols)?;
     backward_unchecked(grad_out, None, x, layout, weight, grad_input, grad_weight, cols, eps, par);
     Ok(())
-}
-
-/// Checks that `x` of `len` elements holds the rows `layout` places.
-fn check_span(len: usize, layout: RowLayout, cols: usize) -> Result<()> {
-    match layout.span(cols) {
-        Some(span) if len >= span => Ok(()),
-        Some(span) => Err(Error::Shape {
-            op: OP_FWD,
-            arg: "input",
-            msg: format!("holds {len} elements, but its layout {layout:?} reaches {span}"),
-        }),
-        None => Err(Error::Shape {
-            op: OP_FWD,
-            arg: "input",
-            msg: format!("layout {layout:?} overflows the address space"),
-        }),
-    }
 }
 
 /// The backward over checked lengths, `x`'s rows placed by `layout` (the

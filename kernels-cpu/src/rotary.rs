@@ -16,6 +16,7 @@
 //! layout, with no copy. The output is always contiguous.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
+use crate::layout::RowLayout;
 use crate::par::Par;
 use crate::rows::{Blocks, Split};
 use crate::simd::dispatch;
@@ -52,13 +53,9 @@ impl Shape {
     /// Elements a slice must hold for `x` laid out with `strides`: one past
     /// the last element (0 when `x` is empty); `None` on overflow.
     pub fn span(&self, strides: Strides) -> Option<usize> {
-        if self.numel() == 0 {
-            return Some(0);
-        }
-        let last = [(self.batch, strides.batch), (self.seq, strides.seq), (self.heads, strides.heads)]
-            .into_iter()
-            .try_fold(0usize, |acc, (n, s)| acc.checked_add((n - 1).checked_mul(s)?))?;
-        last.checked_add(self.head_dim)
+        // The heads as rows of head_dim: three leading dims always fit a RowLayout.
+        let sizes = [self.batch, self.seq, self.heads];
+        RowLayout::new(&sizes, &[strides.batch, strides.seq, strides.heads])?.span(self.head_dim)
     }
 
     /// [`Shape::check`] for an `x` laid out with `strides`: its slice must hold

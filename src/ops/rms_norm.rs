@@ -89,6 +89,19 @@ fn check_dims(rows: usize, cols: usize, eps: f64) -> Result<()> {
     Ok(())
 }
 
+/// The rows the kernels run over for `x`'s `layout`, after [`check_dims`]:
+/// none where rows have no elements (as the contiguous op counts them). The
+/// kernels take 64-bit signed offsets, so the layout's span must fit them.
+fn rows_to_launch(layout: RowLayout, cols: usize, eps: f64) -> Result<usize> {
+    let rows = if cols == 0 { 0 } else { layout.rows() };
+    check_dims(rows, cols, eps)?;
+    if layout.span(cols).is_none_or(|s| s > i64::MAX as usize) {
+        let msg = format!("layout {layout:?} reaches past 2^63 elements");
+        return Err(Error::Invalid { op: OP, arg: "input", msg });
+    }
+    Ok(rows)
+}
+
 /// f32 elements of scratch that [`backward_cuda_raw`] needs.
 pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
     reduce_parts(gpu.sm_count(), rows) * cols
@@ -133,15 +146,7 @@ pub(crate) unsafe fn forward_on(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
-    // Rows of no elements are no work (as the contiguous op counts them).
-    let rows = if cols == 0 { 0 } else { layout.rows() };
-    check_dims(rows, cols, eps)?;
-    // The kernel takes 64-bit signed offsets: a span that fits them keeps
-    // every row's offset in range.
-    if layout.span(cols).is_none_or(|s| s > i64::MAX as usize) {
-        let msg = format!("layout {layout:?} reaches past 2^63 elements");
-        return Err(Error::Invalid { op: OP, arg: "input", msg });
-    }
+    let rows = rows_to_launch(layout, cols, eps)?;
     if rows == 0 {
         return Ok(());
     }
@@ -263,13 +268,7 @@ pub(crate) unsafe fn backward_add_on(
     cols: usize,
     eps: f64,
 ) -> Result<()> {
-    // Rows of no elements are no work (as the contiguous op counts them).
-    let rows = if cols == 0 { 0 } else { layout.rows() };
-    check_dims(rows, cols, eps)?;
-    if layout.span(cols).is_none_or(|s| s > i64::MAX as usize) {
-        let msg = format!("layout {layout:?} reaches past 2^63 elements");
-        return Err(Error::Invalid { op: OP, arg: "input", msg });
-    }
+    let rows = rows_to_launch(layout, cols, eps)?;
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
@@ -332,10 +331,7 @@ pub fn forward_strided_cuda<T: CudaElement>(
 ) -> Result<()> {
     let n = layout.rows() * cols;
     keel_cpu::rms_norm::check_forward(n, weight.map(|w| w.len()), out.len(), cols, eps)?;
-    if layout.span(cols).is_none_or(|s| x.len() < s) {
-        let msg = format!("holds {} elements, fewer than its layout {layout:?} reaches", x.len());
-        return Err(Error::Invalid { op: OP, arg: "x", msg });
-    }
+    layout.check_len(OP, "input", x.len(), cols)?;
     let gpu = gpu(stream.context().ordinal())?;
     let (px, _gx) = x.device_ptr(stream);
     let pw = weight.map(|w| w.device_ptr(stream));
@@ -394,10 +390,7 @@ pub fn backward_strided_cuda<T: CudaElement>(
         cols,
         eps,
     )?;
-    if layout.span(cols).is_none_or(|s| x.len() < s) {
-        let msg = format!("holds {} elements, fewer than its layout {layout:?} reaches", x.len());
-        return Err(Error::Invalid { op: OP, arg: "x", msg });
-    }
+    layout.check_len(OP, "input", x.len(), cols)?;
     let gpu = gpu(stream.context().ordinal())?;
     let scratch: CudaSlice<f32> = stream
         .alloc_zeros(backward_scratch_len(&gpu, rows, cols).max(1))
