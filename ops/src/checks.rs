@@ -115,6 +115,16 @@ pub(crate) fn strided_rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result
     Ok(Rows { arg, device, dtype, rows, cols })
 }
 
+/// What an op that reads rows in place says of a layout it cannot read.
+pub(crate) const LAST_DIM_CONTIGUOUS: &str = "must have its last dim contiguous (stride 1) and no negative stride";
+
+/// Whether rows of `cols` elements can be read in place through `strides`:
+/// the last dim contiguous (stride 1, or at most one element), no negative
+/// stride.
+pub(crate) fn rows_read_in_place(strides: &[i64], cols: usize) -> bool {
+    strides.iter().all(|&s| s >= 0) && (cols <= 1 || strides.last() == Some(&1))
+}
+
 /// Where the rows of `t` (checked as `c`) lie for a row op that reads it
 /// through its strides: its last dim contiguous (stride 1, or at most one
 /// element), no negative stride, and at most three leading dims once the
@@ -125,8 +135,8 @@ pub(crate) fn row_layout(op: &str, arg: &str, t: &Tensor, c: &Rows) -> Result<ke
     let refuse = |why: &str| {
         invalid(op, arg, format!("{why}, got sizes {sizes:?} and strides {strides:?} (call .contiguous() first)"))
     };
-    if strides.iter().any(|&s| s < 0) || (c.cols > 1 && strides[n - 1] != 1) {
-        return Err(refuse("must have its last dim contiguous (stride 1) and no negative stride"));
+    if !rows_read_in_place(strides, c.cols) {
+        return Err(refuse(LAST_DIM_CONTIGUOUS));
     }
     let us = |v: &[i64]| v.iter().map(|&x| x as usize).collect::<Vec<_>>();
     keel::cpu::RowLayout::new(&us(&sizes[..n - 1]), &us(&strides[..n - 1]))

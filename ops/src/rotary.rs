@@ -24,11 +24,8 @@ fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) ->
         return Err(invalid(op, arg, format!("must have 4 dims [batch, seq, heads, head_dim], got shape {s:?}")));
     };
     let st = x.strides()?;
-    if st.iter().any(|&v| v < 0) || (head_dim > 1 && st[3] != 1) {
-        let msg = format!(
-            "must have its last dim contiguous (stride 1) and no negative stride, got strides {st:?} \
-             (call .contiguous() first)"
-        );
+    if !checks::rows_read_in_place(st, head_dim as usize) {
+        let msg = format!("{}, got strides {st:?} (call .contiguous() first)", checks::LAST_DIM_CONTIGUOUS);
         return Err(invalid(op, arg, msg));
     }
     let strides = Strides { batch: st[0] as usize, seq: st[1] as usize, heads: st[2] as usize };
