@@ -28,8 +28,24 @@ template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p) {
   return out;
 }
 
+// One 128-bit store (STG.E.128). Written out in PTX: an assignment of the
+// uint4 (plain, memcpy'd, make_uint4'd or __builtin_assume_aligned) let nvcc
+// split it into four 32-bit (f32) or 16-bit-pair (f16, bf16) stores in every
+// kernel but the gated ones: four times the store instructions and partial
+// sector writes. __stwb and __stcg keep it whole but make it a strong store
+// (STG.E.128.STRONG.SM / .GPU); this is the plain weak one. The "memory"
+// clobber keeps it ordered with the loads and stores around it (the in-place
+// kernels read back what they store). Off the GPU (the CPU emulation of
+// src/cuda/emu.rs) it is the assignment.
 template <typename T> __device__ __forceinline__ void store_pack(T* p, const Pack<T>& v) {
-  *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(&v);
+  const uint4 u = *reinterpret_cast<const uint4*>(&v);
+#if defined(__CUDA_ARCH__)
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(__cvta_generic_to_global(p)), "r"(u.x), "r"(u.y),
+               "r"(u.z), "r"(u.w)
+               : "memory");
+#else
+  *reinterpret_cast<uint4*>(p) = u;
+#endif
 }
 
 __device__ __forceinline__ bool aligned16(const void* p) {
