@@ -4,15 +4,30 @@
 // row length is a multiple of 16 bytes and every pointer is aligned. Each
 // thread re-reads only the elements of s it stored itself, so no barrier is
 // needed between the two passes. The backward is rms_norm_bwd with `add`.
-// Kernel symbols: fused_add_rms_norm_fwd_{f32,f16,bf16}.
+//
+// In place (vLLM's form), s is r and y is x: every element is read, then
+// written, by one thread, so the passes stay correct; the in-place kernels
+// read with ordinary loads (the read-only path must not see memory the kernel
+// writes) and their pointers are not __restrict__.
+// Kernel symbols: fused_add_rms_norm_fwd_{f32,f16,bf16},
+// fused_add_rms_norm_inplace_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
 
-template <typename T>
-__device__ __forceinline__ void fused_add_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ r,
-                                                       const T* __restrict__ w, T* __restrict__ y,
-                                                       T* __restrict__ s, int64_t rows, int cols, float eps) {
+// 16 bytes at p: through the read-only path, or (in place) an ordinary load.
+template <bool InPlace, typename T> __device__ __forceinline__ Pack<T> load_in(const T* p) {
+  if constexpr (InPlace) {
+    return *reinterpret_cast<const Pack<T>*>(p);
+  } else {
+    return load_pack(p);
+  }
+}
+
+// The rows; the callers own the aliasing promises (see the entry points).
+template <bool InPlace, typename T>
+__device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, const T* w, T* y, T* s, int64_t rows,
+                                                        int cols, float eps) {
   __shared__ float scratch[32];
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(r) && aligned16(y) && aligned16(s) &&
@@ -25,7 +40,7 @@ __device__ __forceinline__ void fused_add_rms_norm_fwd(const T* __restrict__ x, 
     float ss = 0.f;
     if (vec) {
       for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> px = load_pack(xr + i * N), pr = load_pack(rr + i * N), o;
+        Pack<T> px = load_in<InPlace>(xr + i * N), pr = load_in<InPlace>(rr + i * N), o;
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           o.v[k] = from_f32<T>(to_f32(px.v[k]) + to_f32(pr.v[k]));
@@ -58,10 +73,29 @@ __device__ __forceinline__ void fused_add_rms_norm_fwd(const T* __restrict__ x, 
   }
 }
 
-#define KEEL_FUSED_ADD_RMS_NORM(SUFFIX, T)                                                            \
-  extern "C" __global__ void fused_add_rms_norm_fwd_##SUFFIX(const T* x, const T* r, const T* w, T* y, \
-                                                             T* s, int64_t rows, int cols, float eps) { \
-    fused_add_rms_norm_fwd<T>(x, r, w, y, s, rows, cols, eps);                                          \
+// Out of place: y and s overlap nothing.
+template <typename T>
+__device__ __forceinline__ void fused_add_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ r,
+                                                       const T* __restrict__ w, T* __restrict__ y,
+                                                       T* __restrict__ s, int64_t rows, int cols, float eps) {
+  fused_add_rms_norm_rows<false>(x, r, w, y, s, rows, cols, eps);
+}
+
+// In place: r becomes the sum, x the output; x and r do not overlap.
+template <typename T>
+__device__ __forceinline__ void fused_add_rms_norm_inplace(T* x, T* r, const T* __restrict__ w, int64_t rows,
+                                                           int cols, float eps) {
+  fused_add_rms_norm_rows<true>(x, r, w, x, r, rows, cols, eps);
+}
+
+#define KEEL_FUSED_ADD_RMS_NORM(SUFFIX, T)                                                                      \
+  extern "C" __global__ void fused_add_rms_norm_fwd_##SUFFIX(const T* x, const T* r, const T* w, T* y,           \
+                                                             T* s, int64_t rows, int cols, float eps) {           \
+    fused_add_rms_norm_fwd<T>(x, r, w, y, s, rows, cols, eps);                                                    \
+  }                                                                                                               \
+  extern "C" __global__ void fused_add_rms_norm_inplace_##SUFFIX(T* x, T* r, const T* w, int64_t rows, int cols, \
+                                                                 float eps) {                                     \
+    fused_add_rms_norm_inplace<T>(x, r, w, rows, cols, eps);                                                      \
   }
 
 KEEL_FUSED_ADD_RMS_NORM(f32, float)

@@ -5,7 +5,7 @@ mod common;
 
 use common::{assert_close, assert_close_floor, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
-use keel::ops::fused_add_rms_norm::{backward_cpu, forward_cpu};
+use keel::ops::fused_add_rms_norm::{backward_cpu, forward_cpu, forward_inplace_cpu};
 use keel_cpu::fused_add_rms_norm::forward_ref;
 use keel_cpu::rms_norm::backward_ref;
 use proptest::prelude::*;
@@ -42,6 +42,12 @@ fn check<T: Tol>(c: &Case) {
         );
         assert_close(&y, &want_y, scale, "forward");
 
+        // In place: the same bits, `residual` holding the sum and `x` the output.
+        let (mut xi, mut ri) = (x.clone(), r.clone());
+        forward_inplace_cpu(&mut xi, &mut ri, w, cols, eps, par).unwrap();
+        assert_eq!(bits(&ri), bits(&s), "in-place sum");
+        assert_eq!(bits(&xi), bits(&y), "in-place output");
+
         let (mut dx, mut dw) = (vec![T::default(); rows * cols], vec![T::default(); cols]);
         backward_cpu(&dy, ds, &s, w, &mut dx, w.map(|_| &mut dw[..]), cols, eps, par).unwrap();
         assert_close_floor(&dx, &want_dx, 4.0 * scale, 1.0, "grad_sum");
@@ -49,6 +55,11 @@ fn check<T: Tol>(c: &Case) {
             assert_close_floor(&dw, want_dw, 4.0 * scale * (rows.max(1) as f64).sqrt(), rows as f64, "grad_weight");
         }
     }
+}
+
+/// Values as f64 bits, for bit-for-bit comparisons (NaN-safe).
+fn bits<T: Tol>(v: &[T]) -> Vec<u64> {
+    v.iter().map(|v| v.to_f64().to_bits()).collect()
 }
 
 proptest! {
@@ -80,6 +91,12 @@ fn bad_lengths_are_errors_naming_op_and_argument() {
         err(forward_cpu(&x, &x, Some(&[1.0; 3]), &mut y, &mut s, 4, 1e-6, Par::Seq)),
         "fused_add_rms_norm: argument 'weight' has length 3, expected 4"
     );
+    let (mut xi, mut ri) = (x.clone(), vec![0f32; 8]);
+    assert_eq!(
+        err(forward_inplace_cpu(&mut xi, &mut ri, None, 4, 1e-6, Par::Seq)),
+        "fused_add_rms_norm_: argument 'residual' has length 8, expected 12"
+    );
+    assert_eq!(xi, x, "a refused call writes nothing");
     let mut dx = vec![0f32; 12];
     assert_eq!(
         err(backward_cpu(&x, Some(&x[..4]), &x, None, &mut dx, None, 4, 1e-6, Par::Seq)),

@@ -68,6 +68,11 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, Par::Seq).unwrap();
     close(&s.clone_dtoh(&sum).unwrap(), &ws, 0.0, "fused_add_rms_norm sum");
     close(&s.clone_dtoh(&y).unwrap(), &wy, tol, "fused_add_rms_norm");
+    // In place: the same bits as out of place, x holding the output and residual the sum.
+    let (mut xi, mut ri) = (up(&s, &x), up(&s, &r));
+    fused_add_rms_norm::forward_inplace_cuda(&s, &mut xi, &mut ri, Some(&wd), cols, 1e-6).unwrap();
+    close(&s.clone_dtoh(&xi).unwrap(), &s.clone_dtoh(&y).unwrap(), 0.0, "fused_add_rms_norm_ x");
+    close(&s.clone_dtoh(&ri).unwrap(), &s.clone_dtoh(&sum).unwrap(), 0.0, "fused_add_rms_norm_ residual");
     let (mut dx, mut dw) = (zeros(n), zeros(cols));
     fused_add_rms_norm::backward_cuda(&s, &dyd, Some(&rd), &sum, Some(&wd), &mut dx, Some(&mut dw), cols, 1e-6)
         .unwrap();

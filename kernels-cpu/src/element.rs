@@ -163,6 +163,15 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [Self::Acc])) {
         narrow::write_blocks(out, fill, Self::from_acc_slice)
     }
+    /// Rewrites `out` in place from accumulator values: `update(start, buf)`
+    /// gets `buf[i]` holding `out[start + i]` widened and must leave the new
+    /// value there. f32 and f64 hand `out` itself over (one call, `start`
+    /// 0); bf16 and f16 work in blocks, rounded as in
+    /// [`write_acc`](Element::write_acc).
+    #[inline(always)]
+    fn update_acc(out: &mut [Self], update: impl FnMut(usize, &mut [Self::Acc])) {
+        narrow::update_blocks(out, update, Self::to_acc, Self::from_acc_slice)
+    }
     /// `dst[i] = from_acc(src[i])` for slices of one length, with the CPU's
     /// conversion instruction where it has one (as [`write_acc`](Element::write_acc)).
     fn from_acc_slice(src: &[Self::Acc], dst: &mut [Self]);
@@ -202,6 +211,10 @@ macro_rules! own_acc_element {
             #[inline(always)]
             fn write_acc(out: &mut [Self], mut fill: impl FnMut(usize, &mut [Self])) {
                 fill(0, out)
+            }
+            #[inline(always)]
+            fn update_acc(out: &mut [Self], mut update: impl FnMut(usize, &mut [Self])) {
+                update(0, out)
             }
             #[inline(always)]
             fn from_acc_slice(src: &[Self], dst: &mut [Self]) {

@@ -1,6 +1,6 @@
 //! `s = x + residual` and `rms_norm(s) * w` in one pass over memory: the
 //! pre-norm step of every transformer block (vLLM's `fused_add_rms_norm`,
-//! here out of place).
+//! out of place, and in place as vLLM has it: [`forward_inplace`]).
 //!
 //! - Forward writes `out = rms_norm(s) * w` and `sum = s`, where `s` is
 //!   rounded to `T` first, exactly as `s = x + r; F.rms_norm(s)` in torch, so
@@ -21,6 +21,7 @@ use half::f16;
 
 const OP_FWD: &str = "fused_add_rms_norm";
 const OP_BWD: &str = "fused_add_rms_norm_backward";
+const OP_INPLACE: &str = "fused_add_rms_norm_";
 
 /// Checks the lengths of a forward call; returns the number of rows.
 pub fn check_forward(
@@ -115,10 +116,8 @@ pub fn forward<T: Element>(
 }
 
 /// The forward's rows for f16 where [`widen`] applies: `x` and `residual`
-/// widened to f32 (the weight once), their sum rounded to f16 into `sum`,
-/// that row widened back (exactly: the norm reads the rounded sum, as the
-/// f16 loop does), then [`forward_row`] with f32 inputs and f16 outputs. The
-/// f16 loop's values, bit for bit.
+/// widened to f32 (the weight once), then [`f16_row`]. The f16 loop's values,
+/// bit for bit.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn forward_rows_f16(
@@ -132,27 +131,107 @@ fn forward_rows_f16(
 ) {
     let mut bufs: [Vec<f32>; 4] = Default::default();
     let [xs, rs, ss, ws] = &mut bufs;
-    let widened = "fused_add_rms_norm: widen applies";
-    let weight = weight.map(|w| widen::to_f32(w, ws).expect(widened));
+    let weight = weight.map(|w| widen::to_f32(w, ws).expect(WIDENED));
     for ((x, r), (y, s)) in x
         .chunks_exact(cols)
         .zip(residual.chunks_exact(cols))
         .zip(out.chunks_exact_mut(cols).zip(sum.chunks_exact_mut(cols)))
     {
-        let (x, r) = (widen::to_f32(x, xs).expect(widened), widen::to_f32(r, rs).expect(widened));
-        f16::write_acc(
-            s,
+        let (x, r) = (widen::to_f32(x, xs).expect(WIDENED), widen::to_f32(r, rs).expect(WIDENED));
+        f16_row(x, r, weight, y, s, ss, eps);
+    }
+}
+
+/// [`forward_rows_f16`] in place: each row of `x` and `residual` is widened
+/// before either is written.
+#[inline(always)]
+fn forward_rows_f16_inplace(x: &mut [f16], residual: &mut [f16], weight: Option<&[f16]>, eps: f32, cols: usize) {
+    let mut bufs: [Vec<f32>; 4] = Default::default();
+    let [xs, rs, ss, ws] = &mut bufs;
+    let weight = weight.map(|w| widen::to_f32(w, ws).expect(WIDENED));
+    for (x, r) in x.chunks_exact_mut(cols).zip(residual.chunks_exact_mut(cols)) {
+        let (xw, rw) = (widen::to_f32(x, xs).expect(WIDENED), widen::to_f32(r, rs).expect(WIDENED));
+        f16_row(xw, rw, weight, x, r, ss, eps);
+    }
+}
+
+const WIDENED: &str = "fused_add_rms_norm: widen applies";
+
+/// One f16 row from widened inputs: their sum rounded to f16 into `sum`,
+/// that row widened back (exactly: the norm reads the rounded sum, as the
+/// f16 loop does), then [`forward_row`] with f32 inputs and f16 outputs.
+#[inline(always)]
+fn f16_row(
+    x: &[f32],
+    r: &[f32],
+    weight: Option<&[f32]>,
+    out: &mut [f16],
+    sum: &mut [f16],
+    ss: &mut Vec<f32>,
+    eps: f32,
+) {
+    f16::write_acc(
+        sum,
+        #[inline(always)]
+        |at, s| {
+            let (x, r) = (&x[at..][..s.len()], &r[at..][..s.len()]);
+            for ((s, x), r) in s.iter_mut().zip(x).zip(r) {
+                *s = x + r;
+            }
+        },
+    );
+    let s = widen::to_f32(sum, ss).expect(WIDENED);
+    forward_row(s, weight, out, eps, &[]);
+}
+
+/// In-place forward, as vLLM's `fused_add_rms_norm`: `residual` becomes
+/// `x + residual` (rounded to `T`) and `x` becomes `rms_norm(residual) *
+/// weight`; bit for bit the `sum` and `out` of [`forward`]. No memory is
+/// allocated for outputs: at inference, where nothing keeps the block's
+/// input, this saves the page faults of two fresh tensors.
+pub fn forward_inplace<T: Element>(
+    x: &mut [T],
+    residual: &mut [T],
+    weight: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check_forward(x.len(), residual.len(), weight.map(<[T]>::len), x.len(), residual.len(), cols, eps)
+        .map_err(|e| e.renamed(OP_INPLACE))?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let eps = T::Acc::from_f64(eps);
+    let blocks = Blocks::new(&par, rows, cols);
+    let xs = Split::new(x, blocks.per * cols);
+    let rs = Split::new(residual, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let (mut x, mut r) = (xs.get(b), rs.get(b));
+        dispatch(
             #[inline(always)]
-            |at, s| {
-                let (x, r) = (&x[at..][..s.len()], &r[at..][..s.len()]);
-                for ((s, x), r) in s.iter_mut().zip(x).zip(r) {
-                    *s = x + r;
+            || {
+                if widen::applies::<T>() {
+                    let (x, r) = (cast_mut::<T, f16>(&mut x), cast_mut::<T, f16>(&mut r));
+                    let (x, r) = (x.expect(WIDENED), r.expect(WIDENED));
+                    return forward_rows_f16_inplace(x, r, weight.map(cast), eps.to_f64() as f32, cols);
+                }
+                for (x, r) in x.chunks_exact_mut(cols).zip(r.chunks_exact_mut(cols)) {
+                    T::update_acc(
+                        r,
+                        #[inline(always)]
+                        |at, s| {
+                            for (s, x) in s.iter_mut().zip(&x[at..]) {
+                                *s = x.to_acc() + *s;
+                            }
+                        },
+                    );
+                    forward_row(r, weight, x, eps, &[]);
                 }
             },
         );
-        let s = widen::to_f32(s, ss).expect(widened);
-        forward_row(s, weight, y, eps, &[]);
-    }
+    });
+    Ok(())
 }
 
 /// Backward: `grad_sum` (the gradient of both `x` and `residual`) and, when

@@ -51,6 +51,28 @@ pub(crate) fn write_blocks<T, A: Acc>(
     }
 }
 
+/// Rewrites `out` in place block by block: `buf` holds a block's current
+/// values widened by `widen`, `update(start, buf)` changes them, and
+/// `narrow` rounds them back into `out[start..start + buf.len()]`. The
+/// in-place counterpart of [`write_blocks`].
+#[inline(always)]
+pub(crate) fn update_blocks<T: Copy, A: Acc>(
+    out: &mut [T],
+    mut update: impl FnMut(usize, &mut [A]),
+    widen: impl Fn(T) -> A,
+    narrow: impl Fn(&[A], &mut [T]),
+) {
+    let mut buf = [A::ZERO; BLOCK];
+    for (i, o) in out.chunks_mut(BLOCK).enumerate() {
+        let b = &mut buf[..o.len()];
+        for (b, o) in b.iter_mut().zip(o.iter()) {
+            *b = widen(*o);
+        }
+        update(i * BLOCK, b);
+        narrow(b, o);
+    }
+}
+
 /// f32 values to bf16 (`src` and `dst` of one length), each first mapped to
 /// `v * scale - shift` when `AFFINE`: 32 at a time with the AVX512-BF16 instruction
 /// when this code runs under [`crate::simd::dispatch`] on a CPU that has it,

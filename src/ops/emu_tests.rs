@@ -297,6 +297,28 @@ fn norms<T: Dt>(c: Case) {
         .unwrap();
     close(&got[2], &wdx, 4.0 * tol, &format!("{what} grad"));
     close(&got[3], &wdw, sum_tol, &format!("{what} grad_weight"));
+
+    // In place: x becomes the output and residual the sum, the bits of the
+    // out-of-place kernel; with and without a weight.
+    for weighted in [true, false] {
+        let what = format!("fused_add_rms_norm_ {c:?} weight {weighted}");
+        let out_of_place = both::<T>(sm, &what, |t| {
+            let (xd, rd, wd, yd, sd) = (up(&x), up(&r), up(&w), z(n), z(n));
+            let pw = if weighted { wd.addr() } else { 0 };
+            let (px, pr, py, ps) = (xd.addr(), rd.addr(), yd.addr(), sd.addr());
+            unsafe { fused_add_rms_norm::forward_on(t, dt, px, pr, pw, py, ps, rows, cols, 1e-6) }.unwrap();
+            vec![yd.to_vec(), sd.to_vec()]
+        });
+        let in_place = both::<T>(sm, &what, |t| {
+            let (xd, rd, wd) = (up(&x), up(&r), up(&w));
+            let pw = if weighted { wd.addr() } else { 0 };
+            let (px, pr) = (xd.addr(), rd.addr());
+            unsafe { fused_add_rms_norm::forward_inplace_on(t, dt, px, pr, pw, rows, cols, 1e-6) }.unwrap();
+            vec![xd.to_vec(), rd.to_vec()]
+        });
+        assert_eq!(bits(&in_place[0]), bits(&out_of_place[0]), "{what} {}: x (the output)", T::NAME);
+        assert_eq!(bits(&in_place[1]), bits(&out_of_place[1]), "{what} {}: residual (the sum)", T::NAME);
+    }
 }
 
 fn softmax_and_ce<T: Dt>(c: Case) {

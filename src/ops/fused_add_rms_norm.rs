@@ -14,6 +14,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
 const OP: &str = "fused_add_rms_norm";
+const OP_INPLACE: &str = "fused_add_rms_norm_";
 const MODULE: (&str, &str) = ("fused_add_rms_norm", crate::ptx::FUSED_ADD_RMS_NORM);
 
 /// CPU forward. See [`keel_cpu::fused_add_rms_norm::forward`].
@@ -29,6 +30,19 @@ pub fn forward_cpu<T: Element>(
     par: Par<'_>,
 ) -> Result<()> {
     Ok(keel_cpu::fused_add_rms_norm::forward(x, residual, weight, out, sum, cols, eps, par)?)
+}
+
+/// CPU forward in place (vLLM's form): `residual` becomes the sum, `x` the
+/// normalised output. See [`keel_cpu::fused_add_rms_norm::forward_inplace`].
+pub fn forward_inplace_cpu<T: Element>(
+    x: &mut [T],
+    residual: &mut [T],
+    weight: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::fused_add_rms_norm::forward_inplace(x, residual, weight, cols, eps, par)?)
 }
 
 /// CPU backward. See [`keel_cpu::fused_add_rms_norm::backward`].
@@ -118,6 +132,62 @@ pub(crate) unsafe fn forward_on(
     unsafe { launch_rows(t, MODULE, "fused_add_rms_norm_fwd", dtype, rows, cols, &args) }
 }
 
+/// CUDA forward in place on raw device pointers (`weight` 0 for none):
+/// `residual` becomes the sum, `x` the normalised output.
+///
+/// # Safety
+/// Every pointer must be a device address on `stream`'s device, valid for
+/// `rows * cols` (`cols` for `weight`) elements of `dtype`; `x` and
+/// `residual` must not overlap each other or `weight`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn forward_inplace_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    residual: u64,
+    weight: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_inplace_on(&Stream { gpu, stream }, dtype, x, residual, weight, rows, cols, eps) }
+}
+
+/// [`forward_inplace_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_inplace_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_inplace_on(
+    t: &dyn Target,
+    dtype: DType,
+    x: u64,
+    residual: u64,
+    weight: u64,
+    rows: usize,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    check_cols(OP_INPLACE, rows, cols)?;
+    let n = rows * cols;
+    keel_cpu::fused_add_rms_norm::check_forward(n, n, None, n, n, cols, eps).map_err(|e| e.renamed(OP_INPLACE))?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(residual),
+        Arg::Ptr(weight),
+        Arg::I64(rows as i64),
+        Arg::I32(cols as i32),
+        Arg::F32(eps as f32),
+    ];
+    // SAFETY: the argument list matches fused_add_rms_norm_inplace_*; pointers per our contract.
+    unsafe { launch_rows(t, MODULE, "fused_add_rms_norm_inplace", dtype, rows, cols, &args) }
+}
+
 /// CUDA forward on `cudarc` buffers, launched on `stream`.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_cuda<T: CudaElement>(
@@ -147,6 +217,34 @@ pub fn forward_cuda<T: CudaElement>(
     let (ps, _g4) = sum.device_ptr_mut(stream);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
     unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, pr, pw.as_ref().map_or(0, |p| p.0), po, ps, rows, cols, eps) }
+}
+
+/// CUDA forward in place on `cudarc` buffers, launched on `stream`:
+/// `residual` becomes the sum, `x` the normalised output.
+pub fn forward_inplace_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &mut CudaSlice<T>,
+    residual: &mut CudaSlice<T>,
+    weight: Option<&CudaSlice<T>>,
+    cols: usize,
+    eps: f64,
+) -> Result<()> {
+    let rows = keel_cpu::fused_add_rms_norm::check_forward(
+        x.len(),
+        residual.len(),
+        weight.map(|w| w.len()),
+        x.len(),
+        residual.len(),
+        cols,
+        eps,
+    )
+    .map_err(|e| e.renamed(OP_INPLACE))?;
+    let gpu = gpu(stream.context().ordinal())?;
+    let (px, _g1) = x.device_ptr_mut(stream);
+    let (pr, _g2) = residual.device_ptr_mut(stream);
+    let pw = weight.map(|w| w.device_ptr(stream));
+    // SAFETY: lengths checked above; two `&mut` buffers cannot overlap.
+    unsafe { forward_inplace_cuda_raw(&gpu, stream, T::DTYPE, px, pr, pw.as_ref().map_or(0, |p| p.0), rows, cols, eps) }
 }
 
 /// CUDA backward on `cudarc` buffers; allocates its scratch on `stream`.
