@@ -50,6 +50,12 @@ impl IntoStack for Tensor {
     }
 }
 
+/// No returns (an op that only mutates its arguments, `-> ()`).
+impl IntoStack for () {
+    const SLOTS: usize = 0;
+    fn put(self, _slots: &mut [StableIValue]) {}
+}
+
 impl FromStack for f64 {
     const SLOTS: usize = 1;
     unsafe fn take(slots: &[StableIValue]) -> Result<Self> {

@@ -81,6 +81,29 @@ pub(crate) fn like(op: &str, arg: &str, t: &Tensor, main: &Tensor, c: &Rows) -> 
     contiguous(op, arg, t)
 }
 
+/// `t` and `other` (both checked, of one dtype) share no element: an op
+/// that writes one of them in place while it reads the other needs that.
+/// Tensors without memory (meta, empty) overlap nothing.
+pub(crate) fn disjoint(op: &str, arg: &str, t: &Tensor, other_arg: &str, other: &Tensor) -> Result<()> {
+    let range = |t: &Tensor| -> Result<Option<(usize, usize)>> {
+        let (p, span) = (t.data_ptr()? as usize, t.span()?);
+        let size = t.dtype()?.size().unwrap_or(1);
+        Ok(match span {
+            Some(0) => None,
+            _ if p == 0 => None,
+            // A span past usize (not a tensor torch can make): assume the worst.
+            None => Some((p, usize::MAX)),
+            Some(n) => Some((p, p.saturating_add(n.saturating_mul(size)))),
+        })
+    };
+    match (range(t)?, range(other)?) {
+        (Some((a0, a1)), Some((b0, b1))) if a0 < b1 && b0 < a1 => {
+            Err(invalid(op, arg, format!("shares memory with '{other_arg}'; pass distinct tensors")))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// What the checks of a row op established about its main tensor.
 pub(crate) struct Rows {
     /// The argument's name in the schema (`input`, or `sum` for a backward).

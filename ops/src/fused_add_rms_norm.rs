@@ -5,6 +5,8 @@
 //! `fused_add_rms_norm_backward(grad_out, grad_sum?, sum, weight, eps) -> (grad, grad_weight)`:
 //! `grad` is the gradient of both `input` and `residual`; `grad_weight` is
 //! `[0]` when `weight` is None.
+//! `fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06) -> ()`
+//! is the forward in place: `residual` becomes the sum, `input` the output.
 use crate::checks::{self, with_float_type};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::rms_norm::check;
@@ -13,6 +15,7 @@ use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 const OP: &str = "fused_add_rms_norm";
 const OP_BWD: &str = "fused_add_rms_norm_backward";
+const OP_INPLACE: &str = "fused_add_rms_norm_";
 
 /// The forward op.
 pub(crate) struct FusedAddRmsNorm;
@@ -66,6 +69,71 @@ impl BoxedOp for FusedAddRmsNorm {
             DeviceType::Meta | DeviceType::Other(_) => {}
         }
         Ok((out, sum))
+    }
+}
+
+/// The in-place forward (vLLM's form): `residual` becomes `input +
+/// residual`, `input` the rms_norm of that sum. No autograd: the Python
+/// layer refuses it where a gradient is needed.
+pub(crate) struct FusedAddRmsNormInplace;
+
+impl BoxedOp for FusedAddRmsNormInplace {
+    const NAME: &'static str = OP_INPLACE;
+    type Args = (Tensor, Tensor, Option<Tensor>, f64);
+    type Out = ();
+
+    fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
+        for (arg, t) in [("input", &input), ("residual", &residual)] {
+            if !t.is_contiguous()? {
+                // A copy would take the result with it: say so, not "call .contiguous()".
+                let msg = "must be contiguous: the op writes it in place (keel.fused_add_rms_norm takes any layout)";
+                return Err(checks::invalid(OP_INPLACE, arg, msg));
+            }
+        }
+        let c = check(OP_INPLACE, "input", &input, weight.as_ref(), eps)?;
+        checks::like(OP_INPLACE, "residual", &residual, &input, &c)?;
+        checks::disjoint(OP_INPLACE, "residual", &residual, "input", &input)?;
+        if let Some(w) = &weight {
+            checks::disjoint(OP_INPLACE, "weight", w, "input", &input)?;
+            checks::disjoint(OP_INPLACE, "weight", w, "residual", &residual)?;
+        }
+        match c.device.kind {
+            DeviceType::Cpu => with_float_type!(c.dtype, T => {
+                // SAFETY: checked contiguous CPU tensors of element type T
+                // that share no memory, so the two mutable slices and the
+                // weight's do not overlap.
+                let (x, r, w) = unsafe {
+                    (
+                        input.as_mut_slice::<T>()?,
+                        residual.as_mut_slice::<T>()?,
+                        weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?,
+                    )
+                };
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_inplace_cpu(x, r, w, c.cols, eps, par))
+                    .map_err(kernel_err)?
+            }),
+            DeviceType::Cuda => {
+                let call = CudaCall::new(OP_INPLACE, c.device)?;
+                // SAFETY: checked contiguous CUDA tensors of this dtype and
+                // shape on the guarded device, sharing no memory.
+                unsafe {
+                    keel::ops::fused_add_rms_norm::forward_inplace_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        checks::cuda_dtype(c.dtype)?,
+                        ptr(Some(&input))?,
+                        ptr(Some(&residual))?,
+                        ptr(weight.as_ref())?,
+                        c.rows,
+                        c.cols,
+                        eps,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
+            DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        Ok(())
     }
 }
 

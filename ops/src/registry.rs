@@ -30,6 +30,9 @@ const OPS: &[OpDef] = &[
     op::<crate::fused_add_rms_norm::FusedAddRmsNorm>(
         "fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06) -> (Tensor, Tensor)",
     ),
+    op::<crate::fused_add_rms_norm::FusedAddRmsNormInplace>(
+        "fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06) -> ()",
+    ),
     op::<crate::fused_add_rms_norm::FusedAddRmsNormBackward>(
         "fused_add_rms_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor? weight, float eps) -> (Tensor, Tensor)",
     ),

@@ -2,7 +2,7 @@
 stable C ABI, so one wheel serves every torch from 2.10 on.
 
 Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``,
-``keel.layer_norm``, ``keel.fused_add_rms_norm``, ``keel.silu_and_mul``,
+``keel.layer_norm``, ``keel.fused_add_rms_norm`` (and ``keel.fused_add_rms_norm_``, in place), ``keel.silu_and_mul``,
 ``keel.gelu_and_mul``, ``keel.softmax``, ``keel.cross_entropy``, ``keel.cross_entropy_with_lse``,
 ``keel.rotary_embedding``) and drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
 and work under ``torch.compile``.
@@ -15,6 +15,10 @@ from . import _autograd  # noqa: E402
 
 _autograd.register()
 
+from . import _inplace  # noqa: E402
+
+_inplace.register()
+
 from . import _fake  # noqa: E402
 
 _fake.register()
@@ -24,6 +28,7 @@ from .functional import (  # noqa: E402
     cross_entropy,
     cross_entropy_with_lse,
     fused_add_rms_norm,
+    fused_add_rms_norm_,
     gelu_and_mul,
     layer_norm,
     rms_norm,
@@ -37,6 +42,7 @@ __all__ = [
     "rms_norm",
     "layer_norm",
     "fused_add_rms_norm",
+    "fused_add_rms_norm_",
     "silu_and_mul",
     "gelu_and_mul",
     "softmax",

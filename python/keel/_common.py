@@ -2,6 +2,10 @@
 dtype, one device for all tensor arguments, and the layouts the ops read."""
 import torch
 
+INPLACE = ("fused_add_rms_norm_",)
+"""Keel's ops that write their arguments (``Tensor(a!)`` in the schema), in place
+of returning new tensors; see ``_inplace``."""
+
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Keel's accumulation dtype for `t`: float64 for float64, else float32."""

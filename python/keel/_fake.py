@@ -79,6 +79,8 @@ def meta_outputs(op, args, kwargs):
         except _NoHint:
             return None
         out = op(*cargs, **ckwargs)
+    if out is None:  # an op that only mutates its arguments
+        return ()
     return out if isinstance(out, tuple) else (out,)
 
 
@@ -118,6 +120,7 @@ _RULES = {
         _param_grad(bias, input.dtype),
     ],
     "fused_add_rms_norm": lambda input, residual, weight=None, eps=1e-6: [_like(input), _like(input)],
+    "fused_add_rms_norm_": lambda input, residual, weight=None, eps=1e-6: [],
     "fused_add_rms_norm_backward": lambda grad_out, grad_sum, sum, weight, eps: [
         _like(sum),
         _param_grad(weight, sum.dtype),
@@ -167,6 +170,8 @@ def _fake_kernel(name, rule):
         outs = tuple(torch.empty(s, dtype=d, device=device) for s, d in rule(*args, **kwargs))
         if meta is not None:
             _agree(name, meta, outs)
+        if not outs:  # an op that only mutates its arguments
+            return None
         return outs[0] if len(outs) == 1 else outs
 
     fake.__name__ = f"keel_{name}_fake"
