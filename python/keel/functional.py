@@ -255,7 +255,9 @@ def _call(fn, ref, *args):
         for a in args:
             if isinstance(a, Tensor) and a.requires_grad:
                 return fn(*args)
-    elif torch.is_inference_mode_enabled():
+    elif torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+        # is_compiling first: dynamo cannot trace is_inference_mode_enabled
+        # (a graph break, an error under fullgraph=True).
         return fn(*args)
     if torch.compiler.is_compiling():
         return fn(*args)

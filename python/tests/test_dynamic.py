@@ -255,3 +255,38 @@ def test_compiled_graphs_call_keel_kernels():
     fw, bw = seen
     assert {"keel.rms_norm.default", "keel.silu_and_mul.default", "keel.softmax.default"} <= fw, fw
     assert {"keel.rms_norm_backward.default", "keel.softmax_backward.default"} <= bw, bw
+
+
+def _every_op(x, r, w, up, cos, sin, target):
+    h = keel.layer_norm(keel.rms_norm(x, w), w, None)
+    y, s = keel.fused_add_rms_norm(h, r, w)
+    g = y @ up
+    a = keel.silu_and_mul(g) + keel.gelu_and_mul(g, "tanh")
+    b = keel.rotary_embedding(a.view(*a.shape[:2], 2, -1), cos, sin)
+    p = keel.softmax(b.flatten(2), 0.5)
+    loss = keel.cross_entropy(p.flatten(0, 1), target) + keel.cross_entropy_with_lse(p.flatten(0, 1), target)[0]
+    keel.fused_add_rms_norm_(x, r, w)
+    return p, loss, s
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_compile_fullgraph_without_grad(mode):
+    """Inference under torch.compile(fullgraph=True): the typed API must not ask
+    dynamo what it cannot trace (torch.is_inference_mode_enabled, a graph break,
+    so an error under fullgraph, until the typed API asked is_compiling first)."""
+    torch._dynamo.reset()
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    f = torch.compile(_every_op, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(0)
+    with ctx():
+        w, up = torch.randn(16), torch.randn(16, 32) / 4
+        x, r = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
+        cos, sin = torch.randn(3, 4), torch.randn(3, 4)
+        target = torch.randint(0, 16, (6,))
+        xe, re = x.clone(), r.clone()
+        want = _every_op(xe, re, w, up, cos, sin, target)
+        got = f(x, r, w, up, cos, sin, target)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    torch.testing.assert_close(x, xe, atol=0, rtol=0)
+    torch.testing.assert_close(r, re, atol=0, rtol=0)
