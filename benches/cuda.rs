@@ -53,6 +53,14 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
                 })
             })
         });
+        let (mut xi, mut ri) = (s.clone_dtod(&x).unwrap(), s.clone_dtod(&r).unwrap());
+        g.bench_function(BenchmarkId::new("fused_add_rms_norm/fwd_inplace", &id), |bn| {
+            bn.iter_custom(|it| {
+                timed(s, it, || {
+                    fused_add_rms_norm::forward_inplace_cuda(s, &mut xi, &mut ri, Some(&w), cols, 1e-6).unwrap()
+                })
+            })
+        });
         // Gated: input [rows, cols] = [a | b], output [rows, cols / 2].
         g.throughput(bytes::<T>(n + n / 2));
         for act in [gated::Activation::Silu, gated::Activation::Gelu, gated::Activation::GeluTanh] {

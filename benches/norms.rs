@@ -56,6 +56,14 @@ fn bench<T: Element>(c: &mut Criterion) {
                 fused_add_rms_norm::forward_cpu(black_box(&x), &r, Some(&w), &mut y, &mut s, cols, 1e-6, par).unwrap()
             })
         });
+        // In place (vLLM's form): the same bytes, into x and r. Repeated calls
+        // keep adding the normalised x to r: values stay finite.
+        let (mut xi, mut ri) = (x.clone(), r.clone());
+        g.bench_function(BenchmarkId::new("fwd_inplace", &id), |bn| {
+            bn.iter(|| {
+                fused_add_rms_norm::forward_inplace_cpu(black_box(&mut xi), &mut ri, Some(&w), cols, 1e-6, par).unwrap()
+            })
+        });
         // Backward with both output gradients: reads dy, d(sum), sum; writes d(sum).
         g.throughput(bytes::<T>(4 * n + 2 * cols));
         g.bench_function(BenchmarkId::new("bwd", &id), |bn| {

@@ -29,6 +29,9 @@ class Case:
     bandwidth_bound: bool = True
     grad_args: Sequence[int] = ()  # when set: forward + backward, with gradients for these inputs
     clone_args: Sequence[int] = field(default_factory=lambda: (0,))  # inputs a `clone` floor copies
+    # Writes its inputs (and returns them): errors are taken on fresh copies of
+    # the inputs, timings on the inputs themselves, which each call rewrites.
+    inplace: bool = False
     seed: int = 1
     _grads: dict = field(default_factory=dict, repr=False)  # upstream gradients, made once
 
@@ -84,6 +87,18 @@ def _layer_norm(x, w, b):
 def _fused_add_rms_norm(x, r, w):
     s = x + r
     return F.rms_norm(s, (x.shape[-1],), w, 1e-6), s
+
+
+def _fused_add_rms_norm_inplace(x, r, w):
+    """vLLM's in-place form written in torch: r <- x + r, x <- rms_norm(r)."""
+    r.add_(x)
+    x.copy_(F.rms_norm(r, (x.shape[-1],), w, 1e-6))
+    return x, r
+
+
+def _keel_fused_add_rms_norm_inplace(x, r, w):
+    torch.ops.keel.fused_add_rms_norm_(x, r, w, 1e-6)
+    return x, r
 
 
 def _silu_and_mul(h):
@@ -144,6 +159,11 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
     mk["fused_add_rms_norm"] = lambda: Case(
         "fused_add_rms_norm", rs, (x, r, w), lambda x, r, w: torch.ops.keel.fused_add_rms_norm(x, r, w, 1e-6),
         _fused_add_rms_norm, 4 * n * h * es, clone_args=(0, 1))
+    # Its own copies of x and r: every call rewrites them (r grows by the
+    # normalised x each call, which stays finite over any run's calls).
+    mk["fused_add_rms_norm_ (in place)"] = lambda: Case(
+        "fused_add_rms_norm_ (in place)", rs, (x.clone(), r.clone(), w), _keel_fused_add_rms_norm_inplace,
+        _fused_add_rms_norm_inplace, 4 * n * h * es, clone_args=(0, 1), inplace=True)
     mk["silu_and_mul"] = lambda: Case("silu_and_mul", gs, (gu,), torch.ops.keel.silu_and_mul,
                                       _silu_and_mul, 3 * n * h * es)
     mk["gelu_and_mul"] = lambda: Case("gelu_and_mul", gs, (gu,), lambda h: torch.ops.keel.gelu_and_mul(h, "none"),

@@ -32,6 +32,9 @@ def _line_gbps(row: dict, bw: dict, device: str) -> float:
     drifts up to 2x within a run, and a line measured once at the start does
     not say what the op had); CUDA, or rows from before `clone_nbytes` was
     recorded: the run's bandwidth line."""
+    if row.get("inplace"):
+        # No fresh output, no page faults: held against a copy into an existing tensor.
+        return bw["copy_GBps"]
     if device == "cpu" and row.get("clone_nbytes") and row["ms"].get("clone"):
         return row["clone_nbytes"] / row["ms"]["clone"] / 1e6
     return bw[BW_LINE[device]]
@@ -82,7 +85,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "relative to the output's scale. Two rows take strided views, which Keel reads in place and torch "
               "gets the same: `rotary_embedding (x.T)` (a `[batch, heads, seq, head_dim]` q passed transposed, as "
               "Llama lays it out) and `rms_norm (qkv view)` (QK-norm on q of a fused qkv projection, viewed "
-              "`[tokens, heads, head_dim]`).", ""]
+              "`[tokens, heads, head_dim]`). `fused_add_rms_norm_ (in place)` is vLLM's in-place form, "
+              "against the same in torch (`r.add_(x); x.copy_(F.rms_norm(r, ...))`); it allocates nothing, so its "
+              "bandwidth is held against the copy into an existing tensor, not the clone.", ""]
     lines += ["## Memory bandwidth", "", "| run | device | clone (fresh output) GB/s | copy into existing GB/s |",
               "|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):

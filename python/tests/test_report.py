@@ -16,7 +16,8 @@ from render import markdown  # noqa: E402
 
 def test_small_report_runs_and_checks_values(tmp_path):
     cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
-           "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy,rms_norm (qkv view),rotary_embedding (x.T)"]
+           "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy,rms_norm (qkv view),rotary_embedding (x.T),"
+           "fused_add_rms_norm_ (in place)"]
     plots = True
     try:
         import matplotlib  # noqa: F401
@@ -28,12 +29,20 @@ def test_small_report_runs_and_checks_values(tmp_path):
     rows = raw["rows"]
     assert {(r["op"], r["dtype"]) for r in rows} == {
         (op, dt)
-        for op in ("rms_norm", "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "rms_norm (qkv view)", "rotary_embedding (x.T)")
+        for op in ("rms_norm", "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "rms_norm (qkv view)", "rotary_embedding (x.T)",
+                   "fused_add_rms_norm_ (in place)")
         for dt in ("float32", "bfloat16")}
     for r in rows:
         assert r["ok"], r
+        assert r["err"]["eager"] <= 2e-2, r
+        assert all(r["ms"][k] > 0 for k in ("keel", "eager", "clone")), r
+        if r["inplace"] and "compile_error" in r:
+            # Inductor's CPP backend cannot compile the in-place torch expression
+            # (KeyError 'bufN', pytorch/pytorch#196570): reported, not hidden.
+            assert "KeyError" in r["compile_error"], r
+            continue
         assert r["err"]["compile"] <= 2e-2, r  # torch.compile of the expression agrees too
-        assert all(r["ms"][k] > 0 for k in ("keel", "eager", "compile", "clone")), r
+        assert r["ms"]["compile"] > 0, r
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     text = (tmp_path / "REPORT.md").read_text()
     assert "| rms_norm | bfloat16 | 64x256 |" in text
