@@ -48,6 +48,15 @@ template <typename T> __device__ __forceinline__ void store_pack(T* p, const Pac
 #endif
 }
 
+// 16 bytes at p: through the read-only path, or (in place) an ordinary load.
+template <bool InPlace, typename T> __device__ __forceinline__ Pack<T> load_in(const T* p) {
+  if constexpr (InPlace) {
+    return *reinterpret_cast<const Pack<T>*>(p);
+  } else {
+    return load_pack(p);
+  }
+}
+
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }

@@ -15,15 +15,6 @@
 
 using namespace keel;
 
-// 16 bytes at p: through the read-only path, or (in place) an ordinary load.
-template <bool InPlace, typename T> __device__ __forceinline__ Pack<T> load_in(const T* p) {
-  if constexpr (InPlace) {
-    return *reinterpret_cast<const Pack<T>*>(p);
-  } else {
-    return load_pack(p);
-  }
-}
-
 // The rows; the callers own the aliasing promises (see the entry points).
 template <bool InPlace, typename T>
 __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, const T* w, T* y, T* s, int64_t rows,

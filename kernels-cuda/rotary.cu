@@ -15,7 +15,13 @@
 // rows, strides, halves and pointers allow (NeoX: half a multiple of the pack;
 // GPT-J: rotary_dim a multiple of it, each pack holding pack/2 pairs), scalar
 // otherwise. f32 math, one rounding.
-// Kernel symbols: rotary_{f32,f16,bf16}.
+//
+// In place (rotary_inplace_*, vLLM's form), y is x, rows at x's strides:
+// each thread reads the elements it then writes (a pair, or a pack of
+// pairs), so no other thread reads a written element; ordinary loads for x
+// (the read-only path must not see memory the kernel writes), no
+// __restrict__ on it, and the dims past rotary_dim stay where they are.
+// Kernel symbols: rotary_{f32,f16,bf16}, rotary_inplace_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
@@ -26,10 +32,11 @@ __device__ __forceinline__ void rotate(float a, float b, float c, float s, T& ya
   yb = from_f32<T>(b * c + a * s);
 }
 
-template <typename T>
-__device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restrict__ cos_, const T* __restrict__ sin_,
-                                       T* __restrict__ y, int64_t rows, int seq, int heads, int head_dim, int half,
-                                       int interleaved, float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {
+// The rows; the callers own the aliasing promises (see the entry points).
+template <bool InPlace, typename T>
+__device__ __forceinline__ void rotary_rows(const T* x, const T* __restrict__ cos_, const T* __restrict__ sin_, T* y,
+                                            int64_t rows, int seq, int heads, int head_dim, int half, int interleaved,
+                                            float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {
   constexpr int N = Pack<T>::N;
   const int lane = threadIdx.x % lanes, groups = blockDim.x / lanes;
   if ((int)threadIdx.x >= groups * lanes) return;  // no barriers here: leaving early is safe
@@ -41,12 +48,12 @@ __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restr
     const int64_t token = row / heads, b = token / seq;
     const int64_t head = row - token * heads, pos = token - b * seq;
     const T* xr = x + b * sb + pos * ss + head * sh;
-    T* yr = y + row * head_dim;
+    T* yr = InPlace ? y + b * sb + pos * ss + head * sh : y + row * head_dim;
     const T* cr = cos_ + pos * half;
     const T* sr = sin_ + pos * half;
     if (vec && !interleaved) {
       for (int j = lane * N; j < half; j += lanes * N) {
-        const Pack<T> a = load_pack(xr + j), b = load_pack(xr + half + j), c = load_pack(cr + j),
+        const Pack<T> a = load_in<InPlace>(xr + j), b = load_in<InPlace>(xr + half + j), c = load_pack(cr + j),
                       s = load_pack(sr + j);
         Pack<T> oa, ob;
 #pragma unroll
@@ -57,7 +64,7 @@ __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restr
       }
     } else if (vec) {
       for (int j = lane * N; j < rot; j += lanes * N) {
-        const Pack<T> p = load_pack(xr + j);
+        const Pack<T> p = load_in<InPlace>(xr + j);
         Pack<T> o;
 #pragma unroll
         for (int k = 0; k < N / 2; ++k) {
@@ -73,7 +80,9 @@ __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restr
         rotate(to_f32(xr[ia]), to_f32(xr[ib]), to_f32(cr[k]), sign * to_f32(sr[k]), yr[ia], yr[ib]);
       }
     }
-    if (vec && rest % N == 0) {
+    if (InPlace) {
+      // The dims past rotary_dim are already in place.
+    } else if (vec && rest % N == 0) {
       for (int j = rot + lane * N; j < head_dim; j += lanes * N) store_pack(yr + j, load_pack(xr + j));
     } else {
       for (int j = rot + lane; j < head_dim; j += lanes) yr[j] = xr[j];
@@ -81,11 +90,25 @@ __device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restr
   }
 }
 
-#define KEEL_ROTARY(SUFFIX, T)                                                                                  \
-  extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos_, const T* sin_, T* y, int64_t rows,      \
-                                             int seq, int heads, int head_dim, int half, int interleaved,       \
-                                             float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {       \
-    rotary<T>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign, lanes, sb, ss, sh);         \
+// Out of place: y is contiguous and overlaps nothing.
+template <typename T>
+__device__ __forceinline__ void rotary(const T* __restrict__ x, const T* __restrict__ cos_, const T* __restrict__ sin_,
+                                       T* __restrict__ y, int64_t rows, int seq, int heads, int head_dim, int half,
+                                       int interleaved, float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {
+  rotary_rows<false>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign, lanes, sb, ss, sh);
+}
+
+#define KEEL_ROTARY(SUFFIX, T)                                                                                     \
+  extern "C" __global__ void rotary_##SUFFIX(const T* x, const T* cos_, const T* sin_, T* y, int64_t rows,         \
+                                             int seq, int heads, int head_dim, int half, int interleaved,          \
+                                             float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {          \
+    rotary<T>(x, cos_, sin_, y, rows, seq, heads, head_dim, half, interleaved, sign, lanes, sb, ss, sh);            \
+  }                                                                                                                \
+  /* In place: x's heads do not overlap (checked by the caller). */                                                \
+  extern "C" __global__ void rotary_inplace_##SUFFIX(T* x, const T* cos_, const T* sin_, int64_t rows, int seq,    \
+                                                     int heads, int head_dim, int half, int interleaved,           \
+                                                     float sign, int lanes, int64_t sb, int64_t ss, int64_t sh) {  \
+    rotary_rows<true>(x, cos_, sin_, x, rows, seq, heads, head_dim, half, interleaved, sign, lanes, sb, ss, sh);    \
   }
 
 KEEL_ROTARY(f32, float)

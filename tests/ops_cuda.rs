@@ -160,6 +160,12 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
                 for inverse in [false, true] {
                     let mut y = zeros(m);
                     rotary::apply_cuda(&s, &xrd, &cd, &sd, &mut y, shape, interleaved, inverse).unwrap();
+                    // In place: the same bits.
+                    let mut xi = up(&s, &xr);
+                    let st = shape.contiguous();
+                    rotary::apply_inplace_cuda(&s, &mut xi, st, &cd, &sd, shape, interleaved, inverse).unwrap();
+                    let what = format!("rotary in place {batch}x{heads} interleaved={interleaved} inverse={inverse}");
+                    close(&s.clone_dtoh(&xi).unwrap(), &s.clone_dtoh(&y).unwrap(), 0.0, &what);
                     let mut want = cpu(m);
                     rotary::apply_cpu(&xr, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
                     close(

@@ -7,7 +7,7 @@ mod common;
 
 use common::{assert_close, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
-use keel::ops::rotary::{apply_cpu, apply_strided_cpu, Shape, Strides};
+use keel::ops::rotary::{apply_cpu, apply_inplace_cpu, apply_strided_cpu, Shape, Strides};
 use keel_cpu::rotary::apply_ref;
 use proptest::prelude::*;
 
@@ -92,8 +92,45 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(shape: Shape, st: Strides
                 apply_strided_cpu(&storage, st, &cos, &sin, &mut y, shape, interleaved, inverse, par).unwrap();
                 // The same arithmetic per element as on the contiguous copy.
                 assert_eq!(y, want, "{st:?} interleaved={interleaved} inverse={inverse} {name}");
+                check_inplace(&storage, st, &cos, &sin, shape, interleaved, inverse, par, &want);
             }
         }
+    }
+}
+
+/// In place on `storage` (a copy): the rows hold `want`, every other element
+/// is unchanged; a layout whose heads overlap (a broadcast batch) is refused.
+#[allow(clippy::too_many_arguments)]
+fn check_inplace<T: Tol + PartialEq + std::fmt::Debug>(
+    storage: &[T],
+    st: Strides,
+    cos: &[T],
+    sin: &[T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+    want: &[T],
+) {
+    let mut x = storage.to_vec();
+    let r = apply_inplace_cpu(&mut x, st, cos, sin, shape, interleaved, inverse, par);
+    if st.batch == 0 && shape.batch > 1 && shape.numel() > 0 {
+        assert!(r.unwrap_err().to_string().contains("has heads that overlap"), "{st:?}");
+        assert_eq!(x, storage, "a refused call writes nothing");
+        return;
+    }
+    r.unwrap();
+    assert_eq!(gather(&x, st, shape), want, "in place, {st:?} interleaved={interleaved} inverse={inverse}");
+    let mut in_rows = vec![false; storage.len()];
+    for b in 0..shape.batch {
+        for s in 0..shape.seq {
+            for h in 0..shape.heads {
+                in_rows[b * st.batch + s * st.seq + h * st.heads..][..shape.head_dim].fill(true);
+            }
+        }
+    }
+    for (i, ((a, b), inside)) in x.iter().zip(storage).zip(&in_rows).enumerate() {
+        assert!(*inside || a == b, "in place wrote element {i} outside x's heads ({st:?})");
     }
 }
 

@@ -13,7 +13,8 @@
 //! [`apply_strided`] reads an `x` whose batch, seq and heads dims have any
 //! strides (each head contiguous): `q` and `k` sliced from a fused qkv
 //! projection, or a `[batch, heads, seq, head_dim]` tensor transposed to this
-//! layout, with no copy. The output is always contiguous.
+//! layout, with no copy; its output is contiguous. [`apply_inplace`]
+//! rotates such an `x` in place (vLLM's form).
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
 use crate::layout::RowLayout;
@@ -79,6 +80,31 @@ impl Shape {
             }),
             None => Err(Error::Shape { op, arg: "x", msg: format!("strides {strides:?} overflow the address space") }),
         }
+    }
+
+    /// Checks that no two rows (heads) of an `x` laid out with `strides`
+    /// share an element, as writing `x` in place needs: taken by increasing
+    /// stride, each dim of more than one entry must step past everything
+    /// inside it. (A layout that interleaves its rows without overlap is
+    /// refused too; torch makes none.)
+    pub fn check_disjoint(&self, op: &'static str, strides: Strides) -> Result<()> {
+        if self.numel() == 0 {
+            return Ok(());
+        }
+        let mut dims = [(self.batch, strides.batch), (self.seq, strides.seq), (self.heads, strides.heads)];
+        dims.sort_by_key(|&(_, s)| s);
+        let mut extent = self.head_dim;
+        for (n, s) in dims {
+            if n <= 1 || extent == 0 {
+                continue;
+            }
+            if s < extent {
+                let msg = format!("has heads that overlap (strides {strides:?}), which an in-place op cannot write");
+                return Err(Error::Shape { op, arg: "x", msg });
+            }
+            extent = s.saturating_mul(n - 1).saturating_add(extent);
+        }
+        Ok(())
     }
 
     /// Checks `rotary_dim` and the slice lengths, naming `op` and the argument.
@@ -150,6 +176,92 @@ pub fn apply_strided<T: Element>(
     shape.check_strided(op, x.len(), strides, cos.len(), sin.len(), out.len())?;
     run(x, strides, cos, sin, out, shape, interleaved, inverse, par);
     Ok(())
+}
+
+/// Rotates `x` in place (by the opposite angle when `inverse`): vLLM's form,
+/// which allocates nothing. `x` is laid out with `strides` (see [`Strides`];
+/// `shape.contiguous()` for a contiguous one), whose heads must not overlap
+/// ([`Shape::check_disjoint`]). The same bits as [`apply_strided`]'s output.
+/// Rows are visited in the order they lie in memory (a transposed layout
+/// too), each copied to a buffer first and rotated back into place.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_inplace<T: Element>(
+    x: &mut [T],
+    strides: Strides,
+    cos: &[T],
+    sin: &[T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward_" } else { "rotary_embedding_" };
+    shape.check_strided(op, x.len(), strides, cos.len(), sin.len(), shape.numel())?;
+    shape.check_disjoint(op, strides)?;
+    let (d, half) = (shape.head_dim, shape.rotary_dim / 2);
+    let rows = shape.batch * shape.seq * shape.heads;
+    if rows == 0 || d == 0 {
+        return Ok(());
+    }
+    let sign = if inverse { T::Acc::ZERO - T::Acc::ONE } else { T::Acc::ONE };
+    // (entries, stride, is the position dim), outermost (largest stride) first.
+    let mut dims =
+        [(shape.batch, strides.batch, false), (shape.seq, strides.seq, true), (shape.heads, strides.heads, false)];
+    dims.sort_by_key(|&(_, s, _)| std::cmp::Reverse(s));
+    let pos_dim = dims.iter().position(|&(_, _, p)| p).unwrap_or(1);
+    let [(_, s0, _), (n1, s1, _), (n2, s2, _)] = dims;
+    let base = RowsPtr(x.as_mut_ptr());
+    let blocks = Blocks::new(&par, rows, d);
+    par.for_each(blocks.count, &|b| {
+        let rows = blocks.rows(b);
+        dispatch(
+            #[inline(always)]
+            || {
+                let mut buf = vec![T::default(); d];
+                let r = rows.start;
+                let mut at = [r / (n1 * n2), (r / n2) % n1, r % n2];
+                for _ in rows.clone() {
+                    let pos = at[pos_dim];
+                    // SAFETY: check_strided put every row inside `x`, and
+                    // check_disjoint made rows pairwise disjoint; blocks own
+                    // disjoint ranges of rows, so no two slices alias.
+                    let row = unsafe { base.row(at[0] * s0 + at[1] * s1 + at[2] * s2, d) };
+                    buf.copy_from_slice(row);
+                    rotate_row(&buf, row, &cos[pos * half..][..half], &sin[pos * half..][..half], interleaved, sign);
+                    at[2] += 1;
+                    if at[2] == n2 {
+                        at[2] = 0;
+                        at[1] += 1;
+                        if at[1] == n1 {
+                            at[1] = 0;
+                            at[0] += 1;
+                        }
+                    }
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// `x`'s first element, shared by the tasks of [`apply_inplace`], each of
+/// which writes its own rows.
+struct RowsPtr<T>(*mut T);
+
+// SAFETY: the tasks write disjoint rows (see apply_inplace); T is Send.
+unsafe impl<T: Send> Sync for RowsPtr<T> {}
+
+impl<T> RowsPtr<T> {
+    /// The `len` elements from `offset`.
+    ///
+    /// # Safety
+    /// They must lie inside the slice this points into, and no other
+    /// reference to them may live while the result does.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn row(&self, offset: usize, len: usize) -> &mut [T] {
+        // SAFETY: per this function's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(offset), len) }
+    }
 }
 
 /// [`apply_strided`] after its checks.

@@ -501,7 +501,13 @@ fn gated_and_rotary<T: Dt>(c: Case) {
         rotary::Strides { batch: rows * (heads + 1) * h, seq: (heads + 1) * h, heads: h }
     };
     let transposed = rotary::Strides { batch: heads * rows * cols, seq: cols, heads: rows * cols };
-    for (layout, st) in [("padded by 8", padded(8)), ("padded by 1", padded(1)), ("transposed", transposed)] {
+    let layouts = [
+        ("padded by 8", padded(8)),
+        ("padded by 1", padded(1)),
+        ("transposed", transposed),
+        ("contiguous", shape.contiguous()),
+    ];
+    for (layout, st) in layouts {
         let buf = data::<T>(shape.span(st).unwrap(), 23);
         let mut xc = Vec::with_capacity(shape.numel());
         for (b, p, h) in (0..batch).flat_map(|b| (0..rows).flat_map(move |p| (0..heads).map(move |h| (b, p, h)))) {
@@ -518,6 +524,23 @@ fn gated_and_rotary<T: Dt>(c: Case) {
             let mut want = cpu(shape.numel());
             rotary::apply_cpu(&xc, &cos, &sin, &mut want, shape, interleaved, false, Par::Seq).unwrap();
             close(&got[0], &want, tol, &what);
+
+            // In place: x's heads become the out-of-place kernel's rows, bit
+            // for bit, and nothing else in the buffer changes.
+            let what = format!("rotary in place {layout} interleaved={interleaved} {c:?}");
+            let inplace = both::<T>(sm, &what, |t| {
+                let (xd, cd, sd) = (up(&buf), up(&cos), up(&sin));
+                let (px, pc, ps) = (xd.addr(), cd.addr(), sd.addr());
+                unsafe { rotary::apply_inplace_on(t, dt, px, st, pc, ps, shape, interleaved, false) }.unwrap();
+                vec![xd.to_vec()]
+            });
+            let mut expect = buf.clone();
+            let mut rows_of_got = got[0].chunks_exact(cols);
+            for (b, p, h) in (0..batch).flat_map(|b| (0..rows).flat_map(move |p| (0..heads).map(move |h| (b, p, h)))) {
+                let row = rows_of_got.next().expect("one output row per head");
+                expect[b * st.batch + p * st.seq + h * st.heads..][..cols].copy_from_slice(row);
+            }
+            assert_eq!(bits(&inplace[0]), bits(&expect), "{what} {}", T::NAME);
         }
     }
 }

@@ -7,7 +7,8 @@
 //! - CUDA: `lanes` threads per row (one head of one token), 16-byte loads
 //!   where the layout allows, the position worked out once per row.
 //! - Layout: the `_strided` functions read an `x` whose batch, seq and heads
-//!   dims have any strides (see [`Strides`]); outputs are contiguous.
+//!   dims have any strides (see [`Strides`]); outputs are contiguous. The
+//!   `_inplace` functions rotate such an `x` in place (vLLM's form).
 pub use keel_cpu::rotary::{Shape, Strides};
 
 use crate::cpu::{Element, Par};
@@ -49,6 +50,21 @@ pub fn apply_strided_cpu<T: Element>(
     Ok(keel_cpu::rotary::apply_strided(x, strides, cos, sin, out, shape, interleaved, inverse, par)?)
 }
 
+/// CPU, in place: see [`keel_cpu::rotary::apply_inplace`].
+#[allow(clippy::too_many_arguments)]
+pub fn apply_inplace_cpu<T: Element>(
+    x: &mut [T],
+    strides: Strides,
+    cos: &[T],
+    sin: &[T],
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+    par: Par<'_>,
+) -> Result<()> {
+    Ok(keel_cpu::rotary::apply_inplace(x, strides, cos, sin, shape, interleaved, inverse, par)?)
+}
+
 fn check_limits(op: &'static str, shape: &Shape) -> Result<()> {
     for (arg, v) in [("seq", shape.seq), ("heads", shape.heads), ("head_dim", shape.head_dim)] {
         if v > i32::MAX as usize {
@@ -56,6 +72,22 @@ fn check_limits(op: &'static str, shape: &Shape) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The checks of a launch: the shape, the kernel's 32-bit limits, and
+/// strides whose span fits the kernel's 64-bit signed offsets (one that
+/// overflows usize fails the check too). Returns the rows to launch, 0 for
+/// an empty `x`.
+fn check_launch(op: &'static str, shape: &Shape, strides: Strides) -> Result<usize> {
+    check_limits(op, shape)?;
+    let (n, half) = (shape.numel(), shape.rotary_dim / 2);
+    let span = shape.span(strides).unwrap_or(usize::MAX);
+    shape.check_strided(op, span, strides, shape.seq * half, shape.seq * half, n)?;
+    if span > i64::MAX as usize {
+        let msg = format!("strides {strides:?} reach past 2^63 elements");
+        return Err(Error::Invalid { op, arg: "x", msg });
+    }
+    Ok(if n == 0 { 0 } else { shape.batch * shape.seq * shape.heads })
 }
 
 /// Threads per row (`lanes`: a power of two, up to 32, enough for one
@@ -116,20 +148,11 @@ pub(crate) unsafe fn apply_on(
     inverse: bool,
 ) -> Result<()> {
     let op = if inverse { "rotary_embedding_backward" } else { "rotary_embedding" };
-    check_limits(op, &shape)?;
-    let (n, half) = (shape.numel(), shape.rotary_dim / 2);
-    // The kernel takes 64-bit signed offsets: a span that fits them keeps every
-    // row's offset in range (and one that overflows usize fails the check).
-    let span = shape.span(strides).unwrap_or(usize::MAX);
-    shape.check_strided(op, span, strides, shape.seq * half, shape.seq * half, n)?;
-    if span > i64::MAX as usize {
-        let msg = format!("strides {strides:?} reach past 2^63 elements");
-        return Err(Error::Invalid { op, arg: "x", msg });
-    }
-    if n == 0 {
+    let rows = check_launch(op, &shape, strides)?;
+    if rows == 0 {
         return Ok(());
     }
-    let rows = shape.batch * shape.seq * shape.heads;
+    let half = shape.rotary_dim / 2;
     let (lanes, cfg) = config(t.sm_count(), dtype, rows, &shape, interleaved);
     let args = [
         Arg::Ptr(x),
@@ -150,6 +173,96 @@ pub(crate) unsafe fn apply_on(
     ];
     // SAFETY: the argument list matches rotary_*; pointers per our contract.
     unsafe { t.launch(MODULE, &format!("rotary_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// CUDA in place on raw device pointers: `x`, laid out with `strides`
+/// (heads that do not overlap), becomes its rotation (vLLM's form).
+///
+/// # Safety
+/// `x` must be a device address on `stream`'s device holding
+/// `shape.span(strides)` elements of `dtype`, `cos` and `sin`
+/// `seq * rotary_dim / 2`; `x` must not overlap them.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn apply_inplace_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    x: u64,
+    strides: Strides,
+    cos: u64,
+    sin: u64,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    // SAFETY: forwarded from this function's contract.
+    unsafe { apply_inplace_on(&Stream { gpu, stream }, dtype, x, strides, cos, sin, shape, interleaved, inverse) }
+}
+
+/// [`apply_inplace_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`apply_inplace_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn apply_inplace_on(
+    t: &dyn Target,
+    dtype: DType,
+    x: u64,
+    strides: Strides,
+    cos: u64,
+    sin: u64,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward_" } else { "rotary_embedding_" };
+    let rows = check_launch(op, &shape, strides)?;
+    shape.check_disjoint(op, strides)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (lanes, cfg) = config(t.sm_count(), dtype, rows, &shape, interleaved);
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(cos),
+        Arg::Ptr(sin),
+        Arg::I64(rows as i64),
+        Arg::I32(shape.seq as i32),
+        Arg::I32(shape.heads as i32),
+        Arg::I32(shape.head_dim as i32),
+        Arg::I32(shape.rotary_dim as i32 / 2),
+        Arg::I32(interleaved as i32),
+        Arg::F32(if inverse { -1.0 } else { 1.0 }),
+        Arg::I32(lanes as i32),
+        Arg::I64(strides.batch as i64),
+        Arg::I64(strides.seq as i64),
+        Arg::I64(strides.heads as i64),
+    ];
+    // SAFETY: the argument list matches rotary_inplace_*; pointers per our contract.
+    unsafe { t.launch(MODULE, &format!("rotary_inplace_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// CUDA in place on a `cudarc` buffer, `x` laid out with `strides` (heads
+/// that do not overlap), launched on `stream`.
+#[allow(clippy::too_many_arguments)]
+pub fn apply_inplace_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    x: &mut CudaSlice<T>,
+    strides: Strides,
+    cos: &CudaSlice<T>,
+    sin: &CudaSlice<T>,
+    shape: Shape,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    let op = if inverse { "rotary_embedding_backward_" } else { "rotary_embedding_" };
+    shape.check_strided(op, x.len(), strides, cos.len(), sin.len(), shape.numel())?;
+    let gpu = gpu(stream.context().ordinal())?;
+    let (px, _g1) = x.device_ptr_mut(stream);
+    let (pc, _g2) = cos.device_ptr(stream);
+    let (ps, _g3) = sin.device_ptr(stream);
+    // SAFETY: lengths checked above; `x` is borrowed mutably, so it overlaps neither input.
+    unsafe { apply_inplace_cuda_raw(&gpu, stream, T::DTYPE, px, strides, pc, ps, shape, interleaved, inverse) }
 }
 
 /// CUDA on `cudarc` buffers, launched on `stream`.
