@@ -112,6 +112,12 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
                 })
             });
         }
+        let (mut xi, st) = (s.clone_dtod(&x).unwrap(), shape.contiguous());
+        g.bench_function(BenchmarkId::new("rotary_embedding/neox_inplace", &id), |bn| {
+            bn.iter_custom(|it| {
+                timed(s, it, || rotary::apply_inplace_cuda(s, &mut xi, st, &cos, &sin, shape, false, false).unwrap())
+            })
+        });
     }
     g.finish();
 }

@@ -1,11 +1,12 @@
 //! criterion: rotary_embedding on CPU in both layouts (NeoX halves, GPT-J
 //! pairs), forward (the backward is the same kernel rotating the other way),
 //! every dtype, on rayon's pool; x `[batch, seq, 32, 128]`, and NeoX on an x
-//! read through its strides (a `[batch, 32, seq, 128]` tensor transposed).
+//! read through its strides (a `[batch, 32, seq, 128]` tensor transposed),
+//! and NeoX in place (contiguous, and transposed).
 //! Throughput counts x read and the output written.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{Element, Par};
-use keel::ops::rotary::{apply_cpu, apply_strided_cpu, Shape, Strides};
+use keel::ops::rotary::{apply_cpu, apply_inplace_cpu, apply_strided_cpu, Shape, Strides};
 use std::hint::black_box;
 
 mod common;
@@ -30,6 +31,21 @@ fn bench<T: Element>(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("neox transposed", &id), |bn| {
             bn.iter(|| apply_strided_cpu(black_box(&x), st, &cos, &sin, &mut y, shape, false, false, par).unwrap())
         });
+        // In place: x read and written (the same bytes). Each call rotates the
+        // last one's output, so cos and sin are those of real angles: with
+        // cos^2 + sin^2 = 1 the values keep their size (the made-up ones above
+        // would shrink some to subnormals and grow others to infinity).
+        let mut xi = x.clone();
+        let angles = data::<f64>(seq * 64, 1);
+        let cos_a: Vec<T> = angles.iter().map(|a| T::from_f64(a.cos())).collect();
+        let sin_a: Vec<T> = angles.iter().map(|a| T::from_f64(a.sin())).collect();
+        for (name, layout) in [("neox inplace", shape.contiguous()), ("neox inplace transposed", st)] {
+            g.bench_function(BenchmarkId::new(name, &id), |bn| {
+                bn.iter(|| {
+                    apply_inplace_cpu(black_box(&mut xi), layout, &cos_a, &sin_a, shape, false, false, par).unwrap()
+                })
+            });
+        }
     }
     g.finish();
 }

@@ -191,6 +191,27 @@ impl Tensor {
         Ok(Some(unsafe { std::slice::from_raw_parts(p as *const T, n) }))
     }
 
+    /// [`Tensor::as_span_slice`], mutable: the memory a strided view
+    /// reaches, for an op that writes the view in place through its strides.
+    ///
+    /// # Safety
+    /// As [`Tensor::as_span_slice`], and no other slice of this memory may be
+    /// alive; elements in the span that the view does not reach (padding,
+    /// other views' elements) must not be written.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn as_mut_span_slice<T>(&self) -> Result<Option<&mut [T]>> {
+        let Some(n) = self.span()? else {
+            return Ok(None);
+        };
+        let p = self.data_ptr()?;
+        if n == 0 || p.is_null() {
+            return Ok(Some(&mut []));
+        }
+        // SAFETY: per this function's contract; the span lies within the
+        // tensor's storage, as every element the view reaches does.
+        Ok(Some(unsafe { std::slice::from_raw_parts_mut(p as *mut T, n) }))
+    }
+
     /// The elements of a contiguous CPU tensor as a mutable slice.
     ///
     /// # Safety

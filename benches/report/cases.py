@@ -101,6 +101,17 @@ def _keel_fused_add_rms_norm_inplace(x, r, w):
     return x, r
 
 
+def _rope_neox_inplace(q, cos, sin):
+    """vLLM's in-place rotary written in torch."""
+    q.copy_(_rope_neox(q, cos, sin))
+    return q
+
+
+def _keel_rope_inplace(q, cos, sin):
+    torch.ops.keel.rotary_embedding_(q, cos, sin, False)
+    return q
+
+
 def _silu_and_mul(h):
     d = h.shape[-1] // 2
     return F.silu(h[..., :d]) * h[..., d:]
@@ -195,6 +206,13 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
                     2 * q.numel() * es)
 
     mk["rotary_embedding"] = rope
+
+    def rope_inplace():
+        c = rope()  # its own q: every call rewrites it
+        c.name, c.keel, c.torch, c.inplace = "rotary_embedding_ (in place)", _keel_rope_inplace, _rope_neox_inplace, True
+        return c
+
+    mk["rotary_embedding_ (in place)"] = rope_inplace
 
     # Strided inputs, read in place by Keel (the same views go to torch):
     # Llama's q laid out [batch, heads, seq, head_dim], passed transposed; and

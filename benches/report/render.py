@@ -85,9 +85,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "relative to the output's scale. Two rows take strided views, which Keel reads in place and torch "
               "gets the same: `rotary_embedding (x.T)` (a `[batch, heads, seq, head_dim]` q passed transposed, as "
               "Llama lays it out) and `rms_norm (qkv view)` (QK-norm on q of a fused qkv projection, viewed "
-              "`[tokens, heads, head_dim]`). `fused_add_rms_norm_ (in place)` is vLLM's in-place form, "
-              "against the same in torch (`r.add_(x); x.copy_(F.rms_norm(r, ...))`); it allocates nothing, so its "
-              "bandwidth is held against the copy into an existing tensor, not the clone.", ""]
+              "`[tokens, heads, head_dim]`). The `(in place)` rows are vLLM's in-place forms, "
+              "against the same in torch (`r.add_(x); x.copy_(F.rms_norm(r, ...))`, `q.copy_(rope(q))`); they allocate "
+              "nothing, so their bandwidth is held against the copy into an existing tensor, not the clone.", ""]
     lines += ["## Memory bandwidth", "", "| run | device | clone (fresh output) GB/s | copy into existing GB/s |",
               "|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):

@@ -56,6 +56,9 @@ const OPS: &[OpDef] = &[
     op::<crate::rotary::RotaryEmbedding>(
         "rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
     ),
+    op::<crate::rotary::RotaryEmbeddingInplace>(
+        "rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False) -> ()",
+    ),
     op::<crate::rotary::RotaryEmbeddingBackward>(
         "rotary_embedding_backward(Tensor grad_out, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
     ),

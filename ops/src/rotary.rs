@@ -9,8 +9,12 @@
 //! in place (q and k sliced from a fused qkv projection, or a
 //! `[batch, heads, seq, head_dim]` tensor transposed to this layout). The
 //! output is contiguous.
+//!
+//! `rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False) -> ()`
+//! rotates `x` in place, through the same strides (vLLM's form); its heads
+//! must not overlap, nor `x` `cos` or `sin`.
 use crate::checks::{self, invalid, with_float_type, Rows};
-use crate::device::{kernel_err, ptr, CudaCall};
+use crate::device::{check_err, kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
 use keel::ops::rotary::{Shape, Strides};
 use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
@@ -118,5 +122,64 @@ impl BoxedOp for RotaryEmbeddingBackward {
 
     fn run((grad_out, cos, sin, interleaved): Self::Args) -> Result<Self::Out> {
         run(Self::NAME, "grad_out", grad_out, cos, sin, interleaved)
+    }
+}
+
+/// `rotary_embedding_`: `x` rotated in place. No autograd (the Python layer
+/// refuses it where a gradient is needed).
+pub(crate) struct RotaryEmbeddingInplace;
+
+impl BoxedOp for RotaryEmbeddingInplace {
+    const NAME: &'static str = "rotary_embedding_";
+    type Args = (Tensor, Tensor, Tensor, bool);
+    type Out = ();
+
+    fn run((x, cos, sin, interleaved): Self::Args) -> Result<Self::Out> {
+        let op = Self::NAME;
+        let (sizes, st) = (x.sizes()?, x.strides()?);
+        if sizes.len() == 4 && !checks::rows_read_in_place(st, sizes[3] as usize) {
+            // A copy would take the result with it: say so, not "call .contiguous()".
+            let msg = format!("{}, got strides {st:?}: the op writes it in place", checks::LAST_DIM_CONTIGUOUS);
+            return Err(invalid(op, "x", msg));
+        }
+        let (c, shape, strides) = check(op, "x", &x, &cos, &sin)?;
+        shape.check_disjoint(op, strides).map_err(check_err)?;
+        checks::disjoint(op, "cos", &cos, "x", &x)?;
+        checks::disjoint(op, "sin", &sin, "x", &x)?;
+        match c.device.kind {
+            DeviceType::Cpu => with_float_type!(c.dtype, T => {
+                // SAFETY: checked CPU tensors of element type T; `x`'s heads
+                // (through its strides, checked non-negative) do not overlap
+                // each other or cos and sin, and the kernel writes only them.
+                let (xs, cs, ss) = unsafe { (x.as_mut_span_slice::<T>()?, cos.as_slice::<T>()?, sin.as_slice::<T>()?) };
+                let xs = xs.ok_or_else(|| invalid(op, "x", format!("strides {strides:?} overflow the address space")))?;
+                with_torch_par(|par| keel::ops::rotary::apply_inplace_cpu(xs, strides, cs, ss, shape, interleaved, false, par))
+                    .map_err(kernel_err)?
+            }),
+            DeviceType::Cuda => {
+                let call = CudaCall::new(op, c.device)?;
+                let dtype = checks::cuda_dtype(c.dtype)?;
+                let (px, pc, ps) = (ptr(Some(&x))?, ptr(Some(&cos))?, ptr(Some(&sin))?);
+                // SAFETY: checked CUDA tensors on the guarded device; `x`'s
+                // heads do not overlap each other or cos and sin.
+                unsafe {
+                    keel::ops::rotary::apply_inplace_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        dtype,
+                        px,
+                        strides,
+                        pc,
+                        ps,
+                        shape,
+                        interleaved,
+                        false,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
+            DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        Ok(())
     }
 }

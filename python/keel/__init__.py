@@ -4,8 +4,9 @@ stable C ABI, so one wheel serves every torch from 2.10 on.
 Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``,
 ``keel.layer_norm``, ``keel.fused_add_rms_norm`` (and ``keel.fused_add_rms_norm_``, in place), ``keel.silu_and_mul``,
 ``keel.gelu_and_mul``, ``keel.softmax``, ``keel.cross_entropy``, ``keel.cross_entropy_with_lse``,
-``keel.rotary_embedding``) and drop-in modules in ``keel.nn``. All ops have autograd, CPU/CUDA/Meta kernels,
-and work under ``torch.compile``.
+``keel.rotary_embedding``, and ``keel.rotary_embedding_`` in place) and drop-in modules in ``keel.nn``.
+All ops have CPU/CUDA/Meta kernels and work under ``torch.compile``; all but the in-place
+ones (names ending in ``_``, for inference) have autograd.
 """
 from . import _load
 
@@ -33,6 +34,7 @@ from .functional import (  # noqa: E402
     layer_norm,
     rms_norm,
     rotary_embedding,
+    rotary_embedding_,
     silu_and_mul,
     softmax,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "cross_entropy",
     "cross_entropy_with_lse",
     "rotary_embedding",
+    "rotary_embedding_",
     "nn",
     "LIBRARY_PATH",
 ]

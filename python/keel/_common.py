@@ -2,7 +2,7 @@
 dtype, one device for all tensor arguments, and the layouts the ops read."""
 import torch
 
-INPLACE = ("fused_add_rms_norm_",)
+INPLACE = ("fused_add_rms_norm_", "rotary_embedding_")
 """Keel's ops that write their arguments (``Tensor(a!)`` in the schema), in place
 of returning new tensors; see ``_inplace``."""
 

@@ -142,6 +142,7 @@ _RULES = {
         _like(logits)
     ],
     "rotary_embedding": lambda x, cos, sin, interleaved=False: [_like(x)],
+    "rotary_embedding_": lambda x, cos, sin, interleaved=False: [],
     "rotary_embedding_backward": lambda grad_out, cos, sin, interleaved: [_like(grad_out)],
 }
 

@@ -233,6 +233,25 @@ def _rotary_embedding(x, cos, sin, interleaved):
     return _keel.rotary_embedding.default(heads_contiguous(x), cos.contiguous(), sin.contiguous(), interleaved)
 
 
+def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> None:
+    """:func:`rotary_embedding` in place, as vLLM's op: ``x`` becomes its rotation.
+
+    The same bits as ``rotary_embedding(x, cos, sin, interleaved)``, written through
+    ``x``'s own strides, with no new tensor: rotate ``q`` and ``k`` where they lie, in the
+    fused qkv projection's output, or a transposed ``[batch, heads, seq, head_dim]`` q.
+    Elements of the storage that ``x`` does not reach are left as they are.
+
+    Args:
+        x: ``[batch, seq, heads, head_dim]`` with its last dim contiguous and no two
+            heads sharing memory (a broadcast, stride-0 dim is refused).
+        cos, sin: as for :func:`rotary_embedding`, sharing no memory with ``x``.
+
+    Not differentiable: use :func:`rotary_embedding` where a gradient is needed (grad
+    mode on and an argument requiring one is refused with a RuntimeError).
+    """
+    _call_inplace(_keel.rotary_embedding_.default, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
+
+
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 

@@ -265,6 +265,7 @@ def _every_op(x, r, w, up, cos, sin, target):
     b = keel.rotary_embedding(a.view(*a.shape[:2], 2, -1), cos, sin)
     p = keel.softmax(b.flatten(2), 0.5)
     loss = keel.cross_entropy(p.flatten(0, 1), target) + keel.cross_entropy_with_lse(p.flatten(0, 1), target)[0]
+    keel.rotary_embedding_(x.view(*x.shape[:2], 2, -1), cos, sin)
     keel.fused_add_rms_norm_(x, r, w)
     return p, loss, s
 

@@ -17,7 +17,7 @@ from render import markdown  # noqa: E402
 def test_small_report_runs_and_checks_values(tmp_path):
     cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
            "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy,rms_norm (qkv view),rotary_embedding (x.T),"
-           "fused_add_rms_norm_ (in place)"]
+           "fused_add_rms_norm_ (in place),rotary_embedding_ (in place)"]
     plots = True
     try:
         import matplotlib  # noqa: F401
@@ -30,7 +30,7 @@ def test_small_report_runs_and_checks_values(tmp_path):
     assert {(r["op"], r["dtype"]) for r in rows} == {
         (op, dt)
         for op in ("rms_norm", "rms_norm fwd+bwd", "cross_entropy fwd+bwd", "rms_norm (qkv view)", "rotary_embedding (x.T)",
-                   "fused_add_rms_norm_ (in place)")
+                   "fused_add_rms_norm_ (in place)", "rotary_embedding_ (in place)")
         for dt in ("float32", "bfloat16")}
     for r in rows:
         assert r["ok"], r
