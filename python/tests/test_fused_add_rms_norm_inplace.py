@@ -145,3 +145,23 @@ def test_meta_and_empty():
     x, r = torch.empty(0, 3), torch.empty(0, 3)
     keel.fused_add_rms_norm_(x, r)
     assert x.shape == r.shape == (0, 3)
+
+
+def test_every_dispatch_path_bumps_versions_once():
+    """Through the Autograd kernel (grad mode, no_grad), through the
+    ADInplaceOrView kernel alone (below autograd), and through the typed API's
+    own path: one bump per call, of each written argument only."""
+    x, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.randn(8)
+    calls = [
+        lambda: op(x, r, w, 1e-6),
+        lambda: keel.fused_add_rms_norm_(x, r, w),
+    ]
+    with torch.no_grad():
+        calls[0]()
+    assert (x._version, r._version, w._version) == (1, 1, 0)
+    for i, call in enumerate(calls):
+        call()
+        assert (x._version, r._version, w._version) == (2 + i, 2 + i, 0), i
+    with torch._C._AutoDispatchBelowAutograd():
+        op(x, r, w, 1e-6)
+    assert (x._version, r._version, w._version) == (4, 4, 0)
