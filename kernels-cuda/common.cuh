@@ -35,7 +35,8 @@ template <typename T> __device__ __forceinline__ Pack<T> load_pack(const T* p) {
 // sector writes. __stwb and __stcg keep it whole but make it a strong store
 // (STG.E.128.STRONG.SM / .GPU); this is the plain weak one. The "memory"
 // clobber keeps it ordered with the loads and stores around it (the in-place
-// kernels read back what they store). Off the GPU (the CPU emulation of
+// kernels read back what they store). `p` must point to global memory (every
+// caller stores an output row). Off the GPU (the CPU emulation of
 // src/cuda/emu.rs) it is the assignment.
 template <typename T> __device__ __forceinline__ void store_pack(T* p, const Pack<T>& v) {
   const uint4 u = *reinterpret_cast<const uint4*>(&v);
