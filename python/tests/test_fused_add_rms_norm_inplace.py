@@ -165,3 +165,15 @@ def test_every_dispatch_path_bumps_versions_once():
     with torch._C._AutoDispatchBelowAutograd():
         op(x, r, w, 1e-6)
     assert (x._version, r._version, w._version) == (4, 4, 0)
+
+
+def test_torch_func_transforms_raise_rather_than_write_wrongly():
+    """vmap has no batching rule for an in-place custom op (torch's error);
+    torch.func.grad meets the refusal. Neither writes the inputs."""
+    x, r = torch.randn(3, 4, 8), torch.randn(3, 4, 8)
+    xs, rs = x.clone(), r.clone()
+    with pytest.raises(RuntimeError, match="Batching rule not implemented for keel::fused_add_rms_norm_"):
+        torch.func.vmap(lambda a, b: keel.fused_add_rms_norm_(a, b))(x, r)
+    with pytest.raises(RuntimeError, match="keel::fused_add_rms_norm_: argument 'input' requires grad"):
+        torch.func.grad(lambda a: (keel.fused_add_rms_norm_(a, r), a.sum())[1])(x)
+    assert torch.equal(x, xs) and torch.equal(r, rs)
