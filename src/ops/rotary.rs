@@ -152,18 +152,36 @@ pub(crate) unsafe fn apply_on(
     if rows == 0 {
         return Ok(());
     }
-    let half = shape.rotary_dim / 2;
-    let (lanes, cfg) = config(t.sm_count(), dtype, rows, &shape, interleaved);
-    let args = [
-        Arg::Ptr(x),
-        Arg::Ptr(cos),
-        Arg::Ptr(sin),
-        Arg::Ptr(out),
+    let ptrs = [Arg::Ptr(x), Arg::Ptr(cos), Arg::Ptr(sin), Arg::Ptr(out)];
+    // SAFETY: rotary_* takes x, cos, sin, out; pointers per our contract.
+    unsafe { launch(t, dtype, "rotary", &ptrs, rows, &shape, strides, interleaved, inverse) }
+}
+
+/// Launches `kernel` (`rotary` or `rotary_inplace`, for `dtype`) over `rows`
+/// rows: the pointer arguments `ptrs`, then those both kernels share.
+///
+/// # Safety
+/// `ptrs` must be `kernel`'s pointer parameters, valid as the callers'
+/// contracts say.
+#[allow(clippy::too_many_arguments)]
+unsafe fn launch(
+    t: &dyn Target,
+    dtype: DType,
+    kernel: &str,
+    ptrs: &[Arg],
+    rows: usize,
+    shape: &Shape,
+    strides: Strides,
+    interleaved: bool,
+    inverse: bool,
+) -> Result<()> {
+    let (lanes, cfg) = config(t.sm_count(), dtype, rows, shape, interleaved);
+    let shared = [
         Arg::I64(rows as i64),
         Arg::I32(shape.seq as i32),
         Arg::I32(shape.heads as i32),
         Arg::I32(shape.head_dim as i32),
-        Arg::I32(half as i32),
+        Arg::I32((shape.rotary_dim / 2) as i32),
         Arg::I32(interleaved as i32),
         Arg::F32(if inverse { -1.0 } else { 1.0 }),
         Arg::I32(lanes as i32),
@@ -171,8 +189,10 @@ pub(crate) unsafe fn apply_on(
         Arg::I64(strides.seq as i64),
         Arg::I64(strides.heads as i64),
     ];
-    // SAFETY: the argument list matches rotary_*; pointers per our contract.
-    unsafe { t.launch(MODULE, &format!("rotary_{}", dtype.suffix()), cfg, &args) }
+    let args: Vec<Arg> = ptrs.iter().chain(&shared).copied().collect();
+    // SAFETY: the pointers per this function's contract, then the parameters
+    // both kernels declare after them, in order.
+    unsafe { t.launch(MODULE, &format!("{kernel}_{}", dtype.suffix()), cfg, &args) }
 }
 
 /// CUDA in place on raw device pointers: `x`, laid out with `strides`
@@ -221,25 +241,9 @@ pub(crate) unsafe fn apply_inplace_on(
     if rows == 0 {
         return Ok(());
     }
-    let (lanes, cfg) = config(t.sm_count(), dtype, rows, &shape, interleaved);
-    let args = [
-        Arg::Ptr(x),
-        Arg::Ptr(cos),
-        Arg::Ptr(sin),
-        Arg::I64(rows as i64),
-        Arg::I32(shape.seq as i32),
-        Arg::I32(shape.heads as i32),
-        Arg::I32(shape.head_dim as i32),
-        Arg::I32(shape.rotary_dim as i32 / 2),
-        Arg::I32(interleaved as i32),
-        Arg::F32(if inverse { -1.0 } else { 1.0 }),
-        Arg::I32(lanes as i32),
-        Arg::I64(strides.batch as i64),
-        Arg::I64(strides.seq as i64),
-        Arg::I64(strides.heads as i64),
-    ];
-    // SAFETY: the argument list matches rotary_inplace_*; pointers per our contract.
-    unsafe { t.launch(MODULE, &format!("rotary_inplace_{}", dtype.suffix()), cfg, &args) }
+    let ptrs = [Arg::Ptr(x), Arg::Ptr(cos), Arg::Ptr(sin)];
+    // SAFETY: rotary_inplace_* takes x, cos, sin; pointers per our contract.
+    unsafe { launch(t, dtype, "rotary_inplace", &ptrs, rows, &shape, strides, interleaved, inverse) }
 }
 
 /// CUDA in place on a `cudarc` buffer, `x` laid out with `strides` (heads
