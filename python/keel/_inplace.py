@@ -1,4 +1,4 @@
-"""Autograd and version counters for Keel's in-place ops (``fused_add_rms_norm_``).
+"""Autograd and version counters for Keel's in-place ops (``_common.INPLACE``).
 
 The stable C ABI registers only the backend kernels (CPU, CUDA, Meta). For an
 op that writes its arguments, torch then neither bumps their version counters
