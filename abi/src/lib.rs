@@ -15,6 +15,8 @@
 //!   point every op is registered through (panics caught, errors raised as a
 //!   Python `RuntimeError`);
 //! - [`Library`]: schema definitions and per-dispatch-key implementations;
+//! - [`forward`]: an autograd kernel that forwards a call to a twin op by
+//!   grad mode;
 //! - [`DeviceGuard`], [`current_cuda_stream`], [`parallel_for`].
 //!
 //! It knows nothing of kernels or op names.
@@ -25,6 +27,7 @@ mod cuda;
 mod error;
 mod library;
 mod parallel;
+mod redispatch;
 mod stack;
 pub mod sys;
 mod tensor;
@@ -35,6 +38,7 @@ pub use cuda::{current_cuda_stream, DeviceGuard};
 pub use error::{raise, Error, Result};
 pub use library::{DispatchKey, Library};
 pub use parallel::{get_num_threads, parallel_for};
+pub use redispatch::{can_forward, forward, Forwarded};
 pub use stack::{FromStack, IntoStack, StableIValue};
 pub use tensor::Tensor;
 pub use types::{Device, DeviceType, ScalarType};

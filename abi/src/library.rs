@@ -12,6 +12,9 @@ pub enum DispatchKey {
     Cuda,
     /// Meta tensors (also what fake tensors and `torch.compile` use for shapes).
     Meta,
+    /// torch's autograd alias key (every `Autograd<Backend>` key): its kernel
+    /// runs before any backend's, for every tensor outside inference mode.
+    Autograd,
 }
 
 impl DispatchKey {
@@ -20,6 +23,7 @@ impl DispatchKey {
             DispatchKey::Cpu => c"CPU",
             DispatchKey::Cuda => c"CUDA",
             DispatchKey::Meta => c"Meta",
+            DispatchKey::Autograd => c"Autograd",
         }
     }
 }

@@ -92,6 +92,10 @@ api! {
         // 2.13+
         torch_delete_stable_ivalue: fn(*mut u64) -> ErrorCode;
         torch_exception_get_what_without_backtrace: fn() -> *const c_char;
+        // In 2.10 (optional all the same: Keel's ops work without them, with
+        // autograd in Python alone; see `redispatch`).
+        torch_call_dispatcher: fn(*const c_char, *const c_char, *mut u64, u64) -> ErrorCode;
+        aoti_torch_grad_mode_is_enabled: fn() -> bool;
         // In every torch Keel supports; optional all the same, as `numel`
         // can fall back to the product of the sizes.
         aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;
@@ -193,18 +197,17 @@ pub fn check(call: &'static str, code: ErrorCode) -> Result<()> {
 /// The error for a failed shim call, with torch's message where it has one.
 #[cold]
 fn failure(call: &'static str) -> Error {
-    let detail = api()
-        .ok()
-        .and_then(|a| a.torch_exception_get_what_without_backtrace)
-        .map(|f| {
-            // SAFETY: returns null or a NUL-terminated string owned by torch.
-            let p = unsafe { f() };
-            if p.is_null() {
-                String::new()
-            } else {
-                format!(": {}", unsafe { CStr::from_ptr(p) }.to_string_lossy())
-            }
-        })
-        .unwrap_or_default();
+    let detail = last_error_message().map(|m| format!(": {m}")).unwrap_or_default();
     Error::Torch { call, detail }
+}
+
+/// The message of the exception that made the last shim call on this thread
+/// fail, without its backtrace; None where this torch cannot tell it (before
+/// 2.13: it printed it to stderr instead).
+pub fn last_error_message() -> Option<String> {
+    let f = api().ok()?.torch_exception_get_what_without_backtrace?;
+    // SAFETY: returns null or a NUL-terminated string owned by torch.
+    let p = unsafe { f() };
+    // SAFETY: non-null, NUL-terminated, alive until the next failing call.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }

@@ -1,5 +1,6 @@
 //! The list of ops and their registration with torch.
-use keel_abi::{boxed, BoxedOp, DispatchKey, Library, Result};
+use keel_abi::{boxed, can_forward, forward, BoxedOp, DispatchKey, Forwarded, Library, Result};
+use std::ffi::CStr;
 use std::sync::OnceLock;
 
 /// One op: its schema and its boxed kernel (served for CPU, CUDA and Meta).
@@ -64,20 +65,87 @@ const OPS: &[OpDef] = &[
     ),
 ];
 
+/// An op with autograd: its name, and the autograd kernel that forwards its
+/// calls to its twins `_{name}_autograd` and `_{name}_nograd` (see
+/// [`keel_abi::forward`]).
+struct WithAutograd {
+    name: &'static str,
+    kernel: keel_abi::sys::BoxedKernel,
+}
+
+/// `WithAutograd` entries, each with its [`Forwarded`] marker type.
+macro_rules! with_autograd {
+    ($($marker:ident $name:literal),* $(,)?) => {
+        $(
+            #[doc = concat!("The twins of `keel::", $name, "`.")]
+            struct $marker;
+            impl Forwarded for $marker {
+                const NAME: &'static str = $name;
+                const AUTOGRAD: &'static CStr = cstr(concat!("keel::_", $name, "_autograd\0"));
+                const NOGRAD: &'static CStr = cstr(concat!("keel::_", $name, "_nograd\0"));
+            }
+        )*
+        const WITH_AUTOGRAD: &[WithAutograd] = &[$(WithAutograd { name: $name, kernel: forward::<$marker> }),*];
+    };
+}
+
+const fn cstr(s: &'static str) -> &'static CStr {
+    match CStr::from_bytes_with_nul(s.as_bytes()) {
+        Ok(c) => c,
+        Err(_) => panic!("not a C string"),
+    }
+}
+
+// The ops whose autograd formulas `python/keel/_autograd.py` registers.
+with_autograd! {
+    RmsNormTwins "rms_norm",
+    LayerNormTwins "layer_norm",
+    FusedAddRmsNormTwins "fused_add_rms_norm",
+    SiluAndMulTwins "silu_and_mul",
+    GeluAndMulTwins "gelu_and_mul",
+    SoftmaxTwins "softmax",
+    CrossEntropyTwins "cross_entropy",
+    CrossEntropyWithLseTwins "cross_entropy_with_lse",
+    RotaryEmbeddingTwins "rotary_embedding",
+}
+
+/// The ops to define: [`OPS`], then the twins of each [`WITH_AUTOGRAD`] op
+/// (its schema and kernel under the twin's name).
+fn all_ops() -> Vec<(String, &'static str, keel_abi::sys::BoxedKernel)> {
+    let mut all: Vec<_> = OPS.iter().map(|op| (op.schema.to_string(), op.name, op.kernel)).collect();
+    for w in WITH_AUTOGRAD {
+        let op = OPS.iter().find(|op| op.name == w.name).expect("every op with autograd is in OPS");
+        let args = op.schema.strip_prefix(op.name).filter(|a| a.starts_with('(')).expect("schema starts with the name");
+        for twin in ["_autograd", "_nograd"] {
+            let name: &'static str = Box::leak(format!("_{}{twin}", op.name).into_boxed_str());
+            all.push((format!("{name}{args}"), name, op.kernel));
+        }
+    }
+    all
+}
+
 /// Keeps the library fragments alive for the life of the process (dropping
 /// one would unregister its kernels).
 static LIBRARIES: OnceLock<Vec<Library>> = OnceLock::new();
 
 pub(crate) fn register_all() -> Result<()> {
+    let ops = all_ops();
     let def = Library::define_namespace("keel")?;
-    for op in OPS {
-        def.def(op.schema)?;
+    for (schema, _, _) in &ops {
+        def.def(schema)?;
     }
     let mut libs = vec![def];
     for key in [DispatchKey::Cpu, DispatchKey::Cuda, DispatchKey::Meta] {
         let lib = Library::implement("keel", key)?;
-        for op in OPS {
-            lib.impl_kernel(op.name, op.kernel)?;
+        for &(_, name, kernel) in &ops {
+            lib.impl_kernel(name, kernel)?;
+        }
+        libs.push(lib);
+    }
+    if can_forward() {
+        let lib = Library::implement("keel", DispatchKey::Autograd)?;
+        for w in WITH_AUTOGRAD {
+            lib.impl_kernel(w.name, w.kernel)?;
         }
         libs.push(lib);
     }

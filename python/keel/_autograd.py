@@ -1,14 +1,17 @@
 """Autograd formulas for Keel's ops.
 
-The stable C ABI cannot register autograd, so it is done here, once, at import
-and before any op is used (registering after first use breaks AOT dispatch).
+The stable C ABI cannot build autograd graph nodes, so the formulas are
+registered here, once, at import and before any op is used (registering after
+first use breaks AOT dispatch): on each op's ``_autograd`` twin, whose calls in
+grad mode the op's Rust autograd kernel forwards (torch 2.13+), and on the op
+itself where there is no such kernel (see ``_common.TWINS``).
 Each formula calls the op's own backward operator, except in a backward that
 must itself be differentiable (``create_graph=True``): see ``_twice``.
 """
 import torch
 
 from . import _twice
-from ._common import acc_dtype, heads_contiguous
+from ._common import acc_dtype, heads_contiguous, twins
 
 ops = torch.ops.keel
 
@@ -189,14 +192,32 @@ def _rotary_backward(ctx, grad):
     return gx, gcos, gsin, None
 
 
+FORMULAS = {
+    "rms_norm": (_rms_norm_backward, _rms_norm_setup),
+    "layer_norm": (_layer_norm_backward, _layer_norm_setup),
+    "fused_add_rms_norm": (_fused_add_rms_norm_backward, _fused_add_rms_norm_setup),
+    "silu_and_mul": (_silu_and_mul_backward, _silu_and_mul_setup),
+    "gelu_and_mul": (_gelu_and_mul_backward, _gelu_and_mul_setup),
+    "softmax": (_softmax_backward, _softmax_setup),
+    "cross_entropy": (_cross_entropy_backward, _cross_entropy_setup),
+    "cross_entropy_with_lse": (_cross_entropy_lse_backward, _cross_entropy_lse_setup),
+    "rotary_embedding": (_rotary_backward, _rotary_setup),
+}
+"""Each differentiable op's (backward, setup_context)."""
+
+
+FORWARDED = set()
+"""The ops whose autograd kernel is Rust's, forwarding each call to a twin by
+grad mode (torch 2.13+; see ``_common.TWINS``); filled by register()."""
+
+
 def register() -> None:
-    reg = torch.library.register_autograd
-    reg("keel::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
-    reg("keel::layer_norm", _layer_norm_backward, setup_context=_layer_norm_setup)
-    reg("keel::fused_add_rms_norm", _fused_add_rms_norm_backward, setup_context=_fused_add_rms_norm_setup)
-    reg("keel::silu_and_mul", _silu_and_mul_backward, setup_context=_silu_and_mul_setup)
-    reg("keel::gelu_and_mul", _gelu_and_mul_backward, setup_context=_gelu_and_mul_setup)
-    reg("keel::softmax", _softmax_backward, setup_context=_softmax_setup)
-    reg("keel::cross_entropy", _cross_entropy_backward, setup_context=_cross_entropy_setup)
-    reg("keel::cross_entropy_with_lse", _cross_entropy_lse_backward, setup_context=_cross_entropy_lse_setup)
-    reg("keel::rotary_embedding", _rotary_backward, setup_context=_rotary_setup)
+    """Registers each formula on the op's ``_autograd`` twin, and on the op
+    itself where its autograd kernel is not Rust's."""
+    for name, (backward, setup) in FORMULAS.items():
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{name}", "Autograd"):
+            FORWARDED.add(name)
+        with_grad, _ = twins(name)
+        torch.library.register_autograd(f"keel::{with_grad}", backward, setup_context=setup)
+        if name not in FORWARDED:
+            torch.library.register_autograd(f"keel::{name}", backward, setup_context=setup)

@@ -7,6 +7,34 @@ INPLACE = ("fused_add_rms_norm_", "rotary_embedding_")
 of returning new tensors; see ``_inplace``."""
 
 
+WITH_AUTOGRAD = (
+    "rms_norm",
+    "layer_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "softmax",
+    "cross_entropy",
+    "cross_entropy_with_lse",
+    "rotary_embedding",
+)
+"""Keel's differentiable ops (``_autograd.FORMULAS``; Rust's ``WITH_AUTOGRAD``)."""
+
+TWINS = ("_autograd", "_nograd")
+"""Each op with autograd has two twins, ``keel::_{name}_autograd`` and
+``keel::_{name}_nograd``: its schema and kernels under another name. Where torch
+can (2.13+), the op's autograd kernel is Rust's, which forwards each call to the
+first twin in grad mode (the autograd formula is registered there) and to the
+second, which has no Python kernel, otherwise: a call under ``torch.no_grad()``
+never enters Python. Before 2.13 the formula is also registered on the op itself,
+as it always was. See ``abi/src/redispatch.rs``."""
+
+
+def twins(name: str) -> tuple:
+    """The names of op `name`'s twins (see ``TWINS``)."""
+    return tuple(f"_{name}{t}" for t in TWINS)
+
+
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Keel's accumulation dtype for `t`: float64 for float64, else float32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ._common import acc_dtype, one_device
+from ._common import WITH_AUTOGRAD, acc_dtype, one_device, twins
 
 ops = torch.ops.keel
 # Set by register() to torch.utils._python_dispatch._disable_current_modes; until
@@ -160,17 +160,19 @@ def _agree(name, meta, fake):
             )
 
 
-def _fake_kernel(name, rule):
+def _fake_kernel(name, rule, label):
+    """The fake kernel of op `name` by `rule`; errors name op `label` (a twin's
+    are the op's own)."""
     op = getattr(ops, name).default
 
     names = [a.name for a in op._schema.arguments]
 
     def fake(*args, **kwargs):
-        device = one_device(name, [*zip(names, args), *kwargs.items()])
+        device = one_device(label, [*zip(names, args), *kwargs.items()])
         meta = meta_outputs(op, args, kwargs)
         outs = tuple(torch.empty(s, dtype=d, device=device) for s, d in rule(*args, **kwargs))
         if meta is not None:
-            _agree(name, meta, outs)
+            _agree(label, meta, outs)
         if not outs:  # an op that only mutates its arguments
             return None
         return outs[0] if len(outs) == 1 else outs
@@ -184,6 +186,11 @@ REGISTERED = False
 """Whether the fake kernels are in place (False only where torch's registry
 has changed shape; then the ops specialise sizes under torch.compile)."""
 
+NAMES = {name: name for name in _RULES}
+NAMES.update({twin: name for name in WITH_AUTOGRAD for twin in twins(name)})
+"""The ops given a fake kernel (each op, and the twins of those with autograd:
+``_common.TWINS``), each to the op whose rule it follows."""
+
 
 def register() -> None:
     """Adds each op's fake kernel to torch's registry (FakeTensor reads it
@@ -194,9 +201,10 @@ def register() -> None:
         from torch._library.utils import Kernel
         from torch.utils._python_dispatch import _disable_current_modes
 
-        holders = {name: simple_registry.singleton.find(f"keel::{name}").fake_impl for name in _RULES}
+        holders = {name: simple_registry.singleton.find(f"keel::{name}").fake_impl for name in NAMES}
         for name, holder in holders.items():
-            holder.kernels.append(Kernel(_fake_kernel(name, _RULES[name]), f"{__file__}:{name}"))
+            label = NAMES[name]
+            holder.kernels.append(Kernel(_fake_kernel(name, _RULES[label], label), f"{__file__}:{name}"))
     except (ImportError, AttributeError, TypeError) as e:
         warnings.warn(
             f"keel: could not register fake kernels with this torch ({e!r}); under "

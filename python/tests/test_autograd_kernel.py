@@ -1,0 +1,127 @@
+"""Each differentiable op's autograd kernel: Rust's where torch has what it
+needs (2.13+), forwarding a call to the op's ``_autograd`` twin (the Python
+formula) in grad mode and to its ``_nograd`` twin otherwise; torch's Python
+kernel alone before 2.13 (see ``_common.TWINS`` and ``abi/src/redispatch.rs``)."""
+import sys
+
+import pytest
+import torch
+
+import keel
+from keel._common import WITH_AUTOGRAD, twins
+
+ops = torch.ops.keel
+TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+forwarding = pytest.mark.skipif(
+    TORCH < (2, 13), reason=f"torch {torch.__version__}: the Rust autograd kernel needs torch >= 2.13"
+)
+
+
+def test_every_differentiable_op_has_its_formula_and_twins():
+    assert set(keel._autograd.FORMULAS) == set(WITH_AUTOGRAD)
+    for name in WITH_AUTOGRAD:
+        for twin in twins(name):
+            schema, own = getattr(ops, twin).default._schema, getattr(ops, name).default._schema
+            assert str(schema) == str(own).replace(f"keel::{name}(", f"keel::{twin}(", 1), (schema, own)
+            for key in ("CPU", "CUDA", "Meta"):
+                assert torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{twin}", key), (twin, key)
+
+
+def test_autograd_kernel_is_rust_exactly_where_torch_allows():
+    want = set(WITH_AUTOGRAD) if TORCH >= (2, 13) else set()
+    assert keel._autograd.FORWARDED == want
+
+
+def _python_calls(f):
+    """The Python functions called while `f()` runs (file name, function)."""
+    seen = []
+
+    def prof(frame, event, arg):
+        if event == "call":
+            seen.append((frame.f_code.co_filename, frame.f_code.co_name))
+
+    sys.setprofile(prof)
+    try:
+        out = f()
+    finally:
+        sys.setprofile(None)
+    return out, seen
+
+
+@forwarding
+def test_no_grad_call_runs_no_python_kernel():
+    """Under no_grad, only torch.ops' own call is Python: no autograd kernel."""
+    x = torch.randn(4, 8, requires_grad=True)
+    op = ops.softmax.default
+    op(x, 1.0)  # anything lazily set up on a first call
+    with torch.no_grad():
+        y, seen = _python_calls(lambda: op(x, 1.0))
+    assert y.grad_fn is None and not y.requires_grad
+    assert not [s for s in seen if "_library" in s[0] or "keel" in s[0]], seen
+    torch.testing.assert_close(y, torch.softmax(x.detach(), -1))
+    # In grad mode the twin's Python formula runs, as before.
+    y, seen = _python_calls(lambda: op(x, 1.0))
+    assert y.grad_fn is not None
+    assert [s for s in seen if "_library" in s[0]], seen
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "requires_grad"])
+def test_every_op_forwards_values_and_gradients(mode):
+    """Through torch.ops in each mode: values as the typed API's, and gradients
+    where one is wanted."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, requires_grad=mode == "requires_grad")
+    w = torch.randn(8)
+    cos, sin = torch.randn(2, 4).cos(), torch.randn(2, 4).sin()
+    t = torch.tensor([1, 7, 0])
+    calls = {
+        "rms_norm": lambda: ops.rms_norm(x, w, 1e-6),
+        "layer_norm": lambda: ops.layer_norm(x, w, None, 1e-5),
+        "fused_add_rms_norm": lambda: ops.fused_add_rms_norm(x, w.expand(3, 8).contiguous(), w, 1e-6)[0],
+        "silu_and_mul": lambda: ops.silu_and_mul(x),
+        "gelu_and_mul": lambda: ops.gelu_and_mul(x, "tanh"),
+        "softmax": lambda: ops.softmax(x, 0.5),
+        "cross_entropy": lambda: ops.cross_entropy(x, t, -100, 0.0, "mean"),
+        "cross_entropy_with_lse": lambda: ops.cross_entropy_with_lse(x, t, -100, 0.0, "sum")[0],
+        "rotary_embedding": lambda: ops.rotary_embedding(x.view(1, 3, 1, 8)[:, :2], cos, sin, False),
+    }
+    assert set(calls) == set(WITH_AUTOGRAD)
+    for name, call in calls.items():
+        with torch.set_grad_enabled(mode != "no_grad"):
+            y = call()
+        with torch.inference_mode():
+            want = call()  # the backend kernel, no autograd kernel at all
+        torch.testing.assert_close(y.detach(), want, rtol=0, atol=0, msg=name)
+        assert (y.grad_fn is not None) == (mode == "requires_grad"), name
+        if mode == "requires_grad":
+            (g,) = torch.autograd.grad(y.sum(), x)
+            assert g.shape == x.shape and torch.isfinite(g).all(), name
+
+
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "requires_grad", "inference"])
+def test_errors_name_the_op_and_argument_in_every_mode(mode):
+    """The message is the kernel's own, word for word (no Python frames, no
+    prefix added on the way through the twin)."""
+    x = torch.randn(2, 8, requires_grad=mode == "requires_grad")
+    w = torch.randn(8, dtype=torch.float64)
+    ctx = torch.inference_mode() if mode == "inference" else torch.set_grad_enabled(mode != "no_grad")
+    with ctx:
+        x = x.detach().requires_grad_(mode == "requires_grad") if mode != "inference" else torch.randn(2, 8)
+        with pytest.raises(RuntimeError, match=r"^keel::rms_norm: argument 'weight' has dtype torch.float64 but 'input' has torch.float32$"):
+            ops.rms_norm(x, w, 1e-6)
+        with pytest.raises(RuntimeError, match=r"^keel::gelu_and_mul: argument 'approximate' must be \"none\" or \"tanh\", got \"erf\"$"):
+            ops.gelu_and_mul(x, "erf")
+
+
+def test_forwarding_keeps_reference_counts():
+    """The stack's ownership passes whole through the dispatcher call: no
+    argument gains or loses a reference, in either mode, on success or error."""
+    x, w = torch.randn(2, 8), torch.randn(8)
+    before = (sys.getrefcount(x), sys.getrefcount(w))
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            for _ in range(500):
+                ops.rms_norm(x, w, 1e-6)
+                with pytest.raises(RuntimeError):
+                    ops.rms_norm(x, w, -1.0)
+    assert (sys.getrefcount(x), sys.getrefcount(w)) == before
