@@ -4,7 +4,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _twice
+from . import _autograd, _twice
 from ._common import heads_contiguous, rows_in_place
 
 # Ops are called through their overloads: `.default` skips the packet's
@@ -255,6 +255,11 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 
+_AUTOGRAD_IN_RUST = bool(_autograd.FORWARDED)
+"""Whether the ops' autograd kernels are Rust's (``_common.TWINS``): set at import,
+after ``_autograd.register()`` (``keel/__init__.py`` imports this module later)."""
+
+
 def _call(fn, ref, *args):
     """`fn(*args)`, `fn` a private caller of a Keel op (as ``_rms_norm``).
 
@@ -264,7 +269,10 @@ def _call(fn, ref, *args):
     - Where no gradient can be needed (grad mode off, or no argument requiring
       one): `fn` below torch's autograd kernel for the op, which would only make
       that decision itself, in Python, costing about 5 us a call. Not while
-      torch.compile traces, nor under inference mode (which skips it already).
+      torch.compile traces, nor under inference mode (which skips it already),
+      nor with grad mode off where the op's autograd kernel is Rust's (torch
+      2.13+: it goes straight to the op's ``_nograd`` twin, and the context
+      manager and these checks cost more than it does).
     One function, not two: a second Python frame cost 0.35 us a call (measured).
     """
     if ref is not None and _twice.transformed():
@@ -274,7 +282,7 @@ def _call(fn, ref, *args):
         for a in args:
             if isinstance(a, Tensor) and a.requires_grad:
                 return fn(*args)
-    elif torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+    elif _AUTOGRAD_IN_RUST or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
         # is_compiling first: dynamo cannot trace is_inference_mode_enabled
         # (a graph break, an error under fullgraph=True).
         return fn(*args)
