@@ -70,6 +70,8 @@ const OPS: &[OpDef] = &[
 /// [`keel_abi::forward`]).
 struct WithAutograd {
     name: &'static str,
+    /// `_{name}_autograd` and `_{name}_nograd`.
+    twins: [&'static str; 2],
     kernel: keel_abi::sys::BoxedKernel,
 }
 
@@ -85,7 +87,11 @@ macro_rules! with_autograd {
                 const NOGRAD: &'static CStr = cstr(concat!("keel::_", $name, "_nograd\0"));
             }
         )*
-        const WITH_AUTOGRAD: &[WithAutograd] = &[$(WithAutograd { name: $name, kernel: forward::<$marker> }),*];
+        const WITH_AUTOGRAD: &[WithAutograd] = &[$(WithAutograd {
+            name: $name,
+            twins: [concat!("_", $name, "_autograd"), concat!("_", $name, "_nograd")],
+            kernel: forward::<$marker>,
+        }),*];
     };
 }
 
@@ -116,9 +122,8 @@ fn all_ops() -> Vec<(String, &'static str, keel_abi::sys::BoxedKernel)> {
     for w in WITH_AUTOGRAD {
         let op = OPS.iter().find(|op| op.name == w.name).expect("every op with autograd is in OPS");
         let args = op.schema.strip_prefix(op.name).filter(|a| a.starts_with('(')).expect("schema starts with the name");
-        for twin in ["_autograd", "_nograd"] {
-            let name: &'static str = Box::leak(format!("_{}{twin}", op.name).into_boxed_str());
-            all.push((format!("{name}{args}"), name, op.kernel));
+        for twin in w.twins {
+            all.push((format!("{twin}{args}"), twin, op.kernel));
         }
     }
     all

@@ -203,7 +203,8 @@ FORMULAS = {
     "cross_entropy_with_lse": (_cross_entropy_lse_backward, _cross_entropy_lse_setup),
     "rotary_embedding": (_rotary_backward, _rotary_setup),
 }
-"""Each differentiable op's (backward, setup_context)."""
+"""Each differentiable op's (backward, setup_context): the ops with twins
+(Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs`` lists the same)."""
 
 
 FORWARDED = set()

@@ -7,19 +7,6 @@ INPLACE = ("fused_add_rms_norm_", "rotary_embedding_")
 of returning new tensors; see ``_inplace``."""
 
 
-WITH_AUTOGRAD = (
-    "rms_norm",
-    "layer_norm",
-    "fused_add_rms_norm",
-    "silu_and_mul",
-    "gelu_and_mul",
-    "softmax",
-    "cross_entropy",
-    "cross_entropy_with_lse",
-    "rotary_embedding",
-)
-"""Keel's differentiable ops (``_autograd.FORMULAS``; Rust's ``WITH_AUTOGRAD``)."""
-
 TWINS = ("_autograd", "_nograd")
 """Each op with autograd has two twins, ``keel::_{name}_autograd`` and
 ``keel::_{name}_nograd``: its schema and kernels under another name. Where torch

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ._common import WITH_AUTOGRAD, acc_dtype, one_device, twins
+from ._common import acc_dtype, one_device, twins
 
 ops = torch.ops.keel
 # Set by register() to torch.utils._python_dispatch._disable_current_modes; until
@@ -186,16 +186,20 @@ REGISTERED = False
 """Whether the fake kernels are in place (False only where torch's registry
 has changed shape; then the ops specialise sizes under torch.compile)."""
 
-NAMES = {name: name for name in _RULES}
-NAMES.update({twin: name for name in WITH_AUTOGRAD for twin in twins(name)})
+NAMES = {}
 """The ops given a fake kernel (each op, and the twins of those with autograd:
-``_common.TWINS``), each to the op whose rule it follows."""
+``_common.TWINS``), each to the op whose rule it follows; filled by register()."""
 
 
 def register() -> None:
     """Adds each op's fake kernel to torch's registry (FakeTensor reads it
     before the Meta kernel), leaving the Meta kernels as they are."""
     global REGISTERED, _disable_current_modes
+    # Imported here: _autograd imports this module (through _twice).
+    from ._autograd import FORMULAS
+
+    NAMES.update({name: name for name in _RULES})
+    NAMES.update({twin: name for name in FORMULAS for twin in twins(name)})
     try:
         from torch._library import simple_registry
         from torch._library.utils import Kernel
