@@ -1,16 +1,16 @@
 //! The shared skeleton of the row kernels: blocks of whole rows spread over a
 //! [`Par`], and each block's own piece of every output.
 //!
-//! Each block's output is faulted in at once before it is written, when it is
-//! fresh memory (see [`crate::prefault`]); then it is written with ordinary
-//! stores. Non-temporal (streaming) stores were tried for large outputs, twice,
-//! and were slower: before the prefault, rms_norm f32 4096x4096 into a fresh
+//! Each block's output is faulted in at once before it is written, when the
+//! output is fresh memory (see [`crate::prefault`]; decided once per output);
+//! then it is written with ordinary stores. Non-temporal (streaming) stores
+//! were tried for large outputs, twice, and were slower: before the prefault, rms_norm f32 4096x4096 into a fresh
 //! tensor took 5.2 ms against 4.3 ms with huge pages, and 1.35x against 1.15x
 //! of `x.clone()` without; with it, 0.97x as fast without huge pages and 0.85x
 //! with them.
 use crate::element::{Acc, Element};
 use crate::par::{rows_per_block, Par};
-use crate::prefault::prefault;
+use crate::prefault;
 use crate::simd::dispatch;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
@@ -43,7 +43,14 @@ impl Blocks {
 
 /// A mutable slice cut into consecutive chunks, one per parallel task, each
 /// taken by exactly one task.
-pub(crate) enum Split<'a, T> {
+pub(crate) struct Split<'a, T> {
+    chunks: Chunks<'a, T>,
+    /// Whether the slice was found fresh (see [`prefault::fresh`]): only then
+    /// is each chunk populated as it is taken.
+    fresh: bool,
+}
+
+enum Chunks<'a, T> {
     /// The whole slice as one chunk: small inputs, with no heap allocation.
     One([Mutex<&'a mut [T]>; 1]),
     /// Several chunks.
@@ -53,22 +60,27 @@ pub(crate) enum Split<'a, T> {
 impl<'a, T> Split<'a, T> {
     /// Chunks of `chunk` elements (the last may be shorter).
     pub(crate) fn new(s: &'a mut [T], chunk: usize) -> Self {
-        if s.len() <= chunk {
-            Split::One([Mutex::new(s)])
+        let fresh = prefault::fresh(s);
+        let chunks = if s.len() <= chunk {
+            Chunks::One([Mutex::new(s)])
         } else {
-            Split::Many(s.chunks_mut(chunk.max(1)).map(Mutex::new).collect())
-        }
+            Chunks::Many(s.chunks_mut(chunk.max(1)).map(Mutex::new).collect())
+        };
+        Split { chunks, fresh }
     }
 
-    /// Chunk `b`, its pages faulted in (see [`prefault`]). Each task takes
-    /// only its own chunk, so the lock never waits.
+    /// Chunk `b`, its pages faulted in where the slice is fresh (see
+    /// [`prefault`]). Each task takes only its own chunk, so the lock never
+    /// waits.
     pub(crate) fn get(&self, b: usize) -> MutexGuard<'_, &'a mut [T]> {
-        let chunks: &[Mutex<&'a mut [T]>] = match self {
-            Split::One(c) => c,
-            Split::Many(c) => c,
+        let chunks: &[Mutex<&'a mut [T]>] = match &self.chunks {
+            Chunks::One(c) => c,
+            Chunks::Many(c) => c,
         };
         let mut g = chunks[b].lock().unwrap_or_else(|e| e.into_inner());
-        prefault(&mut g);
+        if self.fresh {
+            prefault::prefault(&mut g);
+        }
         g
     }
 }
