@@ -4,7 +4,8 @@ compile it), how to drive either (forward, or forward + backward), and the
 bytes it must move.
 
 `make_cases(device, dtype, size)` builds them on fresh inputs; `size` is
-"large" (the shapes of the speed targets) or "small" (for smoke tests).
+"large" (the shapes of the speed targets), "decode" (one decoding step of a
+batch of sequences) or "small" (for smoke tests).
 """
 import contextlib
 from dataclasses import dataclass, field
@@ -144,7 +145,16 @@ SHAPES = {
     # qk: the QK-norm case, [tokens, heads, head_dim] viewed from a fused qkv.
     "large": dict(rows=4096, hidden=4096, vocab=32000, rope=(4, 1024, 32, 128), qk=(4096, 32, 128)),
     "small": dict(rows=64, hidden=256, vocab=1000, rope=(1, 16, 4, 64), qk=(64, 4, 64)),
+    # One decoding step of a batch of 32 sequences: 32 tokens of hidden 4096.
+    # Rotary takes the 32 tokens as one sequence, each row of cos and sin the
+    # angles of that token's own position (as vLLM passes its positions).
+    "decode": dict(rows=32, hidden=4096, vocab=32000, rope=(1, 32, 32, 128), qk=(32, 32, 128)),
 }
+
+DECODE_OPS = ("rms_norm", "layer_norm", "fused_add_rms_norm", "fused_add_rms_norm_ (in place)", "silu_and_mul",
+              "gelu_and_mul", "softmax", "rotary_embedding", "rotary_embedding_ (in place)", "rms_norm (qkv view)")
+"""The forward ops timed again at the ``decode`` shapes (inference: no backward,
+no loss)."""
 
 
 def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequence[str] = ()) -> list:

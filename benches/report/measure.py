@@ -17,7 +17,7 @@ import warnings
 import torch
 
 import keel
-from cases import OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
+from cases import DECODE_OPS, OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
 from timing import interleaved, per_call
 
 try:
@@ -124,13 +124,16 @@ def main() -> None:
     ap.add_argument("--size", default="large", choices=["large", "small"])
     ap.add_argument("--ops", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--decode-ops", default=",".join(DECODE_OPS),
+                    help="comma-separated case names timed again at decode shapes (empty: none)")
     ap.add_argument("--label", default="")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
     names = [n for n in a.ops.split(",") if n]
+    decode_names = [n for n in a.decode_ops.split(",") if n]
     out = {"label": a.label, "size": a.size, "machine": machine(devices), "bandwidth": {}, "rows": [],
-           "overhead": []}
+           "decode": [], "overhead": []}
     ok = True
     for device in devices:
         out["bandwidth"][device] = bandwidth(device)
@@ -143,6 +146,13 @@ def main() -> None:
                 ok &= row["ok"]
                 out["rows"].append(row)
             del cases
+            decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
+            for case in tqdm(decode, desc=f"{a.label or 'run'} {device} {dname} decode", file=sys.stderr, leave=False):
+                row = time_case(case, device, not a.no_compile)
+                row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(dtype))
+                ok &= row["ok"]
+                out["decode"].append(row)
+            del decode
         for mode, ctx in OVERHEAD_MODES.items():
             with ctx():
                 for name, kf, kt, tf in tiny_cases(device):

@@ -117,7 +117,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
                 misses.append(f"- {title}: torch.compile of {row['op']} {row['dtype']} failed: {row['compile_error']}")
         lines.append("")
     lines += ["Bracketed fractions are for ops bound by compute, not memory (cross_entropy runs two `exp` per logit); "
-              "they have no bandwidth target.", "", "## Per-call overhead (tiny float32 tensors)", "",
+              "they have no bandwidth target.", ""]
+    lines += _decode(runs, misses)
+    lines += ["## Per-call overhead (tiny float32 tensors)", "",
               "The target is judged on the `torch.ops.keel` column (issue 5); the typed API (`keel.softmax` ...), "
               "what users call, skips torch's Python autograd kernel where no gradient can be needed.", "",
               "| run | mode | op | Keel µs (`torch.ops.keel`) | Keel µs (`keel.*`) | torch µs (the expression it replaces) |",
@@ -135,6 +137,41 @@ def markdown(runs: List[dict], images: List[str]) -> str:
     lines += ["", "## Plots", ""] + [f"![{os.path.splitext(i)[0]}]({i})" for i in images]
     lines += ["", "## Targets missed in this run", ""] + (misses or ["None."]) + [""]
     return "\n".join(lines)
+
+
+def _us(ms: float) -> str:
+    return f"{1e3 * ms:.1f}"
+
+
+def _decode(runs: List[dict], misses: List[str]) -> List[str]:
+    """The decode-shapes table (forward ops on one decoding step's tensors, in
+    microseconds); its slower-than-torch rows go to `misses`."""
+    if not any(run.get("decode") for run in runs):
+        return []
+    lines = ["## Decode-sized calls (forward)", "",
+             "One decoding step of 32 sequences: `[32, 4096]` activations (`[32, 8192]` into the gated ops), rotary on "
+             "`[1, 32, 32, 128]` (the 32 tokens as the sequence, each with its own position's cos and sin), QK-norm "
+             "on `[32, 32, 128]` viewed from a fused qkv. Here a call "
+             "moves a few hundred KB, so the time is mostly the call itself, the allocation, and spreading the work "
+             "over the threads; timed as above (interleaved, medians).", "",
+             "| run | op | dtype | shape | Keel µs | eager µs | compile µs | vs eager | vs compile | err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for title, run, device in _runs_by_device(runs):
+        for row in run.get("decode", []):
+            if row["device"] != device:
+                continue
+            ms = row["ms"]
+            vs_e = ms["eager"] / ms["keel"]
+            vs_c = ms["compile"] / ms["keel"] if "compile" in ms else None
+            comp = _us(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
+            lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | "
+                         f"{_us(ms['eager'])} | {comp} | {vs_e:.2f}x | {f'{vs_c:.2f}x' if vs_c else '-'} | "
+                         f"{row['err']['keel']:.1e} |")
+            why = ([] if row["ok"] else [f"error {row['err']['keel']:.1e} over tolerance"])
+            why += [f"{vs_e:.2f}x torch eager"] if vs_e < 1.0 else []
+            why += [f"{vs_c:.2f}x torch.compile"] if vs_c is not None and vs_c < 1.0 else []
+            misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}" for w in why]
+    return lines + [""]
 
 
 def plots(runs: List[dict], outdir: str) -> List[str]:

@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-thp", action="store_true", help="skip the THP_MEM_ALLOC_ENABLE=1 run")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--decode-ops", default=None,
+                    help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     configs = [("", {}, None)]
@@ -40,6 +42,7 @@ def main() -> None:
         cmd = [sys.executable, os.path.join(HERE, "measure.py"), "--out", path, "--size", a.size, "--label", label]
         cmd += ["--ops", a.ops] if a.ops else []
         cmd += ["--no-compile"] if a.no_compile else []
+        cmd += ["--decode-ops", a.decode_ops] if a.decode_ops is not None else []
         cmd += ["--devices", devices] if devices else []
         rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
         if not os.path.exists(path):

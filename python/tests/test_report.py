@@ -17,7 +17,7 @@ from render import markdown  # noqa: E402
 def test_small_report_runs_and_checks_values(tmp_path):
     cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
            "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy,rms_norm (qkv view),rotary_embedding (x.T),"
-           "fused_add_rms_norm_ (in place),rotary_embedding_ (in place)"]
+           "fused_add_rms_norm_ (in place),rotary_embedding_ (in place)", "--decode-ops", "rms_norm,rotary_embedding"]
     plots = True
     try:
         import matplotlib  # noqa: F401
@@ -43,10 +43,17 @@ def test_small_report_runs_and_checks_values(tmp_path):
             continue
         assert r["err"]["compile"] <= 2e-2, r  # torch.compile of the expression agrees too
         assert r["ms"]["compile"] > 0, r
+    assert {(r["op"], r["shape"], r["dtype"]) for r in raw["decode"]} == {
+        (op, shape, dt) for op, shape in (("rms_norm", "32x4096"), ("rotary_embedding", "1x32x32x128"))
+        for dt in ("float32", "bfloat16")}
+    for r in raw["decode"]:
+        assert r["ok"] and r["err"]["compile"] <= 2e-2 and all(r["ms"][k] > 0 for k in ("keel", "eager", "compile")), r
+        assert r["err"]["keel"] > 0, r  # positions 0-31: the rotation is not the identity
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     text = (tmp_path / "REPORT.md").read_text()
     assert "| rms_norm | bfloat16 | 64x256 |" in text
     assert "## Per-call overhead" in text
+    assert "| CPU | rms_norm | bfloat16 | 32x4096 |" in text.split("## Decode-sized calls")[1]
     if plots:
         assert (tmp_path / "speedup.png").stat().st_size > 1000
         assert (tmp_path / "bandwidth.png").stat().st_size > 1000
@@ -88,3 +95,18 @@ def test_compute_bound_ops_have_no_bandwidth_target_and_overhead_is_judged():
     assert "of bandwidth" not in tail
     assert "error 1.0e+00 over tolerance" in tail
     assert "per-call overhead of tiny (grad mode): 3.00 µs against torch's 1.00 µs" in tail
+
+
+def test_decode_rows_are_tabled_in_microseconds_and_judged_against_torch():
+    run = _run([_row("op", 1.0, 2.0, 2.0)])
+    run["decode"] = [dict(_row("fast", 0.02, 0.05, 0.04), shape="32x4096"),
+                     dict(_row("slow", 0.04, 0.03, 0.05), shape="32x4096")]
+    text = markdown([run], [])
+    table = text.split("## Decode-sized calls (forward)")[1].split("## Per-call overhead")[0]
+    assert "| CPU | fast | float32 | 32x4096 | 20.0 | 50.0 | 40.0 | 2.50x | 2.00x |" in table
+    assert "| CPU | slow | float32 | 32x4096 | 40.0 | 30.0 | 50.0 | 0.75x | 1.25x |" in table
+    tail = text.split("## Targets missed in this run")[1]
+    assert "- CPU, decode: slow float32 32x4096: 0.75x torch eager" in tail
+    assert "fast" not in tail and "1.25x" not in tail
+    # A run without decode rows (older JSON) has no such section.
+    assert "Decode-sized" not in markdown([_run([_row("op", 1.0, 2.0, 2.0)])], [])
