@@ -148,7 +148,9 @@ def main() -> None:
             del cases
             decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
             for case in tqdm(decode, desc=f"{a.label or 'run'} {device} {dname} decode", file=sys.stderr, leave=False):
-                row = time_case(case, device, not a.no_compile)
+                # Decoding runs under no_grad (as Hugging Face's generate() does).
+                with torch.no_grad():
+                    row = time_case(case, device, not a.no_compile)
                 row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(dtype))
                 ok &= row["ok"]
                 out["decode"].append(row)

@@ -153,7 +153,9 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
              "`[1, 32, 32, 128]` (the 32 tokens as the sequence, each with its own position's cos and sin), QK-norm "
              "on `[32, 32, 128]` viewed from a fused qkv. Here a call "
              "moves a few hundred KB, so the time is mostly the call itself, the allocation, and spreading the work "
-             "over the threads; timed as above (interleaved, medians).", "",
+             "over the threads. Timed as above (interleaved, medians), under `torch.no_grad()`, as a model decodes "
+             "(Hugging Face's `generate()` does so; in grad mode each Keel call would also pass through torch's "
+             "Python autograd kernel, 7-15 µs, see the per-call overhead below).", "",
              "| run | op | dtype | shape | Keel µs | eager µs | compile µs | vs eager | vs compile | err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):
