@@ -161,7 +161,16 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     /// bit-identical to [`from_acc`](Element::from_acc).
     #[inline(always)]
     fn write_acc(out: &mut [Self], fill: impl FnMut(usize, &mut [Self::Acc])) {
-        narrow::write_blocks(out, fill, Self::from_acc_slice)
+        // Closures marked `inline(always)`, not the functions themselves:
+        // passed as function items, the rounding could end up behind a
+        // `Fn::call` shim that LLVM chose not to inline, compiled for the
+        // baseline CPU (SSE2) instead of the kernel's AVX2 (see `update_acc`).
+        narrow::write_blocks(
+            out,
+            fill,
+            #[inline(always)]
+            |s, d| Self::from_acc_slice(s, d),
+        )
     }
     /// Rewrites `out` in place from accumulator values: `update(start, buf)`
     /// gets `buf[i]` holding `out[start + i]` widened and must leave the new
@@ -170,7 +179,19 @@ pub trait Element: Copy + Send + Sync + Default + 'static {
     /// [`write_acc`](Element::write_acc).
     #[inline(always)]
     fn update_acc(out: &mut [Self], update: impl FnMut(usize, &mut [Self::Acc])) {
-        narrow::update_blocks(out, update, Self::to_acc, Self::from_acc_slice)
+        // Closures marked `inline(always)`: given `Self::from_acc_slice`
+        // itself, LLVM left bf16's rounding behind a `Fn::call` shim compiled
+        // for SSE2 (perf: 26% of fused_add_rms_norm_ bf16 [32, 4096] in
+        // `Fn::call`, on `pshuflw`/`pshufhw` packing), 1.33x the time of the
+        // out-of-place forward.
+        narrow::update_blocks(
+            out,
+            update,
+            #[inline(always)]
+            |v| Self::to_acc(v),
+            #[inline(always)]
+            |s, d| Self::from_acc_slice(s, d),
+        )
     }
     /// `dst[i] = from_acc(src[i])` for slices of one length, with the CPU's
     /// conversion instruction where it has one (as [`write_acc`](Element::write_acc)).
