@@ -9,10 +9,12 @@
 //! took 3.2-3.5 ms with it against 5.5-6.3 ms without, and rms_norm over a
 //! fresh 4096x4096 output ran 1.2-1.5x faster.
 //!
-//! Whether an output is fresh is decided once per output ([`fresh`], one
-//! `mincore` call), before it is cut into blocks; only then is each block
-//! populated ([`prefault`], which probes its own pages again, since a fresh
-//! output may lie partly on pages that are already there). Probing every
+//! Whether an output of up to 2 MiB (`SCAN_PAGES` pages) is fresh is decided
+//! once per output ([`fresh`], one `mincore` call over all its pages), before
+//! it is cut into blocks; only then is each block populated ([`prefault`],
+//! which probes its own pages again, since a fresh output may lie partly on
+//! pages that are already there). Larger outputs leave it to each block, as
+//! all outputs did before. Probing every
 //! block of an output that is already in memory (the usual case for outputs
 //! under glibc's `mmap` threshold, reused from the heap), three `mincore`
 //! calls a block at 1.5 us each on the CI machine, cost more than the kernel
@@ -35,10 +37,12 @@
 /// cost more than the traps it saves.
 pub(crate) const MIN_BYTES: usize = 64 << 10;
 
-/// Whether `s` is large enough to populate and some of its pages are not in
-/// memory yet (probing three: its first, middle and last whole page). False
-/// where populating is not supported. Cheap to ask once per output; see the
-/// module doc.
+/// Whether the blocks of output `s` should be populated as they are taken:
+/// `s` is large enough and some of its pages are not in memory yet (one
+/// `mincore` call over all of them); for an output of more than
+/// `SCAN_PAGES` pages, always, each block then probing its own pages as
+/// before. False where populating is not supported. Cheap to ask once per
+/// output; see the module doc.
 #[inline]
 pub(crate) fn fresh<T>(s: &[T]) -> bool {
     let bytes = std::mem::size_of_val(s);
@@ -75,7 +79,7 @@ mod imp {
     /// Ranges of at most this many pages are probed whole, in one `mincore`
     /// call (2.1-2.8 us for 256-512 pages on the CI machine, against 1.5 us
     /// for one page); longer ones at three pages.
-    const SCAN_PAGES: usize = 512;
+    pub(super) const SCAN_PAGES: usize = 512;
 
     /// Whether populating is supported and some page of `[start, end)` is not
     /// in memory: every page where there are at most [`SCAN_PAGES`], else the
@@ -98,6 +102,13 @@ mod imp {
 
     pub(super) fn fresh(ptr: *const u8, bytes: usize) -> bool {
         let (start, end, page) = pages(ptr as usize, bytes);
+        if end > start && (end - start) / page > SCAN_PAGES {
+            // Larger outputs are left to their blocks, each probing its own
+            // pages: three probes of the whole could miss a part that is not
+            // there yet, and a few probes per block cost nothing beside a
+            // call that writes this much.
+            return SUPPORTED.load(Ordering::Relaxed);
+        }
         has_missing(start, end, page)
     }
 
@@ -233,14 +244,14 @@ mod tests {
         assert!(s.iter().all(|&b| b == 0));
     }
 
-    /// `fresh` says yes while any whole page of the slice is missing, in a
-    /// range probed whole (at most `SCAN_PAGES` pages) and in one probed at
-    /// three pages, and no once every page is there; small slices never are.
+    /// `fresh` says yes while any whole page of a slice of up to
+    /// `SCAN_PAGES` pages is missing, and no once every page is there; small
+    /// slices never are; larger ones always are (their blocks decide).
     #[cfg(target_os = "linux")]
     #[test]
     fn fresh_finds_missing_pages() {
         let page = 4096;
-        for pages in [64usize, 1200] {
+        for pages in [64usize, 500, 1200] {
             let map = Mapping::new((pages + 2) * page);
             // Madvised away from huge pages, so that touching one page does
             // not bring its neighbours (a refusal leaves the test as strict:
@@ -256,7 +267,7 @@ mod tests {
                 assert!(fresh(s), "{pages} pages, one written");
             }
             s.fill(2);
-            assert!(!fresh(s), "{pages} pages, all written");
+            assert_eq!(fresh(s), pages > imp::SCAN_PAGES, "{pages} pages, all written");
             assert!(!fresh(&s[..MIN_BYTES - 1]), "below MIN_BYTES");
         }
         assert!(!fresh::<f32>(&[]));
