@@ -116,6 +116,13 @@ def time_case(case, device, compile_: bool) -> dict:
     return row
 
 
+def checked_row(case, device, dname: str, compile_: bool) -> dict:
+    """`time_case`'s row, with its device, dtype, and whether Keel's error is within tolerance."""
+    row = time_case(case, device, compile_)
+    row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(DTYPES[dname]))
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -134,26 +141,19 @@ def main() -> None:
     decode_names = [n for n in a.decode_ops.split(",") if n]
     out = {"label": a.label, "size": a.size, "machine": machine(devices), "bandwidth": {}, "rows": [],
            "decode": [], "overhead": []}
-    ok = True
     for device in devices:
         out["bandwidth"][device] = bandwidth(device)
         for dname in a.dtypes.split(","):
             dtype = DTYPES[dname]
             cases = make_cases(device, dtype, a.size, names)
             for case in tqdm(cases, desc=f"{a.label or 'run'} {device} {dname}", file=sys.stderr, leave=False):
-                row = time_case(case, device, not a.no_compile)
-                row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(dtype))
-                ok &= row["ok"]
-                out["rows"].append(row)
+                out["rows"].append(checked_row(case, device, dname, not a.no_compile))
             del cases
             decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
             for case in tqdm(decode, desc=f"{a.label or 'run'} {device} {dname} decode", file=sys.stderr, leave=False):
                 # Decoding runs under no_grad (as Hugging Face's generate() does).
                 with torch.no_grad():
-                    row = time_case(case, device, not a.no_compile)
-                row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(dtype))
-                ok &= row["ok"]
-                out["decode"].append(row)
+                    out["decode"].append(checked_row(case, device, dname, not a.no_compile))
             del decode
         for mode, ctx in OVERHEAD_MODES.items():
             with ctx():
@@ -164,7 +164,7 @@ def main() -> None:
                                             "torch_us": per_call(tf, device) * 1e6})
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if all(r["ok"] for r in out["rows"] + out["decode"]) else 1)
 
 
 if __name__ == "__main__":

@@ -40,16 +40,21 @@ def _line_gbps(row: dict, bw: dict, device: str) -> float:
     return bw[BW_LINE[device]]
 
 
+def _speedups(row: dict) -> dict:
+    """Keel's speedup over torch eager and over torch.compile (None where it has no time)."""
+    ms = row["ms"]
+    return {"vs_eager": ms["eager"] / ms["keel"], "vs_compile": ms["compile"] / ms["keel"] if "compile" in ms else None}
+
+
 def _derived(row: dict, bw: dict, device: str) -> dict:
     ms = row["ms"]
-    d = {"vs_eager": ms["eager"] / ms["keel"], "gbps": _gbps(row, "keel"),
-         "floor": ms["keel"] / ms["clone"]}
-    d["vs_compile"] = ms["compile"] / ms["keel"] if "compile" in ms else None
+    d = {**_speedups(row), "gbps": _gbps(row, "keel"), "floor": ms["keel"] / ms["clone"]}
     d["frac"] = d["gbps"] / _line_gbps(row, bw, device)
     return d
 
 
-def _misses(row: dict, d: dict, device: str) -> List[str]:
+def _speed_misses(row: dict, d: dict) -> List[str]:
+    """A row's error over tolerance, and its being slower than eager or compile."""
     m = []
     if not row["ok"]:
         m.append(f"error {row['err']['keel']:.1e} over tolerance")
@@ -57,6 +62,11 @@ def _misses(row: dict, d: dict, device: str) -> List[str]:
         m.append(f"{d['vs_eager']:.2f}x torch eager")
     if d["vs_compile"] is not None and d["vs_compile"] < 1.0:
         m.append(f"{d['vs_compile']:.2f}x torch.compile")
+    return m
+
+
+def _misses(row: dict, d: dict, device: str) -> List[str]:
+    m = _speed_misses(row, d)
     if row["bandwidth_bound"] and d["frac"] < BW_TARGET[device]:
         m.append(f"{100 * d['frac']:.0f}% of bandwidth (target {100 * BW_TARGET[device]:.0f}%)")
     return m
@@ -162,17 +172,13 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
         for row in run.get("decode", []):
             if row["device"] != device:
                 continue
-            ms = row["ms"]
-            vs_e = ms["eager"] / ms["keel"]
-            vs_c = ms["compile"] / ms["keel"] if "compile" in ms else None
+            ms, d = row["ms"], _speedups(row)
             comp = _us(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
+            vc = f"{d['vs_compile']:.2f}x" if d["vs_compile"] else "-"
             lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | "
-                         f"{_us(ms['eager'])} | {comp} | {vs_e:.2f}x | {f'{vs_c:.2f}x' if vs_c else '-'} | "
-                         f"{row['err']['keel']:.1e} |")
-            why = ([] if row["ok"] else [f"error {row['err']['keel']:.1e} over tolerance"])
-            why += [f"{vs_e:.2f}x torch eager"] if vs_e < 1.0 else []
-            why += [f"{vs_c:.2f}x torch.compile"] if vs_c is not None and vs_c < 1.0 else []
-            misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}" for w in why]
+                         f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vc} | {row['err']['keel']:.1e} |")
+            misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}"
+                       for w in _speed_misses(row, d)]
     return lines + [""]
 
 

@@ -14,11 +14,10 @@
 //! it is cut into blocks; only then is each block populated ([`prefault`],
 //! which probes its own pages again, since a fresh output may lie partly on
 //! pages that are already there). Larger outputs leave it to each block, as
-//! all outputs did before. Probing every
-//! block of an output that is already in memory (the usual case for outputs
-//! under glibc's `mmap` threshold, reused from the heap), three `mincore`
-//! calls a block at 1.5 us each on the CI machine, cost more than the kernel
-//! at decode sizes: rms_norm f32 `[64, 4096]` through torch took 61-80 us
+//! all outputs did before. Probing every block of an output that is already
+//! in memory (the usual case for outputs under glibc's `mmap` threshold,
+//! reused from the heap), three `mincore` calls a block at 1.5 us each on
+//! the CI machine, cost more than the kernel at decode sizes: rms_norm f32 `[64, 4096]` through torch took 61-80 us
 //! that way, against 45-49 us with one probe per output.
 //!
 //! Memory with transparent huge pages already faults once per 2 MiB, and
