@@ -102,20 +102,33 @@ pub(crate) fn row_and_next<T>(s: &[T], r: usize, cols: usize) -> (&[T], &[T]) {
 
 /// `out[j] = sum over blocks b of partial[b * cols + j]`, in block order
 /// (deterministic for a given block count); zeros when there are no blocks.
+///
+/// Columns go in groups of [`SUM_GROUP`], each summed over the blocks in a
+/// local array: a loop over the blocks for each column went down a column
+/// with a stride, one scalar add at a time, and divided to count the blocks
+/// every time (perf: 8% of layer_norm's backward of 128 rows of 4096).
 pub(crate) fn sum_partials<T: Element>(partial: &[T::Acc], out: &mut [T], cols: usize) {
     dispatch(
         #[inline(always)]
         || {
-            for (j, g) in out.iter_mut().enumerate() {
-                let mut s = T::Acc::ZERO;
+            for (g, out) in out.chunks_mut(SUM_GROUP).enumerate() {
+                let (at, n) = (g * SUM_GROUP, out.len());
+                let mut s = [T::Acc::ZERO; SUM_GROUP];
                 for p in partial.chunks_exact(cols) {
-                    s = s + p[j];
+                    for (s, v) in s[..n].iter_mut().zip(&p[at..][..n]) {
+                        *s = *s + *v;
+                    }
                 }
-                *g = T::from_acc(s);
+                for (o, s) in out.iter_mut().zip(&s[..n]) {
+                    *o = T::from_acc(*s);
+                }
             }
         },
     );
 }
+
+/// Columns summed together by [`sum_partials`].
+const SUM_GROUP: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -127,6 +140,28 @@ mod tests {
             let b = Blocks::new(&Par::Rayon, rows, 4096);
             let covered: Vec<usize> = (0..b.count).flat_map(|i| b.rows(i)).collect();
             assert_eq!(covered, (0..rows).collect::<Vec<_>>());
+        }
+    }
+
+    /// The grouped sums are the column-by-column ones, bit for bit, in f32
+    /// and through bf16's rounding, for 0 to 3 blocks and widths around the
+    /// group size (and none).
+    #[test]
+    fn partials_sum_in_block_order() {
+        for cols in [0usize, 1, 63, 64, 65, 200] {
+            for blocks in 0..4 {
+                let partial: Vec<f32> =
+                    (0..blocks * cols).map(|i| ((i * 31 % 17) as f32 - 8.0) / 3.0 + 1e7 * (i % 2) as f32).collect();
+                let want: Vec<f32> =
+                    (0..cols).map(|j| partial.chunks_exact(cols.max(1)).fold(0.0f32, |s, p| s + p[j])).collect();
+                let mut out = vec![f32::NAN; cols];
+                sum_partials::<f32>(&partial, &mut out, cols);
+                let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&want), "cols={cols} blocks={blocks}");
+                let mut out16 = vec![half::bf16::NAN; cols];
+                sum_partials::<half::bf16>(&partial, &mut out16, cols);
+                assert!(out16.iter().zip(&want).all(|(o, w)| *o == half::bf16::from_f32(*w)), "bf16 cols={cols}");
+            }
         }
     }
 }
