@@ -26,6 +26,8 @@ use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_backward;
 
 const OP_FWD: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
@@ -168,6 +170,26 @@ pub fn backward<T: Element>(
             let mut db = want_db.then(|| dbs.get(b));
             let at = blocks.rows(b).start * cols;
             let (x, dy) = (&x[at..][..dx.len()], &grad_out[at..][..dx.len()]);
+            // f32 with every gradient (training): four rows at a time.
+            #[cfg(target_arch = "x86_64")]
+            if let (true, Some(w), Some(dw), Some(db)) =
+                (crate::wide::is::<T, f32>() && cols > 0, weight, &mut dw, &mut db)
+            {
+                let e = "layer_norm: T is f32";
+                let k = x86_backward::Backward {
+                    x: cast::<T, f32>(x),
+                    dy: cast::<T, f32>(dy),
+                    w: cast::<T, f32>(w),
+                    dx: cast_mut::<T, f32>(&mut dx).expect(e),
+                    dw: cast_mut::<T::Acc, f32>(&mut dw[..]).expect(e),
+                    db: cast_mut::<T::Acc, f32>(&mut db[..]).expect(e),
+                    cols,
+                    eps: eps.to_f64() as f32,
+                };
+                if crate::wide::x86::run(k).is_some() {
+                    return;
+                }
+            }
             dispatch(
                 #[inline(always)]
                 || {
@@ -397,19 +419,11 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
     } else {
         None
     };
-    let (m, sum_g, sum_gxh) = if let Some(f) = fused {
-        f
-    } else {
-        let m = moments(x, eps);
-        let (sum_g, sum_gxh) = match weight {
-            Some(w) => weighted_sums(dy, w, x, m),
-            None => (sum_pairs(dy, dy, |d, _| d), sum_pairs(dy, x, |d, x| d * m.xh(x))),
-        };
-        (m, sum_g, sum_gxh)
+    let (m, g) = match fused {
+        Some((m, sum_g, sum_gxh)) => (m, (sum_g / n, sum_gxh / n)),
+        None => grad_means(x, dy, weight, eps),
     };
-    let (mg, mgx) = (sum_g / n, sum_gxh / n);
     let (mut dw, mut db) = (dw, db);
-    let g = (mg, mgx);
     // `dx` is computed in `T::Acc` and narrowed in blocks by `T::write_acc`
     // (F16C for f16: one value at a time took f16 2.3x bf16's time), but
     // for bf16, whose rounding LLVM fuses into the loop: through blocks it
@@ -440,6 +454,28 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
             )
         },
     );
+}
+
+/// `(mean(g), mean(g xh))` of a row.
+type GradMeans<A> = (A, A);
+
+/// A row's moments and gradient means `(mean(g), mean(g xh))` with `g = dy w`
+/// (`g = dy` without a weight), each from a pass of its own: the f32 and f64
+/// path of [`backward_row`], and the rows of `x86_backward`.
+#[inline(always)]
+fn grad_means<T: Element>(
+    x: &[T],
+    dy: &[T],
+    weight: Option<&[T]>,
+    eps: T::Acc,
+) -> (Moments<T::Acc>, GradMeans<T::Acc>) {
+    let n = T::Acc::from_usize(x.len());
+    let m = moments(x, eps);
+    let (sum_g, sum_gxh) = match weight {
+        Some(w) => weighted_sums(dy, w, x, m),
+        None => (sum_pairs(dy, dy, |d, _| d), sum_pairs(dy, x, |d, x| d * m.xh(x))),
+    };
+    (m, (sum_g / n, sum_gxh / n))
 }
 
 /// A row's `dw` and `db` (each when asked for), lent to each block.
