@@ -24,7 +24,7 @@ use crate::narrow::BLOCK;
 use crate::rows::row_and_next;
 use crate::simd::{prefetch_part, sum_pairs};
 use crate::wide::cast_mut;
-use crate::wide::x86::{Kernel, Lanes};
+use crate::wide::x86::{load_n as load, Kernel, Lanes};
 
 /// The forward over whole rows of `cols`: `x` and `y` of one length, `w` and
 /// `b` (when given) of `cols`. For `T` in f32, bf16, f16 only (the callers
@@ -189,22 +189,6 @@ unsafe fn value<L: Lanes, T: 'static>(
             (Some(w), None) => l.mul(l.mul(l.sub(d, c.m1), c.rstd), load(l, w, i, count)),
             (None, Some(b)) => l.add(l.mul(l.sub(d, c.m1), c.rstd), load(l, b, i, count)),
             (None, None) => l.mul(l.sub(d, c.m1), c.rstd),
-        }
-    }
-}
-
-/// `count <= N` values at `p + i`, widened (the other lanes 0).
-///
-/// # Safety
-/// As [`value`].
-#[inline(always)]
-unsafe fn load<L: Lanes, T: 'static>(l: L, p: *const T, i: usize, count: usize) -> L::V {
-    // SAFETY: the caller's.
-    unsafe {
-        if count == L::N {
-            l.load(p.add(i))
-        } else {
-            l.load_part(p.add(i), count)
         }
     }
 }

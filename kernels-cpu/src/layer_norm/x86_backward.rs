@@ -19,7 +19,7 @@
 //! one after the other); the tests compare both at every width.
 use super::{grad_means, Moments};
 use crate::simd::prefetch_part;
-use crate::wide::x86::{Kernel, Lanes};
+use crate::wide::x86::{load_n as load, store_n as store, Kernel, Lanes};
 
 /// Rows whose columns are walked together.
 const GROUP: usize = 4;
@@ -168,38 +168,6 @@ unsafe fn step<L: Lanes, const G: usize>(
         }
         store(l, dw, i, dwv, count);
         store(l, db, i, dbv, count);
-    }
-}
-
-/// `count <= N` values at `p + i` (the other lanes 0).
-///
-/// # Safety
-/// `p.add(i)..p.add(i + count)` is readable.
-#[inline(always)]
-unsafe fn load<L: Lanes>(l: L, p: *const f32, i: usize, count: usize) -> L::V {
-    // SAFETY: the caller's.
-    unsafe {
-        if count == L::N {
-            l.load(p.add(i))
-        } else {
-            l.load_part(p.add(i), count)
-        }
-    }
-}
-
-/// The first `count <= N` lanes of `v` to `p + i`.
-///
-/// # Safety
-/// `p.add(i)..p.add(i + count)` is writable.
-#[inline(always)]
-unsafe fn store<L: Lanes>(l: L, p: *mut f32, i: usize, v: L::V, count: usize) {
-    // SAFETY: the caller's.
-    unsafe {
-        if count == L::N {
-            l.store(p.add(i), v)
-        } else {
-            l.store_part(p.add(i), v, count)
-        }
     }
 }
 

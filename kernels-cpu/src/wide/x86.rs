@@ -97,6 +97,39 @@ pub(crate) trait Kernel {
     fn run<L: Lanes>(self, l: L) -> Self::Output;
 }
 
+/// `count <= N` values at `p + i`, widened (the other lanes 0): a whole
+/// vector when `count` is `N`, else a part.
+///
+/// # Safety
+/// `p.add(i)..p.add(i + count)` is readable; `T` is f32, bf16 or f16.
+#[inline(always)]
+pub(crate) unsafe fn load_n<L: Lanes, T: 'static>(l: L, p: *const T, i: usize, count: usize) -> L::V {
+    // SAFETY: the caller's.
+    unsafe {
+        if count == L::N {
+            l.load(p.add(i))
+        } else {
+            l.load_part(p.add(i), count)
+        }
+    }
+}
+
+/// The first `count <= N` lanes of `v` to `p + i`.
+///
+/// # Safety
+/// `p.add(i)..p.add(i + count)` is writable.
+#[inline(always)]
+pub(crate) unsafe fn store_n<L: Lanes>(l: L, p: *mut f32, i: usize, v: L::V, count: usize) {
+    // SAFETY: the caller's.
+    unsafe {
+        if count == L::N {
+            l.store(p.add(i), v)
+        } else {
+            l.store_part(p.add(i), v, count)
+        }
+    }
+}
+
 /// Runs `k` with 16-lane AVX-512 vectors where the CPU has
 /// [`crate::simd::has_v4_bf16`]'s features, else with 8-lane AVX2 ones where
 /// it has AVX2, FMA and F16C; `None` (without running it) on other CPUs.
