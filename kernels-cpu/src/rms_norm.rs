@@ -25,6 +25,9 @@ use crate::wide::{cast, cast_mut};
 use crate::widen;
 use half::f16;
 
+#[cfg(target_arch = "x86_64")]
+mod x86_backward;
+
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
 
@@ -267,6 +270,24 @@ pub(crate) fn backward_unchecked<T: Element>(
                         return backward_rows_f16(x, &mut ox, dy, add, weight, dx, dw, eps.to_f64() as f32, cols);
                     }
                     let rows = n / cols;
+                    // f32 with the weight's gradient (training): four rows at a time.
+                    #[cfg(target_arch = "x86_64")]
+                    if let (true, Some(w), Some(dw), None) = (crate::wide::is::<T, f32>(), weight, &mut dw, add) {
+                        let e = "rms_norm: T is f32";
+                        let k = x86_backward::Backward {
+                            x: cast::<T, f32>(x),
+                            ox: &mut ox,
+                            dy: cast::<T, f32>(dy),
+                            w: cast::<T, f32>(w),
+                            dx: cast_mut::<T, f32>(&mut dx).expect(e),
+                            dw: cast_mut::<T::Acc, f32>(&mut dw[..]).expect(e),
+                            cols,
+                            eps: eps.to_f64() as f32,
+                        };
+                        if crate::wide::x86::run(k).is_some() {
+                            return;
+                        }
+                    }
                     for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
                         let (x, next_x) = strided_row_and_next(x, &mut ox, r + 1 < rows, cols);
                         let (dy, next_dy) = row_and_next(dy, r, cols);
@@ -395,14 +416,7 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
     eps: I::Acc,
     ahead: &[&[O]],
 ) {
-    let n = x.len();
-    // sum(x^2) and sum(g * x) in one pass over dy, w and x.
-    let (sum_sq, gx) = match weight {
-        Some(w) => sums3(dy, w, x, |dy, w, x| (x * x, dy * w * x)),
-        None => sums3(dy, x, x, |dy, x, _| (x * x, dy * x)),
-    };
-    let r = inv_rms(sum_sq, n, eps);
-    let c = r * r * r * gx / I::Acc::from_usize(n);
+    let (r, c) = grad_consts(x, dy, weight, eps);
     // Written part by part, prefetching the next row for the sums above.
     prefetching(
         dx,
@@ -423,6 +437,20 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
             )
         },
     );
+}
+
+/// A row's `r = 1 / rms(x)` and `c = r^3 sum(g x) / n` (`g = dy w`, or `dy`
+/// without a weight), from one pass over `dy`, `w` and `x`: for
+/// [`backward_row`] and the rows of `x86_backward`.
+#[inline(always)]
+fn grad_consts<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, eps: T::Acc) -> (T::Acc, T::Acc) {
+    let n = x.len();
+    let (sum_sq, gx) = match weight {
+        Some(w) => sums3(dy, w, x, |dy, w, x| (x * x, dy * w * x)),
+        None => sums3(dy, x, x, |dy, x, _| (x * x, dy * x)),
+    };
+    let r = inv_rms(sum_sq, n, eps);
+    (r, r * r * r * gx / T::Acc::from_usize(n))
 }
 
 /// `dx = r * dy * w - x * c (+ add)` and `dw += dy * x * r` over one part of
