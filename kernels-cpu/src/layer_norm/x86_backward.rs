@@ -19,7 +19,7 @@
 //! one after the other); the tests compare both at every width.
 use super::{grad_means, Moments};
 use crate::simd::prefetch_part;
-use crate::wide::x86::{load_n as load, store_n as store, Kernel, Lanes};
+use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 
 /// Rows whose columns are walked together.
 const GROUP: usize = 4;
@@ -114,26 +114,20 @@ unsafe fn group<L: Lanes, const G: usize>(
         dxs[r] = dx[span].as_mut_ptr();
     }
     let (w, dw, db) = (w.as_ptr(), dw.as_mut_ptr(), db.as_mut_ptr());
-    let n = L::N;
-    let mut i = 0;
-    while i < cols {
-        let end = (i + PART).min(cols);
-        for a in ahead {
-            prefetch_part::<f32, false>(a, i / PART, GROUP * PART);
-        }
-        // SAFETY: whole vectors while they fit before `end <= cols`, then
-        // the `end - i < n` values left (the caller's bounds).
-        unsafe {
-            while i + n <= end {
-                step::<L, G>(l, &c, (xs, dys, w), (dxs, dw, db), i, n);
-                i += n;
+    walk_columns::<L>(
+        cols,
+        PART,
+        #[inline(always)]
+        |k| {
+            for a in ahead {
+                prefetch_part::<f32, false>(a, k, GROUP * PART);
             }
-            if i < end {
-                step::<L, G>(l, &c, (xs, dys, w), (dxs, dw, db), i, end - i);
-                i = end;
-            }
-        }
-    }
+        },
+        // SAFETY: `walk_columns` gives `count` columns from `i`, inside the
+        // `cols` of every row (the caller's bounds).
+        #[inline(always)]
+        |i, count| unsafe { step::<L, G>(l, &c, (xs, dys, w), (dxs, dw, db), i, count) },
+    );
 }
 
 /// One vector of columns `i..i + count` (`count <= N`) of every row: `dx =

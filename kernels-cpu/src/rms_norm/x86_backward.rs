@@ -16,7 +16,7 @@
 use super::{grad_consts, strided_row_and_next};
 use crate::layout::Offsets;
 use crate::simd::prefetch_part;
-use crate::wide::x86::{load_n as load, store_n as store, Kernel, Lanes};
+use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 
 /// Rows whose columns are walked together.
 const GROUP: usize = 4;
@@ -101,27 +101,21 @@ unsafe fn group<L: Lanes, const G: usize>(
         dxp[k] = dx[span].as_mut_ptr();
     }
     let (w, dw) = (w.as_ptr(), dw.as_mut_ptr());
-    let n = L::N;
-    let mut i = 0;
-    while i < cols {
-        let end = (i + PART).min(cols);
-        for a in next_x {
-            prefetch_part::<f32, false>(a, i / PART, PART);
-        }
-        prefetch_part::<f32, false>(next_dy, i / PART, GROUP * PART);
-        // SAFETY: whole vectors while they fit before `end <= cols`, then
-        // the `end - i < n` values left (the caller's bounds).
-        unsafe {
-            while i + n <= end {
-                step::<L, G>(l, &c, (xp, dyp, w), (dxp, dw), i, n);
-                i += n;
+    walk_columns::<L>(
+        cols,
+        PART,
+        #[inline(always)]
+        |k| {
+            for a in next_x {
+                prefetch_part::<f32, false>(a, k, PART);
             }
-            if i < end {
-                step::<L, G>(l, &c, (xp, dyp, w), (dxp, dw), i, end - i);
-                i = end;
-            }
-        }
-    }
+            prefetch_part::<f32, false>(next_dy, k, GROUP * PART);
+        },
+        // SAFETY: `walk_columns` gives `count` columns from `i`, inside the
+        // `cols` of every row (the caller's bounds).
+        #[inline(always)]
+        |i, count| unsafe { step::<L, G>(l, &c, (xp, dyp, w), (dxp, dw), i, count) },
+    );
 }
 
 /// One vector of columns `i..i + count` (`count <= N`) of every row: `dx =

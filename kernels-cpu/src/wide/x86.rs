@@ -130,6 +130,33 @@ pub(crate) unsafe fn store_n<L: Lanes>(l: L, p: *mut f32, i: usize, v: L::V, cou
     }
 }
 
+/// Columns `0..cols` in parts of `part`: `prefetch(k)` as part `k` starts,
+/// then `step(i, count)` for each whole vector of the part (`count` = `N`)
+/// and for its last `count < N` values. The column walk of the grouped norm
+/// backwards; pass `#[inline(always)]` closures, so that they are compiled
+/// inside the caller's vector features.
+#[inline(always)]
+pub(crate) fn walk_columns<L: Lanes>(
+    cols: usize,
+    part: usize,
+    mut prefetch: impl FnMut(usize),
+    mut step: impl FnMut(usize, usize),
+) {
+    let mut i = 0;
+    while i < cols {
+        let end = (i + part).min(cols);
+        prefetch(i / part);
+        while i + L::N <= end {
+            step(i, L::N);
+            i += L::N;
+        }
+        if i < end {
+            step(i, end - i);
+            i = end;
+        }
+    }
+}
+
 /// Runs `k` with 16-lane AVX-512 vectors where the CPU has
 /// [`crate::simd::has_v4_bf16`]'s features, else with 8-lane AVX2 ones where
 /// it has AVX2, FMA and F16C; `None` (without running it) on other CPUs.
