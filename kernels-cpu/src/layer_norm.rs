@@ -22,7 +22,7 @@ use crate::rows::{row_and_next, sum_partials, Blocks, Split};
 use crate::simd::{dispatch, prefetching, reduce_lanes, sum_pairs, sums3, LANES};
 use crate::wide::{cast, cast_mut};
 use crate::widen;
-use half::f16;
+use half::{bf16, f16};
 
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -170,23 +170,14 @@ pub fn backward<T: Element>(
             let mut db = want_db.then(|| dbs.get(b));
             let at = blocks.rows(b).start * cols;
             let (x, dy) = (&x[at..][..dx.len()], &grad_out[at..][..dx.len()]);
-            // f32 with every gradient (training): four rows at a time.
+            // f32 and bf16 with every gradient (training): four rows at a
+            // time.
             #[cfg(target_arch = "x86_64")]
-            if let (true, Some(w), Some(dw), Some(db)) =
-                (crate::wide::is::<T, f32>() && cols > 0, weight, &mut dw, &mut db)
-            {
-                let e = "layer_norm: T is f32";
-                let k = x86_backward::Backward {
-                    x: cast::<T, f32>(x),
-                    dy: cast::<T, f32>(dy),
-                    w: cast::<T, f32>(w),
-                    dx: cast_mut::<T, f32>(&mut dx).expect(e),
-                    dw: cast_mut::<T::Acc, f32>(&mut dw[..]).expect(e),
-                    db: cast_mut::<T::Acc, f32>(&mut db[..]).expect(e),
-                    cols,
-                    eps: eps.to_f64() as f32,
-                };
-                if crate::wide::x86::run(k).is_some() {
+            if let (true, Some(w), Some(dw), Some(db)) = (cols > 0, weight, &mut dw, &mut db) {
+                let (ins, eps) = ((x, dy, w), eps.to_f64() as f32);
+                if grouped::<T, f32>(ins, (&mut dx, dw, db), cols, eps)
+                    || grouped::<T, bf16>(ins, (&mut dx, dw, db), cols, eps)
+                {
                     return;
                 }
             }
@@ -222,6 +213,26 @@ pub fn backward<T: Element>(
         sum_partials(&db_part, gb, cols);
     }
     Ok(())
+}
+
+/// The training case's rows through `x86_backward` when `T` is `U` (f32 or
+/// bf16) and the CPU has AVX2 or AVX-512; false, computing nothing,
+/// otherwise.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn grouped<T: Element, U: Element<Acc = f32>>(
+    (x, dy, w): (&[T], &[T], &[T]),
+    (dx, dw, db): (&mut [T], &mut [T::Acc], &mut [T::Acc]),
+    cols: usize,
+    eps: f32,
+) -> bool {
+    let (Some(dx), Some(dw), Some(db)) =
+        (cast_mut::<T, U>(dx), cast_mut::<T::Acc, f32>(dw), cast_mut::<T::Acc, f32>(db))
+    else {
+        return false;
+    };
+    let (x, dy, w) = (cast::<T, U>(x), cast::<T, U>(dy), cast::<T, U>(w));
+    crate::wide::x86::run(x86_backward::Backward { x, dy, w, dx, dw, db, cols, eps }).is_some()
 }
 
 /// The backward's rows for f16 where [`widen`] applies: each row's `x` and
@@ -396,33 +407,7 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
     eps: I::Acc,
     ahead: Option<[&[O]; 2]>,
 ) {
-    let n = I::Acc::from_usize(x.len());
-    // bf16 and f16: one pass for the moments and the two gradient sums. With
-    // the shift k, sum(g xh) = rstd (sum(g (x - k)) - m1 sum(g)), which loses
-    // at most about a bit where the shift is good (m1^2 <= m2 / 2, the test of
-    // `moments`); elsewhere `moments` takes its exact path and the sums get a
-    // pass of their own. Measured, 4096x4096: the bf16 and f16 backwards
-    // 12-17% faster (x is widened once, not twice); f32 no faster (bound by
-    // memory, the same either way) and up to 7% slower, so f32 and f64 keep
-    // the separate moments pass.
-    let fused = if std::mem::size_of::<O>() < std::mem::size_of::<O::Acc>() {
-        let k = shift(x);
-        let [s1, s2, sg, sgx] = match weight {
-            Some(w) => moment_grad_sums(x, dy, w, k, |d, w| d * w),
-            None => moment_grad_sums(x, dy, dy, k, |d, _| d),
-        };
-        let (m1, m2) = (s1 / n, s2 / n);
-        (m1 * m1 <= I::Acc::from_f64(0.5) * m2).then(|| {
-            let rstd = I::Acc::ONE / (m2 - m1 * m1 + eps).sqrt();
-            (Moments { k, m1, rstd }, sg, rstd * (sgx - m1 * sg))
-        })
-    } else {
-        None
-    };
-    let (m, g) = match fused {
-        Some((m, sum_g, sum_gxh)) => (m, (sum_g / n, sum_gxh / n)),
-        None => grad_means(x, dy, weight, eps),
-    };
+    let (m, g) = row_consts(x, dy, weight, eps, std::mem::size_of::<O>() < std::mem::size_of::<O::Acc>());
     let (mut dw, mut db) = (dw, db);
     // `dx` is computed in `T::Acc` and narrowed in blocks by `T::write_acc`
     // (F16C for f16: one value at a time took f16 2.3x bf16's time), but
@@ -456,12 +441,54 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
     );
 }
 
+/// A row's moments and gradient means `(mean(g), mean(g xh))` as the
+/// backward uses them: for a `narrow` output (bf16, f16), from one pass where
+/// the shift is good; otherwise from [`grad_means`]'s separate passes.
+/// [`backward_row`] and the grouped rows of `x86_backward` both take them
+/// from here, so their `dx`, `dw` and `db` are the same bits.
+#[inline(always)]
+fn row_consts<I: Element>(
+    x: &[I],
+    dy: &[I],
+    weight: Option<&[I]>,
+    eps: I::Acc,
+    narrow: bool,
+) -> (Moments<I::Acc>, GradMeans<I::Acc>) {
+    let n = I::Acc::from_usize(x.len());
+    // bf16 and f16: one pass for the moments and the two gradient sums. With
+    // the shift k, sum(g xh) = rstd (sum(g (x - k)) - m1 sum(g)), which loses
+    // at most about a bit where the shift is good (m1^2 <= m2 / 2, the test of
+    // `moments`); elsewhere `moments` takes its exact path and the sums get a
+    // pass of their own. Measured, 4096x4096: the bf16 and f16 backwards
+    // 12-17% faster (x is widened once, not twice); f32 no faster (bound by
+    // memory, the same either way) and up to 7% slower, so f32 and f64 keep
+    // the separate moments pass.
+    let fused = if narrow {
+        let k = shift(x);
+        let [s1, s2, sg, sgx] = match weight {
+            Some(w) => moment_grad_sums(x, dy, w, k, |d, w| d * w),
+            None => moment_grad_sums(x, dy, dy, k, |d, _| d),
+        };
+        let (m1, m2) = (s1 / n, s2 / n);
+        (m1 * m1 <= I::Acc::from_f64(0.5) * m2).then(|| {
+            let rstd = I::Acc::ONE / (m2 - m1 * m1 + eps).sqrt();
+            (Moments { k, m1, rstd }, sg, rstd * (sgx - m1 * sg))
+        })
+    } else {
+        None
+    };
+    match fused {
+        Some((m, sum_g, sum_gxh)) => (m, (sum_g / n, sum_gxh / n)),
+        None => grad_means(x, dy, weight, eps),
+    }
+}
+
 /// `(mean(g), mean(g xh))` of a row.
 type GradMeans<A> = (A, A);
 
 /// A row's moments and gradient means `(mean(g), mean(g xh))` with `g = dy w`
 /// (`g = dy` without a weight), each from a pass of its own: the f32 and f64
-/// path of [`backward_row`], and the rows of `x86_backward`.
+/// path of [`row_consts`], and its fallback for the others.
 #[inline(always)]
 fn grad_means<T: Element>(
     x: &[T],

@@ -1,6 +1,6 @@
-//! layer_norm's f32 backward in the training case (a weight, and the
-//! gradients of the weight and the bias), in explicit SIMD written once for
-//! AVX-512 and AVX2 ([`crate::wide`]), four rows at a time.
+//! layer_norm's backward in the training case (a weight, and the gradients
+//! of the weight and the bias) for f32 and bf16, in explicit SIMD written
+//! once for AVX-512 and AVX2 ([`crate::wide`]), four rows at a time.
 //!
 //! Row by row, the lane loop's write pass loaded five vectors (`x`, `dy`,
 //! `w`, and the block's partial `dw` and `db`) and stored three for each
@@ -14,34 +14,46 @@
 //! Here each vector of `w`, `dw` and `db` is loaded and stored once per four
 //! rows, and the next four rows are prefetched as the pass goes. Each value
 //! is the lane loop's, bit for bit: the rows' moments and gradient means come
-//! from the same functions ([`super::grad_means`]), and every element takes
+//! from the same function ([`super::row_consts`]), and every element takes
 //! the same operations in the same order (`dw` and `db` still add the rows
 //! one after the other); the tests compare both at every width.
-use super::{grad_means, Moments};
+//!
+//! bf16 had the same two costs (perf on the Xeon, 4096x4096: the `dw` and
+//! `db` stores, and the moments pass waiting on memory for every row) and
+//! runs the same walk: `dx` goes to an f32 block per row and part, rounded
+//! into the row with [`Element::from_acc_slice`] (AVX512-BF16's conversion
+//! where the CPU has it), which rounds as the lane loop's `from_acc`. f16
+//! keeps its widening path (`widen.rs`): its moments would convert in
+//! software here.
+use super::row_consts;
+use crate::element::Element;
 use crate::simd::prefetch_part;
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
+use crate::wide::{cast_mut, is};
 
 /// Rows whose columns are walked together.
 const GROUP: usize = 4;
 
 /// Columns between two prefetch calls (each asks for this many columns of
-/// every row of the next group, in `x` and in `dy`).
+/// every row of the next group, in `x` and in `dy`); for bf16, also the
+/// columns of each `dx` block rounded at once.
 const PART: usize = 256;
 
 /// The backward over whole rows of `cols`: `x`, `dy` and `dx` of one length,
-/// `w`, `dw` and `db` of `cols`; `dw` and `db` are added to. `cols > 0`.
-pub(super) struct Backward<'a> {
-    pub(super) x: &'a [f32],
-    pub(super) dy: &'a [f32],
-    pub(super) w: &'a [f32],
-    pub(super) dx: &'a mut [f32],
+/// `w`, `dw` and `db` of `cols`; `dw` and `db` are added to. `cols > 0`; `T`
+/// is f32 or bf16 (f16 would compute right, but slowly).
+pub(super) struct Backward<'a, T> {
+    pub(super) x: &'a [T],
+    pub(super) dy: &'a [T],
+    pub(super) w: &'a [T],
+    pub(super) dx: &'a mut [T],
     pub(super) dw: &'a mut [f32],
     pub(super) db: &'a mut [f32],
     pub(super) cols: usize,
     pub(super) eps: f32,
 }
 
-impl Kernel for Backward<'_> {
+impl<T: Element<Acc = f32>> Kernel for Backward<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
@@ -61,9 +73,9 @@ impl Kernel for Backward<'_> {
             // SAFETY (both): rows `r..r + g` lie inside `x`, `dy` and `dx`,
             // each `cols` long; `w`, `dw` and `db` hold `cols` (asserted).
             if g == GROUP {
-                unsafe { group::<L, GROUP>(l, (x, dy, w), (dx, dw, db), at, cols, eps, ahead) };
+                unsafe { group::<L, T, GROUP>(l, (x, dy, w), (dx, dw, db), at, cols, eps, ahead) };
             } else {
-                unsafe { group::<L, 1>(l, (x, dy, w), (dx, dw, db), at, cols, eps, ahead) };
+                unsafe { group::<L, T, 1>(l, (x, dy, w), (dx, dw, db), at, cols, eps, ahead) };
             }
             r += g;
         }
@@ -90,60 +102,98 @@ struct Row<V> {
 /// `dw` and `db` hold `cols` values.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn group<L: Lanes, const G: usize>(
+unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     l: L,
-    (x, dy, w): (&[f32], &[f32], &[f32]),
-    (dx, dw, db): (&mut [f32], &mut [f32], &mut [f32]),
+    (x, dy, w): (&[T], &[T], &[T]),
+    (dx, dw, db): (&mut [T], &mut [f32], &mut [f32]),
     at: usize,
     cols: usize,
     eps: f32,
-    ahead: [&[f32]; 2],
+    ahead: [&[T]; 2],
 ) {
     // Plain loops, not `array::from_fn`: its closure was left out of line,
     // and so ran the moments' passes without the vector features (perf: a
     // third of the time, in SSE2).
     let zero = l.splat(0.0);
     let mut c = [Row { k: zero, m1: zero, rstd: zero, mg: zero, mgx: zero }; G];
-    let (mut xs, mut dys, mut dxs) = ([x.as_ptr(); G], [dy.as_ptr(); G], [dx.as_mut_ptr(); G]);
+    let (mut xs, mut dys) = ([x.as_ptr(); G], [dy.as_ptr(); G]);
+    let narrow = !is::<T, f32>();
     for r in 0..G {
         let span = at + r * cols..at + (r + 1) * cols;
-        let (m, (mg, mgx)): (Moments<f32>, _) = grad_means(&x[span.clone()], &dy[span.clone()], Some(w), eps);
+        let (m, (mg, mgx)) = row_consts(&x[span.clone()], &dy[span.clone()], Some(w), eps, narrow);
         c[r] = Row { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), mg: l.splat(mg), mgx: l.splat(mgx) };
         xs[r] = x[span.clone()].as_ptr();
-        dys[r] = dy[span.clone()].as_ptr();
-        dxs[r] = dx[span].as_mut_ptr();
+        dys[r] = dy[span].as_ptr();
     }
-    let (w, dw, db) = (w.as_ptr(), dw.as_mut_ptr(), db.as_mut_ptr());
-    walk_columns::<L>(
-        cols,
-        PART,
-        #[inline(always)]
-        |k| {
-            for a in ahead {
-                prefetch_part::<f32, false>(a, k, GROUP * PART);
-            }
-        },
-        // SAFETY: `walk_columns` gives `count` columns from `i`, inside the
-        // `cols` of every row (the caller's bounds).
-        #[inline(always)]
-        |i, count| unsafe { step::<L, G>(l, &c, (xs, dys, w), (dxs, dw, db), i, count) },
-    );
+    let ins = (xs, dys, w.as_ptr());
+    let (dw, db) = (dw.as_mut_ptr(), db.as_mut_ptr());
+    if let Some(dx) = cast_mut::<T, f32>(dx) {
+        let mut dxs = [dx.as_mut_ptr(); G];
+        for (r, d) in dxs.iter_mut().enumerate() {
+            *d = dx[at + r * cols..][..cols].as_mut_ptr();
+        }
+        walk_columns::<L>(
+            cols,
+            PART,
+            #[inline(always)]
+            |k| prefetch(ahead, k),
+            // SAFETY: `walk_columns` gives `count` columns from `i`, inside
+            // the `cols` of every row (the caller's bounds).
+            #[inline(always)]
+            |i, count| unsafe { step::<L, T, G>(l, &c, ins, (dxs, 0), (dw, db), i, count) },
+        );
+        return;
+    }
+    // bf16: each part's `dx` in f32 blocks, then rounded into the rows.
+    let mut buf = [[0f32; PART]; G];
+    let mut p = 0;
+    while p < cols {
+        let len = PART.min(cols - p);
+        let mut bufs = [buf[0].as_mut_ptr(); G];
+        for (b, row) in bufs.iter_mut().zip(buf.iter_mut()) {
+            *b = row.as_mut_ptr();
+        }
+        walk_columns::<L>(
+            len,
+            PART,
+            #[inline(always)]
+            |_| prefetch(ahead, p / PART),
+            // SAFETY: `count` columns from `p + i` lie inside every row's
+            // `cols` (the caller's bounds) and, from `i`, inside the blocks.
+            #[inline(always)]
+            |i, count| unsafe { step::<L, T, G>(l, &c, ins, (bufs, p), (dw, db), p + i, count) },
+        );
+        for (r, b) in buf.iter().enumerate() {
+            T::from_acc_slice(&b[..len], &mut dx[at + r * cols + p..][..len]);
+        }
+        p += len;
+    }
+}
+
+/// Part `k` of the next group's rows of `x` and `dy`.
+#[inline(always)]
+fn prefetch<T>(ahead: [&[T]; 2], k: usize) {
+    for a in ahead {
+        prefetch_part::<T, false>(a, k, GROUP * PART);
+    }
 }
 
 /// One vector of columns `i..i + count` (`count <= N`) of every row: `dx =
 /// rstd ((dy w - mg) - xh mgx)` with `xh = ((x - k) - m1) rstd`, then `dw +=
-/// dy xh` and `db += dy` row after row, as the lane loop computes them.
+/// dy xh` and `db += dy` row after row, as the lane loop computes them. Row
+/// `r`'s `dx` goes to `dxs[r]` at `i - o`.
 ///
 /// # Safety
-/// `count` values from `i` are readable at every pointer, and writable at
-/// the `dx` rows, `dw` and `db`.
+/// `count` values from `i` are readable at every input pointer and writable
+/// at `dw` and `db`, and from `i - o` writable at every `dxs` pointer.
 #[allow(clippy::type_complexity)]
 #[inline(always)]
-unsafe fn step<L: Lanes, const G: usize>(
+unsafe fn step<L: Lanes, T: 'static, const G: usize>(
     l: L,
     c: &[Row<L::V>; G],
-    (xs, dys, w): ([*const f32; G], [*const f32; G], *const f32),
-    (dxs, dw, db): ([*mut f32; G], *mut f32, *mut f32),
+    (xs, dys, w): ([*const T; G], [*const T; G], *const T),
+    (dxs, o): ([*mut f32; G], usize),
+    (dw, db): (*mut f32, *mut f32),
     i: usize,
     count: usize,
 ) {
@@ -156,7 +206,7 @@ unsafe fn step<L: Lanes, const G: usize>(
             let c = c[r];
             let xh = l.mul(l.sub(l.sub(xv, c.k), c.m1), c.rstd);
             let v = l.mul(c.rstd, l.sub(l.sub(l.mul(dyv, wv), c.mg), l.mul(xh, c.mgx)));
-            store(l, dxs[r], i, v, count);
+            store(l, dxs[r], i - o, v, count);
             dwv = l.add(dwv, l.mul(dyv, xh));
             dbv = l.add(dbv, dyv);
         }
@@ -168,49 +218,59 @@ unsafe fn step<L: Lanes, const G: usize>(
 #[cfg(test)]
 mod tests {
     use super::Backward;
+    use crate::element::Element;
     use crate::wide::x86::{every_width, run_with, Width};
+    use half::bf16;
 
     /// The grouped pass against the lane loop's rows (`backward_row`), bit
-    /// for bit: `dx`, and `dw`, `db` added to nonzero partials, for 1 to 9
-    /// rows (whole groups, single rows after them) and widths around the
-    /// vector and part sizes, with rows whose mean is far from their spread
-    /// (the moments' exact second pass) among them.
-    fn at_width<L: Width>(l: L) {
+    /// for bit, in `T`: `dx`, and `dw`, `db` added to nonzero partials, for 1
+    /// to 9 rows (whole groups, single rows after them) and widths around the
+    /// vector and part sizes. Among the rows: ones whose mean is far from
+    /// their spread (f32: the moments' exact second pass), and ones whose
+    /// first 16 values (the shift) are far from the rest (bf16: the one-pass
+    /// sums refused, and the separate passes taken).
+    fn check<T: Element<Acc = f32>, L: Width>(l: L) {
         for cols in [1usize, 7, 16, 17, 100, 255, 256, 257, 600] {
             for rows in 1..=9 {
                 let n = rows * cols;
-                let x: Vec<f32> = (0..n)
+                let x: Vec<T> = (0..n)
                     .map(|i| {
                         let v = ((i * 37 % 101) as f32 - 50.0) / 13.0;
-                        if (i / cols) % 3 == 2 {
-                            1000.0 + v / 64.0
-                        } else {
-                            v
-                        }
+                        T::from_acc(match (i / cols) % 4 {
+                            2 => 1000.0 + v / 64.0,
+                            3 if i % cols < 16 => 50.0 + v,
+                            _ => v,
+                        })
                     })
                     .collect();
-                let dy: Vec<f32> = (0..n).map(|i| ((i * 53 % 97) as f32 - 48.0) / 17.0).collect();
-                let w: Vec<f32> = (0..cols).map(|j| 0.5 + (j % 7) as f32 / 8.0).collect();
+                let dy: Vec<T> = (0..n).map(|i| T::from_acc(((i * 53 % 97) as f32 - 48.0) / 17.0)).collect();
+                let w: Vec<T> = (0..cols).map(|j| T::from_acc(0.5 + (j % 7) as f32 / 8.0)).collect();
                 let start: Vec<f32> = (0..cols).map(|j| j as f32 / 3.0 - 1.0).collect();
-                let (mut dx, mut dw, mut db) = (vec![0f32; n], start.clone(), start.clone());
+                let (mut dx, mut dw, mut db) = (vec![T::default(); n], start.clone(), start.clone());
                 let eps = 1e-5f32;
                 let k = Backward { x: &x, dy: &dy, w: &w, dx: &mut dx, dw: &mut dw, db: &mut db, cols, eps };
                 run_with(l, k);
-                let (mut dx_ref, mut dw_ref, mut db_ref) = (vec![0f32; n], start.clone(), start);
+                let (mut dx_ref, mut dw_ref, mut db_ref) = (vec![T::default(); n], start.clone(), start);
                 for ((x, dy), dx) in x.chunks(cols).zip(dy.chunks(cols)).zip(dx_ref.chunks_mut(cols)) {
                     let dwb = (Some(&mut dw_ref[..]), Some(&mut db_ref[..]));
                     super::super::backward_row(x, dy, Some(&w[..]), dx, dwb.0, dwb.1, eps, None);
                 }
                 let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&dx), bits(&dx_ref), "dx rows={rows} cols={cols}");
-                assert_eq!(bits(&dw), bits(&dw_ref), "dw rows={rows} cols={cols}");
-                assert_eq!(bits(&db), bits(&db_ref), "db rows={rows} cols={cols}");
+                let widened = |v: &[T]| v.iter().map(|v| v.to_acc()).collect::<Vec<_>>();
+                let t = T::NAME;
+                assert_eq!(bits(&widened(&dx)), bits(&widened(&dx_ref)), "{t} dx rows={rows} cols={cols}");
+                assert_eq!(bits(&dw), bits(&dw_ref), "{t} dw rows={rows} cols={cols}");
+                assert_eq!(bits(&db), bits(&db_ref), "{t} db rows={rows} cols={cols}");
             }
         }
     }
 
     #[test]
     fn grouped_rows_match_the_lane_loop_at_every_width() {
-        every_width!(at_width);
+        fn both<L: Width>(l: L) {
+            check::<f32, L>(l);
+            check::<bf16, L>(l);
+        }
+        every_width!(both);
     }
 }
