@@ -127,44 +127,43 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     }
     let ins = (xs, dys, w.as_ptr());
     let (dw, db) = (dw.as_mut_ptr(), db.as_mut_ptr());
-    if let Some(dx) = cast_mut::<T, f32>(dx) {
-        let mut dxs = [dx.as_mut_ptr(); G];
-        for (r, d) in dxs.iter_mut().enumerate() {
+    // `step` writes f32's `dx` into the rows; bf16's into f32 blocks of one
+    // part, which are then rounded into the rows.
+    let f32_rows = cast_mut::<T, f32>(&mut *dx).map(|dx| {
+        let mut rows = [dx.as_mut_ptr(); G];
+        for (r, d) in rows.iter_mut().enumerate() {
             *d = dx[at + r * cols..][..cols].as_mut_ptr();
         }
-        walk_columns::<L>(
-            cols,
-            PART,
-            #[inline(always)]
-            |k| prefetch(ahead, k),
-            // SAFETY: `walk_columns` gives `count` columns from `i`, inside
-            // the `cols` of every row (the caller's bounds).
-            #[inline(always)]
-            |i, count| unsafe { step::<L, T, G>(l, &c, ins, (dxs, 0), (dw, db), i, count) },
-        );
-        return;
-    }
-    // bf16: each part's `dx` in f32 blocks, then rounded into the rows.
+        rows
+    });
     let mut buf = [[0f32; PART]; G];
     let mut p = 0;
     while p < cols {
         let len = PART.min(cols - p);
-        let mut bufs = [buf[0].as_mut_ptr(); G];
-        for (b, row) in bufs.iter_mut().zip(buf.iter_mut()) {
-            *b = row.as_mut_ptr();
-        }
+        let outs = match f32_rows {
+            Some(rows) => (rows, 0),
+            None => {
+                let mut blocks = [buf[0].as_mut_ptr(); G];
+                for (b, block) in blocks.iter_mut().zip(buf.iter_mut()) {
+                    *b = block.as_mut_ptr();
+                }
+                (blocks, p)
+            }
+        };
         walk_columns::<L>(
             len,
             PART,
             #[inline(always)]
             |_| prefetch(ahead, p / PART),
             // SAFETY: `count` columns from `p + i` lie inside every row's
-            // `cols` (the caller's bounds) and, from `i`, inside the blocks.
+            // `cols` (the caller's bounds), and from `i` inside the blocks.
             #[inline(always)]
-            |i, count| unsafe { step::<L, T, G>(l, &c, ins, (bufs, p), (dw, db), p + i, count) },
+            |i, count| unsafe { step::<L, T, G>(l, &c, ins, outs, (dw, db), p + i, count) },
         );
-        for (r, b) in buf.iter().enumerate() {
-            T::from_acc_slice(&b[..len], &mut dx[at + r * cols + p..][..len]);
+        if f32_rows.is_none() {
+            for (r, b) in buf.iter().enumerate() {
+                T::from_acc_slice(&b[..len], &mut dx[at + r * cols + p..][..len]);
+            }
         }
         p += len;
     }
