@@ -52,6 +52,39 @@ def test_gradient_through_one_output_only():
     assert x.grad is None
 
 
+def _fused_add_grads(fn, mode):
+    """Gradients of `fn(x, r, w)` (keel's or torch's `s = x + r; rms_norm(s)`) for
+    leaves x, r (mode "leaf"), for non-leaves made from them ("nonleaf"), or for
+    x passed as both input and residual ("same")."""
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(4, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(8, generator=g, dtype=torch.float64, requires_grad=True)
+    dy, ds = (torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    a, b = {"leaf": (x, r), "nonleaf": (x * 1.5, r * 0.5), "same": (x, x)}[mode]
+    torch.autograd.backward(fn(a, b, w), (dy, ds))
+    return x, r, w
+
+
+@pytest.mark.parametrize("mode", ["leaf", "nonleaf", "same"])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_input_and_residual_gradients_are_torchs(mode, compiled):
+    # The backward hands input and residual one tensor, as torch's add does;
+    # the engine must still give two leaves their own .grad.
+    k = lambda a, b, c: keel.fused_add_rms_norm(a, b, c, 1e-6)  # noqa: E731
+    ref = lambda a, b, c: (F.rms_norm(a + b, (8,), c, 1e-6), a + b)  # noqa: E731
+    x, r, w = _fused_add_grads(torch.compile(k, backend="aot_eager") if compiled else k, mode)
+    xr, rr, wr = _fused_add_grads(ref, mode)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+    if mode != "same":
+        torch.testing.assert_close(r.grad, rr.grad)
+    if mode == "leaf":
+        assert x.grad.data_ptr() != r.grad.data_ptr()
+        before = r.grad.clone()
+        x.grad.mul_(2)
+        torch.testing.assert_close(r.grad, before, atol=0, rtol=0)
+
+
 def test_gradcheck_f64():
     x, r = (torch.randn(4, 11, dtype=torch.float64, requires_grad=True) for _ in range(2))
     w = torch.randn(11, dtype=torch.float64, requires_grad=True)
