@@ -250,8 +250,11 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
                                           grad_args=(0, 1))
     mk["layer_norm fwd+bwd"] = lambda: Case("layer_norm fwd+bwd", rs, (x, w, b), keel.layer_norm, _layer_norm,
                                             5 * n * h * es, grad_args=(0, 1, 2))
+    # fused_add: the forward reads x and r and writes y and s; the backward reads
+    # both upstream gradients and s, and writes the gradients of x and of r: two
+    # tensors, since both are leaves here and each gets its own .grad (as in torch).
     mk["fused_add_rms_norm fwd+bwd"] = lambda: Case(
-        "fused_add_rms_norm fwd+bwd", rs, (x, r, w), keel.fused_add_rms_norm, _fused_add_rms_norm, 8 * n * h * es,
+        "fused_add_rms_norm fwd+bwd", rs, (x, r, w), keel.fused_add_rms_norm, _fused_add_rms_norm, 9 * n * h * es,
         grad_args=(0, 1, 2), clone_args=(0, 1))
     mk["silu_and_mul fwd+bwd"] = lambda: Case("silu_and_mul fwd+bwd", gs, (gu,), keel.silu_and_mul, _silu_and_mul,
                                               8 * n * h * es, grad_args=(0,))
