@@ -264,6 +264,21 @@ mod tests {
     use crate::simd::dispatch;
     use half::{bf16, f16};
 
+    /// `got` has `want`'s bits, or both are NaN (f16 or bf16).
+    macro_rules! assert_same {
+        ($got:expr, $want:expr, $i:expr, $sign:expr) => {{
+            let (got, want) = ($got, $want);
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "pair {}, sign {}: {:#06x}, want {:#06x}",
+                $i,
+                $sign,
+                got.to_bits(),
+                want.to_bits()
+            );
+        }};
+    }
+
     /// Every group of [`halves`] equals the generic loop's expression bit for
     /// bit, over f16 patterns that make subnormal, overflowing, infinite and
     /// NaN results, for both signs of the angle.
@@ -291,12 +306,7 @@ mod tests {
                 let (a, b, c, s) = (x1[i].to_acc(), x2[i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
                 let want = (f16::from_acc(a * c - b * s), f16::from_acc(b * c + a * s));
                 for (got, want) in [(y1[i], want.0), (y2[i], want.1)] {
-                    assert!(
-                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                        "pair {i}, sign {sign}: {:#06x}, want {:#06x}",
-                        got.to_bits(),
-                        want.to_bits()
-                    );
+                    assert_same!(got, want, i, sign);
                 }
             }
         }
@@ -339,12 +349,7 @@ mod tests {
                 taken += 1;
                 for (i, &(p, q)) in (at..).zip(&wide) {
                     for (got, want) in [(y1[i], bf16::from_acc(p)), (y2[i], bf16::from_acc(q))] {
-                        assert!(
-                            got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                            "pair {i}, sign {sign}: {:#06x}, want {:#06x}",
-                            got.to_bits(),
-                            want.to_bits()
-                        );
+                        assert_same!(got, want, i, sign);
                     }
                 }
             }
@@ -376,12 +381,7 @@ mod tests {
                 let (a, b, c, s) = (x[2 * i].to_acc(), x[2 * i + 1].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
                 let want = (f16::from_acc(a * c - b * s), f16::from_acc(b * c + a * s));
                 for (got, want) in [(y[2 * i], want.0), (y[2 * i + 1], want.1)] {
-                    assert!(
-                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                        "pair {i}, sign {sign}: {:#06x}, want {:#06x}",
-                        got.to_bits(),
-                        want.to_bits()
-                    );
+                    assert_same!(got, want, i, sign);
                 }
             }
         }
