@@ -11,7 +11,8 @@
 //! 4096x4096 forward, on that CPU: bf16 4.1-4.6 -> 3.4 ms, f16 8.3 -> 2.9 ms
 //! (the lane loop's f16 widening was the cost there), f32 unchanged (bound
 //! by memory). Rounding bf16 in registers instead of through the scratch
-//! block was tried: 3.75 against 3.39 ms.
+//! block was tried: 3.75 against 3.39 ms. With AVX-512's bf16 conversion it
+//! is faster (see `write_bf16_pairs`), so bf16 rows round in registers there.
 //!
 //! The values are those of the lane loops' formulas, in their order for each
 //! element (`x - k` exact, then the two fused multiply-adds of the affine
@@ -25,6 +26,7 @@ use crate::rows::row_and_next;
 use crate::simd::{prefetch_part, sum_pairs};
 use crate::wide::cast_mut;
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
+use half::bf16;
 
 /// The forward over whole rows of `cols`: `x` and `y` of one length, `w` and
 /// `b` (when given) of `cols`. For `T` in f32, bf16, f16 only (the callers
@@ -137,11 +139,21 @@ fn write_row<L: Lanes, T: Element>(
     ahead: &[T],
 ) {
     let c = Consts { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), nb: l.splat(0.0 - m.m1 * m.rstd) };
+    let y = match cast_mut::<T, bf16>(y) {
+        Some(yb) => {
+            let done = write_bf16_pairs(l, c, (x, w, b), yb, ahead);
+            let y = cast_mut::<bf16, T>(yb).expect("layer_norm x86: T is bf16");
+            &mut y[done..]
+        }
+        None => y,
+    };
+    let at0 = x.len() - y.len();
+    let (x, w, b) = (&x[at0..], w.map(|w| &w[at0..]), b.map(|b| &b[at0..]));
     T::write_acc(
         y,
         #[inline(always)]
         |at, out| {
-            prefetch_part::<T, false>(ahead, at / BLOCK, BLOCK);
+            prefetch_part::<T, false>(ahead, (at0 + at) / BLOCK, BLOCK);
             let out = cast_mut::<T::Acc, f32>(out).expect("layer_norm x86: T::Acc is f32 for f32, bf16, f16");
             let len = out.len();
             let x = x[at..][..len].as_ptr();
@@ -162,6 +174,56 @@ fn write_row<L: Lanes, T: Element>(
             }
         },
     );
+}
+
+/// bf16 rows rounded in registers ([`Lanes::store_bf16_pair`]): `y`'s
+/// first whole groups of `2 N` values, prefetching `ahead` as the block path
+/// does; returns how many values it wrote (0 where the width has no bf16
+/// conversion: AVX2). A group with an f32 subnormal is rounded in software,
+/// as [`Element::from_acc`] does.
+///
+/// The block path (f32 values stored to a scratch block, then narrowed)
+/// costs two stores and two loads more per `2 N` values: criterion,
+/// 4096x4096 on the Xeon (Emerald Rapids), one thread, 4.66-5.10 ->
+/// 4.00-4.09 ms; through torch with THP, 1.22-1.24x -> 1.18x a clone of `x`
+/// (alternated runs).
+#[inline(always)]
+fn write_bf16_pairs<L: Lanes, T: 'static>(
+    l: L,
+    c: Consts<L::V>,
+    (x, w, b): (&[T], Option<&[T]>, Option<&[T]>),
+    y: &mut [bf16],
+    ahead: &[T],
+) -> usize {
+    if !L::ROUNDS_BF16 {
+        return 0;
+    }
+    let (n, len) = (2 * L::N, y.len());
+    let whole = len / n * n;
+    let (xp, wp, bp) = (x.as_ptr(), w.map(<[T]>::as_ptr), b.map(<[T]>::as_ptr));
+    assert!(x.len() >= len && w.is_none_or(|w| w.len() >= len) && b.is_none_or(|b| b.len() >= len));
+    let mut i = 0;
+    while i < whole {
+        if i % BLOCK == 0 {
+            prefetch_part::<T, false>(ahead, i / BLOCK, BLOCK);
+        }
+        // SAFETY: `i + 2 N <= len`, and `x`, `w`, `b` hold at least `len`
+        // values (asserted); `T` is f32, bf16 or f16 (the callers check);
+        // `y[i..i + 2 N]` is writable.
+        unsafe {
+            let (lo, hi) = (value(l, c, (xp, wp, bp), i, L::N), value(l, c, (xp, wp, bp), i + L::N, L::N));
+            if !l.store_bf16_pair(y.as_mut_ptr().add(i), lo, hi) {
+                let mut t = [0f32; 64];
+                l.store(t.as_mut_ptr(), lo);
+                l.store(t.as_mut_ptr().add(L::N), hi);
+                for (y, &t) in y[i..i + n].iter_mut().zip(&t) {
+                    *y = bf16::from_acc(t);
+                }
+            }
+        }
+        i += n;
+    }
+    whole
 }
 
 /// One vector of output from the `count <= N` values at offset `i` of `x`,
@@ -190,5 +252,50 @@ unsafe fn value<L: Lanes, T: 'static>(
             (None, Some(b)) => l.add(l.mul(l.sub(d, c.m1), c.rstd), load(l, b, i, count)),
             (None, None) => l.mul(l.sub(d, c.m1), c.rstd),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Forward;
+    use crate::element::Element;
+    use crate::wide::x86::{every_width, run_with, Width};
+    use half::bf16;
+
+    /// bf16 rows give the f32 kernel's values on the widened inputs, each
+    /// rounded by `from_acc`, bit for bit: through the pairs rounded in
+    /// registers, the groups with a subnormal (rounded in software), and the
+    /// tail's block. Rows far from zero take the exact second pass.
+    #[test]
+    fn bf16_rows_are_the_f32_rows_rounded_at_every_width() {
+        fn check<L: Width>(l: L) {
+            for cols in [1usize, 16, 31, 32, 33, 100, 128, 300] {
+                let rows = 5;
+                let n = rows * cols;
+                let x: Vec<bf16> = (0..n)
+                    .map(|i| {
+                        let v = ((i * 37 % 101) as f32 - 50.0) / 13.0;
+                        bf16::from_acc(if (i / cols) % 3 == 2 { 1000.0 + v / 64.0 } else { v })
+                    })
+                    .collect();
+                // Tiny weights in row 1: outputs below f32's normal range.
+                let w: Vec<bf16> = (0..cols).map(|j| bf16::from_acc(0.5 + (j % 7) as f32 / 8.0)).collect();
+                let b: Vec<bf16> = (0..cols).map(|j| bf16::from_acc((j % 5) as f32 / 4.0 - 0.5)).collect();
+                let tiny: Vec<bf16> = (0..cols).map(|j| bf16::from_bits(0x0080 + (j % 3) as u16)).collect();
+                let wide = |v: &[bf16]| v.iter().map(|v| v.to_acc()).collect::<Vec<f32>>();
+                for (w, b) in [(Some(&w[..]), Some(&b[..])), (Some(&tiny[..]), None), (None, None)] {
+                    let mut y = vec![bf16::ZERO; n];
+                    run_with(l, Forward { x: &x, w, b, y: &mut y, cols, eps: 1e-5 });
+                    let (x32, w32, b32) = (wide(&x), w.map(wide), b.map(wide));
+                    let mut y32 = vec![0f32; n];
+                    let k = Forward { x: &x32, w: w32.as_deref(), b: b32.as_deref(), y: &mut y32, cols, eps: 1e-5 };
+                    run_with(l, k);
+                    let want: Vec<u16> = y32.iter().map(|&v| bf16::from_acc(v).to_bits()).collect();
+                    let got: Vec<u16> = y.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(got, want, "cols={cols} weight={} bias={}", w.is_some(), b.is_some());
+                }
+            }
+        }
+        every_width!(check);
     }
 }

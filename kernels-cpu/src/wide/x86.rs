@@ -27,6 +27,8 @@ pub(crate) trait Lanes: Copy {
     const REGS: usize;
     /// The vector type.
     type V: Copy;
+    /// Whether [`Lanes::store_bf16_pair`] can succeed at this width.
+    const ROUNDS_BF16: bool;
 
     /// Every lane `v`.
     fn splat(self, v: f32) -> Self::V;
@@ -50,6 +52,15 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// `p..p + n` is writable.
     unsafe fn store_part(self, p: *mut f32, v: Self::V, n: usize);
+    /// Rounds `lo` then `hi` (`2 N` values) to bf16 at `p` with the CPU's
+    /// conversion instruction, as [`crate::Element::from_acc`] rounds, and
+    /// returns true; returns false, writing nothing, where a lane is an f32
+    /// subnormal (which the instruction flushes to zero), or always where
+    /// the width has no such instruction (`ROUNDS_BF16` false: AVX2).
+    ///
+    /// # Safety
+    /// `p..p + 2 N` is writable.
+    unsafe fn store_bf16_pair(self, p: *mut half::bf16, lo: Self::V, hi: Self::V) -> bool;
 
     /// `a + b`.
     fn add(self, a: Self::V, b: Self::V) -> Self::V;

@@ -66,6 +66,7 @@ impl Width for V8 {
 impl Lanes for V8 {
     const N: usize = 8;
     const REGS: usize = 16;
+    const ROUNDS_BF16: bool = false;
     type V = __m256;
 
     #[inline(always)]
@@ -111,6 +112,11 @@ impl Lanes for V8 {
             _mm256_storeu_ps(buf.as_mut_ptr(), v);
             std::ptr::copy_nonoverlapping(buf.as_ptr(), p, n);
         }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16_pair(self, _: *mut half::bf16, _: __m256, _: __m256) -> bool {
+        // AVX2 has no bf16 conversion; the callers round in software.
+        false
     }
 
     #[inline(always)]

@@ -59,6 +59,7 @@ impl Width for V16 {
 impl Lanes for V16 {
     const N: usize = 16;
     const REGS: usize = 32;
+    const ROUNDS_BF16: bool = true;
     type V = __m512;
 
     #[inline(always)]
@@ -95,6 +96,21 @@ impl Lanes for V16 {
     unsafe fn store_part(self, p: *mut f32, v: __m512, n: usize) {
         // SAFETY: the masked store writes only the first `n` lanes.
         unsafe { _mm512_mask_storeu_ps(p, first(n), v) }
+    }
+
+    #[inline(always)]
+    unsafe fn store_bf16_pair(self, p: *mut bf16, lo: __m512, hi: __m512) -> bool {
+        const SUBNORMAL: i32 = 0x20;
+        // SAFETY: the token guarantees AVX512-BF16 and DQ (`has_v4_bf16`);
+        // the caller makes the 32 values (64 bytes) at `p` writable.
+        unsafe {
+            if _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi) != 0 {
+                return false;
+            }
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(p.cast(), packed);
+        }
+        true
     }
 
     #[inline(always)]
