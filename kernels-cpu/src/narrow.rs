@@ -147,7 +147,7 @@ fn narrow_slice<T>(src: &[f32], dst: &mut [T], hw: impl Fn(&[f32; 32], &mut [T; 
 mod avx2;
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use half::{bf16, f16};
     use std::arch::x86_64::*;
 
@@ -170,26 +170,51 @@ mod x86 {
         }
     }
 
-    /// Narrows (the values mapped when `AFFINE`) with `vcvtne2ps2bf16` unless the block holds an f32 subnormal
-    /// (returns false and writes nothing then).
+    /// Whether a lane of `lo` or `hi` is an f32 subnormal, which AVX512-BF16's
+    /// conversions flush to zero where `from_acc` rounds it (one `vfpclassps`
+    /// per 16 values).
+    #[target_feature(enable = "avx512f,avx512dq")]
+    #[inline]
+    pub(crate) fn has_subnormal(lo: __m512, hi: __m512) -> bool {
+        const SUBNORMAL: i32 = 0x20;
+        _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi) != 0
+    }
+
+    /// Rounds `lo` then `hi` to 32 bf16 at `p` with `vcvtne2ps2bf16` and
+    /// returns true, unless a lane is an f32 subnormal ([`has_subnormal`]):
+    /// then it returns false and writes nothing.
+    ///
+    /// # Safety
+    /// The CPU must have AVX512F, AVX512BW, AVX512DQ and AVX512-BF16;
+    /// `p..p + 32` is writable (unaligned).
+    #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
+    #[inline]
+    pub(crate) unsafe fn bf16_pair(p: *mut bf16, lo: __m512, hi: __m512) -> bool {
+        if has_subnormal(lo, hi) {
+            return false;
+        }
+        // SAFETY: the caller makes the 64 bytes at `p` writable; `__m512bh`
+        // and `__m512i` are both 512 bits.
+        unsafe {
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_storeu_si512(p.cast(), packed);
+        }
+        true
+    }
+
+    /// Narrows (the values mapped when `AFFINE`) with [`bf16_pair`]: false,
+    /// writing nothing, where the block holds an f32 subnormal.
     ///
     /// # Safety
     /// The CPU must have AVX512F, AVX512BW, AVX512DQ and AVX512-BF16.
     #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx512bf16")]
     #[inline]
     pub(super) unsafe fn bf16_x32<const AFFINE: bool>(src: &[f32; 32], map: (f32, f32), dst: &mut [bf16; 32]) -> bool {
-        const SUBNORMAL: i32 = 0x20;
-        // SAFETY: `src` holds 32 f32 and `dst` 32 bf16 (64 bytes); unaligned
-        // loads and stores.
+        // SAFETY: `src` holds 32 f32 and `dst` 32 bf16 (64 bytes).
         unsafe {
             let (lo, hi) = load_x32::<AFFINE>(src, map);
-            if _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi) != 0 {
-                return false;
-            }
-            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(dst.as_mut_ptr().cast(), packed);
+            bf16_pair(dst.as_mut_ptr(), lo, hi)
         }
-        true
     }
 
     /// Narrows (the values mapped when `AFFINE`) with `vcvtps2ph`, round to nearest even (always succeeds:

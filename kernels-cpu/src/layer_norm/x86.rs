@@ -139,15 +139,15 @@ fn write_row<L: Lanes, T: Element>(
     ahead: &[T],
 ) {
     let c = Consts { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), nb: l.splat(0.0 - m.m1 * m.rstd) };
-    let y = match cast_mut::<T, bf16>(y) {
+    // bf16 rows round in registers where the width can; the block path
+    // below writes what is left (all of it for other types).
+    let (y, at0) = match cast_mut::<T, bf16>(y) {
         Some(yb) => {
             let done = write_bf16_pairs(l, c, (x, w, b), yb, ahead);
-            let y = cast_mut::<bf16, T>(yb).expect("layer_norm x86: T is bf16");
-            &mut y[done..]
+            (&mut cast_mut::<bf16, T>(yb).expect("layer_norm x86: T is bf16")[done..], done)
         }
-        None => y,
+        None => (y, 0),
     };
-    let at0 = x.len() - y.len();
     let (x, w, b) = (&x[at0..], w.map(|w| &w[at0..]), b.map(|b| &b[at0..]));
     T::write_acc(
         y,

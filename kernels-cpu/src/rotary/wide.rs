@@ -173,13 +173,12 @@ mod x86 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
     #[inline]
     pub(super) unsafe fn halves_bf16((x1, x2, c, s): Ins, (y1, y2): (*mut u16, *mut u16), sign: f32) -> bool {
-        const SUBNORMAL: i32 = 0x20;
         // SAFETY: (caller) 16 u16s behind each pointer.
         let widen = |p: *const u16| unsafe {
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
         };
         let (lo, hi) = rotate(widen(x1), widen(x2), widen(c), widen(s), sign);
-        if _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi) != 0 {
+        if crate::narrow::x86::has_subnormal(lo, hi) {
             return false;
         }
         // SAFETY: as above, 32 bytes stored behind each output pointer;

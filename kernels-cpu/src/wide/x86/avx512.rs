@@ -100,17 +100,9 @@ impl Lanes for V16 {
 
     #[inline(always)]
     unsafe fn store_bf16_pair(self, p: *mut bf16, lo: __m512, hi: __m512) -> bool {
-        const SUBNORMAL: i32 = 0x20;
         // SAFETY: the token guarantees AVX512-BF16 and DQ (`has_v4_bf16`);
         // the caller makes the 32 values (64 bytes) at `p` writable.
-        unsafe {
-            if _mm512_fpclass_ps_mask::<SUBNORMAL>(lo) | _mm512_fpclass_ps_mask::<SUBNORMAL>(hi) != 0 {
-                return false;
-            }
-            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-            _mm512_storeu_si512(p.cast(), packed);
-        }
-        true
+        unsafe { crate::narrow::x86::bf16_pair(p, lo, hi) }
     }
 
     #[inline(always)]
