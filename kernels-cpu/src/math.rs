@@ -91,7 +91,11 @@ pub(crate) fn exp_nonpos_f32(x: f32) -> f32 {
     p = p.mul_add(t, EXP_C[2]);
     p = p.mul_add(t, EXP_C[1]);
     p = p.mul_add(t, EXP_C[0]);
-    let v = (t * s).mul_add(p, s);
+    // `(1 + t p) 2^n`: the sum rounded once, then scaled exactly (`s` is a
+    // normal power of two from the cutoff up), so that AVX-512 can scale
+    // with one `vscalefps` (`wide::x86::Lanes::mul_pow2`). The same value
+    // as `(t s) p + s` wherever `t s` is exact.
+    let v = t.mul_add(p, 1.0) * s;
     if x < NORMAL_CUTOFF {
         0.0
     } else {

@@ -58,34 +58,50 @@ impl<T: 'static> Kernel for Max<'_, T> {
     type Output = f32;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> f32 {
-        let (p, len, n) = (self.x.as_ptr(), self.x.len(), L::N);
-        let s = l.splat(self.scale);
-        let mut m = [l.splat(f32::NEG_INFINITY); 4];
-        let mut at = 0;
-        // `vmaxps` gives its second operand when either is NaN: `max(v, m)`
-        // keeps `m` where `v` is NaN, so no lane of `m` is ever NaN.
-        // SAFETY (loads): `at + n k + n <= len` in the first loop; the
-        // second reads whole vectors while they fit, then the `len - at < n`
-        // values left; `T` is f32, bf16 or f16 (checked by the callers).
-        unsafe {
-            while at + 4 * n <= len {
-                for (k, m) in m.iter_mut().enumerate() {
-                    let v = l.mul(l.load(p.add(at + n * k)), s);
-                    *m = l.max(v, *m);
-                }
-                at += 4 * n;
-            }
-            while at + n <= len {
-                m[1] = l.max(l.mul(l.load(p.add(at)), s), m[1]);
-                at += n;
-            }
-            if at < len {
-                let v = l.mul(l.load_part(p.add(at), len - at), s);
-                m[0] = l.max_part(m[0], v, len - at);
-            }
+        // For `s > 0`, `max(x_i s) = max(x_i) s` exactly (rounding is
+        // monotone, NaN is skipped either way, and the largest `x_i` gives
+        // the largest product): one multiply per row rather than one per
+        // value. Other scales (negative: the order flips) multiply each.
+        if self.scale > 0.0 {
+            max_of::<L, T, false>(l, self.x, 1.0) * self.scale
+        } else {
+            max_of::<L, T, true>(l, self.x, self.scale)
         }
-        l.reduce_max(l.max(l.max(m[0], m[1]), l.max(m[2], m[3])))
     }
+}
+
+/// `max(x_i * scale)`, or `max(x_i)` when not `SCALED`.
+#[inline(always)]
+fn max_of<L: Lanes, T: 'static, const SCALED: bool>(l: L, x: &[T], scale: f32) -> f32 {
+    let (p, len, n) = (x.as_ptr(), x.len(), L::N);
+    let s = l.splat(scale);
+    let scaled = |v| if SCALED { l.mul(v, s) } else { v };
+    let mut m = [l.splat(f32::NEG_INFINITY); 4];
+    let mut at = 0;
+    // `vmaxps` gives its second operand when either is NaN: `max(v, m)`
+    // keeps `m` where `v` is NaN, so no lane of `m` is ever NaN.
+    // SAFETY (loads): `at + n k + n <= len` in the first loop; the second
+    // reads whole vectors while they fit, then the `len - at < n` values
+    // left; `T` is f32, bf16 or f16 (checked by the callers).
+    unsafe {
+        while at + 4 * n <= len {
+            // In any order: the maximum does not depend on it.
+            let (a, b) = l.load_pair_unordered(p.add(at));
+            let (c, d) = l.load_pair_unordered(p.add(at + 2 * n));
+            for (m, v) in m.iter_mut().zip([a, b, c, d]) {
+                *m = l.max(scaled(v), *m);
+            }
+            at += 4 * n;
+        }
+        while at + n <= len {
+            m[1] = l.max(scaled(l.load(p.add(at))), m[1]);
+            at += n;
+        }
+        if at < len {
+            m[0] = l.max_part(m[0], scaled(l.load_part(p.add(at), len - at)), len - at);
+        }
+    }
+    l.reduce_max(l.max(l.max(m[0], m[1]), l.max(m[2], m[3])))
 }
 
 /// The `exp` pass, storing each value when `STORE`.
@@ -103,11 +119,26 @@ impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
     type Output = f32;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> f32 {
+        // `x * 1` is `x`: at scale 1 (the usual call, and cross-entropy's)
+        // one multiply fewer per vector, in a pass that is compute-bound.
+        if self.scale == 1.0 {
+            self.exp_sum::<L, false>(l)
+        } else {
+            self.exp_sum::<L, true>(l)
+        }
+    }
+}
+
+impl<T: 'static, const STORE: bool> ExpSum<'_, T, STORE> {
+    /// The pass, multiplying by the scale only when `SCALED`.
+    #[inline(always)]
+    fn exp_sum<L: Lanes, const SCALED: bool>(self, l: L) -> f32 {
         let (p, len, q, n) = (self.x.as_ptr(), self.x.len(), self.e.as_mut_ptr(), L::N);
         // Prefetches go by 32 values (one call per 64 or 128 bytes of `x`,
         // whatever the width), as the lane loop's.
         const PART: usize = 32;
         let (s, mv) = (l.splat(self.scale), l.splat(self.m));
+        let arg = |v| l.sub(if SCALED { l.mul(v, s) } else { v }, mv);
         let c = ExpNonpos::new(l);
         // Two accumulators with AVX-512's 32 registers; one with AVX2's 16,
         // where the ten constants, the scale and the maximum leave no room
@@ -128,7 +159,7 @@ impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
                     }
                 }
                 for (k, a) in acc.iter_mut().take(u).enumerate() {
-                    let v = c.eval(l, l.sub(l.mul(l.load(p.add(at + n * k)), s), mv));
+                    let v = c.eval(l, arg(l.load(p.add(at + n * k))));
                     if STORE {
                         l.store(q.add(at + n * k), v);
                     }
@@ -137,7 +168,7 @@ impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
                 at += u * n;
             }
             while at + n <= len {
-                let v = c.eval(l, l.sub(l.mul(l.load(p.add(at)), s), mv));
+                let v = c.eval(l, arg(l.load(p.add(at))));
                 if STORE {
                     l.store(q.add(at), v);
                 }
@@ -145,7 +176,7 @@ impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
                 at += n;
             }
             if at < len {
-                let v = c.eval(l, l.sub(l.mul(l.load_part(p.add(at), len - at), s), mv));
+                let v = c.eval(l, arg(l.load_part(p.add(at), len - at)));
                 if STORE {
                     l.store_part(q.add(at), v, len - at);
                 }
@@ -175,7 +206,7 @@ mod tests {
         for off in 0..3 {
             for n in (0..=100).chain([4099]) {
                 let x = &data[off..off + n];
-                for scale in [1.0f32, -0.75] {
+                for scale in [1.0f32, 0.37, -0.75] {
                     let m = run_with(l, Max { x, scale });
                     assert_eq!(m, dispatch(|| row_max_lanes(x, scale)), "{} n={n} off={off}", T::NAME);
                     let (e, e_ref) = (&mut e[..n], &mut e_ref[..n]);

@@ -42,6 +42,19 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// `T` is f32, bf16 or f16; `p..p + n` is readable.
     unsafe fn load_part<T: 'static>(self, p: *const T, n: usize) -> Self::V;
+    /// `2 N` values at `p` widened to f32 (exactly), as two vectors that
+    /// hold them in an order of the width's choosing: for reductions whose
+    /// result does not depend on the order (a maximum). bf16 takes two
+    /// instructions for 32 values this way (the even values shifted up, the
+    /// odd ones masked in place) where [`Lanes::load`] takes two for 16.
+    ///
+    /// # Safety
+    /// As [`Lanes::load`], for `p..p + 2 N`.
+    #[inline(always)]
+    unsafe fn load_pair_unordered<T: 'static>(self, p: *const T) -> (Self::V, Self::V) {
+        // SAFETY: the caller's.
+        unsafe { (self.load(p), self.load(p.add(Self::N))) }
+    }
     /// Writes the `N` lanes to `p`.
     ///
     /// # Safety
@@ -91,6 +104,13 @@ pub(crate) trait Lanes: Copy {
     /// Each lane's bits shifted left by 23 (an integer in the low mantissa
     /// bits becomes the exponent field).
     fn shl23(self, v: Self::V) -> Self::V;
+    /// `y * 2^n`, rounded once, for `n` a whole number; `pow2` is `2^n`
+    /// made by the caller (from [`Lanes::shl23`]). AVX2 multiplies by
+    /// `pow2`; AVX-512 scales by `n` (`vscalefps`, and `pow2` is left
+    /// unused, so never computed). The two agree wherever `pow2` is `2^n`
+    /// exactly, `n` in -126..=127 (not at 128, where `pow2` is
+    /// `+inf`: [`math::Exp`] keeps its multiply for that).
+    fn mul_pow2(self, y: Self::V, n: Self::V, pow2: Self::V) -> Self::V;
     /// `v` where `x` is not below `cutoff` (NaN included), else 0.
     fn zero_below(self, x: Self::V, cutoff: Self::V, v: Self::V) -> Self::V;
     /// The sum of the lanes (in a tree order).
@@ -278,12 +298,36 @@ mod tests {
             // SAFETY: as above.
             let shifted = lanes(l, l.shl23(unsafe { l.load(ints.as_ptr()) }));
             assert_eq!(shifted, (0..n).map(|i| (2.0f32).powi(i as i32)).collect::<Vec<_>>());
+            // Normal and subnormal products (rounded once), and 1 * 2^127.
+            let ys: Vec<f32> = (0..n).map(|i| 0.7 + 0.05 * i as f32).collect();
+            let ns: Vec<f32> = (0..n).map(|i| [-126.0, -3.0, 0.0, 127.0][i % 4]).collect();
+            let pow2: Vec<f32> = ns.iter().map(|&n| 2f32.powi(n as i32)).collect();
+            // SAFETY: as above.
+            let (vy, vn, vp) = unsafe { (l.load(ys.as_ptr()), l.load(ns.as_ptr()), l.load(pow2.as_ptr())) };
+            let want: Vec<f32> = ys.iter().zip(&pow2).map(|(y, p)| y * p).collect();
+            assert_eq!(lanes(l, l.mul_pow2(vy, vn, vp)), want);
+            assert!(want[0] < f32::MIN_POSITIVE && want[0] > 0.0);
             let x: Vec<f32> = (0..n).map(|i| [f32::NAN, -1.0, 1.0, -5.0][i % 4]).collect();
             // SAFETY: as above.
             let z = lanes(l, l.zero_below(unsafe { l.load(x.as_ptr()) }, l.splat(-2.0), vc));
             assert_eq!(z, (0..n).map(|i| if x[i] < -2.0 { 0.0 } else { c[i] }).collect::<Vec<_>>());
             assert_eq!(l.reduce_add(va), a.iter().sum::<f32>());
             assert_eq!(l.reduce_max(vb), 2.5);
+            // The pair loads hold the same `2 N` values as two loads.
+            let many: Vec<f32> = (0..2 * n).map(|i| i as f32 * 1.25 - 7.0).collect();
+            let many_bf16: Vec<half::bf16> = many.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let many_f16: Vec<half::f16> = many.iter().map(|&v| half::f16::from_f32(v)).collect();
+            fn sorted<L: Lanes>(l: L, (a, b): (L::V, L::V)) -> Vec<f32> {
+                let mut v = [lanes(l, a), lanes(l, b)].concat();
+                v.sort_by(f32::total_cmp);
+                v
+            }
+            // SAFETY: `2 N` values each.
+            unsafe {
+                assert_eq!(sorted(l, l.load_pair_unordered(many.as_ptr())), many);
+                assert_eq!(sorted(l, l.load_pair_unordered(many_bf16.as_ptr())), many);
+                assert_eq!(sorted(l, l.load_pair_unordered(many_f16.as_ptr())), many);
+            }
             for (t, bits) in [(0usize, 0x3fc0_u16), (1, 0xc0a0)] {
                 let v = vec![half::bf16::from_bits(bits); n];
                 let h = vec![half::f16::from_f32(half::bf16::from_bits(bits).to_f32()); n];

@@ -100,6 +100,22 @@ impl Lanes for V8 {
         }
     }
     #[inline(always)]
+    unsafe fn load_pair_unordered<T: 'static>(self, p: *const T) -> (__m256, __m256) {
+        // SAFETY: the caller makes `p..p + 16` readable.
+        unsafe {
+            if is::<T, bf16>() {
+                // As AVX-512's: the low bf16 of each lane shifted up, the
+                // high one with the low half cleared.
+                let v = _mm256_loadu_si256(p.cast());
+                let even = _mm256_slli_epi32::<16>(v);
+                let odd = _mm256_and_si256(v, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+                (_mm256_castsi256_ps(even), _mm256_castsi256_ps(odd))
+            } else {
+                (self.load(p), self.load(p.add(8)))
+            }
+        }
+    }
+    #[inline(always)]
     unsafe fn store(self, p: *mut f32, v: __m256) {
         // SAFETY: the caller's.
         unsafe { _mm256_storeu_ps(p, v) }
@@ -178,6 +194,10 @@ impl Lanes for V8 {
     #[inline(always)]
     fn shl23(self, v: __m256) -> __m256 {
         unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_castps_si256(v))) }
+    }
+    #[inline(always)]
+    fn mul_pow2(self, y: __m256, _n: __m256, pow2: __m256) -> __m256 {
+        unsafe { _mm256_mul_ps(y, pow2) }
     }
     #[inline(always)]
     fn zero_below(self, x: __m256, cutoff: __m256, v: __m256) -> __m256 {

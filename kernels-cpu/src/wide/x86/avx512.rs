@@ -88,6 +88,22 @@ impl Lanes for V16 {
         }
     }
     #[inline(always)]
+    unsafe fn load_pair_unordered<T: 'static>(self, p: *const T) -> (__m512, __m512) {
+        // SAFETY: the caller makes `p..p + 32` readable.
+        unsafe {
+            if is::<T, bf16>() {
+                // Each 32-bit lane holds two bf16: the low one (shifted up)
+                // and the high one (the low half cleared) are both f32.
+                let v = _mm512_loadu_si512(p.cast());
+                let even = _mm512_slli_epi32::<16>(v);
+                let odd = _mm512_and_si512(v, _mm512_set1_epi32(0xffff_0000_u32 as i32));
+                (_mm512_castsi512_ps(even), _mm512_castsi512_ps(odd))
+            } else {
+                (self.load(p), self.load(p.add(16)))
+            }
+        }
+    }
+    #[inline(always)]
     unsafe fn store(self, p: *mut f32, v: __m512) {
         // SAFETY: the caller's.
         unsafe { _mm512_storeu_ps(p, v) }
@@ -166,6 +182,12 @@ impl Lanes for V16 {
     #[inline(always)]
     fn shl23(self, v: __m512) -> __m512 {
         unsafe { _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_castps_si512(v))) }
+    }
+    #[inline(always)]
+    fn mul_pow2(self, y: __m512, n: __m512, _pow2: __m512) -> __m512 {
+        // One instruction where AVX2 needs the shift (and often an add)
+        // that makes `pow2`, then the multiply.
+        unsafe { _mm512_scalef_ps(y, n) }
     }
     #[inline(always)]
     fn zero_below(self, x: __m512, cutoff: __m512, v: __m512) -> __m512 {

@@ -69,6 +69,7 @@ pub(crate) struct ExpNonpos<V> {
     ln2_hi: V,
     ln2_lo: V,
     c: [V; 5],
+    one: V,
     cutoff: V,
 }
 
@@ -82,6 +83,7 @@ impl<V: Copy> ExpNonpos<V> {
             ln2_hi: l.splat(LN2_HI),
             ln2_lo: l.splat(LN2_LO),
             c: EXP_C.map(|c| l.splat(c)),
+            one: l.splat(1.0),
             cutoff: l.splat(NORMAL_CUTOFF),
         }
     }
@@ -99,7 +101,7 @@ impl<V: Copy> ExpNonpos<V> {
         p = l.fmadd(p, t, self.c[2]);
         p = l.fmadd(p, t, self.c[1]);
         p = l.fmadd(p, t, self.c[0]);
-        let v = l.fmadd(l.mul(t, s), p, s);
+        let v = l.mul_pow2(l.fmadd(t, p, self.one), n, s);
         // 0 below the cutoff; NaN compares "not less" and stays NaN.
         l.zero_below(x, self.cutoff, v)
     }
@@ -204,6 +206,11 @@ mod tests {
             let mut y = vec![0f32; x.len()];
             run_with(l, All(f, &x, &mut y));
             for (x, y) in x.iter().zip(&y) {
+                // `exp_nonpos` is defined for `x <= 0` and NaN only (above
+                // 0 AVX-512's `vscalefps` scales where AVX2's shift wraps).
+                if matches!(f, F::ExpNonpos) && *x > 0.0 {
+                    continue;
+                }
                 let want = want(*x);
                 let same = y.to_bits() == want.to_bits() || (y.is_nan() && want.is_nan());
                 assert!(same, "{f:?}({x}) at width {}: {y} vs {want}", L::N);
