@@ -12,7 +12,7 @@
 //! (the lane loop's f16 widening was the cost there), f32 unchanged (bound
 //! by memory). Rounding bf16 in registers instead of through the scratch
 //! block was tried: 3.75 against 3.39 ms. With AVX-512's bf16 conversion it
-//! is faster (see `write_bf16_pairs`), so bf16 rows round in registers there.
+//! is faster (see `wide::x86::write_row`), so bf16 rows round in registers there.
 //!
 //! The values are those of the lane loops' formulas, in their order for each
 //! element (`x - k` exact, then the two fused multiply-adds of the affine
@@ -21,12 +21,10 @@
 //! last, then a tree over the lanes), within f32 accumulation error.
 use super::{shift, Moments};
 use crate::element::{Acc, Element};
-use crate::narrow::BLOCK;
 use crate::rows::row_and_next;
-use crate::simd::{prefetch_part, sum_pairs};
-use crate::wide::cast_mut;
+use crate::simd::sum_pairs;
+use crate::wide::x86::write_row::{self, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
-use half::bf16;
 
 /// The forward over whole rows of `cols`: `x` and `y` of one length, `w` and
 /// `b` (when given) of `cols`. For `T` in f32, bf16, f16 only (the callers
@@ -125,9 +123,9 @@ fn reduce4<L: Lanes>(l: L, a: [L::V; 4]) -> f32 {
     l.reduce_add(l.add(l.add(a[0], a[1]), l.add(a[2], a[3])))
 }
 
-/// `y = xh * w + b` (each parameter when given) through `T::write_acc`:
-/// straight into `y` for f32, else block by block into an f32 scratch that
-/// is then narrowed.
+/// `y = xh * w + b` (each parameter when given), through
+/// [`write_row`]: bf16 rounded in registers where the width can, else
+/// block by block.
 #[inline(always)]
 fn write_row<L: Lanes, T: Element>(
     l: L,
@@ -139,118 +137,49 @@ fn write_row<L: Lanes, T: Element>(
     ahead: &[T],
 ) {
     let c = Consts { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), nb: l.splat(0.0 - m.m1 * m.rstd) };
-    // bf16 rows round in registers where the width can; the block path
-    // below writes what is left (all of it for other types).
-    let (y, at0) = match cast_mut::<T, bf16>(y) {
-        Some(yb) => {
-            let done = write_bf16_pairs(l, c, (x, w, b), yb, ahead);
-            (&mut cast_mut::<bf16, T>(yb).expect("layer_norm x86: T is bf16")[done..], done)
-        }
-        None => (y, 0),
-    };
-    let (x, w, b) = (&x[at0..], w.map(|w| &w[at0..]), b.map(|b| &b[at0..]));
-    T::write_acc(
-        y,
-        #[inline(always)]
-        |at, out| {
-            prefetch_part::<T, false>(ahead, (at0 + at) / BLOCK, BLOCK);
-            let out = cast_mut::<T::Acc, f32>(out).expect("layer_norm x86: T::Acc is f32 for f32, bf16, f16");
-            let len = out.len();
-            let x = x[at..][..len].as_ptr();
-            let (w, b) = (w.map(|w| w[at..][..len].as_ptr()), b.map(|b| b[at..][..len].as_ptr()));
-            let o = out.as_mut_ptr();
-            let mut i = 0;
-            // SAFETY: whole vectors while they fit in `out` (and in `x`, `w`,
-            // `b`, which hold `len` values from here), then the `len - i < N`
-            // values left; `T` is f32, bf16 or f16.
-            unsafe {
-                while i + L::N <= len {
-                    l.store(o.add(i), value(l, c, (x, w, b), i, L::N));
-                    i += L::N;
-                }
-                if i < len {
-                    l.store_part(o.add(i), value(l, c, (x, w, b), i, len - i), len - i);
-                }
-            }
-        },
-    );
-}
-
-/// bf16 rows rounded in registers ([`Lanes::store_bf16_pair`]): `y`'s
-/// first whole groups of `2 N` values, prefetching `ahead` as the block path
-/// does; returns how many values it wrote (0 where the width has no bf16
-/// conversion: AVX2). A group with an f32 subnormal is rounded in software,
-/// as [`Element::from_acc`] does.
-///
-/// The block path (f32 values stored to a scratch block, then narrowed)
-/// costs two stores and two loads more per `2 N` values: criterion,
-/// 4096x4096 on the Xeon (Emerald Rapids), one thread, 4.66-5.10 ->
-/// 4.00-4.09 ms; through torch with THP, 1.22-1.24x -> 1.18x a clone of `x`
-/// (alternated runs).
-#[inline(always)]
-fn write_bf16_pairs<L: Lanes, T: 'static>(
-    l: L,
-    c: Consts<L::V>,
-    (x, w, b): (&[T], Option<&[T]>, Option<&[T]>),
-    y: &mut [bf16],
-    ahead: &[T],
-) -> usize {
-    if !L::ROUNDS_BF16 {
-        return 0;
-    }
-    let (n, len) = (2 * L::N, y.len());
-    let whole = len / n * n;
-    let (xp, wp, bp) = (x.as_ptr(), w.map(<[T]>::as_ptr), b.map(<[T]>::as_ptr));
+    let len = y.len();
     assert!(x.len() >= len && w.is_none_or(|w| w.len() >= len) && b.is_none_or(|b| b.len() >= len));
-    let mut i = 0;
-    while i < whole {
-        if i % BLOCK == 0 {
-            prefetch_part::<T, false>(ahead, i / BLOCK, BLOCK);
-        }
-        // SAFETY: `i + 2 N <= len`, and `x`, `w`, `b` hold at least `len`
-        // values (asserted); `T` is f32, bf16 or f16 (the callers check);
-        // `y[i..i + 2 N]` is writable.
-        unsafe {
-            let (lo, hi) = (value(l, c, (xp, wp, bp), i, L::N), value(l, c, (xp, wp, bp), i + L::N, L::N));
-            if !l.store_bf16_pair(y.as_mut_ptr().add(i), lo, hi) {
-                let mut t = [0f32; 64];
-                l.store(t.as_mut_ptr(), lo);
-                l.store(t.as_mut_ptr().add(L::N), hi);
-                for (y, &t) in y[i..i + n].iter_mut().zip(&t) {
-                    *y = bf16::from_acc(t);
-                }
-            }
-        }
-        i += n;
-    }
-    whole
+    let row = Row { c, x: x.as_ptr(), w: w.map(<[T]>::as_ptr), b: b.map(<[T]>::as_ptr), len };
+    write_row::write_row(l, row, y, ahead);
 }
 
-/// One vector of output from the `count <= N` values at offset `i` of `x`,
-/// `w`, `b` (a part vector when `count < N`: its other lanes are unused).
-/// A function, not a closure: a closure left out of line runs without the
-/// vector features (10x slower, measured).
-///
-/// # Safety
-/// `p.add(i)..p.add(i + count)` is readable for each pointer given; `T` is
-/// f32, bf16 or f16.
-#[inline(always)]
-unsafe fn value<L: Lanes, T: 'static>(
-    l: L,
-    c: Consts<L::V>,
-    (x, w, b): (*const T, Option<*const T>, Option<*const T>),
-    i: usize,
-    count: usize,
-) -> L::V {
-    // SAFETY: the caller's.
-    let d = l.sub(unsafe { load(l, x, i, count) }, c.k);
-    // SAFETY: as above.
-    unsafe {
-        match (w, b) {
-            (Some(w), Some(b)) => l.fmadd(l.fmadd(d, c.rstd, c.nb), load(l, w, i, count), load(l, b, i, count)),
-            (Some(w), None) => l.mul(l.mul(l.sub(d, c.m1), c.rstd), load(l, w, i, count)),
-            (None, Some(b)) => l.add(l.mul(l.sub(d, c.m1), c.rstd), load(l, b, i, count)),
-            (None, None) => l.mul(l.sub(d, c.m1), c.rstd),
+/// One row's inputs and constants: its [`RowValues`] are the lane loops'.
+struct Row<T, V> {
+    c: Consts<V>,
+    x: *const T,
+    w: Option<*const T>,
+    b: Option<*const T>,
+    /// `x`, `w`, `b` hold at least this many values (`write_row` asserts).
+    len: usize,
+}
+
+impl<T, V: Copy> Clone for Row<T, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T, V: Copy> Copy for Row<T, V> {}
+
+impl<L: Lanes, T: 'static> RowValues<L> for Row<T, L::V> {
+    #[inline(always)]
+    fn len(self) -> usize {
+        self.len
+    }
+    /// `(x - k)` exact, then the two fused multiply-adds of the affine
+    /// case, or `((x - k) - m1) * rstd` then the parameter.
+    #[inline(always)]
+    unsafe fn value(self, l: L, i: usize, count: usize) -> L::V {
+        let (c, x, w, b) = (self.c, self.x, self.w, self.b);
+        // SAFETY: `i + count <= len` (the caller's), and each pointer holds
+        // `len` values; `T` is f32, bf16 or f16 (the callers check).
+        unsafe {
+            let d = l.sub(load(l, x, i, count), c.k);
+            match (w, b) {
+                (Some(w), Some(b)) => l.fmadd(l.fmadd(d, c.rstd, c.nb), load(l, w, i, count), load(l, b, i, count)),
+                (Some(w), None) => l.mul(l.mul(l.sub(d, c.m1), c.rstd), load(l, w, i, count)),
+                (None, Some(b)) => l.add(l.mul(l.sub(d, c.m1), c.rstd), load(l, b, i, count)),
+                (None, None) => l.mul(l.sub(d, c.m1), c.rstd),
+            }
         }
     }
 }

@@ -10,6 +10,7 @@
 mod avx2;
 mod avx512;
 pub(crate) mod math;
+pub(crate) mod write_row;
 
 pub(crate) use avx2::V8;
 pub(crate) use avx512::V16;
