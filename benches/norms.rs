@@ -2,7 +2,7 @@
 //! backward, every dtype, on rayon's pool (and rms_norm forward sequential).
 //! Throughput counts the bytes read and written.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use keel::cpu::{Element, Par};
+use keel::cpu::{Element, Par, RowLayout};
 use keel::ops::{fused_add_rms_norm, layer_norm, rms_norm};
 use std::hint::black_box;
 
@@ -86,8 +86,29 @@ fn bench<T: Element>(c: &mut Criterion) {
     }
 }
 
+/// QK-norm as Llama-style models with it run: rms_norm over each head
+/// (`head_dim` 128) of q, read in place from a fused qkv projection's
+/// output (`[tokens, 3 heads head_dim]`, q the first third), so rows are
+/// short and strided. Keel's torch op takes this path for such views.
+fn bench_qk<T: Element>(c: &mut Criterion) {
+    let (tokens, heads, d) = (4096, 32, 128);
+    let qkv = data::<T>(tokens * 3 * heads * d, 0);
+    let w = data::<T>(d, 3);
+    let layout = RowLayout::new(&[tokens, heads], &[3 * heads * d, d]).expect("two leading dims");
+    let mut y = vec![T::default(); tokens * heads * d];
+    let mut g = c.benchmark_group(format!("rms_norm/{}", T::NAME));
+    g.throughput(bytes::<T>(2 * y.len() + d));
+    g.bench_function(BenchmarkId::new("fwd_qkv_view", format!("{tokens}x{heads}x{d}")), |bn| {
+        bn.iter(|| {
+            rms_norm::forward_strided_cpu(black_box(&qkv), layout, Some(&w), &mut y, d, 1e-6, Par::Rayon).unwrap()
+        })
+    });
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
     every_dtype!(c, bench);
+    every_dtype!(c, bench_qk);
 }
 
 criterion_group! { name = norms; config = common::config(); targets = benches }

@@ -26,6 +26,8 @@ use crate::widen;
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
+mod x86;
+#[cfg(target_arch = "x86_64")]
 mod x86_backward;
 
 const OP_FWD: &str = "rms_norm";
@@ -91,6 +93,10 @@ pub fn forward<T: Element>(
     par.for_each(blocks.count, &|b| {
         let mut y = ys.get(b);
         let x = &x[blocks.rows(b).start * cols..][..y.len()];
+        let at = RowLayout::contiguous(y.len() / cols, cols).offsets_from(0);
+        if forward_explicit(x, at, weight, &mut y, cols, eps) {
+            return;
+        }
         dispatch(
             #[inline(always)]
             || {
@@ -135,6 +141,9 @@ pub fn forward_strided<T: Element>(
     par.for_each(blocks.count, &|b| {
         let mut y = ys.get(b);
         let mut at = layout.offsets_from(blocks.rows(b).start);
+        if forward_explicit(x, at.clone(), weight, &mut y, cols, eps) {
+            return;
+        }
         dispatch(
             #[inline(always)]
             || {
@@ -159,6 +168,27 @@ pub fn forward_strided<T: Element>(
         );
     });
     Ok(())
+}
+
+/// The forward's rows that `at` places in `x`, into `y`, in explicit SIMD
+/// (`rms_norm/x86.rs`); false (without running) where there is none: `T`
+/// not f32, bf16 or f16, or a CPU without AVX2 (with FMA and F16C).
+#[inline(always)]
+fn forward_explicit<T: Element>(
+    x: &[T],
+    at: Offsets,
+    weight: Option<&[T]>,
+    y: &mut [T],
+    cols: usize,
+    eps: T::Acc,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if crate::wide::has_lanes::<T>() {
+        let k = x86::Forward { x, at, w: weight, y, cols, eps: eps.to_f64() as f32 };
+        return crate::wide::x86::run(k).is_some();
+    }
+    let _ = (x, at, weight, y, cols, eps);
+    false
 }
 
 /// The row at `at` and (where `more`) the next one, which the row kernels

@@ -47,11 +47,11 @@ explicit!(bf16s, bf16);
 explicit!(f16s, f16);
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(crate) mod x86 {
     use crate::wide::x86::{Kernel, Lanes};
 
     /// `sum(x_i^2)` for `T` in f32, bf16, f16 (the macro's types).
-    pub(super) struct SumSq<'a, T>(pub(super) &'a [T]);
+    pub(crate) struct SumSq<'a, T>(pub(crate) &'a [T]);
 
     impl<T: 'static> Kernel for SumSq<'_, T> {
         type Output = f32;

@@ -1,0 +1,148 @@
+//! rms_norm's forward in explicit SIMD, written once for AVX-512 and AVX2
+//! ([`crate::wide`]): a whole block of rows (contiguous or placed by a
+//! [`RowLayout`]) in one call at the CPU's width.
+//!
+//! The lane loop (`forward_row`) runs one row at a time: for each, the sum
+//! of squares was a call into the explicit kernel (out of line, with a
+//! `vzeroupper` and the constants broadcast again after it), and bf16 rows
+//! were narrowed through a scratch block. On short rows that is most of the
+//! cost: QK-norm over heads of 128 read from a fused qkv (4096 tokens x 32
+//! heads) ran at 0.74x a clone through torch with THP. Here the sum of
+//! squares inlines ([`SumSq`]'s body at this width) and bf16 rows round in
+//! registers ([`write_row`]).
+//!
+//! The values are the lane loop's, bit for bit: the same sum of squares
+//! (the same explicit kernel), `1 / sqrt(ss / n + eps)` in f32, then `(x r)
+//! w` for each value.
+use crate::element::Element;
+use crate::layout::Offsets;
+use crate::sum_squares::x86::SumSq;
+use crate::wide::x86::write_row::{write_row, RowValues};
+use crate::wide::x86::{load_n as load, Kernel, Lanes};
+
+/// The forward over the rows `at` places in `x` (each `cols` long), into
+/// `y` (whole rows), with `w` of `cols` when given. For `T` in f32, bf16,
+/// f16 only (the callers check [`crate::wide::has_lanes`]).
+pub(super) struct Forward<'a, T> {
+    pub(super) x: &'a [T],
+    pub(super) at: Offsets,
+    pub(super) w: Option<&'a [T]>,
+    pub(super) y: &'a mut [T],
+    pub(super) cols: usize,
+    pub(super) eps: f32,
+}
+
+impl<T: Element> Kernel for Forward<'_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn run<L: Lanes>(self, l: L) {
+        let Forward { x, mut at, w, y, cols, eps } = self;
+        let rows = y.len() / cols;
+        if let Some(w) = w {
+            assert_eq!(w.len(), cols, "rms_norm x86: the weight is not one row long");
+        }
+        for (r, y) in y.chunks_exact_mut(cols).enumerate() {
+            let xr = &x[at.get()..][..cols];
+            at.advance();
+            let ahead = if r + 1 < rows { &x[at.get()..][..cols] } else { &[] };
+            let ss = SumSq(xr).run(l);
+            let rs = 1.0 / (ss / cols as f32 + eps).sqrt();
+            let row = Row { x: xr.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: cols };
+            write_row(l, row, y, ahead);
+        }
+    }
+}
+
+/// One row's input, the weight and `1 / rms`.
+struct Row<T, V> {
+    x: *const T,
+    w: Option<*const T>,
+    r: V,
+    /// `x` and `w` hold this many values.
+    len: usize,
+}
+
+impl<T, V: Copy> Clone for Row<T, V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T, V: Copy> Copy for Row<T, V> {}
+
+impl<L: Lanes, T: 'static> RowValues<L> for Row<T, L::V> {
+    #[inline(always)]
+    fn len(self) -> usize {
+        self.len
+    }
+    /// `(x r) w`, or `x r`, as the lane loop multiplies.
+    #[inline(always)]
+    unsafe fn value(self, l: L, i: usize, count: usize) -> L::V {
+        // SAFETY: `i + count <= len` (the caller's), and `x`, `w` hold `len`
+        // values; `T` is f32, bf16 or f16 (the callers check).
+        unsafe {
+            let v = l.mul(load(l, self.x, i, count), self.r);
+            match self.w {
+                Some(w) => l.mul(v, load(l, w, i, count)),
+                None => v,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Forward;
+    use crate::element::Element;
+    use crate::layout::RowLayout;
+    use crate::sum_squares::x86::SumSq;
+    use crate::wide::x86::{every_width, run_with, Width};
+    use half::{bf16, f16};
+
+    /// The kernel against the lane loop's formulas, bit for bit, at every
+    /// width: row widths with and without part vectors and bf16
+    /// pairs, contiguous and strided rows (gaps between them, and a second
+    /// leading dim), with and without a weight, and tiny weights whose
+    /// outputs are f32 subnormals (rounded in software for bf16).
+    fn check<T: Element<Acc = f32>, L: Width>(l: L) {
+        for cols in [1usize, 16, 31, 32, 33, 100, 128, 300] {
+            for (sizes, gap) in [([6usize, 1], 0usize), ([3, 2], 5)] {
+                let (rows, stride) = (sizes[0] * sizes[1], cols + gap);
+                let layout = RowLayout::new(&sizes, &[sizes[1] * stride, stride]).expect("two dims");
+                let x: Vec<T> =
+                    (0..rows * stride + cols).map(|i| T::from_f64(((i * 37 % 101) as f64 - 50.0) / 13.0)).collect();
+                let w: Vec<T> = (0..cols).map(|j| T::from_f64(0.5 + (j % 7) as f64 / 8.0)).collect();
+                let tiny: Vec<T> = (0..cols).map(|j| T::from_f64(1e-38 * (1 + j % 3) as f64)).collect();
+                for w in [Some(&w[..]), Some(&tiny[..]), None] {
+                    let mut y = vec![T::default(); rows * cols];
+                    let k = Forward { x: &x, at: layout.offsets_from(0), w, y: &mut y, cols, eps: 1e-6 };
+                    run_with(l, k);
+                    // The lane loop's formulas in scalar code, with the sum
+                    // of squares of this width (the lane loop takes the
+                    // CPU's best).
+                    let mut want = vec![T::default(); rows * cols];
+                    for (r, want) in want.chunks_exact_mut(cols).enumerate() {
+                        let row = &x[layout.offset(r)..][..cols];
+                        let rs = 1.0 / (run_with(l, SumSq(row)) / cols as f32 + 1e-6).sqrt();
+                        for (j, want) in want.iter_mut().enumerate() {
+                            let v = row[j].to_acc() * rs;
+                            *want = T::from_acc(w.map_or(v, |w| v * w[j].to_acc()));
+                        }
+                    }
+                    let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&y), bits(&want), "{} cols={cols} sizes={sizes:?} w={}", T::NAME, w.is_some());
+                }
+            }
+        }
+    }
+
+    fn at_width<L: Width>(l: L) {
+        check::<f32, L>(l);
+        check::<bf16, L>(l);
+        check::<f16, L>(l);
+    }
+
+    #[test]
+    fn forward_is_the_lane_loops_at_every_width() {
+        every_width!(at_width);
+    }
+}
