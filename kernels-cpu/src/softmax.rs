@@ -7,11 +7,18 @@
 //! - Numerics: max-subtracted, `exp` and sums in `T::Acc`, one rounding to `T`.
 //!   For f32 the `exp` is a degree-5 one for arguments <= 0, within 2.2 ulp
 //!   (`Acc::exp_nonpos`); terms under `exp(-87.34)` (1.2e-38) count as 0.
+//!   bf16 and f16 rows on x86 (AVX2 or AVX-512) take a degree-4 one within
+//!   3.2e-6 relative (`math::exp_nonpos_narrow_f32`, as torch's `fexp_u20`
+//!   for 16-bit outputs): outputs within one unit in the last place of the
+//!   exact value, rounded as it would be in all but ~0.3% (bf16) / ~1.3%
+//!   (f16) of them. Elsewhere (the lane loops) they take the f32 one.
 //!   A row whose every `s x` is `-inf` gives NaN (as torch), as does a row with a
 //!   NaN or `+inf`.
 //! - Backward (from the output `y`): `dx = s y (dy - sum(dy y))`.
 //! - Passes: max, then `exp` into a row-sized `Acc` scratch (L1/L2-resident)
 //!   with its sum, then the scaled store: the input is read from memory once.
+//!   bf16 and f16 rows on x86 are widened into the scratch by the max's pass
+//!   and the `exp` runs there in place.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, check_rows, Error, Result};
 use crate::par::Par;
@@ -273,6 +280,19 @@ fn exp_sum_lanes<T: Element>(x: &[T], scale: T::Acc, m: T::Acc, ahead: &[T]) -> 
 
 #[inline(always)]
 fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: T::Acc, ahead: &[T], ahead_w: &[T]) {
+    // bf16 and f16 rows on x86: widened (and scaled) once into `scratch`
+    // by the maximum's pass, then `exp` in place, the same values as below.
+    #[cfg(target_arch = "x86_64")]
+    if let Some(w) = cast_mut::<T::Acc, f32>(&mut *scratch) {
+        if let Some(m) = x86::widen_max(x, w, scale.to_f64() as f32) {
+            let s = x86::exp_sum_in_place(w, m, ahead, ahead_w).expect("softmax: widen_max ran, so exp runs");
+            let inv = 1.0 / s;
+            if !x86::scale_bf16(w, inv, y) {
+                T::from_acc_slice_affine(scratch, (T::Acc::from_f64(inv.into()), T::Acc::ZERO), y);
+            }
+            return;
+        }
+    }
     let m = row_max(x, scale);
     let s = exp_into(x, scratch, scale, m, ahead, ahead_w);
     // Scaled and narrowed in one pass (through `write_acc`'s blocks this

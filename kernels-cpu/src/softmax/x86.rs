@@ -13,10 +13,14 @@
 //! multiplied then subtracted, and [`crate::math::exp_nonpos_f32`]'s
 //! operations in its order. Only the order of the sum differs (two vector
 //! accumulators, a part last step, then a tree over the lanes).
+use crate::element::Element;
+use crate::math::NORMAL_CUTOFF;
 use crate::simd::prefetch_part;
-use crate::wide::has_lanes;
-use crate::wide::x86::math::ExpNonpos;
+use crate::wide::x86::math::{ExpNonpos, ExpNonposFn, ExpNonposNarrow};
 use crate::wide::x86::{run, Kernel, Lanes};
+use crate::wide::{cast_mut, has_lanes, is};
+use half::bf16;
+use std::marker::PhantomData;
 
 /// `max(x_i * scale)` (NaN skipped, `-inf` for an empty row), or `None`
 /// where there is no explicit code (neither AVX-512 nor AVX2, or `T` not
@@ -44,8 +48,100 @@ pub(super) fn exp_sum<T: 'static, const STORE: bool>(
     if !has_lanes::<T>() {
         return None;
     }
-    assert!(!STORE || e.len() == x.len(), "exp_sum: e and x differ in length");
-    run(ExpSum::<T, STORE> { x, e, scale, m, ahead, ahead_w })
+    run(ExpSum::<T, T, STORE>::new(x, e, (scale, m), (ahead, ahead_w)))
+}
+
+/// For bf16 and f16 rows: `w_i = x_i * scale` widened into `w` (as long as
+/// `x`), returning their maximum (NaN skipped, `-inf` for an empty row);
+/// `None` for other types or where there is no explicit code. With
+/// [`exp_sum_in_place`] after it, softmax widens each value once instead of
+/// in both passes: two instructions per 16 bf16 values taken out of the
+/// compute-bound `exp` pass for a store in the maximum's.
+#[inline(always)]
+pub(super) fn widen_max<T: 'static>(x: &[T], w: &mut [f32], scale: f32) -> Option<f32> {
+    if !has_lanes::<T>() || is::<T, f32>() {
+        return None;
+    }
+    assert_eq!(w.len(), x.len(), "widen_max: w and x differ in length");
+    run(WidenMax { x, w, scale })
+}
+
+/// `e_i = exp(e_i - m)` in place, returning their sum, prefetching `ahead`
+/// (and `ahead_w` for writing) as [`exp_sum`] does; `None` where there is no
+/// explicit code. For rows whose results are rounded to bf16 or f16: the
+/// `exp` is [`crate::math::exp_nonpos_narrow_f32`] (within 3.2e-6,
+/// relative; two instructions fewer per vector than the f32 one), and 0
+/// below [`narrow_cutoff`] rather than `NORMAL_CUTOFF`.
+#[inline(always)]
+pub(super) fn exp_sum_in_place<A: 'static>(e: &mut [f32], m: f32, ahead: &[A], ahead_w: &[A]) -> Option<f32> {
+    run(ExpSum::<f32, A, true, true>::in_place(e, m, (ahead, ahead_w)))
+}
+
+/// Where [`exp_sum_in_place`] over a row of `len` values stops: `exp` is 0
+/// below `NORMAL_CUTOFF + ln(len) + 1` (terms under `2.7 len 2^-126`,
+/// 3.2e-38 per value: 1.3e-34 for rows of 4096), so that every term left,
+/// divided by the sum (at most `len`), is still a normal f32, and
+/// [`scale_bf16`] may round without checking for subnormals. A bf16 softmax
+/// output under `1.3e-34 / sum` is 0 where it would be that tiny value; f16
+/// cannot hold such values anyway.
+#[inline(always)]
+pub(super) fn narrow_cutoff(len: usize) -> f32 {
+    NORMAL_CUTOFF + (len.max(1) as f32).ln() + 1.0
+}
+
+/// The longest row [`scale_bf16`] takes: the margin of [`narrow_cutoff`]
+/// (a factor `e`) then covers the sum's rounding many times over.
+const SCALE_BF16_MAX: usize = 1 << 24;
+
+/// `y_i = bf16(e_i * inv)` with the CPU's conversion, `2 N` values at a
+/// time and no subnormal check, for `e` from [`exp_sum_in_place`] and `inv`
+/// one over its sum (no product is then an f32 subnormal: see
+/// [`narrow_cutoff`]); the values `from_acc` gives. False, writing nothing,
+/// where `T` is not bf16, the width has no bf16 conversion (AVX2), or the
+/// row is longer than 2^24.
+#[inline(always)]
+pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T]) -> bool {
+    match cast_mut::<T, bf16>(y) {
+        Some(y) if e.len() <= SCALE_BF16_MAX => run(ScaleBf16 { e, inv, y }).unwrap_or(false),
+        _ => false,
+    }
+}
+
+/// [`scale_bf16`]'s pass.
+struct ScaleBf16<'a> {
+    e: &'a [f32],
+    inv: f32,
+    /// As long as `e`.
+    y: &'a mut [bf16],
+}
+
+impl Kernel for ScaleBf16<'_> {
+    type Output = bool;
+    #[inline(always)]
+    fn run<L: Lanes>(self, l: L) -> bool {
+        if !L::ROUNDS_BF16 {
+            return false;
+        }
+        let ScaleBf16 { e, inv, y } = self;
+        assert_eq!(e.len(), y.len(), "scale_bf16: e and y differ in length");
+        let (n, s) = (2 * L::N, l.splat(inv));
+        let whole = e.len() / n * n;
+        let (p, q) = (e.as_ptr(), y.as_mut_ptr());
+        let mut i = 0;
+        // SAFETY: `i + 2 N <= whole <= len` of both slices; `ROUNDS_BF16`
+        // (checked) makes the store succeed.
+        unsafe {
+            while i < whole {
+                let (lo, hi) = (l.mul(l.load(p.add(i)), s), l.mul(l.load(p.add(i + L::N)), s));
+                l.store_bf16_pair_normal(q.add(i), lo, hi);
+                i += n;
+            }
+        }
+        for (y, &e) in y[whole..].iter_mut().zip(&e[whole..]) {
+            *y = bf16::from_acc(e * inv);
+        }
+        true
+    }
 }
 
 /// The maximum's pass.
@@ -104,42 +200,134 @@ fn max_of<L: Lanes, T: 'static, const SCALED: bool>(l: L, x: &[T], scale: f32) -
     l.reduce_max(l.max(l.max(m[0], m[1]), l.max(m[2], m[3])))
 }
 
-/// The `exp` pass, storing each value when `STORE`.
-pub(super) struct ExpSum<'a, T, const STORE: bool> {
-    pub(super) x: &'a [T],
-    /// As long as `x` when `STORE`.
-    pub(super) e: &'a mut [f32],
-    pub(super) scale: f32,
-    pub(super) m: f32,
-    pub(super) ahead: &'a [T],
-    pub(super) ahead_w: &'a [T],
+/// [`widen_max`]'s pass.
+struct WidenMax<'a, T> {
+    x: &'a [T],
+    /// As long as `x`.
+    w: &'a mut [f32],
+    scale: f32,
 }
 
-impl<T: 'static, const STORE: bool> Kernel for ExpSum<'_, T, STORE> {
+impl<T: 'static> Kernel for WidenMax<'_, T> {
+    type Output = f32;
+    #[inline(always)]
+    fn run<L: Lanes>(self, l: L) -> f32 {
+        if self.scale == 1.0 {
+            self.widen_max::<L, false>(l)
+        } else {
+            self.widen_max::<L, true>(l)
+        }
+    }
+}
+
+impl<T: 'static> WidenMax<'_, T> {
+    /// The pass, multiplying by the scale only when `SCALED`.
+    #[inline(always)]
+    fn widen_max<L: Lanes, const SCALED: bool>(self, l: L) -> f32 {
+        let (p, len, q, n) = (self.x.as_ptr(), self.x.len(), self.w.as_mut_ptr(), L::N);
+        let s = l.splat(self.scale);
+        let scaled = |v| if SCALED { l.mul(v, s) } else { v };
+        let mut m = [l.splat(f32::NEG_INFINITY); 4];
+        let mut at = 0;
+        // `max(v, m)` keeps `m` where `v` is NaN, as in [`Max`].
+        // SAFETY (loads, stores): `at + n k + n <= len` in the first loop;
+        // then whole vectors while they fit, then the `len - at < n` values
+        // left; `w` is as long as `x` (`widen_max` asserts it); `T` is bf16
+        // or f16 (checked there).
+        unsafe {
+            while at + 4 * n <= len {
+                for (k, m) in m.iter_mut().enumerate() {
+                    let v = scaled(l.load(p.add(at + n * k)));
+                    l.store(q.add(at + n * k), v);
+                    *m = l.max(v, *m);
+                }
+                at += 4 * n;
+            }
+            while at + n <= len {
+                let v = scaled(l.load(p.add(at)));
+                l.store(q.add(at), v);
+                m[1] = l.max(v, m[1]);
+                at += n;
+            }
+            if at < len {
+                let v = scaled(l.load_part(p.add(at), len - at));
+                l.store_part(q.add(at), v, len - at);
+                m[0] = l.max_part(m[0], v, len - at);
+            }
+        }
+        l.reduce_max(l.max(l.max(m[0], m[1]), l.max(m[2], m[3])))
+    }
+}
+
+/// The `exp` pass, storing each value when `STORE`: from a row of `T`
+/// into `e`, or in place in `e` (`T` f32); `A` is the element type of the
+/// rows it prefetches. `NARROW` takes the `exp` for 16-bit results.
+pub(super) struct ExpSum<'a, T, A, const STORE: bool, const NARROW: bool = false> {
+    x: *const T,
+    len: usize,
+    /// `len` values, when `STORE`.
+    e: *mut f32,
+    scale: f32,
+    m: f32,
+    /// Below this argument `exp` is 0 (`NARROW` only).
+    cutoff: f32,
+    ahead: &'a [A],
+    ahead_w: &'a [A],
+    /// The borrows of `x` and `e`.
+    rows: PhantomData<(&'a [T], &'a mut [f32])>,
+}
+
+impl<'a, T, A, const STORE: bool> ExpSum<'a, T, A, STORE, false> {
+    /// From `x` into `e` (as long as `x` when `STORE`, else unused).
+    pub(super) fn new(
+        x: &'a [T],
+        e: &'a mut [f32],
+        (scale, m): (f32, f32),
+        (ahead, ahead_w): (&'a [A], &'a [A]),
+    ) -> Self {
+        assert!(!STORE || e.len() == x.len(), "exp_sum: e and x differ in length");
+        let (x, len, e) = (x.as_ptr(), x.len(), e.as_mut_ptr());
+        ExpSum { x, len, e, scale, m, cutoff: NORMAL_CUTOFF, ahead, ahead_w, rows: PhantomData }
+    }
+}
+
+impl<'a, A> ExpSum<'a, f32, A, true, true> {
+    /// In place: `e` is read as the row (already scaled) and overwritten.
+    /// Each vector is loaded before the same lanes are stored. With the
+    /// `exp` for 16-bit results (`NARROW`), 0 below [`narrow_cutoff`].
+    pub(super) fn in_place(e: &'a mut [f32], m: f32, (ahead, ahead_w): (&'a [A], &'a [A])) -> Self {
+        let (len, e) = (e.len(), e.as_mut_ptr());
+        ExpSum { x: e, len, e, scale: 1.0, m, cutoff: narrow_cutoff(len), ahead, ahead_w, rows: PhantomData }
+    }
+}
+
+impl<T: 'static, A, const STORE: bool, const NARROW: bool> Kernel for ExpSum<'_, T, A, STORE, NARROW> {
     type Output = f32;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> f32 {
         // `x * 1` is `x`: at scale 1 (the usual call, and cross-entropy's)
         // one multiply fewer per vector, in a pass that is compute-bound.
-        if self.scale == 1.0 {
-            self.exp_sum::<L, false>(l)
-        } else {
-            self.exp_sum::<L, true>(l)
+        let cutoff = self.cutoff;
+        match (self.scale == 1.0, NARROW) {
+            (true, false) => self.exp_sum::<L, false, _>(l, ExpNonpos::new(l)),
+            (false, false) => self.exp_sum::<L, true, _>(l, ExpNonpos::new(l)),
+            (true, true) => self.exp_sum::<L, false, _>(l, ExpNonposNarrow::with_cutoff(l, cutoff)),
+            (false, true) => self.exp_sum::<L, true, _>(l, ExpNonposNarrow::with_cutoff(l, cutoff)),
         }
     }
 }
 
-impl<T: 'static, const STORE: bool> ExpSum<'_, T, STORE> {
-    /// The pass, multiplying by the scale only when `SCALED`.
+impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STORE, NARROW> {
+    /// The pass with the `exp` `c`, multiplying by the scale only when
+    /// `SCALED`.
     #[inline(always)]
-    fn exp_sum<L: Lanes, const SCALED: bool>(self, l: L) -> f32 {
-        let (p, len, q, n) = (self.x.as_ptr(), self.x.len(), self.e.as_mut_ptr(), L::N);
+    fn exp_sum<L: Lanes, const SCALED: bool, E: ExpNonposFn<L>>(self, l: L, c: E) -> f32 {
+        let (p, len, q, n) = (self.x, self.len, self.e, L::N);
         // Prefetches go by 32 values (one call per 64 or 128 bytes of `x`,
         // whatever the width), as the lane loop's.
         const PART: usize = 32;
         let (s, mv) = (l.splat(self.scale), l.splat(self.m));
         let arg = |v| l.sub(if SCALED { l.mul(v, s) } else { v }, mv);
-        let c = ExpNonpos::new(l);
         // Two accumulators with AVX-512's 32 registers; one with AVX2's 16,
         // where the ten constants, the scale and the maximum leave no room
         // for a second (it was spilled, and reloaded on every step).
@@ -148,14 +336,15 @@ impl<T: 'static, const STORE: bool> ExpSum<'_, T, STORE> {
         let mut at = 0;
         // SAFETY (loads, stores): `at + u n <= len` in the first loop; then
         // whole vectors while they fit, then the `len - at < n` values left;
-        // `e` is as long as `x` when written (`exp_sum` asserts it); `T` is
-        // f32, bf16 or f16 (checked by the callers).
+        // `x` holds `len` values, and so does `e` when written (`new`
+        // asserts it; in place they are one row, each vector loaded before
+        // its lanes are stored); `T` is f32, bf16 or f16 (the callers check).
         unsafe {
             while at + u * n <= len {
                 if at % PART == 0 {
-                    prefetch_part::<T, false>(self.ahead, at / PART, PART);
+                    prefetch_part::<A, false>(self.ahead, at / PART, PART);
                     if STORE {
-                        prefetch_part::<T, true>(self.ahead_w, at / PART, PART);
+                        prefetch_part::<A, true>(self.ahead_w, at / PART, PART);
                     }
                 }
                 for (k, a) in acc.iter_mut().take(u).enumerate() {
@@ -190,16 +379,20 @@ impl<T: 'static, const STORE: bool> ExpSum<'_, T, STORE> {
 #[cfg(test)]
 mod tests {
     use super::super::{exp_into_lanes, exp_sum_lanes, row_max_lanes};
-    use super::{ExpSum, Max};
+    use super::{ExpSum, Max, ScaleBf16, WidenMax};
     use crate::element::Element;
+    use crate::math::exp_nonpos_narrow_f32;
     use crate::simd::dispatch;
+    use crate::wide::is;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 
     /// The explicit passes at width `l` against the lane loops, for every
     /// length up to 100 (whole steps, part steps, a part last vector) and
     /// 4099, at offsets 0 to 2: the same maximum, the same `exp` values bit
-    /// for bit, and sums within f32 accumulation error of each other.
+    /// for bit, and sums within f32 accumulation error of each other; for
+    /// bf16 and f16, `widen_max` and the in-place pass with the 16-bit
+    /// `exp` against its scalar function.
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
         let data: Vec<T> = (0..4200).map(|i| T::from_f64(((i * 53 % 199) as f64 - 99.0) / 9.0)).collect();
         let (mut e, mut e_ref) = (vec![0f32; 4200], vec![0f32; 4200]);
@@ -210,15 +403,30 @@ mod tests {
                     let m = run_with(l, Max { x, scale });
                     assert_eq!(m, dispatch(|| row_max_lanes(x, scale)), "{} n={n} off={off}", T::NAME);
                     let (e, e_ref) = (&mut e[..n], &mut e_ref[..n]);
-                    let s = run_with(l, ExpSum::<T, true> { x, e: &mut *e, scale, m, ahead: &[], ahead_w: &[] });
+                    let none: &[T] = &[];
+                    let s = run_with(l, ExpSum::<T, T, true>::new(x, &mut *e, (scale, m), (none, none)));
                     let s_ref = dispatch(|| exp_into_lanes(x, e_ref, scale, m, &[], &[]));
                     let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                     assert_eq!(bits(e), bits(e_ref), "{} n={n} off={off} scale={scale}", T::NAME);
                     let tol = 1e-6 * s_ref.abs() * (n as f32).sqrt().max(1.0);
                     assert!((s - s_ref).abs() <= tol, "{} n={n}: sum {s} vs {s_ref}", T::NAME);
-                    let s2 = run_with(l, ExpSum::<T, false> { x, e: &mut [], scale, m, ahead: &[], ahead_w: &[] });
+                    let s2 = run_with(l, ExpSum::<T, T, false>::new(x, &mut [], (scale, m), (none, none)));
                     assert_eq!(s2, s, "{} n={n}: exp_sum without the store", T::NAME);
                     assert!((s2 - dispatch(|| exp_sum_lanes(x, scale, m, &[]))).abs() <= tol);
+                    // bf16 and f16: widened once (the same maximum), then
+                    // the 16-bit `exp` in place: its scalar values bit for
+                    // bit, and a sum within its error of the f32 one.
+                    if !is::<T, f32>() {
+                        let mut w = vec![0f32; n];
+                        let mw = run_with(l, WidenMax { x, w: &mut w, scale });
+                        assert_eq!(mw, m, "{} n={n}: widen_max", T::NAME);
+                        let s3 = run_with(l, ExpSum::<f32, T, true, true>::in_place(&mut w, mw, (none, none)));
+                        let cut = super::narrow_cutoff(n);
+                        let narrow = |a: f32| if a < cut { 0.0 } else { exp_nonpos_narrow_f32(a) };
+                        let want: Vec<f32> = x.iter().map(|v| narrow(v.to_acc() * scale - m)).collect();
+                        assert_eq!(bits(&w), bits(&want), "{} n={n} off={off} scale={scale}: in place", T::NAME);
+                        assert!((s3 - s).abs() <= 3.2e-6 * s + tol, "{} n={n}: in-place sum {s3} vs {s}", T::NAME);
+                    }
                 }
             }
         }
@@ -236,13 +444,58 @@ mod tests {
                 let m = run_with(l, Max { x: &x, scale: 1.0 });
                 assert_eq!(m, if n / 2 == at { 1.0 } else { 3.0 }, "n={n} at={at}");
                 let mut e = vec![0f32; n];
-                let s = run_with(l, ExpSum::<f32, true> { x: &x, e: &mut e, scale: 1.0, m, ahead: &[], ahead_w: &[] });
+                let none: &[f32] = &[];
+                let s = run_with(l, ExpSum::<f32, f32, true>::new(&x, &mut e, (1.0, m), (none, none)));
                 assert!(s.is_nan() && e[at].is_nan(), "n={n} at={at}");
             }
         }
         let x = vec![f32::NEG_INFINITY; 20];
         assert_eq!(run_with(l, Max { x: &x, scale: 1.0 }), f32::NEG_INFINITY);
         assert_eq!(run_with(l, Max::<f32> { x: &[], scale: 1.0 }), f32::NEG_INFINITY);
+    }
+
+    /// After the in-place pass, no term divided by the sum is an f32
+    /// subnormal, even at the worst: every other value at the maximum (the
+    /// largest sum) and one just above the cutoff (the smallest term), at
+    /// several row lengths; and `scale_bf16` then rounds as `from_acc`.
+    fn narrow_products<L: Width>(l: L) {
+        for n in [1usize, 2, 33, 100, 4096, 70_000] {
+            let cut = super::narrow_cutoff(n);
+            for tail in [cut, cut + 1e-5, cut + 0.5, cut - 1e-5, -200.0] {
+                let mut e = vec![0.0f32; n];
+                e[n - 1] = if n > 1 { tail } else { 0.0 };
+                let none: &[bf16] = &[];
+                let s = run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut e, 0.0, (none, none)));
+                let inv = 1.0 / s;
+                for (i, &v) in e.iter().enumerate() {
+                    let y = v * inv;
+                    assert!(y == 0.0 || y >= f32::MIN_POSITIVE, "n={n} tail={tail} i={i}: {v} / {s} = {y:e}");
+                }
+                if tail < cut && n > 1 {
+                    assert_eq!(e[n - 1], 0.0, "n={n}: below the cutoff");
+                }
+                let mut y = vec![bf16::ZERO; n];
+                if run_with(l, ScaleBf16 { e: &e, inv, y: &mut y }) {
+                    let want: Vec<u16> = e.iter().map(|&v| bf16::from_acc(v * inv).to_bits()).collect();
+                    assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "n={n} tail={tail}");
+                }
+            }
+        }
+        // Rounding at every position of whole pairs and the tail, values
+        // spread over many binades.
+        let e: Vec<f32> = (0..1000).map(|i| ((i * 7919 % 1000) as f32 / 997.0).powi(9)).collect();
+        for len in [0usize, 1, 31, 32, 33, 64, 1000] {
+            let mut y = vec![bf16::ZERO; len];
+            if run_with(l, ScaleBf16 { e: &e[..len], inv: 0.37, y: &mut y }) {
+                let want: Vec<u16> = e[..len].iter().map(|&v| bf16::from_acc(v * 0.37).to_bits()).collect();
+                assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "len={len}");
+            }
+        }
+    }
+
+    #[test]
+    fn narrow_products_are_normal_and_round_as_from_acc_at_every_width() {
+        every_width!(narrow_products);
     }
 
     fn at_width<L: Width>(l: L) {

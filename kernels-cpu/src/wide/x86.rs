@@ -75,6 +75,14 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// `p..p + 2 N` is writable.
     unsafe fn store_bf16_pair(self, p: *mut half::bf16, lo: Self::V, hi: Self::V) -> bool;
+    /// [`Lanes::store_bf16_pair`] for values the caller knows hold no f32
+    /// subnormal: no check (a subnormal lane would be flushed to zero, a
+    /// wrong rounding rather than undefined behaviour). False, writing
+    /// nothing, where `ROUNDS_BF16` is false.
+    ///
+    /// # Safety
+    /// `p..p + 2 N` is writable.
+    unsafe fn store_bf16_pair_normal(self, p: *mut half::bf16, lo: Self::V, hi: Self::V) -> bool;
 
     /// `a + b`.
     fn add(self, a: Self::V, b: Self::V) -> Self::V;

@@ -134,6 +134,10 @@ impl Lanes for V8 {
         // AVX2 has no bf16 conversion; the callers round in software.
         false
     }
+    #[inline(always)]
+    unsafe fn store_bf16_pair_normal(self, _: *mut half::bf16, _: __m256, _: __m256) -> bool {
+        false
+    }
 
     #[inline(always)]
     fn add(self, a: __m256, b: __m256) -> __m256 {

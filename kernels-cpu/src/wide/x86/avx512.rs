@@ -120,6 +120,12 @@ impl Lanes for V16 {
         // the caller makes the 32 values (64 bytes) at `p` writable.
         unsafe { crate::narrow::x86::bf16_pair(p, lo, hi) }
     }
+    #[inline(always)]
+    unsafe fn store_bf16_pair_normal(self, p: *mut bf16, lo: __m512, hi: __m512) -> bool {
+        // SAFETY: as `store_bf16_pair`.
+        unsafe { crate::narrow::x86::bf16_pair_unchecked(p, lo, hi) };
+        true
+    }
 
     #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {

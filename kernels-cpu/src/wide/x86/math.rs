@@ -8,7 +8,8 @@
 //! memory again on every step).
 use super::Lanes;
 use crate::math::{
-    ERF_P, ERF_Q, EXP7_C, EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, NORMAL_CUTOFF, ROUND_MAGIC, ROUND_MAGIC_BIASED,
+    ERF_P, ERF_Q, EXP4_C, EXP7_C, EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, NORMAL_CUTOFF, ROUND_MAGIC,
+    ROUND_MAGIC_BIASED,
 };
 
 /// [`crate::math::exp_f32`].
@@ -62,6 +63,27 @@ impl<V: Copy> Exp<V> {
     }
 }
 
+/// An `exp` for arguments `<= 0` on vectors ([`ExpNonpos`] or
+/// [`ExpNonposNarrow`]), for the passes written once for either.
+pub(crate) trait ExpNonposFn<L: Lanes> {
+    /// `e^x` on every lane.
+    fn eval(&self, l: L, x: L::V) -> L::V;
+}
+
+impl<L: Lanes> ExpNonposFn<L> for ExpNonpos<L::V> {
+    #[inline(always)]
+    fn eval(&self, l: L, x: L::V) -> L::V {
+        ExpNonpos::eval(self, l, x)
+    }
+}
+
+impl<L: Lanes> ExpNonposFn<L> for ExpNonposNarrow<L::V> {
+    #[inline(always)]
+    fn eval(&self, l: L, x: L::V) -> L::V {
+        ExpNonposNarrow::eval(self, l, x)
+    }
+}
+
 /// [`crate::math::exp_nonpos_f32`].
 pub(crate) struct ExpNonpos<V> {
     log2e: V,
@@ -103,6 +125,55 @@ impl<V: Copy> ExpNonpos<V> {
         p = l.fmadd(p, t, self.c[0]);
         let v = l.mul_pow2(l.fmadd(t, p, self.one), n, s);
         // 0 below the cutoff; NaN compares "not less" and stays NaN.
+        l.zero_below(x, self.cutoff, v)
+    }
+}
+
+/// [`crate::math::exp_nonpos_narrow_f32`].
+pub(crate) struct ExpNonposNarrow<V> {
+    log2e: V,
+    magic: V,
+    ln2: V,
+    c: [V; 4],
+    one: V,
+    cutoff: V,
+}
+
+impl<V: Copy> ExpNonposNarrow<V> {
+    /// The constants, broadcast, with 0 below `cutoff` (at least
+    /// `NORMAL_CUTOFF`, where the scaling by `2^n` stops being exact).
+    #[inline(always)]
+    pub(crate) fn with_cutoff<L: Lanes<V = V>>(l: L, cutoff: f32) -> Self {
+        debug_assert!(cutoff >= NORMAL_CUTOFF);
+        Self {
+            log2e: l.splat(LOG2E),
+            magic: l.splat(ROUND_MAGIC_BIASED),
+            ln2: l.splat(std::f32::consts::LN_2),
+            c: EXP4_C.map(|c| l.splat(c)),
+            one: l.splat(1.0),
+            cutoff: l.splat(cutoff),
+        }
+    }
+
+    /// The constants, broadcast: `exp_nonpos_narrow_f32` itself (the
+    /// kernels take [`ExpNonposNarrow::with_cutoff`]).
+    #[cfg(test)]
+    #[inline(always)]
+    pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
+        Self::with_cutoff(l, NORMAL_CUTOFF)
+    }
+
+    /// `exp_nonpos_narrow_f32` on every lane.
+    #[inline(always)]
+    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x: V) -> V {
+        let k = l.fmadd(x, self.log2e, self.magic);
+        let s = l.shl23(k);
+        let n = l.sub(k, self.magic);
+        let t = l.fnmadd(n, self.ln2, x);
+        let mut p = l.fmadd(self.c[3], t, self.c[2]);
+        p = l.fmadd(p, t, self.c[1]);
+        p = l.fmadd(p, t, self.c[0]);
+        let v = l.mul_pow2(l.fmadd(t, p, self.one), n, s);
         l.zero_below(x, self.cutoff, v)
     }
 }
@@ -153,8 +224,8 @@ impl<V: Copy> Erf<V> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Erf, Exp, ExpNonpos};
-    use crate::math::{erf_f32, exp_f32, exp_nonpos_f32};
+    use super::{Erf, Exp, ExpNonpos, ExpNonposNarrow};
+    use crate::math::{erf_f32, exp_f32, exp_nonpos_f32, exp_nonpos_narrow_f32};
     use crate::wide::x86::{every_width, run_with, Kernel, Lanes, Width};
 
     /// Which function [`All`] evaluates.
@@ -162,6 +233,7 @@ mod tests {
     enum F {
         Exp,
         ExpNonpos,
+        ExpNonposNarrow,
         Erf,
     }
 
@@ -172,6 +244,7 @@ mod tests {
         #[inline(always)]
         fn run<L: Lanes>(self, l: L) {
             let (e, n, r) = (Exp::new(l), ExpNonpos::new(l), Erf::new(l));
+            let nn = ExpNonposNarrow::new(l);
             for (x, y) in self.1.chunks_exact(L::N).zip(self.2.chunks_exact_mut(L::N)) {
                 // SAFETY: `N` values each.
                 unsafe {
@@ -179,6 +252,7 @@ mod tests {
                     let v = match self.0 {
                         F::Exp => e.eval(l, x),
                         F::ExpNonpos => n.eval(l, x),
+                        F::ExpNonposNarrow => nn.eval(l, x),
                         F::Erf => r.eval(l, x),
                     };
                     l.store(y.as_mut_ptr(), v);
@@ -201,14 +275,19 @@ mod tests {
     fn each<L: Width>(l: L) {
         let x = inputs();
         type Scalar = fn(f32) -> f32;
-        let scalar: [(F, Scalar); 3] = [(F::Exp, exp_f32), (F::ExpNonpos, exp_nonpos_f32), (F::Erf, erf_f32)];
+        let scalar: [(F, Scalar); 4] = [
+            (F::Exp, exp_f32),
+            (F::ExpNonpos, exp_nonpos_f32),
+            (F::ExpNonposNarrow, exp_nonpos_narrow_f32),
+            (F::Erf, erf_f32),
+        ];
         for (f, want) in scalar {
             let mut y = vec![0f32; x.len()];
             run_with(l, All(f, &x, &mut y));
             for (x, y) in x.iter().zip(&y) {
                 // `exp_nonpos` is defined for `x <= 0` and NaN only (above
                 // 0 AVX-512's `vscalefps` scales where AVX2's shift wraps).
-                if matches!(f, F::ExpNonpos) && *x > 0.0 {
+                if matches!(f, F::ExpNonpos | F::ExpNonposNarrow) && *x > 0.0 {
                     continue;
                 }
                 let want = want(*x);
