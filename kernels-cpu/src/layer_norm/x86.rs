@@ -144,6 +144,7 @@ fn write_row<L: Lanes, T: Element>(
 }
 
 /// One row's inputs and constants: its [`RowValues`] are the lane loops'.
+#[derive(Clone, Copy)]
 struct Row<T, V> {
     c: Consts<V>,
     x: *const T,
@@ -153,14 +154,7 @@ struct Row<T, V> {
     len: usize,
 }
 
-impl<T, V: Copy> Clone for Row<T, V> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T, V: Copy> Copy for Row<T, V> {}
-
-impl<L: Lanes, T: 'static> RowValues<L> for Row<T, L::V> {
+impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
     #[inline(always)]
     fn len(self) -> usize {
         self.len

@@ -54,6 +54,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
 }
 
 /// One row's input, the weight and `1 / rms`.
+#[derive(Clone, Copy)]
 struct Row<T, V> {
     x: *const T,
     w: Option<*const T>,
@@ -62,14 +63,7 @@ struct Row<T, V> {
     len: usize,
 }
 
-impl<T, V: Copy> Clone for Row<T, V> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-impl<T, V: Copy> Copy for Row<T, V> {}
-
-impl<L: Lanes, T: 'static> RowValues<L> for Row<T, L::V> {
+impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
     #[inline(always)]
     fn len(self) -> usize {
         self.len
