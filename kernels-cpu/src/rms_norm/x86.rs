@@ -46,7 +46,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
             at.advance();
             let ahead = if r + 1 < rows { &x[at.get()..][..cols] } else { &[] };
             let ss = SumSq(xr).run(l);
-            let rs = 1.0 / (ss / cols as f32 + eps).sqrt();
+            let rs = super::inv_rms(ss, cols, eps);
             let row = Row { x: xr.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: cols };
             write_row(l, row, y, ahead);
         }
