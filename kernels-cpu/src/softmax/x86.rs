@@ -159,42 +159,72 @@ impl<T: 'static> Kernel for Max<'_, T> {
         // the largest product): one multiply per row rather than one per
         // value. Other scales (negative: the order flips) multiply each.
         if self.scale > 0.0 {
-            max_of::<L, T, false>(l, self.x, 1.0) * self.scale
+            max_of::<L, T, false, false>(l, self.x, &mut [], 1.0) * self.scale
         } else {
-            max_of::<L, T, true>(l, self.x, self.scale)
+            max_of::<L, T, true, false>(l, self.x, &mut [], self.scale)
         }
     }
 }
 
-/// `max(x_i * scale)`, or `max(x_i)` when not `SCALED`.
+/// `max(x_i * scale)` (`max(x_i)` when not `SCALED`), also writing each
+/// scaled value to `w` in order when `WRITE` (`w` is then as long as `x`,
+/// else unused). Without `WRITE` the order is free, so bf16 takes the pair
+/// loads.
 #[inline(always)]
-fn max_of<L: Lanes, T: 'static, const SCALED: bool>(l: L, x: &[T], scale: f32) -> f32 {
-    let (p, len, n) = (x.as_ptr(), x.len(), L::N);
+fn max_of<L: Lanes, T: 'static, const SCALED: bool, const WRITE: bool>(
+    l: L,
+    x: &[T],
+    w: &mut [f32],
+    scale: f32,
+) -> f32 {
+    assert!(!WRITE || w.len() == x.len(), "softmax x86: w and x differ in length");
+    let (p, len, q, n) = (x.as_ptr(), x.len(), w.as_mut_ptr(), L::N);
     let s = l.splat(scale);
     let scaled = |v| if SCALED { l.mul(v, s) } else { v };
     let mut m = [l.splat(f32::NEG_INFINITY); 4];
     let mut at = 0;
     // `vmaxps` gives its second operand when either is NaN: `max(v, m)`
     // keeps `m` where `v` is NaN, so no lane of `m` is ever NaN.
-    // SAFETY (loads): `at + n k + n <= len` in the first loop; the second
-    // reads whole vectors while they fit, then the `len - at < n` values
-    // left; `T` is f32, bf16 or f16 (checked by the callers).
+    // SAFETY (loads, stores): `at + n k + n <= len` in the first loop; the
+    // second reads whole vectors while they fit, then the `len - at < n`
+    // values left; `w` is as long as `x` when written (asserted); `T` is
+    // f32, bf16 or f16 (checked by the callers).
     unsafe {
         while at + 4 * n <= len {
-            // In any order: the maximum does not depend on it.
-            let (a, b) = l.load_pair_unordered(p.add(at));
-            let (c, d) = l.load_pair_unordered(p.add(at + 2 * n));
-            for (m, v) in m.iter_mut().zip([a, b, c, d]) {
-                *m = l.max(scaled(v), *m);
+            let vs = if WRITE {
+                // Written out: an array `map` closure was left out of line,
+                // without the vector features (2.8x slower, measured).
+                let a = p.add(at);
+                [l.load(a), l.load(a.add(n)), l.load(a.add(2 * n)), l.load(a.add(3 * n))]
+            } else {
+                // In any order: the maximum does not depend on it.
+                let (a, b) = l.load_pair_unordered(p.add(at));
+                let (c, d) = l.load_pair_unordered(p.add(at + 2 * n));
+                [a, b, c, d]
+            };
+            for (k, (m, v)) in m.iter_mut().zip(vs).enumerate() {
+                let v = scaled(v);
+                if WRITE {
+                    l.store(q.add(at + n * k), v);
+                }
+                *m = l.max(v, *m);
             }
             at += 4 * n;
         }
         while at + n <= len {
-            m[1] = l.max(scaled(l.load(p.add(at))), m[1]);
+            let v = scaled(l.load(p.add(at)));
+            if WRITE {
+                l.store(q.add(at), v);
+            }
+            m[1] = l.max(v, m[1]);
             at += n;
         }
         if at < len {
-            m[0] = l.max_part(m[0], scaled(l.load_part(p.add(at), len - at)), len - at);
+            let v = scaled(l.load_part(p.add(at), len - at));
+            if WRITE {
+                l.store_part(q.add(at), v, len - at);
+            }
+            m[0] = l.max_part(m[0], v, len - at);
         }
     }
     l.reduce_max(l.max(l.max(m[0], m[1]), l.max(m[2], m[3])))
@@ -212,50 +242,12 @@ impl<T: 'static> Kernel for WidenMax<'_, T> {
     type Output = f32;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> f32 {
-        if self.scale == 1.0 {
-            self.widen_max::<L, false>(l)
+        let WidenMax { x, w, scale } = self;
+        if scale == 1.0 {
+            max_of::<L, T, false, true>(l, x, w, scale)
         } else {
-            self.widen_max::<L, true>(l)
+            max_of::<L, T, true, true>(l, x, w, scale)
         }
-    }
-}
-
-impl<T: 'static> WidenMax<'_, T> {
-    /// The pass, multiplying by the scale only when `SCALED`.
-    #[inline(always)]
-    fn widen_max<L: Lanes, const SCALED: bool>(self, l: L) -> f32 {
-        let (p, len, q, n) = (self.x.as_ptr(), self.x.len(), self.w.as_mut_ptr(), L::N);
-        let s = l.splat(self.scale);
-        let scaled = |v| if SCALED { l.mul(v, s) } else { v };
-        let mut m = [l.splat(f32::NEG_INFINITY); 4];
-        let mut at = 0;
-        // `max(v, m)` keeps `m` where `v` is NaN, as in [`Max`].
-        // SAFETY (loads, stores): `at + n k + n <= len` in the first loop;
-        // then whole vectors while they fit, then the `len - at < n` values
-        // left; `w` is as long as `x` (`widen_max` asserts it); `T` is bf16
-        // or f16 (checked there).
-        unsafe {
-            while at + 4 * n <= len {
-                for (k, m) in m.iter_mut().enumerate() {
-                    let v = scaled(l.load(p.add(at + n * k)));
-                    l.store(q.add(at + n * k), v);
-                    *m = l.max(v, *m);
-                }
-                at += 4 * n;
-            }
-            while at + n <= len {
-                let v = scaled(l.load(p.add(at)));
-                l.store(q.add(at), v);
-                m[1] = l.max(v, m[1]);
-                at += n;
-            }
-            if at < len {
-                let v = scaled(l.load_part(p.add(at), len - at));
-                l.store_part(q.add(at), v, len - at);
-                m[0] = l.max_part(m[0], v, len - at);
-            }
-        }
-        l.reduce_max(l.max(l.max(m[0], m[1]), l.max(m[2], m[3])))
     }
 }
 
