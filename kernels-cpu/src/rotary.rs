@@ -198,7 +198,7 @@ pub fn apply_inplace<T: Element>(
     let op = if inverse { "rotary_embedding_backward_" } else { "rotary_embedding_" };
     shape.check_strided(op, x.len(), strides, cos.len(), sin.len(), shape.numel())?;
     shape.check_disjoint(op, strides)?;
-    let (d, half) = (shape.head_dim, shape.rotary_dim / 2);
+    let d = shape.head_dim;
     let rows = shape.batch * shape.seq * shape.heads;
     if rows == 0 || d == 0 {
         return Ok(());
@@ -212,12 +212,19 @@ pub fn apply_inplace<T: Element>(
     let [(_, s0, _), (n1, s1, _), (n2, s2, _)] = dims;
     let base = RowsPtr(x.as_mut_ptr());
     let blocks = Blocks::new(&par, rows, d);
+    // Positions innermost (a `[batch, heads, seq, head_dim]` x transposed):
+    // rows in memory order go through every position once per head, so
+    // keep all their angles (up to WIDENED_BYTES; past that each row widens
+    // its own), else one position's.
+    let half = shape.rotary_dim / 2;
+    let slots = if pos_dim == 2 { shape.seq.min(WIDENED_BYTES / (8 * half).max(1)).max(1) } else { 1 };
     par.for_each(blocks.count, &|b| {
         let rows = blocks.rows(b);
         dispatch(
             #[inline(always)]
             || {
                 let mut buf = vec![T::default(); d];
+                let mut rot = Rotator::new(cos, sin, shape, interleaved, sign, slots);
                 let r = rows.start;
                 let mut at = [r / (n1 * n2), (r / n2) % n1, r % n2];
                 for _ in rows.clone() {
@@ -227,7 +234,7 @@ pub fn apply_inplace<T: Element>(
                     // disjoint ranges of rows, so no two slices alias.
                     let row = unsafe { base.row(at[0] * s0 + at[1] * s1 + at[2] * s2, d) };
                     buf.copy_from_slice(row);
-                    rotate_row(&buf, row, &cos[pos * half..][..half], &sin[pos * half..][..half], interleaved, sign);
+                    rot.row(pos, &buf, row);
                     at[2] += 1;
                     if at[2] == n2 {
                         at[2] = 0;
@@ -277,7 +284,7 @@ fn run<T: Element>(
     inverse: bool,
     par: Par<'_>,
 ) {
-    let (d, half, heads, seq) = (shape.head_dim, shape.rotary_dim / 2, shape.heads, shape.seq);
+    let (d, heads, seq) = (shape.head_dim, shape.heads, shape.seq);
     let rows = shape.batch * seq * heads;
     if rows == 0 || d == 0 {
         return;
@@ -297,9 +304,11 @@ fn run<T: Element>(
             #[inline(always)]
             || {
                 if tiled {
-                    rotate_tiles(x, st, cos, sin, &mut y, rows.clone(), shape, interleaved, sign);
+                    let mut rot = Rotator::new(cos, sin, shape, interleaved, sign, TILE);
+                    rotate_tiles(x, st, &mut rot, &mut y, rows.clone(), shape);
                     return;
                 }
+                let mut rot = Rotator::new(cos, sin, shape, interleaved, sign, 1);
                 // The row's batch entry, position and head, stepped rather
                 // than divided out per row (a division is about as long as
                 // rotating a bf16 head of 128).
@@ -314,8 +323,7 @@ fn run<T: Element>(
                         let ahead = x.get((start + i + ahead_rows) * d..).unwrap_or(&[]);
                         prefetch_part::<T, false>(ahead, 0, d);
                     }
-                    let x = &x[batch * st.batch + pos * st.seq + head * st.heads..][..d];
-                    rotate_row(x, y, &cos[pos * half..][..half], &sin[pos * half..][..half], interleaved, sign);
+                    rot.row(pos, &x[batch * st.batch + pos * st.seq + head * st.heads..][..d], y);
                     head += 1;
                     if head == heads {
                         head = 0;
@@ -339,26 +347,29 @@ fn run<T: Element>(
 /// unchanged at 1.17-1.21x.
 const PREFETCH_BYTES: usize = 2048;
 
+/// The most memory [`apply_inplace`] gives to widened angles per block
+/// (1024 positions of 64 pairs): with positions innermost, a row's angles
+/// would otherwise be widened for every row, which measured 1.2-1.3x the
+/// time of the old per-group widening (bf16 `[4, 32, 1024, 128]` transposed,
+/// criterion).
+const WIDENED_BYTES: usize = 512 << 10;
+
 /// Tokens per tile of [`rotate_tiles`]: 16 rows of 128 bf16 are 4 KiB read
 /// in a row from each head.
 const TILE: usize = 16;
 
 /// Output rows `rows` (`y` holds them) in tiles of [`TILE`] tokens, head by
 /// head within a tile.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn rotate_tiles<T: Element>(
     x: &[T],
     st: Strides,
-    cos: &[T],
-    sin: &[T],
+    rot: &mut Rotator<'_, T>,
     y: &mut [T],
     rows: std::ops::Range<usize>,
     shape: Shape,
-    interleaved: bool,
-    sign: T::Acc,
 ) {
-    let (d, half, heads, seq) = (shape.head_dim, shape.rotary_dim / 2, shape.heads, shape.seq);
+    let (d, heads, seq) = (shape.head_dim, shape.heads, shape.seq);
     let tokens = rows.start / heads..(rows.end - 1) / heads + 1;
     let mut tile = tokens.start;
     while tile < tokens.end {
@@ -375,55 +386,117 @@ fn rotate_tiles<T: Element>(
                 if !rows.contains(&row) {
                     continue;
                 }
-                let (p, x) = (pos[i], &x[base[i] + h * st.heads..][..d]);
                 let y = &mut y[(row - rows.start) * d..][..d];
-                rotate_row(x, y, &cos[p * half..][..half], &sin[p * half..][..half], interleaved, sign);
+                rot.row(pos[i], &x[base[i] + h * st.heads..][..d], y);
             }
         }
         tile += n;
     }
 }
 
-/// One row: the rotated pairs, then the dims past them copied.
-#[inline(always)]
-fn rotate_row<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], interleaved: bool, sign: T::Acc) {
-    if interleaved {
-        rotate_pairs(x, y, c, s, sign);
-    } else {
-        rotate_halves(x, y, c, s, sign);
+/// Rotates the rows of one block: the layout, the sign of the angle, and
+/// for f16 and bf16 NeoX ([`wide::applies`]) the angles of the positions
+/// met, widened to f32.
+struct Rotator<'a, T: Element> {
+    cos: &'a [T],
+    sin: &'a [T],
+    /// Pairs per row (`rotary_dim / 2`).
+    half: usize,
+    interleaved: bool,
+    sign: T::Acc,
+    /// Where [`wide::row_halves`] runs.
+    wide: Option<Widened>,
+}
+
+impl<'a, T: Element> Rotator<'a, T> {
+    /// For rows of `shape`, keeping the widened angles of up to `slots`
+    /// positions (as many as a block visits in turn: one where rows go
+    /// position by position, [`TILE`] for tiles).
+    #[inline(always)]
+    fn new(cos: &'a [T], sin: &'a [T], shape: Shape, interleaved: bool, sign: T::Acc, slots: usize) -> Self {
+        let half = shape.rotary_dim / 2;
+        let wide = (!interleaved && half > 0 && wide::applies::<T>()).then(|| Widened::new(half, slots));
+        Rotator { cos, sin, half, interleaved, sign, wide }
     }
-    let rot = 2 * c.len();
-    if rot < y.len() {
-        y[rot..].copy_from_slice(&x[rot..]);
+
+    /// Rotates `x` (one head) by the angles of position `pos` into `y`, and
+    /// copies the dims past the rotated ones.
+    #[inline(always)]
+    fn row(&mut self, pos: usize, x: &[T], y: &mut [T]) {
+        let (half, sign) = (self.half, self.sign);
+        match &mut self.wide {
+            Some(w) => {
+                let (c, s) = w.get(pos, self.cos, self.sin, sign);
+                wide::row_halves(&x[..2 * half], &mut y[..2 * half], c, s);
+            }
+            None => {
+                let (c, s) = (&self.cos[pos * half..][..half], &self.sin[pos * half..][..half]);
+                if self.interleaved {
+                    rotate_pairs(x, y, c, s, sign);
+                } else {
+                    rotate_halves(x, y, c, s, sign);
+                }
+            }
+        }
+        if 2 * half < y.len() {
+            y[2 * half..].copy_from_slice(&x[2 * half..]);
+        }
     }
 }
 
-/// NeoX layout: `(x[i], x[i + h])` for `i < h`.
+/// The cos and sin (times the sign) of up to `slots` positions in f32, each
+/// widened once when first met and kept in slot `pos % slots`. The heads of
+/// a token share them; widening them in every head took five of bf16's
+/// ~25 vector instructions per 16 pairs (two values widened in two each,
+/// and the multiply by the sign).
+struct Widened {
+    half: usize,
+    /// The position each slot holds (`usize::MAX`: none yet).
+    pos: Vec<usize>,
+    /// Slot `k`'s cos at `2 k half`, its sin times the sign after it.
+    cs: Vec<f32>,
+}
+
+impl Widened {
+    fn new(half: usize, slots: usize) -> Self {
+        let slots = slots.max(1);
+        Widened { half, pos: vec![usize::MAX; slots], cs: vec![0.0; 2 * half * slots] }
+    }
+
+    /// Position `pos`'s cos and sin times `sign`, widened from `cos` and
+    /// `sin` (`[seq, half]`) when its slot holds another.
+    #[inline(always)]
+    fn get<T: Element>(&mut self, pos: usize, cos: &[T], sin: &[T], sign: T::Acc) -> (&[f32], &[f32]) {
+        let (half, k) = (self.half, pos % self.pos.len());
+        let (c, s) = self.cs[2 * half * k..][..2 * half].split_at_mut(half);
+        if self.pos[k] != pos {
+            self.pos[k] = pos;
+            // `to_acc` is f32 where this runs (f16, bf16): the f64 round
+            // trip changes nothing and LLVM drops it. `s * sign` is exact.
+            let f = |v: T| v.to_acc().to_f64() as f32;
+            let sign = sign.to_f64() as f32;
+            for (w, &v) in c.iter_mut().zip(&cos[pos * half..][..half]) {
+                *w = f(v);
+            }
+            for (w, &v) in s.iter_mut().zip(&sin[pos * half..][..half]) {
+                *w = f(v) * sign;
+            }
+        }
+        (c, s)
+    }
+}
+
+/// NeoX layout: `(x[i], x[i + h])` for `i < h`, in `T::Acc` (f32 and f64;
+/// f16 and bf16 take [`wide::row_halves`] where it runs).
 #[inline(always)]
 fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
     let (x1, x2) = (&x[..h], &x[h..2 * h]);
     let (y1, y2) = y[..2 * h].split_at_mut(h);
-    let pair = |i: usize, y1: &mut [T], y2: &mut [T]| {
+    for i in 0..h {
         let (a, b, c, s) = (x1[i].to_acc(), x2[i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
         y1[i] = T::from_acc(a * c - b * s);
         y2[i] = T::from_acc(b * c + a * s);
-    };
-    if !wide::applies::<T>() {
-        for i in 0..h {
-            pair(i, y1, y2);
-        }
-        return;
-    }
-    let mut i = 0;
-    while i < h {
-        let n = (h - i).min(wide::N);
-        if n < wide::N || !wide::halves(i, x1, x2, c, s, y1, y2, sign.to_f64() as f32) {
-            for j in i..i + n {
-                pair(j, y1, y2);
-            }
-        }
-        i += n;
     }
 }
 
