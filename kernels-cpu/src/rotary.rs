@@ -216,8 +216,8 @@ pub fn apply_inplace<T: Element>(
     // rows in memory order go through every position once per head, so
     // keep all their angles (up to WIDENED_BYTES; past that each row widens
     // its own), else one position's.
-    let half = shape.rotary_dim / 2;
-    let slots = if pos_dim == 2 { shape.seq.min(WIDENED_BYTES / (8 * half).max(1)).max(1) } else { 1 };
+    let slot_bytes = 4 * Widened::slot_len(shape.rotary_dim / 2, interleaved);
+    let slots = if pos_dim == 2 { shape.seq.min(WIDENED_BYTES / slot_bytes.max(1)).max(1) } else { 1 };
     par.for_each(blocks.count, &|b| {
         let rows = blocks.rows(b);
         dispatch(
@@ -348,7 +348,7 @@ fn run<T: Element>(
 const PREFETCH_BYTES: usize = 2048;
 
 /// The most memory [`apply_inplace`] gives to widened angles per block
-/// (1024 positions of 64 pairs): with positions innermost, a row's angles
+/// (1024 positions of 64 NeoX pairs): with positions innermost, a row's angles
 /// would otherwise be widened for every row, which measured 1.2-1.3x the
 /// time of the old per-group widening (bf16 `[4, 32, 1024, 128]` transposed,
 /// criterion).
@@ -395,8 +395,8 @@ fn rotate_tiles<T: Element>(
 }
 
 /// Rotates the rows of one block: the layout, the sign of the angle, and
-/// for f16 and bf16 NeoX ([`wide::applies`]) the angles of the positions
-/// met, widened to f32.
+/// for f16 and bf16 ([`wide::applies`]) the angles of the positions met,
+/// widened to f32.
 struct Rotator<'a, T: Element> {
     cos: &'a [T],
     sin: &'a [T],
@@ -415,7 +415,7 @@ impl<'a, T: Element> Rotator<'a, T> {
     #[inline(always)]
     fn new(cos: &'a [T], sin: &'a [T], shape: Shape, interleaved: bool, sign: T::Acc, slots: usize) -> Self {
         let half = shape.rotary_dim / 2;
-        let wide = (!interleaved && half > 0 && wide::applies::<T>()).then(|| Widened::new(half, slots));
+        let wide = (half > 0 && wide::applies::<T>()).then(|| Widened::new(half, interleaved, slots));
         Rotator { cos, sin, half, interleaved, sign, wide }
     }
 
@@ -427,7 +427,12 @@ impl<'a, T: Element> Rotator<'a, T> {
         match &mut self.wide {
             Some(w) => {
                 let (c, s) = w.get(pos, self.cos, self.sin, sign);
-                wide::row_halves(&x[..2 * half], &mut y[..2 * half], c, s);
+                let (x, y) = (&x[..2 * half], &mut y[..2 * half]);
+                if self.interleaved {
+                    wide::row_pairs(x, y, c, s);
+                } else {
+                    wide::row_halves(x, y, c, s);
+                }
             }
             None => {
                 let (c, s) = (&self.cos[pos * half..][..half], &self.sin[pos * half..][..half]);
@@ -448,38 +453,61 @@ impl<'a, T: Element> Rotator<'a, T> {
 /// widened once when first met and kept in slot `pos % slots`. The heads of
 /// a token share them; widening them in every head took five of bf16's
 /// ~25 vector instructions per 16 pairs (two values widened in two each,
-/// and the multiply by the sign).
+/// and the multiply by the sign). For the GPT-J layout they are laid out
+/// per value, as [`wide::row_pairs`] takes them: `[c0, c0, c1, c1, ..]` and
+/// `[-s0, s0, -s1, s1, ..]`.
 struct Widened {
     half: usize,
+    interleaved: bool,
     /// The position each slot holds (`usize::MAX`: none yet).
     pos: Vec<usize>,
-    /// Slot `k`'s cos at `2 k half`, its sin times the sign after it.
+    /// Each slot's cos, then its sin times the sign.
     cs: Vec<f32>,
 }
 
 impl Widened {
-    fn new(half: usize, slots: usize) -> Self {
+    fn new(half: usize, interleaved: bool, slots: usize) -> Self {
         let slots = slots.max(1);
-        Widened { half, pos: vec![usize::MAX; slots], cs: vec![0.0; 2 * half * slots] }
+        let cs = vec![0.0; Self::slot_len(half, interleaved) * slots];
+        Widened { half, interleaved, pos: vec![usize::MAX; slots], cs }
+    }
+
+    /// f32 values per slot: cos and sin, each `half` long, or `2 half`
+    /// per value (GPT-J).
+    fn slot_len(half: usize, interleaved: bool) -> usize {
+        if interleaved {
+            4 * half
+        } else {
+            2 * half
+        }
     }
 
     /// Position `pos`'s cos and sin times `sign`, widened from `cos` and
     /// `sin` (`[seq, half]`) when its slot holds another.
     #[inline(always)]
     fn get<T: Element>(&mut self, pos: usize, cos: &[T], sin: &[T], sign: T::Acc) -> (&[f32], &[f32]) {
-        let (half, k) = (self.half, pos % self.pos.len());
-        let (c, s) = self.cs[2 * half * k..][..2 * half].split_at_mut(half);
+        let (half, k, len) = (self.half, pos % self.pos.len(), Self::slot_len(self.half, self.interleaved));
+        let (c, s) = self.cs[len * k..][..len].split_at_mut(len / 2);
         if self.pos[k] != pos {
             self.pos[k] = pos;
             // `to_acc` is f32 where this runs (f16, bf16): the f64 round
-            // trip changes nothing and LLVM drops it. `s * sign` is exact.
+            // trip changes nothing and LLVM drops it. `s * sign` and its
+            // negation are exact.
             let f = |v: T| v.to_acc().to_f64() as f32;
             let sign = sign.to_f64() as f32;
-            for (w, &v) in c.iter_mut().zip(&cos[pos * half..][..half]) {
-                *w = f(v);
-            }
-            for (w, &v) in s.iter_mut().zip(&sin[pos * half..][..half]) {
-                *w = f(v) * sign;
+            let (cos, sin) = (&cos[pos * half..][..half], &sin[pos * half..][..half]);
+            if self.interleaved {
+                for (i, (&cv, &sv)) in cos.iter().zip(sin).enumerate() {
+                    let (cv, sv) = (f(cv), f(sv) * sign);
+                    (c[2 * i], c[2 * i + 1], s[2 * i], s[2 * i + 1]) = (cv, cv, -sv, sv);
+                }
+            } else {
+                for (w, &v) in c.iter_mut().zip(cos) {
+                    *w = f(v);
+                }
+                for (w, &v) in s.iter_mut().zip(sin) {
+                    *w = f(v) * sign;
+                }
             }
         }
         (c, s)
@@ -500,13 +528,12 @@ fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Ac
     }
 }
 
-/// GPT-J layout: `(x[2i], x[2i + 1])`.
+/// GPT-J layout: `(x[2i], x[2i + 1])`, in `T::Acc` (f32 and f64; f16 and
+/// bf16 take [`wide::row_pairs`] where it runs).
 #[inline(always)]
 fn rotate_pairs<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
-    let i = wide::pairs(&x[..2 * h], c, s, &mut y[..2 * h], sign.to_f64() as f32);
-    let (x, y, c, s) = (&x[2 * i..2 * h], &mut y[2 * i..2 * h], &c[i..h], &s[i..h]);
-    for (((y, x), c), s) in y.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(c).zip(s) {
+    for (((y, x), c), s) in y[..2 * h].chunks_exact_mut(2).zip(x[..2 * h].chunks_exact(2)).zip(c).zip(s) {
         let (a, b, c, s) = (x[0].to_acc(), x[1].to_acc(), c.to_acc(), s.to_acc() * sign);
         y[0] = T::from_acc(a * c - b * s);
         y[1] = T::from_acc(b * c + a * s);

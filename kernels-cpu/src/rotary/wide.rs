@@ -1,11 +1,12 @@
-//! f16 and bf16 rotation of 16 pairs at a time with AVX-512 (f16 also as
-//! two halves of 8 with AVX2 and F16C): f16 widened by `vcvtph2ps`, rotated
-//! in f32, rounded by `vcvtps2ph`; bf16 below.
+//! f16 and bf16 rows of rotary in explicit SIMD, both layouts: NeoX
+//! ([`row_halves`], 16 pairs at a time with AVX-512, f16 also as two halves
+//! of 8 with AVX2 and F16C) and GPT-J ([`row_pairs`]): f16 widened by
+//! `vcvtph2ps`, rotated in f32, rounded by `vcvtps2ph`; bf16 below.
 //!
 //! On an AVX2 CPU without this path the generic loop's software f16
 //! conversions took 48.7 ms for the 4x1024x32x128 NeoX benchmark, against
-//! 2.6 ms for bf16 (criterion); with it, 2.6 ms. GPT-J (interleaved) f16
-//! has [`pairs`] (AVX2 and F16C, also on AVX-512 CPUs): 7.6 ms before it.
+//! 2.6 ms for bf16 (criterion); with it, 2.6 ms. GPT-J f16 took 7.6 ms
+//! before its AVX2 path.
 //!
 //! The generic loop converts f16 in software both ways, which held f16
 //! rotary to about 33 GiB/s in criterion (4x1024x32x128, NeoX), against
@@ -34,6 +35,9 @@
 //! spilled to the stack and bf16 ran 1.35x slower than before). Criterion
 //! NeoX 4x1024x32x128 on two threads: bf16 2.06-2.24 -> 1.53-1.55 ms, f16
 //! 2.13-2.21 -> 1.63-1.70 ms; one thread: bf16 3.58-3.74 -> 3.22-3.28 ms.
+//! GPT-J bf16, which rounded in software (LLVM's vectorised loop), now
+//! rounds 32 values at a time with `vcvtne2ps2bf16`: 2.28-2.47 -> 1.69-1.76
+//! ms on two threads, 4.03-4.17 -> 3.07-3.11 ms on one.
 use crate::element::{Acc, Element};
 
 /// Pairs per explicit group of [`row_halves`].
@@ -125,39 +129,75 @@ fn scalar_halves<T: Element>(x: &[T], y: &mut [T], c: &[f32], s: &[f32], range: 
     }
 }
 
-/// [`pairs`] rotates whole groups of this many pairs.
-pub(super) const NP: usize = 4;
-
-/// Rotates the first `c.len() / NP * NP` pairs of the GPT-J layout
-/// (`x[2i]`, `x[2i + 1]` by `c[i]`, `s[i]` times `sign`) and returns how
-/// many it did: 0, writing nothing, where `T` is not f16 or the CPU lacks
-/// F16C ([`crate::widen::applies`], the same condition: AVX-512 CPUs have
-/// AVX2, FMA and F16C too).
+/// Rotates one row of the GPT-J layout: pairs `(x[2i], x[2i + 1])`, with
+/// `cd` and `sd` the row's cos and sin (times the sign of the angle) in f32
+/// laid out per value: `cd = [c0, c0, c1, c1, ..]`, `sd = [-s0, s0, -s1,
+/// s1, ..]` (`Widened` in the parent makes them). Each value is then `x cd +
+/// swap(x) sd`, `swap` exchanging the two values of each pair: `a c + b (-s)`
+/// is `a c - b s`, and `b c + a s`, the generic loop's products and sums in
+/// its order. Whole groups of 32 values (bf16), 16 (f16 with AVX-512) or 8
+/// (f16 with AVX2) run in
+/// explicit SIMD where [`applies`] holds, the rest (a bf16 group with an f32
+/// subnormal result too) in scalar code: the same bits either way.
 ///
 /// # Panics
-/// If `s` is shorter than `c`, or `x` or `y` than `2 c.len()` (where
-/// it runs).
+/// As [`row_halves`]: `T::Acc` not f32, or `x`, `y`, `cd` and `sd` of
+/// different (or odd) lengths.
 #[inline(always)]
-pub(super) fn pairs<T: Element>(x: &[T], c: &[T], s: &[T], y: &mut [T], sign: f32) -> usize {
+pub(super) fn row_pairs<T: Element>(x: &[T], y: &mut [T], cd: &[f32], sd: &[f32]) {
+    assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_pairs: {} does not accumulate in f32", T::NAME);
+    let n = cd.len();
+    assert!(sd.len() == n && x.len() == n && y.len() == n && n.is_multiple_of(2), "rotary row_pairs: lengths differ");
+    let mut i = 0;
     #[cfg(target_arch = "x86_64")]
-    if crate::widen::applies::<T>() {
-        let n = c.len() / NP * NP;
-        let (x, y, c, s) = (&x[..2 * n], &mut y[..2 * n], &c[..n], &s[..n]);
-        // SAFETY: `widen::applies` found T to be f16 (2 bytes, bits as u16)
-        // and AVX2 with F16C; `x` and `y` hold 2n elements, `c` and `s` n,
-        // read and written unaligned.
-        unsafe {
-            x86::pairs_f16_avx2(
-                (x.as_ptr().cast(), c.as_ptr().cast(), s.as_ptr().cast()),
-                y.as_mut_ptr().cast(),
-                n,
-                sign,
-            )
+    if applies::<T>() {
+        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), crate::simd::has_v4_bf16());
+        let (px, py, pc, ps) = (x.as_ptr().cast::<u16>(), y.as_mut_ptr().cast::<u16>(), cd.as_ptr(), sd.as_ptr());
+        // Values per group: bf16 rounds two vectors at once.
+        let step = if bf {
+            32
+        } else if v4 {
+            16
+        } else {
+            8
         };
-        return n;
+        while i + step <= n {
+            // SAFETY: as in `row_halves`: `applies` checked T and the CPU
+            // (bf16 only with `has_v4_bf16`'s features, so `v4` holds for
+            // it); `i + step <= n`, the length of all four slices.
+            let done = unsafe {
+                let (ins, out) = ((px.add(i), pc.add(i), ps.add(i)), py.add(i));
+                if bf {
+                    x86::pairs_bf16(ins, out)
+                } else if v4 {
+                    x86::pairs_f16(ins, out);
+                    true
+                } else {
+                    x86::pairs_f16_avx2(ins, out);
+                    true
+                }
+            };
+            if !done {
+                scalar_pairs(x, y, cd, sd, i / 2..(i + step) / 2);
+            }
+            i += step;
+        }
     }
-    let _ = (x, c, s, y, sign);
-    0
+    if i < n {
+        scalar_pairs(x, y, cd, sd, i / 2..n / 2);
+    }
+}
+
+/// Pairs `range` of [`row_pairs`] in scalar code, as [`scalar_halves`].
+#[cold]
+#[inline(never)]
+fn scalar_pairs<T: Element>(x: &[T], y: &mut [T], cd: &[f32], sd: &[f32], range: std::ops::Range<usize>) {
+    let f = |v: T| v.to_acc().to_f64() as f32;
+    for j in range {
+        let (a, b, c, s) = (f(x[2 * j]), f(x[2 * j + 1]), cd[2 * j], sd[2 * j + 1]);
+        y[2 * j] = T::from_acc(T::Acc::from_f64(f64::from(a * c - b * s)));
+        y[2 * j + 1] = T::from_acc(T::Acc::from_f64(f64::from(b * c + a * s)));
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -254,47 +294,76 @@ mod x86 {
         }
     }
 
-    /// See [`super::pairs`]: `n` pairs (a multiple of 4), four per step, as
-    /// the generic loop computes them. With `x = [a0 b0 a1 b1 ..]`, its
-    /// pair-swap `[b0 a0 b1 a1 ..]`, `c` and `s` each repeated per pair and
-    /// `s` negated in the even lanes, `x c + swap s` is `a c + b (-s)`,
-    /// which is `a c - b s`, and `b c + a s`: the same products and the same
-    /// sum or difference, so the same bits.
+    /// `x`, `cd`, `sd` of [`super::row_pairs`]: 16 values each (8 with AVX2).
+    type PairIns = (*const u16, *const f32, *const f32);
+
+    /// `x cd + swap(x) sd` (see [`super::row_pairs`]).
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn pair_rotate(x: __m512, cd: __m512, sd: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_mul_ps(x, cd), _mm512_mul_ps(_mm512_permute_ps::<0b10_11_00_01>(x), sd))
+    }
+
+    /// One group (8 pairs) of [`super::row_pairs`] for f16.
     ///
     /// # Safety
-    /// The CPU has AVX2 and F16C; `x` and `y` reach `2n` `u16`s, `c` and `s`
-    /// `n`; `n` is a multiple of 4.
+    /// The CPU has AVX512F; each pointer reaches 16 values.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    pub(super) unsafe fn pairs_f16((x, cd, sd): PairIns, y: *mut u16) {
+        const RNE: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+        // SAFETY: (caller) 16 values behind each pointer.
+        unsafe {
+            let v =
+                pair_rotate(_mm512_cvtph_ps(_mm256_loadu_si256(x.cast())), _mm512_loadu_ps(cd), _mm512_loadu_ps(sd));
+            _mm256_storeu_si256(y.cast(), _mm512_cvtps_ph::<RNE>(v));
+        }
+    }
+
+    /// Two groups (32 values, 16 pairs) of [`super::row_pairs`] for bf16,
+    /// rounded together by [`crate::narrow::x86::bf16_pair`] (one
+    /// `vcvtne2ps2bf16` and one store): false, writing nothing, where a
+    /// result is an f32 subnormal, which that instruction would flush.
+    ///
+    /// # Safety
+    /// The CPU has [`crate::simd::has_v4_bf16`]'s features; each pointer
+    /// reaches 32 values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")]
+    #[inline]
+    pub(super) unsafe fn pairs_bf16((x, cd, sd): PairIns, y: *mut u16) -> bool {
+        // SAFETY: (caller) 32 values behind each pointer.
+        unsafe {
+            let widen = |p: *const u16| {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+            };
+            let lo = pair_rotate(widen(x), _mm512_loadu_ps(cd), _mm512_loadu_ps(sd));
+            let hi = pair_rotate(widen(x.add(16)), _mm512_loadu_ps(cd.add(16)), _mm512_loadu_ps(sd.add(16)));
+            crate::narrow::x86::bf16_pair(y.cast(), lo, hi)
+        }
+    }
+
+    /// [`pairs_f16`] on 8 values (4 pairs) with AVX2's F16C conversions.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C; each pointer reaches 8 values.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    pub(super) unsafe fn pairs_f16_avx2(
-        (x, c, s): (*const u16, *const u16, *const u16),
-        y: *mut u16,
-        n: usize,
-        sign: f32,
-    ) {
+    pub(super) unsafe fn pairs_f16_avx2((x, cd, sd): PairIns, y: *mut u16) {
+        // F16C's immediate has no exception bit: round to nearest even.
         const RNE: i32 = _MM_FROUND_TO_NEAREST_INT;
-        let dup = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-        // `-sign` in the even lanes (the first of each pair), `sign` in the odd.
-        let alt = _mm256_setr_ps(-sign, sign, -sign, sign, -sign, sign, -sign, sign);
-        for k in (0..n).step_by(4) {
-            // SAFETY: (caller) 8 of `x` read and 8 of `y` written at `2k`,
-            // 4 of `c` and `s` read at `k`, with `k + 4 <= n`.
-            unsafe {
-                let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.add(2 * k).cast()));
-                let widen4 = |p: *const u16| _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(p.cast())));
-                let cv = _mm256_permutevar8x32_ps(widen4(c.add(k)), dup);
-                let sv = _mm256_mul_ps(_mm256_permutevar8x32_ps(widen4(s.add(k)), dup), alt);
-                let swap = _mm256_permute_ps::<0b10_11_00_01>(xv);
-                let v = _mm256_add_ps(_mm256_mul_ps(xv, cv), _mm256_mul_ps(swap, sv));
-                _mm_storeu_si128(y.add(2 * k).cast(), _mm256_cvtps_ph::<RNE>(v));
-            }
+        // SAFETY: (caller) 8 values behind each pointer.
+        unsafe {
+            let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.cast()));
+            let swap = _mm256_permute_ps::<0b10_11_00_01>(xv);
+            let v = _mm256_add_ps(_mm256_mul_ps(xv, _mm256_loadu_ps(cd)), _mm256_mul_ps(swap, _mm256_loadu_ps(sd)));
+            _mm_storeu_si128(y.cast(), _mm256_cvtps_ph::<RNE>(v));
         }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{applies, pairs, row_halves, N, NP};
+    use super::{applies, row_halves, row_pairs, N};
     use crate::element::Element;
     use crate::simd::dispatch;
     use half::{bf16, f16};
@@ -313,36 +382,53 @@ mod tests {
         }};
     }
 
-    /// [`row_halves`] over rows of every 7th bit pattern of `T` (results
-    /// that are subnormal, overflow, infinite or NaN), for both signs of the
-    /// angle, with `h` of whole groups and a tail: the generic loop's
-    /// expression bit for bit, on cos and sin widened as the parent's
-    /// `Widened` does. Returns how many pairs had an f32 subnormal result
-    /// (bf16 redoes their groups in scalar code).
-    fn row_matches<T: Element<Acc = f32>>(bits: fn(u16) -> T) -> usize {
+    /// [`row_halves`] (NeoX) or [`row_pairs`] (GPT-J, `interleaved`) over
+    /// rows of every 7th bit pattern of `T` (results that are subnormal,
+    /// overflow, infinite or NaN), for both signs of the angle, with whole
+    /// groups and a tail: the generic loop's expression bit for bit, on cos
+    /// and sin widened as the parent's `Widened` does. Returns how many pairs
+    /// had an f32 subnormal result (bf16 redoes their groups in scalar code).
+    fn row_matches<T: Element<Acc = f32>>(bits: fn(u16) -> T, interleaved: bool) -> usize {
         if !applies::<T>() {
             eprintln!("note: no explicit rotary path for {} on this CPU: the scalar one is tested", T::NAME);
         }
         let all: Vec<T> = (0..=u16::MAX).step_by(7).map(bits).collect();
         let h = (all.len() - 29) / N * N - 3;
-        // x1 and x2 the same patterns shifted, and cos and sin too, so that
-        // each pair meets other values.
-        let x: Vec<T> = all[..h].iter().chain(&all[7..][..h]).copied().collect();
+        // The pairs' two values are the same patterns shifted, and cos and
+        // sin too, so that each pair meets other values.
+        let (a, b) = (&all[..h], &all[7..][..h]);
+        let x: Vec<T> = if interleaved {
+            a.iter().zip(b).flat_map(|(&a, &b)| [a, b]).collect()
+        } else {
+            a.iter().chain(b).copied().collect()
+        };
+        // Where pair `i` lies in the row.
+        let at = |i: usize| if interleaved { (2 * i, 2 * i + 1) } else { (i, h + i) };
         let (c, s) = (&all[13..][..h], &all[29..][..h]);
         let mut subnormal = 0;
         for sign in [1.0f32, -1.0] {
             let cw: Vec<f32> = c.iter().map(|v| v.to_acc()).collect();
             let sw: Vec<f32> = s.iter().map(|v| v.to_acc() * sign).collect();
             let mut y = vec![bits(0x7777); 2 * h];
-            dispatch(
-                #[inline(always)]
-                || row_halves(&x, &mut y, &cw, &sw),
-            );
+            if interleaved {
+                let cd: Vec<f32> = cw.iter().flat_map(|&c| [c, c]).collect();
+                let sd: Vec<f32> = sw.iter().flat_map(|&s| [-s, s]).collect();
+                dispatch(
+                    #[inline(always)]
+                    || row_pairs(&x, &mut y, &cd, &sd),
+                );
+            } else {
+                dispatch(
+                    #[inline(always)]
+                    || row_halves(&x, &mut y, &cw, &sw),
+                );
+            }
             for i in 0..h {
-                let (a, b, c, s) = (x[i].to_acc(), x[h + i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
+                let (ia, ib) = at(i);
+                let (a, b, c, s) = (x[ia].to_acc(), x[ib].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
                 let (p, q) = (a * c - b * s, b * c + a * s);
                 subnormal += usize::from(p.is_subnormal() || q.is_subnormal());
-                for (got, want) in [(y[i], T::from_acc(p)), (y[h + i], T::from_acc(q))] {
+                for (got, want) in [(y[ia], T::from_acc(p)), (y[ib], T::from_acc(q))] {
                     assert_same!(got, want, i, sign);
                 }
             }
@@ -351,42 +437,16 @@ mod tests {
     }
 
     #[test]
-    fn f16_rows_match_the_scalar_rotation() {
-        row_matches(f16::from_bits);
+    fn f16_rows_match_the_scalar_rotation_in_both_layouts() {
+        row_matches(f16::from_bits, false);
+        row_matches(f16::from_bits, true);
     }
 
     #[test]
-    fn bf16_rows_match_the_scalar_rotation_subnormal_groups_included() {
-        assert!(row_matches(bf16::from_bits) > 0, "no pair made an f32 subnormal: the fallback went untested");
-    }
-
-    /// Every group of [`pairs`] (GPT-J) equals the generic loop's
-    /// expression bit for bit, as above.
-    #[test]
-    fn f16_pair_groups_match_the_scalar_rotation() {
-        if !crate::widen::applies::<f16>() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C for the f16 GPT-J rotary path");
-            return;
-        }
-        let all: Vec<f16> = (0..=u16::MAX).step_by(7).map(f16::from_bits).collect();
-        // One pair past whole groups: left alone.
-        let h = (all.len() - 29) / 2 / NP * NP - NP + 1;
-        let (x, c, s) = (&all[..2 * h], &all[13..][..h], &all[29..][..h]);
-        for sign in [1.0f32, -1.0] {
-            let mut y = vec![f16::from_bits(0x7777); 2 * h];
-            let done = dispatch(
-                #[inline(always)]
-                || pairs(x, c, s, &mut y, sign),
-            );
-            assert_eq!(done, h - 1);
-            assert_eq!(&y[2 * done..], [f16::from_bits(0x7777); 2]);
-            for i in 0..done {
-                let (a, b, c, s) = (x[2 * i].to_acc(), x[2 * i + 1].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
-                let want = (f16::from_acc(a * c - b * s), f16::from_acc(b * c + a * s));
-                for (got, want) in [(y[2 * i], want.0), (y[2 * i + 1], want.1)] {
-                    assert_same!(got, want, i, sign);
-                }
-            }
+    fn bf16_rows_match_the_scalar_rotation_in_both_layouts_subnormal_groups_included() {
+        for interleaved in [false, true] {
+            let subnormal = row_matches(bf16::from_bits, interleaved);
+            assert!(subnormal > 0, "interleaved={interleaved}: no f32 subnormal result, so the fallback went untested");
         }
     }
 }
