@@ -70,20 +70,6 @@ pub(crate) trait ExpNonposFn<L: Lanes> {
     fn eval(&self, l: L, x: L::V) -> L::V;
 }
 
-impl<L: Lanes> ExpNonposFn<L> for ExpNonpos<L::V> {
-    #[inline(always)]
-    fn eval(&self, l: L, x: L::V) -> L::V {
-        ExpNonpos::eval(self, l, x)
-    }
-}
-
-impl<L: Lanes> ExpNonposFn<L> for ExpNonposNarrow<L::V> {
-    #[inline(always)]
-    fn eval(&self, l: L, x: L::V) -> L::V {
-        ExpNonposNarrow::eval(self, l, x)
-    }
-}
-
 /// [`crate::math::exp_nonpos_f32`].
 pub(crate) struct ExpNonpos<V> {
     log2e: V,
@@ -109,10 +95,12 @@ impl<V: Copy> ExpNonpos<V> {
             cutoff: l.splat(NORMAL_CUTOFF),
         }
     }
+}
 
-    /// `exp_nonpos_f32` on every lane.
+/// `exp_nonpos_f32` on every lane.
+impl<L: Lanes> ExpNonposFn<L> for ExpNonpos<L::V> {
     #[inline(always)]
-    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x: V) -> V {
+    fn eval(&self, l: L, x: L::V) -> L::V {
         let k = l.fmadd(x, self.log2e, self.magic);
         let s = l.shl23(k);
         let n = l.sub(k, self.magic);
@@ -162,10 +150,12 @@ impl<V: Copy> ExpNonposNarrow<V> {
     pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
         Self::with_cutoff(l, NORMAL_CUTOFF)
     }
+}
 
-    /// `exp_nonpos_narrow_f32` on every lane.
+/// `exp_nonpos_narrow_f32` on every lane.
+impl<L: Lanes> ExpNonposFn<L> for ExpNonposNarrow<L::V> {
     #[inline(always)]
-    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x: V) -> V {
+    fn eval(&self, l: L, x: L::V) -> L::V {
         let k = l.fmadd(x, self.log2e, self.magic);
         let s = l.shl23(k);
         let n = l.sub(k, self.magic);
@@ -224,7 +214,7 @@ impl<V: Copy> Erf<V> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Erf, Exp, ExpNonpos, ExpNonposNarrow};
+    use super::{Erf, Exp, ExpNonpos, ExpNonposFn, ExpNonposNarrow};
     use crate::math::{erf_f32, exp_f32, exp_nonpos_f32, exp_nonpos_narrow_f32};
     use crate::wide::x86::{every_width, run_with, Kernel, Lanes, Width};
 
