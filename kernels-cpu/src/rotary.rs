@@ -213,28 +213,36 @@ pub fn apply_inplace<T: Element>(
     let base = RowsPtr(x.as_mut_ptr());
     let blocks = Blocks::new(&par, rows, d);
     // Positions innermost (a `[batch, heads, seq, head_dim]` x transposed):
-    // rows in memory order go through every position once per head, so
-    // keep all their angles (up to WIDENED_BYTES; past that each row widens
-    // its own), else one position's.
-    let slot_bytes = 4 * Widened::slot_len(shape.rotary_dim / 2, interleaved);
-    let slots = if pos_dim == 2 { shape.seq.min(WIDENED_BYTES / slot_bytes.max(1)).max(1) } else { 1 };
+    // rows in memory order would go through every position once per head,
+    // each widening its angles again; tiles of TILE positions, stream by
+    // stream (a stream: one head's positions), widen them once per tile.
+    let tiled = pos_dim == 2 && n2 > 1;
     par.for_each(blocks.count, &|b| {
         let rows = blocks.rows(b);
         dispatch(
             #[inline(always)]
             || {
                 let mut buf = vec![T::default(); d];
-                let mut rot = Rotator::new(cos, sin, shape, interleaved, sign, slots);
+                let mut rot = Rotator::new(cos, sin, shape, interleaved, sign, if tiled { TILE } else { 1 });
+                let at_rows = (&base, [s0, s1, s2], d, pos_dim);
+                // SAFETY (both): check_strided put every row inside `x`, and
+                // check_disjoint made rows pairwise disjoint; blocks own
+                // disjoint ranges of rows, and each block visits its own once.
+                if tiled {
+                    let (streams, end) = (rows.start / n2..(rows.end - 1) / n2 + 1, rows.end);
+                    let coords = (0..n2).step_by(TILE).flat_map(|t| {
+                        streams.clone().flat_map(move |st| {
+                            let first = (st * n2 + t).max(rows.start);
+                            (first..(st * n2 + (t + TILE).min(n2)).min(end))
+                                .map(move |r| [st / n1, st % n1, r - st * n2])
+                        })
+                    });
+                    unsafe { rotate_inplace(at_rows, &mut rot, &mut buf, coords) };
+                    return;
+                }
                 let r = rows.start;
-                let mut at = [r / (n1 * n2), (r / n2) % n1, r % n2];
-                for _ in rows.clone() {
-                    let pos = at[pos_dim];
-                    // SAFETY: check_strided put every row inside `x`, and
-                    // check_disjoint made rows pairwise disjoint; blocks own
-                    // disjoint ranges of rows, so no two slices alias.
-                    let row = unsafe { base.row(at[0] * s0 + at[1] * s1 + at[2] * s2, d) };
-                    buf.copy_from_slice(row);
-                    rot.row(pos, &buf, row);
+                let coords = rows.clone().scan([r / (n1 * n2), (r / n2) % n1, r % n2], |at, _| {
+                    let now = *at;
                     at[2] += 1;
                     if at[2] == n2 {
                         at[2] = 0;
@@ -244,11 +252,35 @@ pub fn apply_inplace<T: Element>(
                             at[0] += 1;
                         }
                     }
-                }
+                    Some(now)
+                });
+                unsafe { rotate_inplace(at_rows, &mut rot, &mut buf, coords) };
             },
         );
     });
     Ok(())
+}
+
+/// [`apply_inplace`]'s rows at `coords` (entries of its three dims sorted by
+/// stride, `strides` theirs, `pos_dim` the position's), each copied to `buf`
+/// and rotated back into place.
+///
+/// # Safety
+/// Every row at `coords` lies inside the slice behind `base`, no two are
+/// the same or overlap, and no other reference to them lives meanwhile.
+#[inline(always)]
+unsafe fn rotate_inplace<T: Element>(
+    (base, strides, d, pos_dim): (&RowsPtr<T>, [usize; 3], usize, usize),
+    rot: &mut Rotator<'_, T>,
+    buf: &mut [T],
+    coords: impl Iterator<Item = [usize; 3]>,
+) {
+    for at in coords {
+        // SAFETY: the caller's.
+        let row = unsafe { base.row(at[0] * strides[0] + at[1] * strides[1] + at[2] * strides[2], d) };
+        buf.copy_from_slice(row);
+        rot.row(at[pos_dim], buf, row);
+    }
 }
 
 /// `x`'s first element, shared by the tasks of [`apply_inplace`], each of
@@ -347,15 +379,9 @@ fn run<T: Element>(
 /// unchanged at 1.17-1.21x.
 const PREFETCH_BYTES: usize = 2048;
 
-/// The most memory [`apply_inplace`] gives to widened angles per block
-/// (1024 positions of 64 NeoX pairs): with positions innermost, a row's angles
-/// would otherwise be widened for every row, which measured 1.2-1.3x the
-/// time of the old per-group widening (bf16 `[4, 32, 1024, 128]` transposed,
-/// criterion).
-const WIDENED_BYTES: usize = 512 << 10;
-
-/// Tokens per tile of [`rotate_tiles`]: 16 rows of 128 bf16 are 4 KiB read
-/// in a row from each head.
+/// Tokens per tile of [`rotate_tiles`] (and positions per tile of
+/// [`apply_inplace`] where they are innermost): 16 rows of 128 bf16 are 4
+/// KiB read in a row from each head.
 const TILE: usize = 16;
 
 /// Output rows `rows` (`y` holds them) in tiles of [`TILE`] tokens, head by
