@@ -72,13 +72,21 @@ pub(super) fn applies<T: Element>() -> bool {
 /// `2 c.len()` long.
 #[inline(always)]
 pub(super) fn row_halves<T: Element>(x: &[T], y: &mut [T], c: &[f32], s: &[f32]) {
+    row_halves_at::<T, false>(x, y, c, s);
+}
+
+/// [`row_halves`]; with `AVX2`, f16 takes the AVX2 code on any CPU that has
+/// AVX2 and F16C (for the tests: an AVX-512 CPU would never run it).
+#[inline(always)]
+fn row_halves_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], c: &[f32], s: &[f32]) {
     assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_halves: {} does not accumulate in f32", T::NAME);
     let h = c.len();
     assert!(s.len() == h && x.len() == 2 * h && y.len() == 2 * h, "rotary row_halves: lengths differ");
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
-    if applies::<T>() {
-        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), crate::simd::has_v4_bf16());
+    if applies::<T>() && (!AVX2 || crate::wide::is::<T, half::bf16>() || crate::wide::x86::V8::try_new().is_some()) {
+        // bf16 runs only where `has_v4_bf16` holds (`applies`), whatever `v4`.
+        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), !AVX2 && crate::simd::has_v4_bf16());
         let (px, py, pc, ps) = (x.as_ptr().cast::<u16>(), y.as_mut_ptr().cast::<u16>(), c.as_ptr(), s.as_ptr());
         while i + N <= h {
             // SAFETY: `applies` found T to be bf16 and `has_v4_bf16`'s
@@ -145,13 +153,20 @@ fn scalar_halves<T: Element>(x: &[T], y: &mut [T], c: &[f32], s: &[f32], range: 
 /// different (or odd) lengths.
 #[inline(always)]
 pub(super) fn row_pairs<T: Element>(x: &[T], y: &mut [T], cd: &[f32], sd: &[f32]) {
+    row_pairs_at::<T, false>(x, y, cd, sd);
+}
+
+/// [`row_pairs`], with `AVX2` as in [`row_halves_at`].
+#[inline(always)]
+fn row_pairs_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], cd: &[f32], sd: &[f32]) {
     assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_pairs: {} does not accumulate in f32", T::NAME);
     let n = cd.len();
     assert!(sd.len() == n && x.len() == n && y.len() == n && n.is_multiple_of(2), "rotary row_pairs: lengths differ");
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
-    if applies::<T>() {
-        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), crate::simd::has_v4_bf16());
+    if applies::<T>() && (!AVX2 || crate::wide::is::<T, half::bf16>() || crate::wide::x86::V8::try_new().is_some()) {
+        // bf16 runs only where `has_v4_bf16` holds (`applies`), whatever `v4`.
+        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), !AVX2 && crate::simd::has_v4_bf16());
         let (px, py, pc, ps) = (x.as_ptr().cast::<u16>(), y.as_mut_ptr().cast::<u16>(), cd.as_ptr(), sd.as_ptr());
         // Values per group: bf16 rounds two vectors at once.
         let step = if bf {
@@ -363,7 +378,7 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::{applies, row_halves, row_pairs, N};
+    use super::{applies, row_halves_at, row_pairs_at, N};
     use crate::element::Element;
     use crate::simd::dispatch;
     use half::{bf16, f16};
@@ -389,6 +404,11 @@ mod tests {
     /// and sin widened as the parent's `Widened` does. Returns how many pairs
     /// had an f32 subnormal result (bf16 redoes their groups in scalar code).
     fn row_matches<T: Element<Acc = f32>>(bits: fn(u16) -> T, interleaved: bool) -> usize {
+        row_matches_at::<T, false>(bits, interleaved)
+    }
+
+    /// [`row_matches`], with `AVX2` as in `row_halves_at`.
+    fn row_matches_at<T: Element<Acc = f32>, const AVX2: bool>(bits: fn(u16) -> T, interleaved: bool) -> usize {
         if !applies::<T>() {
             eprintln!("note: no explicit rotary path for {} on this CPU: the scalar one is tested", T::NAME);
         }
@@ -415,12 +435,12 @@ mod tests {
                 let sd: Vec<f32> = sw.iter().flat_map(|&s| [-s, s]).collect();
                 dispatch(
                     #[inline(always)]
-                    || row_pairs(&x, &mut y, &cd, &sd),
+                    || row_pairs_at::<T, AVX2>(&x, &mut y, &cd, &sd),
                 );
             } else {
                 dispatch(
                     #[inline(always)]
-                    || row_halves(&x, &mut y, &cw, &sw),
+                    || row_halves_at::<T, AVX2>(&x, &mut y, &cw, &sw),
                 );
             }
             for i in 0..h {
@@ -440,6 +460,18 @@ mod tests {
     fn f16_rows_match_the_scalar_rotation_in_both_layouts() {
         row_matches(f16::from_bits, false);
         row_matches(f16::from_bits, true);
+    }
+
+    /// The AVX2 and F16C code for f16, which AVX-512 CPUs take the other
+    /// code instead of.
+    #[test]
+    fn f16_rows_on_avx2_match_the_scalar_rotation_in_both_layouts() {
+        if crate::wide::x86::V8::try_new().is_none() {
+            eprintln!("skipped: this CPU lacks AVX2 with F16C");
+            return;
+        }
+        row_matches_at::<f16, true>(f16::from_bits, false);
+        row_matches_at::<f16, true>(f16::from_bits, true);
     }
 
     #[test]
