@@ -58,6 +58,39 @@ pub(super) fn applies<T: Element>() -> bool {
     false
 }
 
+/// The explicit code a row of `T` takes.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+enum Path {
+    /// AVX512-BF16 ([`crate::simd::has_v4_bf16`]'s features).
+    Bf16,
+    /// f16 with AVX-512 (the same features).
+    F16,
+    /// f16 with AVX2 and F16C.
+    F16Avx2,
+}
+
+/// Which explicit code runs for `T` on this CPU (`None`: none, see
+/// [`applies`]); with `AVX2`, f16 takes the AVX2 code wherever the CPU has
+/// it, also on AVX-512 CPUs (for the tests, which would never run it there).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn path<T: Element, const AVX2: bool>() -> Option<Path> {
+    use crate::wide::is;
+    if !applies::<T>() {
+        return None;
+    }
+    // `applies`: bf16 with `has_v4_bf16`'s features; f16 with those or
+    // else AVX2 and F16C (`V8`).
+    if is::<T, half::bf16>() {
+        Some(Path::Bf16)
+    } else if !AVX2 && crate::simd::has_v4_bf16() {
+        Some(Path::F16)
+    } else {
+        crate::wide::x86::V8::try_new().map(|_| Path::F16Avx2)
+    }
+}
+
 /// Rotates one row of the NeoX layout: pairs `(x[i], x[i + h])` for
 /// `i < h = c.len()`, `y1 = a c - b s` and `y2 = b c + a s`, with `c` and
 /// `s` the row's cos and sin (times the sign of the angle) already in f32
@@ -75,8 +108,7 @@ pub(super) fn row_halves<T: Element>(x: &[T], y: &mut [T], c: &[f32], s: &[f32])
     row_halves_at::<T, false>(x, y, c, s);
 }
 
-/// [`row_halves`]; with `AVX2`, f16 takes the AVX2 code on any CPU that has
-/// AVX2 and F16C (for the tests: an AVX-512 CPU would never run it).
+/// [`row_halves`], with `AVX2` as in [`path`].
 #[inline(always)]
 fn row_halves_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], c: &[f32], s: &[f32]) {
     assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_halves: {} does not accumulate in f32", T::NAME);
@@ -84,27 +116,26 @@ fn row_halves_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], c: &[f32], 
     assert!(s.len() == h && x.len() == 2 * h && y.len() == 2 * h, "rotary row_halves: lengths differ");
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
-    if applies::<T>() && (!AVX2 || crate::wide::is::<T, half::bf16>() || crate::wide::x86::V8::try_new().is_some()) {
-        // bf16 runs only where `has_v4_bf16` holds (`applies`), whatever `v4`.
-        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), !AVX2 && crate::simd::has_v4_bf16());
+    if let Some(path) = path::<T, AVX2>() {
         let (px, py, pc, ps) = (x.as_ptr().cast::<u16>(), y.as_mut_ptr().cast::<u16>(), c.as_ptr(), s.as_ptr());
         while i + N <= h {
-            // SAFETY: `applies` found T to be bf16 and `has_v4_bf16`'s
-            // features, or f16 and those features or else AVX2 and F16C;
-            // both are 2 bytes, bits as u16; `i + N <= h`, `x` and `y` hold
-            // `2 h` values and `c` and `s` `h` (asserted), read and written
+            // SAFETY: `path` checked T (2 bytes, bits as u16) and the CPU's
+            // features for each code; `i + N <= h`, `x` and `y` hold `2 h`
+            // values and `c` and `s` `h` (asserted), read and written
             // unaligned.
             let done = unsafe {
                 let ins = (px.add(i), px.add(h + i), pc.add(i), ps.add(i));
                 let outs = (py.add(i), py.add(h + i));
-                if bf {
-                    x86::halves_bf16(ins, outs)
-                } else if v4 {
-                    x86::halves_f16(ins, outs);
-                    true
-                } else {
-                    x86::halves_f16_avx2(ins, outs);
-                    true
+                match path {
+                    Path::Bf16 => x86::halves_bf16(ins, outs),
+                    Path::F16 => {
+                        x86::halves_f16(ins, outs);
+                        true
+                    }
+                    Path::F16Avx2 => {
+                        x86::halves_f16_avx2(ins, outs);
+                        true
+                    }
                 }
             };
             if !done {
@@ -156,7 +187,7 @@ pub(super) fn row_pairs<T: Element>(x: &[T], y: &mut [T], cd: &[f32], sd: &[f32]
     row_pairs_at::<T, false>(x, y, cd, sd);
 }
 
-/// [`row_pairs`], with `AVX2` as in [`row_halves_at`].
+/// [`row_pairs`], with `AVX2` as in [`path`].
 #[inline(always)]
 fn row_pairs_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], cd: &[f32], sd: &[f32]) {
     assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_pairs: {} does not accumulate in f32", T::NAME);
@@ -164,32 +195,29 @@ fn row_pairs_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], cd: &[f32], 
     assert!(sd.len() == n && x.len() == n && y.len() == n && n.is_multiple_of(2), "rotary row_pairs: lengths differ");
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
-    if applies::<T>() && (!AVX2 || crate::wide::is::<T, half::bf16>() || crate::wide::x86::V8::try_new().is_some()) {
-        // bf16 runs only where `has_v4_bf16` holds (`applies`), whatever `v4`.
-        let (bf, v4) = (crate::wide::is::<T, half::bf16>(), !AVX2 && crate::simd::has_v4_bf16());
+    if let Some(path) = path::<T, AVX2>() {
         let (px, py, pc, ps) = (x.as_ptr().cast::<u16>(), y.as_mut_ptr().cast::<u16>(), cd.as_ptr(), sd.as_ptr());
         // Values per group: bf16 rounds two vectors at once.
-        let step = if bf {
-            32
-        } else if v4 {
-            16
-        } else {
-            8
+        let step = match path {
+            Path::Bf16 => 32,
+            Path::F16 => 16,
+            Path::F16Avx2 => 8,
         };
         while i + step <= n {
-            // SAFETY: as in `row_halves`: `applies` checked T and the CPU
-            // (bf16 only with `has_v4_bf16`'s features, so `v4` holds for
-            // it); `i + step <= n`, the length of all four slices.
+            // SAFETY: as in `row_halves_at`; `i + step <= n`, the length of
+            // all four slices.
             let done = unsafe {
                 let (ins, out) = ((px.add(i), pc.add(i), ps.add(i)), py.add(i));
-                if bf {
-                    x86::pairs_bf16(ins, out)
-                } else if v4 {
-                    x86::pairs_f16(ins, out);
-                    true
-                } else {
-                    x86::pairs_f16_avx2(ins, out);
-                    true
+                match path {
+                    Path::Bf16 => x86::pairs_bf16(ins, out),
+                    Path::F16 => {
+                        x86::pairs_f16(ins, out);
+                        true
+                    }
+                    Path::F16Avx2 => {
+                        x86::pairs_f16_avx2(ins, out);
+                        true
+                    }
                 }
             };
             if !done {
@@ -407,7 +435,7 @@ mod tests {
         row_matches_at::<T, false>(bits, interleaved)
     }
 
-    /// [`row_matches`], with `AVX2` as in `row_halves_at`.
+    /// [`row_matches`], with `AVX2` as in `path`.
     fn row_matches_at<T: Element<Acc = f32>, const AVX2: bool>(bits: fn(u16) -> T, interleaved: bool) -> usize {
         if !applies::<T>() {
             eprintln!("note: no explicit rotary path for {} on this CPU: the scalar one is tested", T::NAME);
