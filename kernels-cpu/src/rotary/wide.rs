@@ -41,6 +41,7 @@
 use crate::element::{Acc, Element};
 
 /// Pairs per explicit group of [`row_halves`].
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) const N: usize = 16;
 
 /// Whether [`row_halves`] runs explicit code for `T` on this CPU: f16 on a CPU with
@@ -114,6 +115,8 @@ fn row_halves_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], c: &[f32], 
     assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_halves: {} does not accumulate in f32", T::NAME);
     let h = c.len();
     assert!(s.len() == h && x.len() == 2 * h && y.len() == 2 * h, "rotary row_halves: lengths differ");
+    // Only the x86 code below moves it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
     if let Some(path) = path::<T, AVX2>() {
@@ -193,6 +196,8 @@ fn row_pairs_at<T: Element, const AVX2: bool>(x: &[T], y: &mut [T], cd: &[f32], 
     assert!(crate::wide::is::<T::Acc, f32>(), "rotary row_pairs: {} does not accumulate in f32", T::NAME);
     let n = cd.len();
     assert!(sd.len() == n && x.len() == n && y.len() == n && n.is_multiple_of(2), "rotary row_pairs: lengths differ");
+    // Only the x86 code below moves it.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
     let mut i = 0;
     #[cfg(target_arch = "x86_64")]
     if let Some(path) = path::<T, AVX2>() {
