@@ -67,10 +67,23 @@ pub unsafe extern "C-unwind" fn forward<F: Forwarded>(stack: *mut StableIValue, 
         call(target.as_ptr(), c"".as_ptr(), stack, EXTENSION_BUILD_VERSION)
     };
     if code != 0 {
-        let msg = take_last_raised()
-            .or_else(|| last_error_message().map(|m| without_python_frames(&m).to_string()))
+        let msg = failure_message(take_last_raised(), last_error_message().as_deref())
             .unwrap_or_else(|| format!("keel::{}: failed in torch (its message was printed above)", F::NAME));
         raise(&msg)
+    }
+}
+
+/// What a failed twin is raised again with: the message Keel raised in it,
+/// word for word, where torch's text of the failure carries it (or torch
+/// has none); else torch's text without its Python frames. A message of
+/// ours raised and caught inside the call (by Python code on the way) is
+/// still stashed when another error ends it: that error is the one to
+/// report, not the stale message.
+fn failure_message(ours: Option<String>, torch: Option<&str>) -> Option<String> {
+    match (ours, torch) {
+        (Some(ours), Some(torch)) if !torch.contains(ours.as_str()) => Some(without_python_frames(torch).to_string()),
+        (Some(ours), _) => Some(ours),
+        (None, torch) => torch.map(|t| without_python_frames(t).to_string()),
     }
 }
 
@@ -85,7 +98,22 @@ fn without_python_frames(what: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::without_python_frames;
+    use super::{failure_message, without_python_frames};
+
+    #[test]
+    fn a_stale_message_of_ours_gives_way_to_the_error_that_ended_the_call() {
+        let ours = || Some("keel::f: argument 'x' is bad".to_string());
+        // Ours, carried by torch's text (with Python frames): ours, word for word.
+        let torch = "RuntimeError: keel::f: argument 'x' is bad\n\nAt:\n  /a.py(3): g\n";
+        assert_eq!(failure_message(ours(), Some(torch)), ours());
+        // No text from torch: ours.
+        assert_eq!(failure_message(ours(), None), ours());
+        // Another error ended the call: torch's, whatever was stashed.
+        let other = "RuntimeError: shape mismatch\n\nAt:\n  /a.py(3): g\n";
+        assert_eq!(failure_message(ours(), Some(other)).as_deref(), Some("shape mismatch"));
+        assert_eq!(failure_message(None, Some(other)).as_deref(), Some("shape mismatch"));
+        assert_eq!(failure_message(None, None), None);
+    }
 
     #[test]
     fn python_frames_and_runtime_error_prefix_are_dropped() {
