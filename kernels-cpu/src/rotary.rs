@@ -243,15 +243,7 @@ pub fn apply_inplace<T: Element>(
                 let r = rows.start;
                 let coords = rows.clone().scan([r / (n1 * n2), (r / n2) % n1, r % n2], |at, _| {
                     let now = *at;
-                    at[2] += 1;
-                    if at[2] == n2 {
-                        at[2] = 0;
-                        at[1] += 1;
-                        if at[1] == n1 {
-                            at[1] = 0;
-                            at[0] += 1;
-                        }
-                    }
+                    next_row(at, n1, n2);
                     Some(now)
                 });
                 unsafe { rotate_inplace(at_rows, &mut rot, &mut buf, coords) };
@@ -341,11 +333,11 @@ fn run<T: Element>(
                     return;
                 }
                 let mut rot = Rotator::new(cos, sin, shape, interleaved, sign, 1);
-                // The row's batch entry, position and head, stepped rather
-                // than divided out per row (a division is about as long as
+                // The row's batch entry, position and head, stepped
+                // ([`next_row`]) rather than divided out per row (a division is about as long as
                 // rotating a bf16 head of 128).
                 let start = rows.start;
-                let (mut batch, mut pos, mut head) = (start / (seq * heads), (start / heads) % seq, start % heads);
+                let mut at = [start / (seq * heads), (start / heads) % seq, start % heads];
                 // A contiguous x is read row after row: each row asks for
                 // the one PREFETCH_BYTES ahead (see there).
                 let contiguous = st == shape.contiguous();
@@ -355,20 +347,28 @@ fn run<T: Element>(
                         let ahead = x.get((start + i + ahead_rows) * d..).unwrap_or(&[]);
                         prefetch_part::<T, false>(ahead, 0, d);
                     }
+                    let [batch, pos, head] = at;
                     rot.row(pos, &x[batch * st.batch + pos * st.seq + head * st.heads..][..d], y);
-                    head += 1;
-                    if head == heads {
-                        head = 0;
-                        pos += 1;
-                        if pos == seq {
-                            pos = 0;
-                            batch += 1;
-                        }
-                    }
+                    next_row(&mut at, seq, heads);
                 }
             },
         );
     });
+}
+
+/// Steps `at`, the entries of a row in three dims (the middle one of `n1`
+/// entries, the inner one of `n2`), to the next row: the inner entry first.
+#[inline(always)]
+fn next_row(at: &mut [usize; 3], n1: usize, n2: usize) {
+    at[2] += 1;
+    if at[2] == n2 {
+        at[2] = 0;
+        at[1] += 1;
+        if at[1] == n1 {
+            at[1] = 0;
+            at[0] += 1;
+        }
+    }
 }
 
 /// How far ahead of the row being rotated a contiguous `x` is prefetched.
