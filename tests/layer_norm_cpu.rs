@@ -3,7 +3,7 @@
 //! bias, sequential and on rayon.
 mod common;
 
-use common::{assert_close, assert_close_floor, sum_scale, to_elems, Tol};
+use common::{assert_close, assert_close_floor, in_pool, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
 use keel::ops::layer_norm::{backward_cpu, forward_cpu};
 use keel_cpu::layer_norm::{backward_ref, forward_ref};
@@ -79,7 +79,7 @@ fn large_input_split_over_blocks_gives_the_same_rows() {
     let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 7) as f32 / 7.0).collect();
     let (mut a, mut b) = (vec![0f32; rows * cols], vec![0f32; rows * cols]);
     forward_cpu(&x, Some(&w), Some(&w), &mut a, cols, 1e-5, Par::Seq).unwrap();
-    forward_cpu(&x, Some(&w), Some(&w), &mut b, cols, 1e-5, Par::Rayon).unwrap();
+    in_pool(|| forward_cpu(&x, Some(&w), Some(&w), &mut b, cols, 1e-5, Par::Rayon).unwrap());
     assert_eq!(a, b);
     assert_close(&a, &forward_ref(&x, Some(&w), Some(&w), cols, 1e-5), 4.0, "forward");
 }

@@ -4,7 +4,7 @@
 //! rows placed by a `RowLayout`) against the contiguous ones on a gathered copy.
 mod common;
 
-use common::{assert_close, sum_scale, to_elems, Tol};
+use common::{assert_close, in_pool, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par, RowLayout};
 use keel::ops::rms_norm::{backward_cpu, backward_strided_cpu, forward_cpu, forward_strided_cpu};
 use keel_cpu::rms_norm::{backward_ref, forward_ref};
@@ -93,13 +93,17 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: 
         let wdw = weight.map(|_| &mut want_dw[..]);
         backward_cpu(&dy, &x, weight, &mut want_dx, wdw, cols, 1e-6, Par::Seq).unwrap();
         for (name, par) in [("seq", Par::Seq), ("rayon", Par::Rayon)] {
+            // rayon from inside its pool, where inputs this size are split.
+            let run = |f: &mut (dyn FnMut() + Send)| if name == "rayon" { in_pool(f) } else { f() };
             let mut y = vec![T::default(); x.len()];
-            forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap();
+            run(&mut || forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap());
             // The same arithmetic per row as on the contiguous copy.
             assert_eq!(y, want, "{layout:?} cols {cols} {name}");
             let (mut dx, mut dw) = (vec![T::default(); x.len()], vec![T::default(); cols]);
-            let gdw = weight.map(|_| &mut dw[..]);
-            backward_strided_cpu(&dy, &storage, layout, weight, &mut dx, gdw, cols, 1e-6, par).unwrap();
+            run(&mut || {
+                let gdw = weight.map(|_| &mut dw[..]);
+                backward_strided_cpu(&dy, &storage, layout, weight, &mut dx, gdw, cols, 1e-6, par).unwrap()
+            });
             assert_eq!(dx, want_dx, "grad_input {layout:?} cols {cols} {name}");
             if weight.is_some() && name == "seq" {
                 // The weight gradient sums per block: equal for the same blocks.
@@ -178,7 +182,7 @@ fn large_rows_are_split_across_threads_with_the_same_result() {
     let mut a = vec![0f32; rows * cols];
     let mut b = vec![0f32; rows * cols];
     forward_cpu(&x, Some(&w), &mut a, cols, 1e-6, Par::Seq).unwrap();
-    forward_cpu(&x, Some(&w), &mut b, cols, 1e-6, Par::Rayon).unwrap();
+    in_pool(|| forward_cpu(&x, Some(&w), &mut b, cols, 1e-6, Par::Rayon).unwrap());
     assert_eq!(a, b, "row results must not depend on how rows are split");
     assert_close(&a, &forward_ref(&x, Some(&w), cols, 1e-6), 2.0, "forward");
 }

@@ -36,4 +36,4 @@ pub use element::{Acc, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use layout::{Offsets, RowLayout};
-pub use par::{Par, ParallelFor};
+pub use par::{Par, ParallelFor, OUTSIDE_POOL_MIN_ELEMS};

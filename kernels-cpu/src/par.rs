@@ -20,6 +20,14 @@ pub enum Par<'a> {
     /// Everything on the calling thread.
     Seq,
     /// rayon's current pool (the global one unless called inside `install`).
+    ///
+    /// Called from a thread outside the pool (the usual case: a program's
+    /// main thread), the call cannot take part in the work: it queues the
+    /// blocks, wakes the pool's threads and sleeps until they are done, two
+    /// handoffs between threads per call. Work is then split only into
+    /// blocks of at least [`OUTSIDE_POOL_MIN_ELEMS`] elements, so that small
+    /// calls run on the calling thread. Inside the pool (in `install`, or a
+    /// parallel iterator's closure) the usual minimum applies.
     Rayon,
     /// A pool owned by the caller.
     External(&'a dyn ParallelFor),
@@ -56,11 +64,29 @@ impl Par<'_> {
     }
 }
 
+/// The fewest elements per block where [`Par::Rayon`] is used from a thread
+/// outside rayon's pool.
+///
+/// Measured on the 2-core CI machine (a VM; rms_norm and rotary forward,
+/// f32 and bf16, `[rows, 4096]`, `Par::Seq` against `Par::Rayon` called
+/// from the main thread, alternated, medians of 600): rayon took 2.1-3.9x
+/// as long at 64K elements (17 against 36 us for rms_norm f32 into a fresh
+/// output; rotary 26 against 102 us), 1.1-2.3x at 128K-512K, about as long
+/// at 1M, and 0.7x at 2M with an output written before. Under torch's own
+/// pool, whose calling thread works too, two threads were 1.2-2.7x faster
+/// from 64K elements on, so this minimum is for rayon from outside only.
+pub const OUTSIDE_POOL_MIN_ELEMS: usize = 1 << 18;
+
 /// Splits `rows` rows of `cols` elements into blocks for parallel work: at
 /// most a few blocks per thread, and none smaller than `min_elems` elements
-/// (so small inputs stay on one thread, without asking `par` for its thread
-/// count). Returns rows per block (>= 1).
+/// (or [`OUTSIDE_POOL_MIN_ELEMS`], for rayon from outside its pool), so that
+/// small inputs stay on one thread, without asking `par` for its thread
+/// count. Returns rows per block (>= 1).
 pub(crate) fn rows_per_block(par: &Par<'_>, rows: usize, cols: usize, min_elems: usize) -> usize {
+    let min_elems = match par {
+        Par::Rayon if rayon::current_thread_index().is_none() => min_elems.max(OUTSIDE_POOL_MIN_ELEMS),
+        _ => min_elems,
+    };
     // One block when two would not both reach the minimum, decided before
     // asking the pool for its thread count (which may cost a call into it).
     if rows <= 1 || rows.saturating_mul(cols) < min_elems.saturating_mul(2) {
@@ -106,6 +132,23 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "{par:?} n={n}");
             }
         }
+    }
+
+    #[test]
+    fn rayon_from_outside_its_pool_splits_only_large_work() {
+        let cols = 4096;
+        let small = OUTSIDE_POOL_MIN_ELEMS * 2 / cols - 1;
+        // This test's thread is outside rayon's pool: one block.
+        assert_eq!(rows_per_block(&Par::Rayon, small, cols, 1 << 15), small);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(2).build().unwrap();
+        // Inside a pool the usual minimum applies: several blocks.
+        let inside = pool.install(|| rows_per_block(&Par::Rayon, small, cols, 1 << 15));
+        assert_eq!(inside, small.div_ceil(8));
+        // Large work is split from outside too.
+        let large = 16 * OUTSIDE_POOL_MIN_ELEMS / cols;
+        assert!(rows_per_block(&Par::Rayon, large, cols, 1 << 15) < large || rayon::current_num_threads() == 1);
+        // A caller's own pool keeps the given minimum.
+        assert_eq!(rows_per_block(&Par::External(&Chunky), small, cols, 1 << 15), 11);
     }
 
     #[test]

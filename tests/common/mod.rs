@@ -71,3 +71,12 @@ pub fn skip_without_gpu(test: &str) -> bool {
     eprintln!("SKIPPED {test}: {why}");
     true
 }
+
+/// Runs `f` on a thread of a 3-thread rayon pool. `Par::Rayon` called there
+/// splits work into blocks of the usual size; called from a test's own thread
+/// (outside any pool) it splits only far larger inputs
+/// (`keel::cpu::OUTSIDE_POOL_MIN_ELEMS`), so tests of the split run here.
+pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a rayon pool")).install(f)
+}
