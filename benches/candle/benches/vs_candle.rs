@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Tensor, WithDType};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{bf16, Element, Par};
 use keel::ops::{gated, layer_norm, rms_norm, rotary, softmax};
+use rayon::prelude::*;
 use std::hint::black_box;
 
 // The main crate's bench helpers (inputs, shapes, criterion settings), shared by path.
@@ -34,7 +35,9 @@ fn fresh<T: Element + bytemuck::Zeroable>(n: usize) -> Vec<T> {
 use common::Group;
 
 /// The floor in each group: a fresh copy of `out_len` input elements (allocation,
-/// page faults, one read and one write), what any op returning a new tensor pays.
+/// page faults, one read and one write), what any op returning a new tensor pays;
+/// on the calling thread (`clone`) and over rayon's pool in chunks of 256K
+/// elements (`clone_par`, as the ops may split). The summary takes the faster.
 fn floor<T: Element + bytemuck::Zeroable>(g: &mut Group<'_>, id: &str, x: &[T], out_len: usize) {
     g.bench_function(BenchmarkId::new("clone", id), |bn| {
         bn.iter(|| {
@@ -43,7 +46,21 @@ fn floor<T: Element + bytemuck::Zeroable>(g: &mut Group<'_>, id: &str, x: &[T], 
             y
         })
     });
+    if out_len >= 2 * CHUNK {
+        g.bench_function(BenchmarkId::new("clone_par", id), |bn| {
+            bn.iter(|| {
+                let mut y = fresh::<T>(out_len);
+                y.par_chunks_mut(CHUNK).zip(black_box(&x[..out_len]).par_chunks(CHUNK)).for_each(|(y, x)| {
+                    y.copy_from_slice(x);
+                });
+                y
+            })
+        });
+    }
 }
+
+/// `clone_par`'s chunk, in elements.
+const CHUNK: usize = 1 << 18;
 
 fn group<'a, T: Element>(c: &'a mut Criterion, op: &str, elems: usize) -> Group<'a> {
     let mut g = c.benchmark_group(format!("{op}/{}", T::NAME));
