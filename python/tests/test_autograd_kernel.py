@@ -62,10 +62,36 @@ def test_no_grad_call_runs_no_python_kernel():
     assert y.grad_fn is None and not y.requires_grad
     assert not [s for s in seen if "_library" in s[0] or "keel" in s[0]], seen
     torch.testing.assert_close(y, torch.softmax(x.detach(), -1))
-    # In grad mode the twin's Python formula runs, as before.
+    # In grad mode the twin's Python kernel runs (Keel's, not torch.library's generated one).
     y, seen = _python_calls(lambda: op(x, 1.0))
     assert y.grad_fn is not None
-    assert [s for s in seen if "_library" in s[0]], seen
+    assert {"kernel", "_softmax_setup"} <= {s[1] for s in seen if s[0].endswith("_autograd.py")}, seen
+    assert not [s for s in seen if "_library" in s[0]], seen
+
+
+@forwarding
+def test_defaults_left_out_reach_the_formula():
+    """The dispatcher leaves trailing arguments equal to their defaults out of
+    a Python kernel's call; the twin's kernel puts them back for the formula."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    t = torch.tensor([1, 7, 0])
+    cos, sin = torch.randn(2, 4, dtype=torch.float64).cos(), torch.randn(2, 4, dtype=torch.float64).sin()
+    half = lambda v: v[..., :4]  # noqa: E731
+    cases = {
+        "softmax": (lambda v: ops.softmax(v), lambda v: torch.softmax(v, -1)),
+        "gelu_and_mul": (lambda v: ops.gelu_and_mul(v), lambda v: torch.nn.functional.gelu(half(v)) * v[..., 4:]),
+        "cross_entropy": (lambda v: ops.cross_entropy(v, t), lambda v: torch.nn.functional.cross_entropy(v, t)),
+        "rms_norm": (lambda v: ops.rms_norm(v, None), lambda v: torch.nn.functional.rms_norm(v, (8,), None, 1e-6)),
+        "rotary_embedding": (
+            lambda v: ops.rotary_embedding(v.view(1, 3, 1, 8)[:, :2], cos, sin),
+            lambda v: keel.rotary_embedding(v.view(1, 3, 1, 8)[:, :2], cos, sin),
+        ),
+    }
+    for name, (keel_call, ref_call) in cases.items():
+        (got,) = torch.autograd.grad(keel_call(x).square().sum(), x)
+        (want,) = torch.autograd.grad(ref_call(x).square().sum(), x)
+        torch.testing.assert_close(got, want, msg=name)
 
 
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "requires_grad"])
