@@ -234,6 +234,8 @@ def _twin_kernel(name, backward, setup):
     """
     nograd = getattr(ops, twins(name)[1]).default
     arguments = nograd._schema.arguments
+    # A Python kernel gets keyword-only arguments as keywords: none of Keel's ops has any.
+    assert not any(a.kwarg_only for a in arguments), f"keel::{name}: keyword-only arguments"
     # The dispatcher leaves out trailing arguments equal to their defaults.
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
     count = len(arguments)
