@@ -164,8 +164,8 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
              "on `[32, 32, 128]` viewed from a fused qkv. Here a call "
              "moves a few hundred KB, so the time is mostly the call itself, the allocation, and spreading the work "
              "over the threads. Timed as above (interleaved, medians), under `torch.no_grad()`, as a model decodes "
-             "(Hugging Face's `generate()` does so; in grad mode each Keel call would also pass through torch's "
-             "Python autograd kernel, 7-15 µs, see the per-call overhead below).", "",
+             "(Hugging Face's `generate()` does so; in grad mode each Keel call would also pass through a Python "
+             "autograd kernel, that of its formula: about 1.5-3.5 µs more a call, see the per-call overhead below).", "",
              "| run | op | dtype | shape | Keel µs | eager µs | compile µs | vs eager | vs compile | err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):
