@@ -52,10 +52,11 @@ def transformed() -> bool:
     return forward_ad_on() or functorch_on()
 
 
-def through_torch(op, ref, *args):
-    """`op(*args)` (Keel's op through its Python caller, e.g. ``functional._rms_norm``)
-    where torch's autograd machinery serves it, else `ref(*args)`: the op in
-    torch's ops, after Keel's checks of the arguments (so the errors are Keel's).
+def through_torch(fn, op, ref, *args):
+    """`fn(op, *args)` (Keel's op `op` through its Python caller `fn`, e.g.
+    ``functional._rms_norm``) where torch's autograd machinery serves it, else
+    `ref(*args)`: the op in torch's ops, after Keel's checks of the arguments
+    (so the errors are Keel's).
 
     - Inside a ``torch.func`` transform: torch runs no custom op's autograd
       there (``register_autograd`` is unsupported, for torch's own ``custom_op``
@@ -68,22 +69,22 @@ def through_torch(op, ref, *args):
       The checks run on the primals.
     """
     if functorch_on():
-        _check_on_meta(op, args)
+        _check_on_meta(fn, op, args)
         return ref(*args)
     if not any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args):
-        return op(*args)
+        return fn(op, *args)
     with torch.no_grad():
-        op(*[_fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a for a in args])
+        fn(op, *[_fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a for a in args])
     return ref(*args)
 
 
-def _check_on_meta(op, args):
+def _check_on_meta(fn, op, args):
     """Runs Keel's argument checks (the Meta kernel's, and one device for all
     tensors) on meta tensors shaped like `args`' tensors."""
-    name = op.__name__.lstrip("_")
+    name = fn.__name__.lstrip("_")
     names = [a.name for a in getattr(torch.ops.keel, name).default._schema.arguments]
     one_device(name, list(zip(names, args)))
-    meta_outputs(op, args, {})
+    meta_outputs(lambda *a: fn(op, *a), args, {})
 
 
 def vjp(fn, inputs, grads, needs):

@@ -4,8 +4,8 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import _autograd, _twice
-from ._common import heads_contiguous, rows_in_place
+from . import _twice
+from ._common import heads_contiguous, rows_in_place, twins
 
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
@@ -30,11 +30,11 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
         A new contiguous tensor shaped like ``input``. Differentiable in ``input``
         and ``weight`` (the backward reads a strided ``input`` in place too).
     """
-    return _call(_rms_norm, _twice.rms_norm, input, weight, eps)
+    return _call(_rms_norm, _RMS_NORM, _twice.rms_norm, input, weight, eps)
 
 
-def _rms_norm(input, weight, eps):
-    return _keel.rms_norm.default(rows_in_place(input), _c(weight), eps)
+def _rms_norm(op, input, weight, eps):
+    return op(rows_in_place(input), _c(weight), eps)
 
 
 def layer_norm(
@@ -53,11 +53,11 @@ def layer_norm(
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``, ``weight`` and ``bias``.
     """
-    return _call(_layer_norm, _twice.layer_norm, input, weight, bias, eps)
+    return _call(_layer_norm, _LAYER_NORM, _twice.layer_norm, input, weight, bias, eps)
 
 
-def _layer_norm(input, weight, bias, eps):
-    return _keel.layer_norm.default(input.contiguous(), _c(weight), _c(bias), eps)
+def _layer_norm(op, input, weight, bias, eps):
+    return op(input.contiguous(), _c(weight), _c(bias), eps)
 
 
 def fused_add_rms_norm(
@@ -78,11 +78,11 @@ def fused_add_rms_norm(
         ``(normed, sum)``, both shaped like ``input``. Differentiable in ``input``,
         ``residual`` and ``weight``.
     """
-    return _call(_fused_add_rms_norm, _twice.fused_add_rms_norm, input, residual, weight, eps)
+    return _call(_fused_add_rms_norm, _FUSED_ADD_RMS_NORM, _twice.fused_add_rms_norm, input, residual, weight, eps)
 
 
-def _fused_add_rms_norm(input, residual, weight, eps):
-    return _keel.fused_add_rms_norm.default(input.contiguous(), residual.contiguous(), _c(weight), eps)
+def _fused_add_rms_norm(op, input, residual, weight, eps):
+    return op(input.contiguous(), residual.contiguous(), _c(weight), eps)
 
 
 def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> None:
@@ -111,11 +111,11 @@ def silu_and_mul(input: Tensor) -> Tensor:
     The first half is the gate, the second the up projection (vLLM's layout).
     f32 math, one rounding. Differentiable.
     """
-    return _call(_silu_and_mul, _twice.gated, input)
+    return _call(_silu_and_mul, _SILU_AND_MUL, _twice.gated, input)
 
 
-def _silu_and_mul(input):
-    return _keel.silu_and_mul.default(input.contiguous())
+def _silu_and_mul(op, input):
+    return op(input.contiguous())
 
 
 def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
@@ -124,11 +124,11 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
     ``approximate`` is ``"none"`` (exact, erf) or ``"tanh"``, as in ``F.gelu``; anything
     else raises a RuntimeError. f32 math, one rounding. Differentiable.
     """
-    return _call(_gelu_and_mul, _twice.gated, input, approximate)
+    return _call(_gelu_and_mul, _GELU_AND_MUL, _twice.gated, input, approximate)
 
 
-def _gelu_and_mul(input, approximate):
-    return _keel.gelu_and_mul.default(input.contiguous(), approximate)
+def _gelu_and_mul(op, input, approximate):
+    return op(input.contiguous(), approximate)
 
 
 def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
@@ -148,11 +148,11 @@ def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``.
     """
-    return _call(_softmax, _twice.softmax, input, scale)
+    return _call(_softmax, _SOFTMAX, _twice.softmax, input, scale)
 
 
-def _softmax(input, scale):
-    return _keel.softmax.default(input.contiguous(), scale)
+def _softmax(op, input, scale):
+    return op(input.contiguous(), scale)
 
 
 def cross_entropy(
@@ -188,7 +188,7 @@ def cross_entropy(
     logits, target = logits.contiguous(), target.contiguous()
     if torch.is_grad_enabled() and logits.requires_grad:
         return _keel.cross_entropy_with_lse.default(logits, target, ignore_index, label_smoothing, reduction)[0]
-    return _call(_keel.cross_entropy.default, None, logits, target, ignore_index, label_smoothing, reduction)
+    return _call(_plain, _CROSS_ENTROPY, None, logits, target, ignore_index, label_smoothing, reduction)
 
 
 def cross_entropy_with_lse(
@@ -205,11 +205,11 @@ def cross_entropy_with_lse(
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
     """
-    return _call(_cross_entropy_with_lse, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
+    return _call(_cross_entropy_with_lse, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
 
 
-def _cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction):
-    return _keel.cross_entropy_with_lse.default(logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
+def _cross_entropy_with_lse(op, logits, target, ignore_index, label_smoothing, reduction):
+    return op(logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
 
 
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
@@ -229,11 +229,11 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
         A new contiguous tensor shaped like ``x``. Differentiable in ``x`` (and in
         ``cos``/``sin``).
     """
-    return _call(_rotary_embedding, _twice.rotary, x, cos, sin, interleaved)
+    return _call(_rotary_embedding, _ROTARY_EMBEDDING, _twice.rotary, x, cos, sin, interleaved)
 
 
-def _rotary_embedding(x, cos, sin, interleaved):
-    return _keel.rotary_embedding.default(heads_contiguous(x), cos.contiguous(), sin.contiguous(), interleaved)
+def _rotary_embedding(op, x, cos, sin, interleaved):
+    return op(heads_contiguous(x), cos.contiguous(), sin.contiguous(), interleaved)
 
 
 def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> None:
@@ -255,44 +255,51 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
     _call_inplace(_keel.rotary_embedding_.default, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
 
 
-_below_autograd = torch._C._AutoDispatchBelowAutograd
+def _ops(name):
+    """Op `name`'s overload and its ``_nograd`` twin's (``_common.TWINS``): the same
+    kernels, without an autograd kernel."""
+    return getattr(_keel, name).default, getattr(_keel, twins(name)[1]).default
 
 
-_AUTOGRAD_IN_RUST = bool(_autograd.FORWARDED)
-"""Whether the ops' autograd kernels are Rust's (``_common.TWINS``): set at import,
-after ``_autograd.register()`` (``keel/__init__.py`` imports this module later)."""
+_RMS_NORM = _ops("rms_norm")
+_LAYER_NORM = _ops("layer_norm")
+_FUSED_ADD_RMS_NORM = _ops("fused_add_rms_norm")
+_SILU_AND_MUL = _ops("silu_and_mul")
+_GELU_AND_MUL = _ops("gelu_and_mul")
+_SOFTMAX = _ops("softmax")
+_CROSS_ENTROPY = _ops("cross_entropy")
+_CROSS_ENTROPY_WITH_LSE = _ops("cross_entropy_with_lse")
+_ROTARY_EMBEDDING = _ops("rotary_embedding")
 
 
-def _call(fn, ref, *args):
-    """`fn(*args)`, `fn` a private caller of a Keel op (as ``_rms_norm``).
+def _plain(op, *args):
+    return op(*args)
+
+
+def _call(fn, ops, ref, *args):
+    """`fn(op, *args)`, `fn` a private caller of a Keel op (as ``_rms_norm``),
+    `ops` the op's overload and its ``_nograd`` twin's (:func:`_ops`).
 
     - Inside a torch.func transform or forward-mode AD: ``_twice``'s torch-op
       version `ref` after Keel's checks (:func:`_twice.through_torch`); `ref`
       None where the caller has handled those already.
-    - Where no gradient can be needed (grad mode off, or no argument requiring
-      one): `fn` below torch's autograd kernel for the op, which would only make
-      that decision itself, in Python, costing about 5 us a call. Not while
-      torch.compile traces, nor under inference mode (which skips it already),
-      nor with grad mode off where the op's autograd kernel is Rust's (torch
-      2.13+: it goes straight to the op's ``_nograd`` twin, and the context
-      manager and these checks cost more than it does).
+    - Where an argument requires a gradient in grad mode: the op.
+    - Else (no gradient can be needed): the ``_nograd`` twin, whose kernels are
+      the op's and which has no autograd kernel (torch's own C++ fallback passes
+      it through). The op's autograd kernel would only make that decision again
+      (in Python, in grad mode), and running the op below it needs a context
+      manager. torch.compile's graphs then hold the twin, as they do where the
+      op's autograd kernel calls it.
     One function, not two: a second Python frame cost 0.35 us a call (measured).
     """
     if ref is not None and _twice.transformed():
-        return _twice.through_torch(fn, ref, *args)
+        return _twice.through_torch(fn, ops[0], ref, *args)
     if torch.is_grad_enabled():
         # A loop, not any(<generator>): the generator, left early, cost 4 us here.
         for a in args:
             if isinstance(a, Tensor) and a.requires_grad:
-                return fn(*args)
-    elif _AUTOGRAD_IN_RUST or torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
-        # is_compiling first: dynamo cannot trace is_inference_mode_enabled
-        # (a graph break, an error under fullgraph=True).
-        return fn(*args)
-    if torch.compiler.is_compiling():
-        return fn(*args)
-    with _below_autograd():
-        return fn(*args)
+                return fn(ops[0], *args)
+    return fn(ops[1], *args)
 
 
 _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
