@@ -34,7 +34,7 @@ def main() -> None:
           "is how far Keel is above it.\n")
     print("| op | dtype | shape | Keel ms | candle ms | floor ms | Keel speedup | best possible | Keel / floor | Keel GB/s | candle GB/s |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    worst = None
+    worst, under = None, []
     for (group, shape), r in sorted(runs.items()):
         if "keel" not in r or "candle" not in r:
             continue
@@ -47,9 +47,14 @@ def main() -> None:
         fl = f"{floor:.3g}" if floor else "-"
         best = f"{r['candle'] / floor:.2f}x" if floor else "-"
         above = f"{r['keel'] / floor:.2f}" if floor else "-"
+        if speedup < 2:
+            under.append(f"{op} {dtype} {shape} ({speedup:.2f}x; best possible {best})")
         print(f"| {op} | {dtype} | {shape} | {r['keel']:.3g} | {r['candle']:.3g} | {fl} | {speedup:.2f}x | {best} | "
               f"{above} | {gbps(r['keel'])} | {gbps(r['candle'])} |")
     print(f"\nLowest speedup: {worst:.2f}x (target: at least 2x on every row).")
+    if under:
+        print("\nUnder 2x: " + "; ".join(under) + ". Where `best possible` is under 2x, candle is that close to "
+              "the floor, and no kernel that writes a fresh output could be 2x faster than it.")
 
 
 if __name__ == "__main__":
