@@ -71,8 +71,9 @@ impl Par<'_> {
 /// f32 and bf16, `[rows, 4096]`, `Par::Seq` against `Par::Rayon` called
 /// from the main thread, alternated, medians of 600): rayon took 2.1-3.9x
 /// as long at 64K elements (17 against 36 us for rms_norm f32 into a fresh
-/// output; rotary 26 against 102 us), 1.1-2.3x at 128K-512K, about as long
-/// at 1M, and 0.7x at 2M with an output written before. Under torch's own
+/// output; rotary 26 against 102 us), 0.8-2.3x at 128K-512K (over 1.4x in
+/// 9 of the 12 fresh-output cases), about as long at 1M, and 0.7x at 2M
+/// with an output written before. Under torch's own
 /// pool, whose calling thread works too, two threads were 1.2-2.7x faster
 /// from 64K elements on, so this minimum is for rayon from outside only.
 pub const OUTSIDE_POOL_MIN_ELEMS: usize = 1 << 18;
