@@ -81,9 +81,8 @@ def through_torch(fn, op, ref, *args):
 def _check_on_meta(fn, op, args):
     """Runs Keel's argument checks (the Meta kernel's, and one device for all
     tensors) on meta tensors shaped like `args`' tensors."""
-    name = fn.__name__.lstrip("_")
-    names = [a.name for a in getattr(torch.ops.keel, name).default._schema.arguments]
-    one_device(name, list(zip(names, args)))
+    names = [a.name for a in op._schema.arguments]
+    one_device(op._opname, list(zip(names, args)))
     meta_outputs(lambda *a: fn(op, *a), args, {})
 
 
