@@ -229,8 +229,9 @@ def _twin_kernel(name, backward, setup):
     ``_nograd`` is how this avoids its costs: it calls the op again below
     autograd with a context manager and a redispatch, after filling in the
     defaults through the schema, and passes a metadata object through
-    ``apply``. ``torch.ops.keel.softmax.default`` on [1, 64] in grad mode, no
-    argument requiring a gradient: 6.45 -> 4.8 us a call (measured).
+    ``apply``. [1, 64] in grad mode, no argument requiring a gradient
+    (measured): the twin called alone 6.02 -> 4.82 us a call,
+    ``torch.ops.keel.softmax.default`` (through Rust's kernel) 6.45 -> 5.27.
     """
     nograd = getattr(ops, twins(name)[1]).default
     arguments = nograd._schema.arguments
