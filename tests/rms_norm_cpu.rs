@@ -4,7 +4,7 @@
 //! rows placed by a `RowLayout`) against the contiguous ones on a gathered copy.
 mod common;
 
-use common::{assert_close, in_pool, sum_scale, to_elems, Tol};
+use common::{assert_close, in_pool, in_pool_if, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par, RowLayout};
 use keel::ops::rms_norm::{backward_cpu, backward_strided_cpu, forward_cpu, forward_strided_cpu};
 use keel_cpu::rms_norm::{backward_ref, forward_ref};
@@ -94,13 +94,13 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: 
         backward_cpu(&dy, &x, weight, &mut want_dx, wdw, cols, 1e-6, Par::Seq).unwrap();
         for (name, par) in [("seq", Par::Seq), ("rayon", Par::Rayon)] {
             // rayon from inside its pool, where inputs this size are split.
-            let run = |f: &mut (dyn FnMut() + Send)| if name == "rayon" { in_pool(f) } else { f() };
+            let pool = name == "rayon";
             let mut y = vec![T::default(); x.len()];
-            run(&mut || forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap());
+            in_pool_if(pool, || forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap());
             // The same arithmetic per row as on the contiguous copy.
             assert_eq!(y, want, "{layout:?} cols {cols} {name}");
             let (mut dx, mut dw) = (vec![T::default(); x.len()], vec![T::default(); cols]);
-            run(&mut || {
+            in_pool_if(pool, || {
                 let gdw = weight.map(|_| &mut dw[..]);
                 backward_strided_cpu(&dy, &storage, layout, weight, &mut dx, gdw, cols, 1e-6, par).unwrap()
             });

@@ -5,7 +5,7 @@
 //! contiguous one on a gathered copy.
 mod common;
 
-use common::{assert_close, in_pool, to_elems, Tol};
+use common::{assert_close, in_pool_if, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
 use keel::ops::rotary::{apply_cpu, apply_inplace_cpu, apply_strided_cpu, Shape, Strides};
 use keel_cpu::rotary::apply_ref;
@@ -88,19 +88,14 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(shape: Shape, st: Strides
             let mut want = vec![T::default(); shape.numel()];
             apply_cpu(&x, &cos, &sin, &mut want, shape, interleaved, inverse, Par::Seq).unwrap();
             for (name, par) in [("seq", Par::Seq), ("rayon", Par::Rayon)] {
-                let body = || {
+                // rayon from inside its pool, where inputs this size are split.
+                in_pool_if(name == "rayon", || {
                     let mut y = vec![T::default(); shape.numel()];
                     apply_strided_cpu(&storage, st, &cos, &sin, &mut y, shape, interleaved, inverse, par).unwrap();
                     // The same arithmetic per element as on the contiguous copy.
                     assert_eq!(y, want, "{st:?} interleaved={interleaved} inverse={inverse} {name}");
                     check_inplace(&storage, st, &cos, &sin, shape, interleaved, inverse, par, &want);
-                };
-                // rayon from inside its pool, where inputs this size are split.
-                if name == "rayon" {
-                    in_pool(body)
-                } else {
-                    body()
-                }
+                });
             }
         }
     }

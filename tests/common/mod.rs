@@ -80,3 +80,13 @@ pub fn in_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     static POOL: std::sync::OnceLock<rayon::ThreadPool> = std::sync::OnceLock::new();
     POOL.get_or_init(|| rayon::ThreadPoolBuilder::new().num_threads(3).build().expect("a rayon pool")).install(f)
 }
+
+/// `f()` inside [`in_pool`] where `pool`, else on this thread: a test's
+/// `Par::Rayon` case, beside its `Par::Seq` one.
+pub fn in_pool_if<R: Send>(pool: bool, f: impl FnOnce() -> R + Send) -> R {
+    if pool {
+        in_pool(f)
+    } else {
+        f()
+    }
+}
