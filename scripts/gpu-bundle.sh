@@ -2,7 +2,7 @@
 # Builds here what scripts/gpu-run.sh needs on a GPU machine that has torch but
 # no Rust toolchain (such as the lent device machines, which reach no network):
 # the wheel and the CUDA test, bench and example binaries, stripped, in .gpu/
-# (ignored by git, about 30 MB; carry it there). Then, on the GPU machine, in
+# (ignored by git, about 18 MB; carry it there). Then, on the GPU machine, in
 # the repo root: bash scripts/gpu-run.sh [checks|bench|report|all] [OUT_DIR]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -15,9 +15,11 @@
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
 # bench.log, report.log, report/ (8 files in all). KEEL_REPORT_ARGS adds words
-# to report.py's command line (e.g. "--no-thp" where time is short). KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
+# to report.py's command line (e.g. "--devices cuda": the CUDA rows alone,
+# where time is short). KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
 # test that would skip for want of a GPU into a failure; KEEL_REQUIRE_GPU=0
-# runs the same steps on a machine without one (a dry run of this script).
+# runs the same steps on a machine without one (a dry run of this script;
+# KEEL_PY picks the python, e.g. a venv's).
 # Every step runs; the exit status is that of the first that failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -64,7 +66,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = report ] || [ "$what" = all ]; then
   log="$out/report.log"; : > "$log"
-  # shellcheck disable=SC2086  # KEEL_REPORT_ARGS: extra words for report.py, e.g. "--no-thp --ops softmax"
+  # shellcheck disable=SC2086  # KEEL_REPORT_ARGS: extra words for report.py, e.g. "--devices cuda" or "--ops softmax"
   step "$log" "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
 fi
 exit "$status"

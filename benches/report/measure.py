@@ -137,6 +137,11 @@ def main() -> None:
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
+    for d in devices:
+        if d not in ("cpu", "cuda"):
+            sys.exit(f"measure: --devices: unknown device {d!r} (cpu, cuda)")
+        if d == "cuda" and not torch.cuda.is_available():
+            sys.exit("measure: --devices: cuda was asked for, but torch finds no CUDA device")
     names = [n for n in a.ops.split(",") if n]
     decode_names = [n for n in a.decode_ops.split(",") if n]
     out = {"label": a.label, "size": a.size, "machine": machine(devices), "bandwidth": {}, "rows": [],

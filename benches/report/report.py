@@ -4,6 +4,7 @@ per-call overhead, written as markdown and PNG plots.
 
     python benches/report/report.py --out docs/report            # what scripts/report.sh runs
     python benches/report/report.py --out /tmp/r --size small --no-plots   # smoke test
+    python benches/report/report.py --out /tmp/r --devices cuda   # the CUDA rows alone (no THP run: that one is CPU)
 
 Each configuration runs in its own process: once as torch allocates by
 default, and once with `THP_MEM_ALLOC_ENABLE=1` (torch's huge-page
@@ -26,21 +27,26 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="folder for REPORT.md, the plots and the raw JSON")
     ap.add_argument("--size", default="large", choices=["large", "small"])
     ap.add_argument("--ops", default="")
+    ap.add_argument("--dtypes", default=None, help="comma-separated dtypes (default: float32,bfloat16)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--no-thp", action="store_true", help="skip the THP_MEM_ALLOC_ENABLE=1 run")
+    ap.add_argument("--devices", default=None,
+                    help="comma-separated devices (default: cpu, and cuda where torch finds one); the "
+                         "THP_MEM_ALLOC_ENABLE=1 run, a CPU one, only where cpu is among them")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--decode-ops", default=None,
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    configs = [("", {}, None)]
-    if not a.no_thp:
+    configs = [("", {}, a.devices)]
+    if not a.no_thp and (a.devices is None or "cpu" in a.devices.split(",")):
         configs.append(("THP_MEM_ALLOC_ENABLE=1", {"THP_MEM_ALLOC_ENABLE": "1"}, "cpu"))
     runs, failed = [], False
     for label, env, devices in configs:
         path = os.path.join(a.out, f"raw{'-thp' if env else ''}.json")
         cmd = [sys.executable, os.path.join(HERE, "measure.py"), "--out", path, "--size", a.size, "--label", label]
         cmd += ["--ops", a.ops] if a.ops else []
+        cmd += ["--dtypes", a.dtypes] if a.dtypes else []
         cmd += ["--no-compile"] if a.no_compile else []
         cmd += ["--decode-ops", a.decode_ops] if a.decode_ops is not None else []
         cmd += ["--devices", devices] if devices else []

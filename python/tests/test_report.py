@@ -110,3 +110,26 @@ def test_decode_rows_are_tabled_in_microseconds_and_judged_against_torch():
     assert "fast" not in tail and "1.25x" not in tail
     # A run without decode rows (older JSON) has no such section.
     assert "Decode-sized" not in markdown([_run([_row("op", 1.0, 2.0, 2.0)])], [])
+
+
+def test_cuda_rows_are_held_against_the_copy_line_at_85_percent():
+    """A CUDA-only run (`report.py --devices cuda`): its rows are judged against
+    the copy into an existing tensor, at 85%, and the GPU is named."""
+    run = _run([dict(_row("fast", 1.0, 2.0, 2.0), device="cuda"), dict(_row("slow", 1.25, 2.0, 2.0), device="cuda")])
+    run["bandwidth"] = {"cuda": {"bytes": 1, "clone_GBps": 5.0, "copy_GBps": 10.0}}
+    run["machine"].update(gpu="G", gpu_memory_gib=80.0, driver="D", cuda="C")
+    text = markdown([run], [])
+    assert "GPU: **G** (80.0 GiB), driver D, CUDA C." in text
+    assert "## CUDA" in text and "## CPU" not in text
+    tail = text.split("## Targets missed in this run")[1]
+    assert "- CUDA: slow float32: 80% of bandwidth (target 85%)" in tail  # 8 GB/s of the 10 GB/s copy
+    assert "fast" not in tail
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where torch finds no GPU")
+def test_devices_cuda_without_a_gpu_is_refused(tmp_path):
+    cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--devices", "cuda", "--no-plots"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "cuda was asked for, but torch finds no CUDA device" in done.stderr, done.stderr
+    assert not (tmp_path / "raw-thp.json").exists()  # no CPU run with THP either
