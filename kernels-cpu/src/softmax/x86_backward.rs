@@ -14,22 +14,31 @@
 //! exact the outputs are identical (the test checks that, and the order of
 //! the sum against an f64 one elsewhere).
 use crate::element::Element;
-use crate::wide::x86::{run, Kernel, Lanes};
+use crate::wide::x86::{run, run_with, Kernel, Lanes, V16};
 use crate::wide::{cast_mut, has_lanes, is};
 use half::bf16;
 
 /// The backward of whole rows of `cols` (`y`, `dy`, `dx` of one length);
-/// false (without running) where there is no explicit code: `T` not f32 or
-/// f16, or a CPU without AVX2 (with FMA and F16C).
+/// false (without running) where there is no explicit code: `T` not f32,
+/// bf16 or f16, a CPU without AVX2 (with FMA and F16C), or bf16 on a CPU
+/// without AVX-512.
 ///
-/// bf16 keeps the lane loop: it is at memory speed there already, and this
-/// kernel measured 0-6% slower for it (criterion, 4096x4096, three rounds).
+/// bf16 keeps the lane loop on AVX2: it is at memory speed there already,
+/// and this kernel measured 0-6% slower for it (criterion, 4096x4096, three
+/// rounds, AMD AVX2 CPU). With AVX-512 the kernel is faster (criterion on
+/// the Xeon of `docs/report/xeon-avx512`, four rounds alternated, ms,
+/// lane loop -> kernel: 4096x4096 3.13-3.85 -> 2.94-3.23, 2048x8192
+/// 3.04-3.82 -> 2.84-3.49, 32x4096 0.027-0.030 -> 0.026).
 #[inline(always)]
 pub(super) fn backward_rows<T: Element>(y: &[T], dy: &[T], dx: &mut [T], cols: usize, scale: f32) -> bool {
-    if !has_lanes::<T>() || is::<T, bf16>() {
+    if !has_lanes::<T>() {
         return false;
     }
-    run(Back { y, dy, dx, cols, scale }).is_some()
+    let k = Back { y, dy, dx, cols, scale };
+    if is::<T, bf16>() {
+        return V16::try_new().map(|l| run_with(l, k)).is_some();
+    }
+    run(k).is_some()
 }
 
 /// See [`backward_rows`].
@@ -165,10 +174,15 @@ mod tests {
         every_width!(at_width);
     }
 
-    /// bf16 and f64 take the lane loop.
+    /// f64 takes the lane loop, and so does bf16 without AVX-512.
     #[test]
-    fn bf16_and_f64_have_no_explicit_code() {
-        assert!(!super::backward_rows::<bf16>(&[bf16::ONE], &[bf16::ONE], &mut [bf16::ZERO], 1, 1.0));
+    fn f64_and_bf16_without_avx512_have_no_explicit_code() {
         assert!(!super::backward_rows::<f64>(&[1.0], &[1.0], &mut [0.0], 1, 1.0));
+        let mut dx = [bf16::ZERO];
+        let ran = super::backward_rows::<bf16>(&[bf16::ONE], &[bf16::from_f32(0.5)], &mut dx, 1, 1.0);
+        assert_eq!(ran, crate::wide::x86::V16::try_new().is_some());
+        if ran {
+            assert_eq!(dx[0].to_f32(), 0.0); // 1 * (0.5 - 0.5)
+        }
     }
 }
