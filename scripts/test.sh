@@ -31,8 +31,18 @@ step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
 scripts/check-ptx.sh
 
 step "cargo check --features nvtx (NVTX ranges around launches; needs libclang)"
-find_libclang() { ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* 2>/dev/null | head -n1; }
-if [ -z "$(find_libclang)" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+# libclang itself (libclang.so, libclang-14.so.1), not libclang-cpp, the C++
+# library that Debian images carry without it: matched by a wider glob, it
+# made this step skip the install and then skip the check (session 28), and
+# a glob with no match must not fail the function under pipefail.
+find_libclang() {
+  local f
+  for f in /usr/lib/llvm-*/lib/libclang.so* /usr/lib/*-linux-gnu/libclang.so* /usr/lib/*-linux-gnu/libclang-[0-9]*.so*; do
+    [ -e "$f" ] && { echo "$f"; return 0; }
+  done
+  return 1
+}
+if ! find_libclang >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   # Waits up to 2 minutes for a dpkg lock held by another apt; on failure the
   # last lines of apt's output say why (session 13's first run skipped here
   # without a word, and the same install worked by hand minutes later).
@@ -42,8 +52,11 @@ if [ -z "$(find_libclang)" ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/n
     || { echo "apt-get could not install libclang-dev:"; tail -n 5 "$apt_log"; }
   rm -f "$apt_log"
 fi
-if lib="$(find_libclang)" && [ -n "$lib" ]; then
-  LIBCLANG_PATH="$(dirname "$lib")" cargo check -q -p keel-ops --features nvtx && echo "nvtx feature builds"
+if lib="$(find_libclang)"; then
+  # Its own statement: as the left side of an `&&` a failure here would not
+  # stop the script (set -e ignores it there).
+  LIBCLANG_PATH="$(dirname "$lib")" cargo check -q -p keel-ops --features nvtx
+  echo "nvtx feature builds (libclang: $lib)"
 else
   echo "SKIPPED: no libclang on this machine and it could not be installed"
 fi
