@@ -29,6 +29,8 @@ use half::f16;
 mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_backward;
+#[cfg(target_arch = "x86_64")]
+mod x86_rows;
 
 const OP_FWD: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
@@ -292,12 +294,26 @@ pub(crate) fn backward_unchecked<T: Element>(
             dispatch(
                 #[inline(always)]
                 || {
-                    if widen::applies::<T>() {
-                        let dx = cast_mut::<T, f16>(&mut dx).expect("rms_norm: widen applies to f16 only");
-                        let dw = dw.as_deref_mut().map(|d| cast_mut::<T::Acc, f32>(d).expect("f16's Acc is f32"));
-                        let (x, dy) = (cast::<T, f16>(x), cast::<T, f16>(dy));
-                        let (add, weight) = (add.map(cast::<T, f16>), weight.map(cast::<T, f16>));
-                        return backward_rows_f16(x, &mut ox, dy, add, weight, dx, dw, eps.to_f64() as f32, cols);
+                    // f16 and bf16: row by row in explicit SIMD, on the rows as
+                    // they lie (`x86_rows.rs`).
+                    #[cfg(target_arch = "x86_64")]
+                    if crate::wide::is::<T, f16>() || crate::wide::is::<T, half::bf16>() {
+                        let k = x86_rows::Rows {
+                            x,
+                            ox: &mut ox,
+                            dy,
+                            add,
+                            w: weight,
+                            dx: &mut dx,
+                            dw: dw
+                                .as_deref_mut()
+                                .map(|d| cast_mut::<T::Acc, f32>(d).expect("rms_norm: f16's and bf16's Acc is f32")),
+                            cols,
+                            eps: eps.to_f64() as f32,
+                        };
+                        if crate::wide::x86::run(k).is_some() {
+                            return;
+                        }
                     }
                     let rows = n / cols;
                     // f32 with the weight's gradient (training): four rows at a time.
@@ -347,36 +363,6 @@ fn forward_rows_f16(x: &[f16], weight: Option<&[f16]>, y: &mut [f16], eps: f32, 
         let (x, ahead) = row_and_next(x, r, cols);
         let x = widen::to_f32(x, &mut xs).expect(widened);
         forward_row(x, weight, y, eps, ahead);
-    }
-}
-
-/// The backward's rows for f16 where [`widen`] applies: each row's inputs
-/// widened to f32 first (the weight once), then [`backward_row`] with f32
-/// inputs and f16 outputs: the same values as the f16 loop, bit for bit.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn backward_rows_f16(
-    x: &[f16],
-    ox: &mut Offsets,
-    dy: &[f16],
-    add: Option<&[f16]>,
-    weight: Option<&[f16]>,
-    dx: &mut [f16],
-    mut dw: Option<&mut [f32]>,
-    eps: f32,
-    cols: usize,
-) {
-    let mut bufs: [Vec<f32>; 4] = Default::default();
-    let [xs, dys, adds, ws] = &mut bufs;
-    let widened = "rms_norm: widen applies";
-    let weight = weight.map(|w| widen::to_f32(w, ws).expect(widened));
-    let rows = dx.len() / cols;
-    for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
-        let ((x, next_x), (dy, next_dy)) = (strided_row_and_next(x, ox, r + 1 < rows, cols), row_and_next(dy, r, cols));
-        let (x, dy) = (widen::to_f32(x, xs).expect(widened), widen::to_f32(dy, dys).expect(widened));
-        let add = add.map(|a| widen::to_f32(&a[r * cols..][..cols], adds).expect(widened));
-        let dw = dw.as_deref_mut();
-        backward_row(x, dy, add, weight, dx, dw, eps, &[next_dy, next_x]);
     }
 }
 
@@ -431,20 +417,19 @@ pub(crate) fn forward_row<I: Element, O: Element<Acc = I::Acc>>(
 /// With `r = inv_rms(x)`, `g = dy * w`:
 /// `dx = r * g - x * r^3 * sum(g * x) / n (+ add)` and `dw += dy * x * r`;
 /// `ahead` is the next row of `dy` and `x`, prefetched as `dx` is written.
-///
-/// The inputs are `I`, the output `O` (the same type, or f32 inputs widened
-/// from an f16 row for f16 outputs: see [`backward_rows_f16`]).
+/// The lane loop: f64, f32 outside the training case, and every type on
+/// CPUs without AVX2 (f16 and bf16 take `x86_rows.rs` where they have it).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
-    x: &[I],
-    dy: &[I],
-    add: Option<&[I]>,
-    weight: Option<&[I]>,
-    dx: &mut [O],
-    mut dw: Option<&mut [I::Acc]>,
-    eps: I::Acc,
-    ahead: &[&[O]],
+fn backward_row<T: Element>(
+    x: &[T],
+    dy: &[T],
+    add: Option<&[T]>,
+    weight: Option<&[T]>,
+    dx: &mut [T],
+    mut dw: Option<&mut [T::Acc]>,
+    eps: T::Acc,
+    ahead: &[&[T]],
 ) {
     let (r, c) = grad_consts(x, dy, weight, eps);
     // Written part by part, prefetching the next row for the sums above.
@@ -455,7 +440,7 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
         |k, dx| {
             // Computed in `T::Acc` and narrowed in blocks (F16C for f16,
             // where one value at a time took 3x bf16's time).
-            O::write_acc(
+            T::write_acc(
                 dx,
                 #[inline(always)]
                 |at, dx| {
@@ -579,52 +564,10 @@ pub fn backward_ref<T: Element>(
 
 #[cfg(test)]
 mod tests {
-    use super::{backward_row, backward_rows_f16, forward_row, forward_rows_f16};
+    use super::{forward_row, forward_rows_f16};
     use crate::simd::dispatch;
     use crate::widen::testing::{bits, runs, wave};
     use half::f16;
-
-    /// The widened f16 backward against the plain f16 one, bit for bit
-    /// (`dx` and the accumulated `dw`), with and without weight and the
-    /// added gradient, on rows with a part block, specials included.
-    #[test]
-    fn widened_f16_backward_is_the_plain_one() {
-        if !runs() {
-            return;
-        }
-        let cols = 300;
-        let mut x = wave(3 * cols, 0.37);
-        x[5] = f16::INFINITY;
-        x[cols + 7] = f16::from_bits(0x0001);
-        let (dy, add, w) = (wave(3 * cols, 0.91), wave(3 * cols, 0.53), wave(cols, 1.7));
-        for (weight, add) in
-            [(Some(&w[..]), None), (None, None), (Some(&w[..]), Some(&add[..])), (None, Some(&add[..]))]
-        {
-            let (mut got, mut want) = (vec![f16::ZERO; 3 * cols], vec![f16::ZERO; 3 * cols]);
-            let (mut dw_got, mut dw_want) = (vec![0f32; cols], vec![0f32; cols]);
-            let dw = weight.is_some() && add.is_none();
-            let mut ox = crate::RowLayout::contiguous(3, cols).offsets_from(0);
-            let dwg = dw.then_some(&mut dw_got[..]);
-            dispatch(|| backward_rows_f16(&x, &mut ox, &dy, add, weight, &mut got, dwg, 1e-5, cols));
-            dispatch(|| {
-                for r in 0..3 {
-                    fn row(v: &[f16], r: usize, cols: usize) -> &[f16] {
-                        &v[r * cols..][..cols]
-                    }
-                    let (dx, add) = (&mut want[r * cols..][..cols], add.map(|a| row(a, r, cols)));
-                    let (x, dy) = (row(&x, r, cols), row(&dy, r, cols));
-                    backward_row(x, dy, add, weight, dx, dw.then_some(&mut dw_want[..]), 1e-5f32, &[]);
-                }
-            });
-            let case = format!("weight {} add {}", weight.is_some(), add.is_some());
-            assert_eq!(bits(&got), bits(&want), "{case}");
-            assert_eq!(
-                dw_got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                dw_want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "{case}"
-            );
-        }
-    }
 
     /// The widened f16 forward against the plain f16 one, bit for bit, with
     /// and without weight.

@@ -6,11 +6,12 @@
 //! row, and the next four rows are prefetched as the columns go.
 //! fused_add_rms_norm's backward, which also adds `grad_add` into `dx`, keeps
 //! the row loop: grouped, it measured no faster (4096x4096 f32, AVX-512,
-//! alternated builds: 24.4-27.7 ms against 24.5-26.7). bf16 keeps it too:
-//! the same walk with bf16 loads and `dx` rounded per part (as layer_norm's
-//! bf16, where it paid) measured no faster, with or without `grad_add`
-//! (criterion, 4096x4096, alternated: rms_norm 5.1-7.8 ms against 6.0-7.0,
-//! fused_add_rms_norm 7.5-9.7 against 7.2-7.8).
+//! alternated builds: 24.4-27.7 ms against 24.5-26.7). bf16 is not grouped
+//! either: the same walk with bf16 loads and `dx` rounded per part (as
+//! layer_norm's bf16, where it paid) measured no faster than the row loop,
+//! with or without `grad_add` (criterion, 4096x4096, alternated: rms_norm
+//! 5.1-7.8 ms against 6.0-7.0, fused_add_rms_norm 7.5-9.7 against 7.2-7.8);
+//! bf16 and f16 now take the explicit row kernel of `x86_rows.rs`.
 //!
 //! Each value is the lane loop's, bit for bit: the rows' `r` and `c` come
 //! from the same function ([`super::grad_consts`]), and every element takes
