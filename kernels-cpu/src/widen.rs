@@ -15,6 +15,13 @@
 //! fused_add_rms_norm 17.2 -> 7.4 (6.3), layer_norm 14.0 -> 8.8 (6.7);
 //! forward rms_norm 4.6 -> 2.9-3.1 (2.6-2.8), fused_add_rms_norm 9.0-9.4 ->
 //! 7.8-8.9 (5.7-6.7). The layer_norm forward has its own explicit kernel.
+//!
+//! rms_norm's backward (fused_add_rms_norm's too) has since left this path
+//! for an explicit kernel that widens f16 as it loads
+//! (`rms_norm/x86_rows.rs`): on an AVX-512 Xeon the widened rows took
+//! 1.4-1.6x bf16's time (at 4096 columns the f32 copies, with the weight
+//! and the `dw` partial, are more than L1 holds); on the new kernel, which
+//! bf16 takes too, f16 runs in about bf16's time.
 use half::f16;
 
 /// Whether [`to_f32`] widens `T` on this CPU: `T` is f16 and the CPU has
