@@ -11,7 +11,9 @@
 //! replaces the lane loop. criterion on an AVX-512 Xeon (4096x4096, old
 //! and new alternated, three rounds): f16 rms_norm 6.44-6.59 -> 3.78-3.96
 //! ms and fused_add_rms_norm 9.57-9.90 -> 4.42-4.94; bf16 4.18-4.39 ->
-//! 3.59-3.96 and 5.07-5.28 -> 4.25-4.88. f32 keeps the grouped kernel in
+//! 3.59-3.96 and 5.07-5.28 -> 4.25-4.88 (held to AVX2 on the same CPU,
+//! bf16: 5.64-5.91 -> 4.97-5.00 and 6.67-6.95 -> 5.60-5.74, so both widths
+//! take it). f32 keeps the grouped kernel in
 //! the training case (`x86_backward.rs`) and the lane loop otherwise: there
 //! this kernel measured slower (fused_add_rms_norm f32 4096x4096 11.6-12.4
 //! -> 15.8-16.0 ms).
