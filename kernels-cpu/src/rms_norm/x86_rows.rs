@@ -29,13 +29,9 @@ use super::{inv_rms, strided_row_and_next};
 use crate::element::Element;
 use crate::layout::Offsets;
 use crate::rows::row_and_next;
-use crate::simd::prefetch_part;
+use crate::simd::prefetching;
 use crate::wide::cast_mut;
 use crate::wide::x86::{load_n, store_n, Kernel, Lanes};
-
-/// Elements between two prefetches of the next row, as
-/// [`crate::simd::prefetching`].
-const PART: usize = 256;
 
 /// The backward of the rows of `dx` (`cols` each): row `k` of `x` at the
 /// `k`-th offset of `ox` (which is stepped past them); `dy`, `add` and `dx`
@@ -73,19 +69,22 @@ impl<T: Element> Kernel for Rows<'_, T> {
             let (rv, cv) = (l.splat(rr), l.splat(c));
             let ptrs = Ptrs { x: x.as_ptr(), dy: dy.as_ptr(), add: add.map(<[T]>::as_ptr), w: w.map(<[T]>::as_ptr) };
             let dw = dw.as_deref_mut().map(<[f32]>::as_mut_ptr);
-            T::write_acc(
+            // Part by part, prefetching the next row, as the lane loop.
+            prefetching(
                 dx,
+                &[next_x, next_dy],
                 #[inline(always)]
-                |at, out| {
-                    // The parts of the next row that start in this block.
-                    for k in at.div_ceil(PART)..(at + out.len()).div_ceil(PART) {
-                        prefetch_part::<T, false>(next_x, k, PART);
-                        prefetch_part::<T, false>(next_dy, k, PART);
-                    }
-                    let out = cast_mut::<T::Acc, f32>(out).expect("rms_norm x86 rows: T::Acc is f32");
-                    // SAFETY: `out` is `dx[at..at + out.len()]` widened, and
-                    // every pointer holds the row's `cols` values.
-                    unsafe { part(l, ptrs, dw, rv, cv, at, out) };
+                |k, dx| {
+                    T::write_acc(
+                        dx,
+                        #[inline(always)]
+                        |at, out| {
+                            let out = cast_mut::<T::Acc, f32>(out).expect("rms_norm x86 rows: T::Acc is f32");
+                            // SAFETY: `out` is `dx[k + at..]` widened, and
+                            // every pointer holds the row's `cols` values.
+                            unsafe { part(l, ptrs, dw, rv, cv, k + at, out) };
+                        },
+                    )
                 },
             );
         }
