@@ -464,8 +464,15 @@ fn grad_consts<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, eps: T::Acc)
         Some(w) => sums3(dy, w, x, |dy, w, x| (x * x, dy * w * x)),
         None => sums3(dy, x, x, |dy, x, _| (x * x, dy * x)),
     };
+    consts_from_sums(sum_sq, gx, n, eps)
+}
+
+/// `(r, c)` of a row of `n` from its `sum(x^2)` and `sum(g x)`: `r = 1 /
+/// rms`, `c = r^3 sum(g x) / n`. For [`grad_consts`] and `x86_rows`.
+#[inline(always)]
+fn consts_from_sums<A: Acc>(sum_sq: A, gx: A, n: usize, eps: A) -> (A, A) {
     let r = inv_rms(sum_sq, n, eps);
-    (r, r * r * r * gx / T::Acc::from_usize(n))
+    (r, r * r * r * gx / A::from_usize(n))
 }
 
 /// `dx = r * dy * w - x * c (+ add)` and `dw += dy * x * r` over one part of

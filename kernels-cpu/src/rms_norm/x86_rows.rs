@@ -25,7 +25,7 @@
 //! (`dx = (r dy) w - x c (+ add)`, `dw += (dy x) r`), rounded to `T` by
 //! [`Element::write_acc`]. The tests compare with the lane loop bit for bit
 //! on rows whose sums are exact, and with an f64 reference otherwise.
-use super::{inv_rms, strided_row_and_next};
+use super::{consts_from_sums, strided_row_and_next};
 use crate::element::Element;
 use crate::layout::Offsets;
 use crate::rows::row_and_next;
@@ -64,8 +64,7 @@ impl<T: Element> Kernel for Rows<'_, T> {
             let (dy, next_dy) = row_and_next(dy, r, cols);
             let add = add.map(|a| &a[r * cols..][..cols]);
             let (sum_sq, gx) = sums(l, x, dy, w);
-            let rr = inv_rms(sum_sq, cols, eps);
-            let c = rr * rr * rr * gx / cols as f32;
+            let (rr, c) = consts_from_sums(sum_sq, gx, cols, eps);
             let (rv, cv) = (l.splat(rr), l.splat(c));
             let ptrs = Ptrs { x: x.as_ptr(), dy: dy.as_ptr(), add: add.map(<[T]>::as_ptr), w: w.map(<[T]>::as_ptr) };
             let dw = dw.as_deref_mut().map(<[f32]>::as_mut_ptr);
