@@ -33,7 +33,10 @@ struct GeluTanh {
   static __device__ __forceinline__ float f(float x) { return 0.5f * x * (1.f + tanhf(K * (x + C * x * x * x))); }
   static __device__ __forceinline__ float2 f_df(float x) {
     const float t = tanhf(K * (x + C * x * x * x));
-    const float dt = (1.f - t * t) * K * (1.f + 3.f * C * x * x);
+    // x clamped where t is exactly +-1 (|x| > 1e9), so that x * x cannot
+    // overflow and make 0 * inf = NaN where the derivative is 1 or 0.
+    const float xc = fminf(fmaxf(x, -1e9f), 1e9f);
+    const float dt = (1.f - t * t) * K * (1.f + 3.f * C * xc * xc);
     return make_float2(0.5f * x * (1.f + t), 0.5f * (1.f + t) + 0.5f * x * dt);
   }
 };

@@ -112,6 +112,12 @@ const FRAC_1_SQRT_2PI: f64 = 0.398_942_280_401_432_7;
 /// 2 sqrt(2 / pi)
 const SQRT_8_PI: f64 = 1.595_769_121_605_730_8;
 const GELU_C: f64 = 0.044715;
+/// Where gelu_tanh's sigmoid `s` is exactly 0 or 1 in f32 and in f64 (from
+/// about |x| = 20), so that the derivative's term `x s (1 - s) v'` is 0. Its
+/// `v' = k (1 + 3 c x^2)` takes `x` clamped to this: unclamped, `x^2`
+/// overflows from |x| = 1.8e19 in f32 and `0 * inf` gave NaN where the
+/// derivative is 1 (torch's CPU backward has the same NaN from 3e19).
+const GELU_TANH_SATURATED: f64 = 1e9;
 
 impl Act for Gelu {
     const KIND: Activation = Activation::Gelu;
@@ -145,7 +151,15 @@ impl Act for GeluTanh {
     fn f_df<A: Acc>(x: A) -> (A, A) {
         let (k, c) = (A::from_f64(SQRT_8_PI), A::from_f64(GELU_C));
         let s = A::ONE / (A::ONE + (A::ZERO - k * (x + c * x * x * x)).exp());
-        let dv = k * (A::ONE + A::from_f64(3.0) * c * x * x);
+        let lim = A::from_f64(GELU_TANH_SATURATED);
+        let xc = if x > lim {
+            lim
+        } else if x < A::ZERO - lim {
+            A::ZERO - lim
+        } else {
+            x
+        };
+        let dv = k * (A::ONE + A::from_f64(3.0) * c * xc * xc);
         (x * s, s + x * s * (A::ONE - s) * dv)
     }
 }

@@ -133,6 +133,19 @@ def test_infinities_match_torch(device, dtype):
         torch.testing.assert_close(got[fin], want[fin], atol=TOL[dtype][0], rtol=TOL[dtype][1])
 
 
+@pytest.mark.parametrize("device", devices())
+def test_gelu_tanh_gradient_of_huge_values_is_one_or_zero(device):
+    """From |x| of about 1.8e19, x^2 overflows f32; gelu_tanh's derivative is
+    still 1 (x > 0) or 0 (x < 0), as torch computes it in f64, where torch's
+    f32 CPU backward gives NaN."""
+    a = torch.tensor([3e19, -3e19, 1e20, -1e20, 1e30, 5.0, -4.0], dtype=torch.float64)
+    ad = a.clone().requires_grad_()
+    (F.gelu(ad, approximate="tanh") * 2.0).sum().backward()
+    x = torch.cat([a, torch.full_like(a, 2.0)]).reshape(1, -1).float().to(device).requires_grad_()
+    keel.gelu_and_mul(x, "tanh").sum().backward()
+    torch.testing.assert_close(x.grad[0, :7].cpu().double(), ad.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_meta_empty_and_nan():
     y = torch.ops.keel.gelu_and_mul(torch.empty(2, 3, 8, device="meta"), "tanh")
     assert y.shape == (2, 3, 4) and y.device.type == "meta"

@@ -16,7 +16,9 @@
 //! operation for operation, then the products in the lane loop's order (the
 //! tests compare every activation, dtype and direction at every width the
 //! CPU has).
-use super::{Act, Activation, Gelu, GeluTanh, Silu, FRAC_1_SQRT_2, FRAC_1_SQRT_2PI, GELU_C, SQRT_8_PI};
+use super::{
+    Act, Activation, Gelu, GeluTanh, Silu, FRAC_1_SQRT_2, FRAC_1_SQRT_2PI, GELU_C, GELU_TANH_SATURATED, SQRT_8_PI,
+};
 use crate::element::{Acc, Element};
 use crate::narrow::BLOCK;
 use crate::rows::row_and_next;
@@ -110,13 +112,16 @@ impl WideAct for GeluTanh {
         let v = l.mul(l.splat(SQRT_8_PI as f32), l.add(a, cube));
         l.div(a, l.add(l.splat(1.0), e.eval(l, l.sub(l.splat(0.0), v))))
     }
-    /// `s = 1 / (1 + e^-v)`, `v' = k (1 + 3 c a a)`: `(a s, s + a s (1 - s) v')`.
+    /// `s = 1 / (1 + e^-v)`, `v' = k (1 + 3 c a a)` with `a` clamped to
+    /// `GELU_TANH_SATURATED` (as the scalar one): `(a s, s + a s (1 - s) v')`.
     #[inline(always)]
     fn f_df<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> (L::V, L::V) {
         let (one, k, c) = (l.splat(1.0), l.splat(SQRT_8_PI as f32), l.splat(GELU_C as f32));
         let v = l.mul(k, l.add(a, l.mul(l.mul(l.mul(c, a), a), a)));
         let s = l.div(one, l.add(one, e.eval(l, l.sub(l.splat(0.0), v))));
-        let dv = l.mul(k, l.add(one, l.mul(l.mul(l.mul(l.splat(3.0), c), a), a)));
+        let lim = GELU_TANH_SATURATED as f32;
+        let ac = l.min(l.max(a, l.splat(-lim)), l.splat(lim));
+        let dv = l.mul(k, l.add(one, l.mul(l.mul(l.mul(l.splat(3.0), c), ac), ac)));
         (l.mul(a, s), l.add(s, l.mul(l.mul(l.mul(a, s), l.sub(one, s)), dv)))
     }
 }
