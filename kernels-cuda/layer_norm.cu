@@ -46,7 +46,9 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
   const float mean = block_sum(n * mean_t, scratch) / cols;
   const float dm = mean_t - mean;
   const float var = block_sum(m2 + n * dm * dm, scratch) / cols;
-  return make_float2(mean, rsqrtf(var + eps));
+  // A variance that overflowed f32 gives NaN, not rsqrt(inf) = 0 (zeros would
+  // be a silent wrong answer); as the CPU kernels do.
+  return make_float2(mean, isinf(var) ? nanf("") : rsqrtf(var + eps));
 }
 
 template <typename T>

@@ -165,3 +165,54 @@ fn backward_of_hard_rows<T: Tol>() {
         assert_close_floor(&dx, &want_dx, 8.0 * sum_scale::<T>(cols), floor, "grad_input of a hard row");
     }
 }
+
+/// A row whose variance overflows f32 (values near 1e20: their squares pass
+/// f32's 3.4e38) has no f32 normalisation. Its outputs and its `dx` and `dw`
+/// are NaN, not the zeros of `1 / sqrt(inf)`;
+/// the rows around it are untouched. Every path: the explicit x86 kernels
+/// and the lane loop (widths), single rows and the grouped backward (rows),
+/// f32 and bf16 (whose one-pass gradient sums have their own `rstd`).
+#[test]
+fn rows_whose_variance_overflows_are_nan() {
+    rows_whose_variance_overflows_are_nan_in::<f32>();
+    rows_whose_variance_overflows_are_nan_in::<bf16>();
+}
+
+fn rows_whose_variance_overflows_are_nan_in<T: Tol>() {
+    for (rows, cols) in [(1, 4), (3, 37), (9, 300), (2, 4096)] {
+        let bad = rows / 2;
+        let noise = |i: usize| ((i * 7919 % 2001) as f64 - 1000.0) / 1000.0;
+        let xs: Vec<f64> =
+            (0..rows * cols).map(|i| if i / cols == bad { 1e20 * (1.5 + noise(i)) } else { noise(i) }).collect();
+        let (x, dy) = (to_elems::<T>(&xs), to_elems::<T>(&(0..rows * cols).map(|i| noise(i + 5)).collect::<Vec<_>>()));
+        let w: Vec<T> = to_elems(&(0..cols).map(|i| 1.0 + 0.5 * noise(i + 3)).collect::<Vec<_>>());
+        let case = format!("{} {rows}x{cols}", std::any::type_name::<T>());
+        let nan = |v: &[T]| v.iter().all(|v| v.to_f64().is_nan());
+        for par in [Par::Seq, Par::Rayon] {
+            let mut y = vec![T::default(); rows * cols];
+            forward_cpu(&x, Some(&w), None, &mut y, cols, 1e-5, par).unwrap();
+            let (mut dx, mut dw, mut db) =
+                (vec![T::default(); rows * cols], vec![T::default(); cols], vec![T::default(); cols]);
+            backward_cpu(&dy, &x, Some(&w), Some(&w), &mut dx, Some(&mut dw), Some(&mut db), cols, 1e-5, par).unwrap();
+            for r in 0..rows {
+                let row = r * cols..(r + 1) * cols;
+                if r == bad {
+                    assert!(nan(&y[row.clone()]), "{case}: forward of the overflowing row");
+                    assert!(nan(&dx[row]), "{case}: grad_input of the overflowing row");
+                } else {
+                    let want = forward_ref(&x[row.clone()], Some(&w), None, cols, 1e-5);
+                    assert_close_floor(&y[row], &want, 2.0 * sum_scale::<T>(cols), 1.0, &format!("{case}: forward"));
+                }
+            }
+            assert!(nan(&dw), "{case}: grad_weight takes the NaN row's dy * xh");
+            let want_db = (0..cols).map(|j| (0..rows).map(|r| dy[r * cols + j].to_f64()).sum()).collect::<Vec<f64>>();
+            assert_close_floor(
+                &db,
+                &want_db,
+                4.0 * sum_scale::<T>(rows),
+                4.0 * rows as f64,
+                &format!("{case}: grad_bias"),
+            );
+        }
+    }
+}

@@ -9,7 +9,9 @@
 //!   hold `cols`. `rows` may be 0.
 //! - Numerics: mean and variance in `T::Acc` from shifted sums, with an
 //!   exact second pass when they would lose accuracy (see `moments`); one
-//!   rounding to `T` at the end.
+//!   rounding to `T` at the end. A row whose variance overflows `T::Acc`
+//!   (f32: values spread by about 1e19 or more) gives NaN, in the forward and
+//!   the backward (see `inv_std`).
 //! - The backward recomputes each row's mean and variance rather than taking
 //!   them from the forward: a row is re-read from cache, and the op keeps the
 //!   signature of torch's functional form.
@@ -299,7 +301,22 @@ fn moments<T: Element>(x: &[T], eps: T::Acc) -> Moments<T::Acc> {
     } else {
         sum_pairs(x, x, |a, _| (a - k - m1) * (a - k - m1)) / n
     };
-    Moments { k, m1, rstd: T::Acc::ONE / (var + eps).sqrt() }
+    Moments { k, m1, rstd: inv_std(var, eps) }
+}
+
+/// `rstd = 1 / sqrt(var + eps)`, or NaN where `var` overflowed the
+/// accumulator (f32: a row spread by about 1e19 or more). Such a row has no
+/// normalisation in f32; `1 / sqrt(inf) = 0` would write zeros, a silent wrong
+/// answer, where NaN says so. (torch 2.15's CPU layer_norm gives NaN for
+/// such rows at some widths, 4 to 32 and 4096 measured, and zeros at others,
+/// 300.)
+#[inline(always)]
+pub(crate) fn inv_std<A: Acc>(var: A, eps: A) -> A {
+    if var == A::from_f64(f64::INFINITY) {
+        A::from_f64(f64::NAN)
+    } else {
+        A::ONE / (var + eps).sqrt()
+    }
 }
 
 /// The shift `k` of [`moments`]: the mean of the row's first 16 elements.
@@ -471,7 +488,7 @@ fn row_consts<I: Element>(
         };
         let (m1, m2) = (s1 / n, s2 / n);
         (m1 * m1 <= I::Acc::from_f64(0.5) * m2).then(|| {
-            let rstd = I::Acc::ONE / (m2 - m1 * m1 + eps).sqrt();
+            let rstd = inv_std(m2 - m1 * m1, eps);
             (Moments { k, m1, rstd }, sg, rstd * (sgx - m1 * sg))
         })
     } else {

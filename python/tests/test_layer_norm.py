@@ -108,6 +108,25 @@ def test_bad_eps_and_backward_input():
         torch.ops.keel.layer_norm_backward(torch.randn(2, 5), torch.randn(2, 4), None, None, 1e-5)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_whose_variance_overflows_are_nan(device, dtype):
+    """A row spread by about 1e20 has a variance past f32's range: its
+    outputs and gradients are NaN, not the zeros of 1 / sqrt(inf); the other
+    rows are untouched. (torch 2.15's CPU layer_norm gives NaN for such rows
+    at some widths and zeros at others, e.g. 300.)"""
+    x = torch.randn(3, 300, dtype=torch.float64)
+    x[1] = 1e20 * (1.5 + torch.rand(300, dtype=torch.float64))
+    x = x.to(device, dtype).requires_grad_()
+    w = torch.randn(300, device=device, dtype=dtype, requires_grad=True)
+    y = keel.layer_norm(x, w, None, 1e-5)
+    y.backward(torch.ones_like(y))
+    assert torch.isnan(y[1]).all() and torch.isnan(x.grad[1]).all() and torch.isnan(w.grad).all()
+    want = reference(x.detach()[[0, 2]], w.detach(), None, 1e-5)
+    assert_close(y[[0, 2]], want, dtype)
+    assert torch.isfinite(x.grad[[0, 2]]).all()
+
+
 def test_meta_and_empty():
     y = torch.ops.keel.layer_norm(torch.empty(2, 3, 8, device="meta"), None, torch.empty(8, device="meta"), 1e-5)
     assert y.shape == (2, 3, 8) and y.device.type == "meta"

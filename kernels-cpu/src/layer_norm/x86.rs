@@ -65,7 +65,7 @@ fn moments<L: Lanes, T: Element>(l: L, x: &[T], eps: f32) -> Moments<f32> {
         let (k, m1) = (T::Acc::from_f64(k.into()), T::Acc::from_f64(m1.into()));
         (sum_pairs(x, x, |a, _| (a - k - m1) * (a - k - m1)).to_f64() as f32) / n
     };
-    Moments { k, m1, rstd: 1.0 / (var + eps).sqrt() }
+    Moments { k, m1, rstd: super::inv_std(var, eps) }
 }
 
 /// `(sum(x - k), sum((x - k)^2))`: four vector accumulators of each over
