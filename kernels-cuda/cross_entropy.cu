@@ -13,7 +13,8 @@
 //     over the rows not ignored (NaN when a target is bad).
 // Backward: cross_entropy_count (one block, the same status), then
 //   cross_entropy_bwd_*: one block per row, taking the row's lse from the
-//   forward, or recomputing it when lse is null (one read, as above), then
+//   forward, or recomputing it when lse is null or |lse| >= 64 (one read, as
+//   above), then
 //   the gradient (one more read, and the write):
 //   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
 //   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
@@ -110,8 +111,12 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
     }
     float g = to_f32(grad[reduction == 0 ? row : 0]);
     if (reduction == 1) g /= (float)status[1];
-    // exp(x - m) / s: m = lse and s = 1 when the forward left the lse.
-    const float2 ms = lse ? make_float2(lse[row], 1.f) : row_max_sumexp(xr, cols, vec, 1.f, scratch);
+    // exp(x - m) / s: m = lse and s = 1 when the forward left the lse and
+    // |lse| < 64 (LSE_TRUSTED_BELOW in kernels-cpu/src/cross_entropy.rs: lse's
+    // rounding is a relative error of every probability, 2^-24 |lse|); the
+    // same for every thread of the block, so all of them take one branch.
+    const bool trusted = lse && fabsf(lse[row]) < 64.f;
+    const float2 ms = trusted ? make_float2(lse[row], 1.f) : row_max_sumexp(xr, cols, vec, 1.f, scratch);
     const float gs = g / ms.y, off = g * ls / cols, hot = g * (1.f - ls);
     row_map(xr, dr, cols, vec, [&](int j, float v) { return expf(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
   }

@@ -133,3 +133,46 @@ fn bad_targets_and_options_are_errors() {
         "cross_entropy: argument 'reduction': must be \"mean\", \"sum\" or \"none\", got \"avg\""
     );
 }
+
+/// Rows whose `|lse|` is 64 or more recompute their max and sum in the
+/// backward rather than take the forward's lse, whose rounding would be a
+/// relative error of every probability (`2^-24 |lse|` in f32): their
+/// gradient given the lse is the one without it, bit for bit, and within
+/// the dtype's rounding of the f64 reference. With two logits tied at 1e20
+/// (the lse rounds to the max, losing `ln 2`), each has probability 0.5, not 1.
+#[test]
+fn rows_with_large_logits_recompute_their_lse() {
+    large_logits::<f32>(&[1e3, 1e6, 1e20]);
+    large_logits::<f64>(&[1e3, 1e6, 1e20]);
+    large_logits::<bf16>(&[1e3, 1e6, 1e20]);
+    large_logits::<f16>(&[1e2, 1e3, 1e4]);
+}
+
+fn large_logits<T: Tol>(offsets: &[f64]) {
+    let cols = 301;
+    let opts = Options { ignore_index: IGNORE, label_smoothing: 0.1, reduction: Reduction::None };
+    for &off in offsets {
+        // Row 0: spread logits shifted by `off`; row 1: two tied at `off`
+        // (1 apart for f16, whose ulp at 1e4 is 8), the rest at 0; row 2
+        // small logits, whose lse (about ln 301) the backward keeps.
+        let noise = |i: usize| ((i * 7919 % 2001) as f64 - 1000.0) / 250.0;
+        let mut x: Vec<f64> = (0..cols).map(|i| off + noise(i)).collect();
+        x.extend((0..cols).map(|i| if i == 7 || i == 250 { off } else { 0.0 }));
+        x.extend((0..cols).map(noise));
+        let (x, t) = (to_elems::<T>(&x), [3, 5, 9]);
+        let grad = to_elems::<T>(&[1.0, 1.0, 1.0]);
+        let mut out = vec![T::default(); 3];
+        let mut lse = vec![T::Acc::ZERO; 3];
+        forward_cpu(&x, &t, &mut out, Some(&mut lse), cols, opts, Par::Seq).unwrap();
+        let (mut given, mut plain) = (vec![T::default(); 3 * cols], vec![T::default(); 3 * cols]);
+        backward_cpu(&grad, &x, &t, Some(&lse), &mut given, cols, opts, Par::Seq).unwrap();
+        backward_cpu(&grad, &x, &t, None, &mut plain, cols, opts, Par::Seq).unwrap();
+        let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+        let case = format!("[{}] offset {off}", T::NAME);
+        assert_eq!(bits(&given[..2 * cols]), bits(&plain[..2 * cols]), "{case}: large rows recompute their lse");
+        let want = backward_ref(&grad, &x, &t, cols, opts);
+        assert_close_floor(&given, &want, 2.0 * sum_scale::<T>(cols), 1.0, &format!("{case}: grad"));
+        let tied = (given[cols + 7].to_f64(), given[cols + 250].to_f64());
+        assert!((tied.0 - want[cols + 7]).abs() < 0.01 && (tied.1 - want[cols + 250]).abs() < 0.01, "{case}: {tied:?}");
+    }
+}

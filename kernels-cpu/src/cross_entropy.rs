@@ -22,6 +22,15 @@ use crate::simd::{dispatch, prefetch_part, sum_pairs};
 use crate::softmax::{exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
+
+/// The backward takes the forward's `lse` only where `|lse|` is below this.
+/// `exp(x - lse)` carries `lse`'s rounding (half an ulp, `2^-24 |lse|` in
+/// f32) as a relative error of every probability: below 64, at most 3.8e-6.
+/// Rows with larger logits recompute their max and sum (one more read of the
+/// row), whose `exp(x - m) / s` has no such error: with logits near 1e20 and
+/// two tied at the max, the forward's lse (the max, `ln 2` lost in rounding)
+/// gave each of them probability 1 instead of 0.5.
+pub const LSE_TRUSTED_BELOW: f64 = 64.0;
 const OP_BWD: &str = "cross_entropy_backward";
 
 /// How the row losses are reduced.
@@ -169,7 +178,8 @@ pub fn forward<T: Element>(
 
 /// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
 /// [`Reduction::None`], else one) and the forward's inputs; with the forward's
-/// `lse`, each row is read once (the max pass is skipped).
+/// `lse`, each row is read once (the max pass is skipped), except rows whose
+/// `|lse|` is [`LSE_TRUSTED_BELOW`] or more, which recompute theirs.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Element>(
     grad: &[T],
@@ -216,7 +226,9 @@ pub fn backward<T: Element>(
                         dx.iter_mut().for_each(|d| *d = T::default());
                     } else {
                         let ahead = (ahead, next_row(ahead_w, cols));
-                        let (g, eps, lse) = (row_grad(row), opts.label_smoothing, lse.map(|l| l[row]));
+                        let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
+                        let lse = lse.map(|l| l[row]).filter(|&l| l < lim && l > T::Acc::ZERO - lim);
+                        let (g, eps) = (row_grad(row), opts.label_smoothing);
                         row_grad_into(x, t as usize, dx, &mut scratch, g, eps, lse, ahead);
                     }
                 }

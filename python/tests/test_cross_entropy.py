@@ -75,6 +75,32 @@ def test_with_lse_matches_logsumexp_and_its_gradient(device, n, v):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_of_large_logits_stay_exact(device, dtype):
+    """Rows with large logits: the backward does not take exp(x - lse) from the
+    forward's rounded lse (a relative error of 2^-24 |lse| on every
+    probability), and the z-loss gradient through the lse is a softmax. Two
+    logits tied at 1e20 get 0.5 each, not 1; logits offset by 1000 keep float32
+    accuracy."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 300, dtype=torch.float64) * 2
+    x[0] += 1000.0
+    x[1] = 0.0
+    x[1, [7, 250]] = 1e20
+    target = torch.tensor([3, 5, 9], device=device)
+    x = x.to(dtype)
+    xk = x.to(device).clone().requires_grad_()
+    loss, lse = keel.cross_entropy_with_lse(xk, target, reduction="sum", label_smoothing=0.1)
+    (loss + 1e-3 * lse[[0, 2]].square().sum()).backward()
+    xd = x.double().requires_grad_()
+    zloss = 1e-3 * torch.logsumexp(xd[[0, 2]], -1).square().sum()
+    (F.cross_entropy(xd, target.cpu(), reduction="sum", label_smoothing=0.1) + zloss).backward()
+    atol = 4e-7 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(xk.grad.double().cpu(), xd.grad, atol=atol, rtol=0)
+    assert abs(xk.grad[1, 7].item() - 0.5) < 0.01 and abs(xk.grad[1, 250].item() - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("device", devices())
 def test_ignore_index_and_all_ignored(device):
     x = torch.randn(4, 6, device=device, requires_grad=True)
     t = torch.tensor([1, 7, 7, 2], device=device)
