@@ -134,14 +134,16 @@ fn bad_targets_and_options_are_errors() {
     );
 }
 
-/// Rows whose `|lse|` is 64 or more recompute their max and sum in the
-/// backward rather than take the forward's lse, whose rounding would be a
-/// relative error of every probability (`2^-24 |lse|` in f32): their
-/// gradient given the lse is the one without it, bit for bit, and within
-/// the dtype's rounding of the f64 reference. With two logits tied at 1e20
-/// (the lse rounds to the max, losing `ln 2`), each has probability 0.5, not 1.
+/// The forward's lse is rounded, and `exp(x - lse)` would carry that as a
+/// relative error of every probability (`2^-24 |lse|` in f32). f32 and f64
+/// rows whose `|lse|` is 64 or more recompute their max and sum instead:
+/// their gradient given the lse is the one without it, bit for bit. bf16 and
+/// f16 divide by the sum of `exp(x - lse)`, where the rounding cancels. Every
+/// row is within the dtype's rounding of the f64 reference, and with two
+/// logits tied at 1e20 (the lse rounds to the max, losing `ln 2`), each has
+/// probability 0.5, not 1.
 #[test]
-fn rows_with_large_logits_recompute_their_lse() {
+fn rows_with_large_logits_keep_their_accuracy() {
     large_logits::<f32>(&[1e3, 1e6, 1e20]);
     large_logits::<f64>(&[1e3, 1e6, 1e20]);
     large_logits::<bf16>(&[1e3, 1e6, 1e20]);
@@ -169,9 +171,13 @@ fn large_logits<T: Tol>(offsets: &[f64]) {
         backward_cpu(&grad, &x, &t, None, &mut plain, cols, opts, Par::Seq).unwrap();
         let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
         let case = format!("[{}] offset {off}", T::NAME);
-        assert_eq!(bits(&given[..2 * cols]), bits(&plain[..2 * cols]), "{case}: large rows recompute their lse");
+        if matches!(T::NAME, "f32" | "f64") {
+            assert_eq!(bits(&given[..2 * cols]), bits(&plain[..2 * cols]), "{case}: large rows recompute their lse");
+        }
         let want = backward_ref(&grad, &x, &t, cols, opts);
-        assert_close_floor(&given, &want, 2.0 * sum_scale::<T>(cols), 1.0, &format!("{case}: grad"));
+        for (dx, how) in [(&given, "given the lse"), (&plain, "")] {
+            assert_close_floor(dx, &want, 2.0 * sum_scale::<T>(cols), 1.0, &format!("{case}: grad {how}"));
+        }
         let tied = (given[cols + 7].to_f64(), given[cols + 250].to_f64());
         assert!((tied.0 - want[cols + 7]).abs() < 0.01 && (tied.1 - want[cols + 250]).abs() < 0.01, "{case}: {tied:?}");
     }

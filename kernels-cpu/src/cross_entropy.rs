@@ -23,13 +23,15 @@ use crate::softmax::{exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
 
-/// The backward takes the forward's `lse` only where `|lse|` is below this.
-/// `exp(x - lse)` carries `lse`'s rounding (half an ulp, `2^-24 |lse|` in
-/// f32) as a relative error of every probability: below 64, at most 3.8e-6.
-/// Rows with larger logits recompute their max and sum (one more read of the
-/// row), whose `exp(x - m) / s` has no such error: with logits near 1e20 and
-/// two tied at the max, the forward's lse (the max, `ln 2` lost in rounding)
-/// gave each of them probability 1 instead of 0.5.
+/// The f32 and f64 backward takes `exp(x - lse)` as the probabilities, with
+/// the forward's `lse`, only where `|lse|` is below this: that carries
+/// `lse`'s rounding (half an ulp, `2^-24 |lse|` in f32) as a relative error
+/// of every probability, at most 3.8e-6 below 64. Rows with larger logits
+/// recompute their max and sum (one more read of the row), whose `exp(x - m)
+/// / s` has no such error: with logits near 1e20 and two tied at the max,
+/// the forward's lse (the max, `ln 2` lost in rounding) gave each of them
+/// probability 1 instead of 0.5. (bf16 and f16 divide by the sum of `exp(x -
+/// lse)`, in which the rounding cancels, at no cost: see `row_grad_into`.)
 pub const LSE_TRUSTED_BELOW: f64 = 64.0;
 const OP_BWD: &str = "cross_entropy_backward";
 
@@ -178,8 +180,9 @@ pub fn forward<T: Element>(
 
 /// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
 /// [`Reduction::None`], else one) and the forward's inputs; with the forward's
-/// `lse`, each row is read once (the max pass is skipped), except rows whose
-/// `|lse|` is [`LSE_TRUSTED_BELOW`] or more, which recompute theirs.
+/// `lse`, each row is read once (the max pass is skipped), except f32 and
+/// f64 rows whose `|lse|` is [`LSE_TRUSTED_BELOW`] or more, which recompute
+/// theirs.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Element>(
     grad: &[T],
@@ -226,9 +229,7 @@ pub fn backward<T: Element>(
                         dx.iter_mut().for_each(|d| *d = T::default());
                     } else {
                         let ahead = (ahead, next_row(ahead_w, cols));
-                        let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
-                        let lse = lse.map(|l| l[row]).filter(|&l| l < lim && l > T::Acc::ZERO - lim);
-                        let (g, eps) = (row_grad(row), opts.label_smoothing);
+                        let (g, eps, lse) = (row_grad(row), opts.label_smoothing, lse.map(|l| l[row]));
                         row_grad_into(x, t as usize, dx, &mut scratch, g, eps, lse, ahead);
                     }
                 }
@@ -260,10 +261,15 @@ fn row_sum<T: Element>(x: &[T]) -> T::Acc {
 }
 
 /// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`;
-/// `e = exp(x - m)`, `s` its sum. Given the row's `lse`, `e = exp(x - lse)` and
-/// `s = 1`, with no pass for the max (`x - lse <= 0`, as `exp_nonpos` needs:
-/// the forward rounds `lse >= max`, which is representable, to nearest), and
-/// for f32 and f64 no scratch row: the gradient is written as it is computed.
+/// `e = exp(x - m)`, `s` its sum, `m` the row's max or, given, its `lse` (no
+/// pass for the max: `x - lse <= 0`, as `exp_nonpos` needs, since the forward
+/// rounds `lse >= max`, which is representable, to nearest).
+/// - bf16, f16: `e` goes to a scratch row and `s` is summed there, so the
+///   rounding of a given `lse` cancels in `e / s`.
+/// - f32, f64: with a given `lse`, no scratch row: the gradient is written as
+///   `e` is computed, taking `s = 1`. That carries `lse`'s rounding into
+///   every probability, so it is done only where `|lse|` is below
+///   [`LSE_TRUSTED_BELOW`]; other rows take the `m = max` path.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn row_grad_into<T: Element>(
@@ -278,18 +284,18 @@ fn row_grad_into<T: Element>(
 ) {
     let one = T::Acc::ONE;
     let off = T::Acc::from_f64(g * eps / x.len() as f64);
-    if let Some(m) = lse {
-        if std::mem::size_of::<T>() == std::mem::size_of::<T::Acc>() {
-            // f32, f64: no rounding to do, so no scratch row either.
-            exp_affine_into(x, dx, m, T::Acc::from_f64(g), off, ahead, ahead_w);
-            let p = (x[t].to_acc() - m).exp_nonpos();
-            dx[t] = T::from_f64(g * (p.to_f64() - eps / x.len() as f64) - g * (1.0 - eps));
-            return;
-        }
+    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
+    let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
+    let lse = lse.filter(|&l| narrow || (l < lim && l > T::Acc::ZERO - lim));
+    if let (Some(m), false) = (lse, narrow) {
+        // f32, f64: no rounding to do, so no scratch row either.
+        exp_affine_into(x, dx, m, T::Acc::from_f64(g), off, ahead, ahead_w);
+        let p = (x[t].to_acc() - m).exp_nonpos();
+        dx[t] = T::from_f64(g * (p.to_f64() - eps / x.len() as f64) - g * (1.0 - eps));
+        return;
     }
     let m = lse.unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
-    let s = if lse.is_some() { one } else { s };
     let gs = T::Acc::from_f64(g / s.to_f64());
     T::from_acc_slice_affine(scratch, (gs, off), dx);
     let p = scratch[t].to_f64() / s.to_f64();
