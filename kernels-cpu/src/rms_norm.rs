@@ -22,7 +22,6 @@ use crate::par::Par;
 use crate::rows::{row_and_next, sum_partials, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, prefetching, sums3};
 use crate::wide::{cast, cast_mut};
-use crate::widen;
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
@@ -102,10 +101,6 @@ pub fn forward<T: Element>(
         dispatch(
             #[inline(always)]
             || {
-                if widen::applies::<T>() {
-                    let y = cast_mut::<T, f16>(&mut y).expect("rms_norm: widen applies to f16 only");
-                    return forward_rows_f16(cast(x), weight.map(cast), y, eps.to_f64() as f32, cols);
-                }
                 for (r, y) in y.chunks_exact_mut(cols).enumerate() {
                     let (x, ahead) = row_and_next(x, r, cols);
                     forward_row(x, weight, y, eps, ahead);
@@ -150,18 +145,6 @@ pub fn forward_strided<T: Element>(
             #[inline(always)]
             || {
                 let n = y.len() / cols;
-                if widen::applies::<T>() {
-                    let widened = "rms_norm: widen applies to f16 only";
-                    let (mut xs, mut ws) = (Vec::new(), Vec::new());
-                    let y = cast_mut::<T, f16>(&mut y).expect(widened);
-                    let weight = weight.map(|w| widen::to_f32(cast::<T, f16>(w), &mut ws).expect(widened));
-                    for (r, y) in y.chunks_exact_mut(cols).enumerate() {
-                        let (row, ahead) = strided_row_and_next(x, &mut at, r + 1 < n, cols);
-                        let row = widen::to_f32(cast::<T, f16>(row), &mut xs).expect(widened);
-                        forward_row(row, weight, y, eps.to_f64() as f32, cast::<T, f16>(ahead));
-                    }
-                    return;
-                }
                 for (r, y) in y.chunks_exact_mut(cols).enumerate() {
                     let (row, ahead) = strided_row_and_next(x, &mut at, r + 1 < n, cols);
                     forward_row(row, weight, y, eps, ahead);
@@ -350,22 +333,6 @@ pub(crate) fn backward_unchecked<T: Element>(
     }
 }
 
-/// The forward's rows for f16 where [`widen`] applies: each row widened to
-/// f32 first (the weight once), then [`forward_row`] with f32 inputs and f16
-/// outputs, the f16 loop's values bit for bit (the sum of squares is one
-/// explicit kernel for both types, the products the same in f32).
-#[inline(always)]
-fn forward_rows_f16(x: &[f16], weight: Option<&[f16]>, y: &mut [f16], eps: f32, cols: usize) {
-    let (mut xs, mut ws) = (Vec::new(), Vec::new());
-    let widened = "rms_norm: widen applies";
-    let weight = weight.map(|w| widen::to_f32(w, &mut ws).expect(widened));
-    for (r, y) in y.chunks_exact_mut(cols).enumerate() {
-        let (x, ahead) = row_and_next(x, r, cols);
-        let x = widen::to_f32(x, &mut xs).expect(widened);
-        forward_row(x, weight, y, eps, ahead);
-    }
-}
-
 #[inline(always)]
 fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
     A::ONE / (sum_sq / A::from_usize(cols) + eps).sqrt()
@@ -377,7 +344,7 @@ fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
 /// f32 unchanged).
 ///
 /// The inputs are `I`, the output `O`: the same type, or f32 inputs widened
-/// from f16 for f16 outputs (see [`forward_rows_f16`]).
+/// from f16 for f16 outputs (fused_add_rms_norm's widened f16 rows).
 #[inline(always)]
 pub(crate) fn forward_row<I: Element, O: Element<Acc = I::Acc>>(
     x: &[I],
@@ -567,36 +534,4 @@ pub fn backward_ref<T: Element>(
         }
     }
     (dx, dw)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{forward_row, forward_rows_f16};
-    use crate::simd::dispatch;
-    use crate::widen::testing::{bits, runs, wave};
-    use half::f16;
-
-    /// The widened f16 forward against the plain f16 one, bit for bit, with
-    /// and without weight.
-    #[test]
-    fn widened_f16_forward_is_the_plain_one() {
-        if !runs() {
-            return;
-        }
-        let (rows, cols) = (16, 300);
-        let mut x = wave(rows * cols, 0.37);
-        x[cols + 3] = f16::from_bits(0x0001);
-        x[2 * cols] = f16::INFINITY;
-        let w = wave(cols, 1.7);
-        for weight in [Some(&w[..]), None] {
-            let (mut got, mut want) = (vec![f16::ZERO; rows * cols], vec![f16::ZERO; rows * cols]);
-            dispatch(|| forward_rows_f16(&x, weight, &mut got, 1e-6, cols));
-            dispatch(|| {
-                for (x, y) in x.chunks_exact(cols).zip(want.chunks_exact_mut(cols)) {
-                    forward_row(x, weight, y, 1e-6f32, &[]);
-                }
-            });
-            assert_eq!(bits(&got), bits(&want), "weight {}", weight.is_some());
-        }
-    }
 }
