@@ -172,13 +172,14 @@ pub fn backward<T: Element>(
             let mut db = want_db.then(|| dbs.get(b));
             let at = blocks.rows(b).start * cols;
             let (x, dy) = (&x[at..][..dx.len()], &grad_out[at..][..dx.len()]);
-            // f32 and bf16 with every gradient (training): four rows at a
-            // time.
+            // f32, bf16 and f16 with every gradient (training): four rows
+            // at a time.
             #[cfg(target_arch = "x86_64")]
             if let (true, Some(w), Some(dw), Some(db)) = (cols > 0, weight, &mut dw, &mut db) {
                 let (ins, eps) = ((x, dy, w), eps.to_f64() as f32);
                 if grouped::<T, f32>(ins, (&mut dx, dw, db), cols, eps)
                     || grouped::<T, bf16>(ins, (&mut dx, dw, db), cols, eps)
+                    || grouped::<T, f16>(ins, (&mut dx, dw, db), cols, eps)
                 {
                     return;
                 }
@@ -217,8 +218,8 @@ pub fn backward<T: Element>(
     Ok(())
 }
 
-/// The training case's rows through `x86_backward` when `T` is `U` (f32 or
-/// bf16) and the CPU has AVX2 or AVX-512; false, computing nothing,
+/// The training case's rows through `x86_backward` when `T` is `U` (f32,
+/// bf16 or f16) and the CPU has AVX2 or AVX-512; false, computing nothing,
 /// otherwise.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -424,7 +425,8 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
     eps: I::Acc,
     ahead: Option<[&[O]; 2]>,
 ) {
-    let (m, g) = row_consts(x, dy, weight, eps, std::mem::size_of::<O>() < std::mem::size_of::<O::Acc>());
+    let narrow = std::mem::size_of::<O>() < std::mem::size_of::<O::Acc>();
+    let (m, g) = row_consts(x, dy, weight, eps, narrow, |k| lane_sums(x, dy, weight, k));
     let (mut dw, mut db) = (dw, db);
     // `dx` is computed in `T::Acc` and narrowed in blocks by `T::write_acc`
     // (F16C for f16: one value at a time took f16 2.3x bf16's time), but
@@ -463,6 +465,10 @@ fn backward_row<I: Element, O: Element<Acc = I::Acc>>(
 /// the shift is good; otherwise from [`grad_means`]'s separate passes.
 /// [`backward_row`] and the grouped rows of `x86_backward` both take them
 /// from here, so their `dx`, `dw` and `db` are the same bits.
+///
+/// `sums` gives the one pass's `[sum(x - k), sum((x - k)^2), sum(g), sum(g
+/// (x - k))]` for the shift `k`: [`lane_sums`], or the same bits in explicit
+/// SIMD (`x86_backward`'s f16 rows).
 #[inline(always)]
 fn row_consts<I: Element>(
     x: &[I],
@@ -470,6 +476,7 @@ fn row_consts<I: Element>(
     weight: Option<&[I]>,
     eps: I::Acc,
     narrow: bool,
+    sums: impl FnOnce(I::Acc) -> [I::Acc; 4],
 ) -> (Moments<I::Acc>, GradMeans<I::Acc>) {
     let n = I::Acc::from_usize(x.len());
     // bf16 and f16: one pass for the moments and the two gradient sums. With
@@ -482,10 +489,7 @@ fn row_consts<I: Element>(
     // the separate moments pass.
     let fused = if narrow {
         let k = shift(x);
-        let [s1, s2, sg, sgx] = match weight {
-            Some(w) => moment_grad_sums(x, dy, w, k, |d, w| d * w),
-            None => moment_grad_sums(x, dy, dy, k, |d, _| d),
-        };
+        let [s1, s2, sg, sgx] = sums(k);
         let (m1, m2) = (s1 / n, s2 / n);
         (m1 * m1 <= I::Acc::from_f64(0.5) * m2).then(|| {
             let rstd = inv_std(m2 - m1 * m1, eps);
@@ -497,6 +501,15 @@ fn row_consts<I: Element>(
     match fused {
         Some((m, sum_g, sum_gxh)) => (m, (sum_g / n, sum_gxh / n)),
         None => grad_means(x, dy, weight, eps),
+    }
+}
+
+/// The one-pass sums of [`row_consts`] for the shift `k`, in the lane loop.
+#[inline(always)]
+fn lane_sums<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, k: T::Acc) -> [T::Acc; 4] {
+    match weight {
+        Some(w) => moment_grad_sums(x, dy, w, k, |d, w| d * w),
+        None => moment_grad_sums(x, dy, dy, k, |d, _| d),
     }
 }
 

@@ -17,7 +17,8 @@
 //! 7.8-8.9 (5.7-6.7). The layer_norm forward has its own explicit kernel.
 //!
 //! Where it is used now: fused_add_rms_norm's forwards (out of place and in
-//! place) and layer_norm's f16 backward. rms_norm's forward runs f16 rows in
+//! place) and layer_norm's f16 backward without a weight or its gradients
+//! (the training case runs in `layer_norm/x86_backward.rs`, f16 included). rms_norm's forward runs f16 rows in
 //! its explicit kernel (`rms_norm/x86.rs`) wherever this would apply, so its
 //! widened branch, which could not be reached, is gone.
 //!

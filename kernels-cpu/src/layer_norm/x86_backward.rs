@@ -22,14 +22,19 @@
 //! `db` stores, and the moments pass waiting on memory for every row) and
 //! runs the same walk: `dx` goes to an f32 block per row and part, rounded
 //! into the row with [`Element::from_acc_slice`] (AVX512-BF16's conversion
-//! where the CPU has it), which rounds as the lane loop's `from_acc`. f16
-//! keeps its widening path (`widen.rs`): its moments would convert in
-//! software here.
-use super::row_consts;
+//! where the CPU has it), which rounds as the lane loop's `from_acc`.
+//!
+//! f16 runs the same walk (its loads and its rounding of `dx` are F16C's),
+//! and its rows' one-pass sums run here in vectors ([`moment_grad_sums`]),
+//! in the lane loop's order: the lane loop's sums over f16 convert each value
+//! in software. Measured, criterion 4096x4096 on the AVX-512 Xeon: see
+//! `BENCHMARKS.md`, session 29.
+use super::{lane_sums, row_consts};
 use crate::element::Element;
-use crate::simd::prefetch_part;
+use crate::simd::{prefetch_part, reduce_lanes, LANES};
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
+use half::f16;
 
 /// Rows whose columns are walked together.
 const GROUP: usize = 4;
@@ -41,7 +46,7 @@ const PART: usize = 256;
 
 /// The backward over whole rows of `cols`: `x`, `dy` and `dx` of one length,
 /// `w`, `dw` and `db` of `cols`; `dw` and `db` are added to. `cols > 0`; `T`
-/// is f32 or bf16 (f16 would compute right, but slowly).
+/// is f32, bf16 or f16.
 pub(super) struct Backward<'a, T> {
     pub(super) x: &'a [T],
     pub(super) dy: &'a [T],
@@ -120,7 +125,11 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     let narrow = !is::<T, f32>();
     for r in 0..G {
         let span = at + r * cols..at + (r + 1) * cols;
-        let (m, (mg, mgx)) = row_consts(&x[span.clone()], &dy[span.clone()], Some(w), eps, narrow);
+        let (xr, dyr) = (&x[span.clone()], &dy[span.clone()]);
+        // f16's one-pass sums in vectors (the lane loop's convert each value
+        // in software); f32 and bf16 keep the lane loop's.
+        let sums = |k| if is::<T, f16>() { moment_grad_sums(l, xr, dyr, w, k) } else { lane_sums(xr, dyr, Some(w), k) };
+        let (m, (mg, mgx)) = row_consts(xr, dyr, Some(w), eps, narrow, sums);
         c[r] = Row { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), mg: l.splat(mg), mgx: l.splat(mgx) };
         xs[r] = x[span.clone()].as_ptr();
         dys[r] = dy[span].as_ptr();
@@ -167,6 +176,54 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
         }
         p += len;
     }
+}
+
+/// `layer_norm::moment_grad_sums` with `g = dy w`, bit for bit, in vectors:
+/// `[sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))]`. Its `LANES`
+/// accumulators of each sum are `LANES / N` vectors here (lane `i` of a
+/// chunk of `LANES` values is lane `i % N` of vector `i / N`), each product
+/// and sum rounded on its own as there; then its serial tail and its
+/// pairwise reduction of the lanes.
+// Indexed loops: `j` picks the same vector of the four accumulators.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w: &[T], k: f32) -> [f32; 4] {
+    const MAX: usize = 4;
+    let nv = LANES / L::N;
+    assert!(nv <= MAX && nv * L::N == LANES && dy.len() == x.len() && w.len() == x.len());
+    let (kv, zero) = (l.splat(k), l.splat(0.0));
+    let mut acc = [[zero; MAX]; 4];
+    let chunks = x.len() / LANES;
+    for c in 0..chunks {
+        for j in 0..nv {
+            let at = c * LANES + j * L::N;
+            // SAFETY: `at + N <= chunks * LANES <= len` for all three slices.
+            let (xv, dv, wv) =
+                unsafe { (l.load(x.as_ptr().add(at)), l.load(dy.as_ptr().add(at)), l.load(w.as_ptr().add(at))) };
+            let v = l.sub(xv, kv);
+            let g = l.mul(dv, wv);
+            acc[0][j] = l.add(acc[0][j], v);
+            acc[1][j] = l.add(acc[1][j], l.mul(v, v));
+            acc[2][j] = l.add(acc[2][j], g);
+            acc[3][j] = l.add(acc[3][j], l.mul(g, v));
+        }
+    }
+    let mut t = [0f32; 4];
+    let at = chunks * LANES;
+    for ((x, d), w) in x[at..].iter().zip(&dy[at..]).zip(&w[at..]) {
+        let (v, gi) = (x.to_acc() - k, d.to_acc() * w.to_acc());
+        t = [t[0] + v, t[1] + v * v, t[2] + gi, t[3] + gi * v];
+    }
+    let mut out = [0f32; 4];
+    for q in 0..4 {
+        let mut lanes = [0f32; LANES];
+        for j in 0..nv {
+            // SAFETY: `lanes` holds `nv N = LANES` values.
+            unsafe { l.store(lanes.as_mut_ptr().add(j * L::N), acc[q][j]) };
+        }
+        out[q] = reduce_lanes(lanes) + t[q];
+    }
+    out
 }
 
 /// Part `k` of the next group's rows of `x` and `dy`.
@@ -219,7 +276,7 @@ mod tests {
     use super::Backward;
     use crate::element::Element;
     use crate::wide::x86::{every_width, run_with, Width};
-    use half::bf16;
+    use half::{bf16, f16};
 
     /// The grouped pass against the lane loop's rows (`backward_row`), bit
     /// for bit, in `T`: `dx`, and `dw`, `db` added to nonzero partials, for 1
@@ -269,6 +326,7 @@ mod tests {
         fn both<L: Width>(l: L) {
             check::<f32, L>(l);
             check::<bf16, L>(l);
+            check::<f16, L>(l);
         }
         every_width!(both);
     }
