@@ -25,7 +25,7 @@ use crate::wide::{cast, cast_mut};
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(crate) mod x86;
 #[cfg(target_arch = "x86_64")]
 mod x86_backward;
 #[cfg(target_arch = "x86_64")]
@@ -334,7 +334,7 @@ pub(crate) fn backward_unchecked<T: Element>(
 }
 
 #[inline(always)]
-fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
+pub(crate) fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
     A::ONE / (sum_sq / A::from_usize(cols) + eps).sqrt()
 }
 

@@ -8,7 +8,7 @@
 //! first (L1/L2-resident) and running the f32-input loop on it gives the
 //! same values bit for bit, since widening f16 to f32 is exact and f32's
 //! `to_acc` is the identity; the outputs are still written as f16 (the
-//! fused_add_rms_norm and layer_norm tests compare both paths bit for bit).
+//! layer_norm tests compare both paths bit for bit).
 //!
 //! Measured, criterion 4096x4096 on an AVX2 CPU, alternated with the plain
 //! loop (bf16 in brackets): backward rms_norm f16 12.5 -> 5.6 ms (5.2),
@@ -16,18 +16,11 @@
 //! forward rms_norm 4.6 -> 2.9-3.1 (2.6-2.8), fused_add_rms_norm 9.0-9.4 ->
 //! 7.8-8.9 (5.7-6.7). The layer_norm forward has its own explicit kernel.
 //!
-//! Where it is used now: fused_add_rms_norm's forwards (out of place and in
-//! place) and layer_norm's f16 backward without a weight or its gradients
-//! (the training case runs in `layer_norm/x86_backward.rs`, f16 included). rms_norm's forward runs f16 rows in
-//! its explicit kernel (`rms_norm/x86.rs`) wherever this would apply, so its
-//! widened branch, which could not be reached, is gone.
-//!
-//! rms_norm's backward (fused_add_rms_norm's too) has since left this path
-//! for an explicit kernel that widens f16 as it loads
-//! (`rms_norm/x86_rows.rs`): on an AVX-512 Xeon the widened rows took
-//! 1.4-1.6x bf16's time (at 4096 columns the f32 copies, with the weight
-//! and the `dw` partial, are more than L1 holds); on the new kernel, which
-//! bf16 takes too, f16 runs in about bf16's time.
+//! Where it is used now: layer_norm's f16 backward without a weight or its
+//! gradients. rms_norm's forward, fused_add_rms_norm's forwards and the
+//! layer_norm training backward run f16 rows in explicit kernels
+//! (`rms_norm/x86.rs`, `fused_add_rms_norm/x86.rs`,
+//! `layer_norm/x86_backward.rs`) wherever this would apply.
 use half::f16;
 
 /// Whether [`to_f32`] widens `T` on this CPU: `T` is f16 and the CPU has

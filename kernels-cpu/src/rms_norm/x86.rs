@@ -55,12 +55,24 @@ impl<T: Element> Kernel for Forward<'_, T> {
 
 /// One row's input, the weight and `1 / rms`.
 #[derive(Clone, Copy)]
-struct Row<T, V> {
+pub(crate) struct Row<T, V> {
     x: *const T,
     w: Option<*const T>,
     r: V,
     /// `x` and `w` hold this many values.
     len: usize,
+}
+
+/// Writes the normalised row `x` (`1 / rms` = `rs`) times `w` into `y`, as
+/// [`Forward`] does, prefetching `ahead`: fused_add_rms_norm's kernel runs
+/// it on the sum row it has just written.
+#[inline(always)]
+pub(crate) fn write_normed<L: Lanes, T: Element>(l: L, x: &[T], w: Option<&[T]>, rs: f32, y: &mut [T], ahead: &[T]) {
+    if let Some(w) = w {
+        assert_eq!(w.len(), x.len(), "rms_norm x86: the weight is not one row long");
+    }
+    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
+    write_row(l, row, y, ahead);
 }
 
 impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
