@@ -22,6 +22,7 @@ use crate::simd::{dispatch, prefetch_part, sum_pairs};
 use crate::softmax::{exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
+const OP_BWD: &str = "cross_entropy_backward";
 
 /// The f32 and f64 backward takes `exp(x - lse)` as the probabilities, with
 /// the forward's `lse`, only where `|lse|` is below this: that carries
@@ -33,7 +34,6 @@ const OP_FWD: &str = "cross_entropy";
 /// probability 1 instead of 0.5. (bf16 and f16 divide by the sum of `exp(x -
 /// lse)`, in which the rounding cancels, at no cost: see `row_grad_into`.)
 pub const LSE_TRUSTED_BELOW: f64 = 64.0;
-const OP_BWD: &str = "cross_entropy_backward";
 
 /// How the row losses are reduced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

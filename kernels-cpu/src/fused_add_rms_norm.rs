@@ -152,21 +152,28 @@ pub fn forward_inplace<T: Element>(
             #[inline(always)]
             || {
                 for (x, r) in x.chunks_exact_mut(cols).zip(r.chunks_exact_mut(cols)) {
-                    T::update_acc(
-                        r,
-                        #[inline(always)]
-                        |at, s| {
-                            for (s, x) in s.iter_mut().zip(&x[at..]) {
-                                *s = x.to_acc() + *s;
-                            }
-                        },
-                    );
+                    add_into(x, r);
                     forward_row(r, weight, x, eps, &[]);
                 }
             },
         );
     });
     Ok(())
+}
+
+/// `r = x + r`, rounded to `T`: the in-place forward's sum, in the lane
+/// loop (and in `x86.rs`'s kernel for f32 and bf16, so both round alike).
+#[inline(always)]
+fn add_into<T: Element>(x: &[T], r: &mut [T]) {
+    T::update_acc(
+        r,
+        #[inline(always)]
+        |at, s| {
+            for (s, x) in s.iter_mut().zip(&x[at..]) {
+                *s = x.to_acc() + *s;
+            }
+        },
+    );
 }
 
 /// Backward: `grad_sum` (the gradient of both `x` and `residual`) and, when
