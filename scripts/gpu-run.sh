@@ -8,10 +8,10 @@
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
 #           op's CUDA kernels against the CPU kernels); the rms_norm example;
 #           the Python tests with the wheel (CPU and CUDA cases).
-#   bench   the criterion CUDA benches (device-synchronised), short runs.
 #   report  benches/report/report.py: Keel against torch eager and
 #           torch.compile, CPU and CUDA, into OUT_DIR/report/.
-#   all     the three (the default).
+#   bench   the criterion CUDA benches (device-synchronised), short runs.
+#   all     the three, in that order (the default).
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
 # bench.log, report.log, report/ (8 files in all). KEEL_REPORT_ARGS adds words
@@ -20,7 +20,10 @@
 # test that would skip for want of a GPU into a failure; KEEL_REQUIRE_GPU=0
 # runs the same steps on a machine without one (a dry run of this script;
 # KEEL_PY picks the python, e.g. a venv's).
-# Every step runs; the exit status is that of the first that failed.
+# Each step has a time limit (KEEL_STEP_LIMIT_S scales them: 2 doubles each),
+# so that one hung step cannot spend a short GPU lease; its log says how long
+# each step took. Every step runs; the exit status is that of the first that
+# failed.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -34,16 +37,18 @@ for f in ops_cuda rms_norm_cuda bench_cuda rms_norm; do
 done
 
 status=0
-# step LOG COMMAND...: runs COMMAND, appending its output to LOG and showing it.
+scale="${KEEL_STEP_LIMIT_S:-1}"
+# step LOG SECONDS COMMAND...: runs COMMAND for at most SECONDS (times the
+# scale), appending its output to LOG and showing it.
 step() {
-  local log="$1"; shift
-  echo "=== $*" | tee -a "$log"
-  "$@" 2>&1 | tee -a "$log"
+  local log="$1" limit; shift
+  limit="$(python3 -c "print(int($1 * $scale))")"; shift
+  echo "=== $* (limit ${limit}s)" | tee -a "$log"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$log"
   local rc="${PIPESTATUS[0]}"
-  if [ "$rc" != 0 ]; then
-    echo "=== exit $rc: $*" | tee -a "$log"
-    [ "$status" != 0 ] || status="$rc"
-  fi
+  echo "=== ${*:1:2}: exit $rc after $((SECONDS - t0))s$([ "$rc" = 124 ] && echo ' (time limit)')" | tee -a "$log"
+  if [ "$rc" != 0 ] && [ "$status" = 0 ]; then status="$rc"; fi
 }
 
 # The wheel, installed beside the machine's torch without touching it.
@@ -53,20 +58,23 @@ export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ "$what" = checks ] || [ "$what" = all ]; then
   log="$out/checks.log"; : > "$log"
-  step "$log" nvidia-smi
-  step "$log" "$py" -c "import torch, keel; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, 'keel', keel.LIBRARY_PATH)"
-  step "$log" .gpu/rms_norm_cuda --nocapture
-  step "$log" .gpu/ops_cuda --nocapture
-  step "$log" .gpu/rms_norm
-  step "$log" "$py" -m pytest -q -p no:cacheprovider -rs python/tests
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  log="$out/bench.log"; : > "$log"
-  step "$log" .gpu/bench_cuda --bench --warm-up-time 0.3 --measurement-time 1
+  step "$log" 30 nvidia-smi
+  step "$log" 60 "$py" -c "import torch, keel; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, 'keel', keel.LIBRARY_PATH)"
+  step "$log" 60 .gpu/rms_norm_cuda --nocapture
+  step "$log" 120 .gpu/ops_cuda --nocapture
+  step "$log" 30 .gpu/rms_norm
+  # pytest-xdist, where the machine has it, spreads the tests over 8 workers.
+  par=()
+  "$py" -c "import xdist" 2>/dev/null && par=(-n 8)
+  step "$log" 240 "$py" -m pytest -q -p no:cacheprovider -rs "${par[@]}" python/tests
 fi
 if [ "$what" = report ] || [ "$what" = all ]; then
   log="$out/report.log"; : > "$log"
   # shellcheck disable=SC2086  # KEEL_REPORT_ARGS: extra words for report.py, e.g. "--devices cuda" or "--ops softmax"
-  step "$log" "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
+  step "$log" 360 "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  log="$out/bench.log"; : > "$log"
+  step "$log" 150 .gpu/bench_cuda --bench --warm-up-time 0.1 --measurement-time 0.3
 fi
 exit "$status"

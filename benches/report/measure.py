@@ -86,7 +86,7 @@ def bandwidth(device: str) -> dict:
     return {"bytes": moved, "clone_GBps": moved / t["clone"] / 1e9, "copy_GBps": moved / t["copy"] / 1e9}
 
 
-def time_case(case, device, compile_: bool) -> dict:
+def time_case(case, device, compile_: bool, budget_s: float) -> dict:
     row = {"op": case.name, "shape": case.shape, "nbytes": case.nbytes, "bandwidth_bound": case.bandwidth_bound,
            "backward": case.backward, "inplace": case.inplace}
     ref = case.reference()
@@ -110,17 +110,34 @@ def time_case(case, device, compile_: bool) -> dict:
     args = [case.args[i] for i in case.clone_args]
     fns["clone"] = lambda: [a.clone() for a in args]
     row["clone_nbytes"] = 2 * sum(a.numel() * a.element_size() for a in args)  # read and written
-    t = interleaved(fns, device)
+    t = interleaved(fns, device, budget_s=budget_s)
     row["ms"] = {k: v * 1e3 for k, v in t.items()}
     row["err"] = errs
     return row
 
 
-def checked_row(case, device, dname: str, compile_: bool) -> dict:
-    """`time_case`'s row, with its device, dtype, and whether Keel's error is within tolerance."""
-    row = time_case(case, device, compile_)
+def checked_row(case, device, dname: str, compile_: bool, budget_s: float) -> dict:
+    """`time_case`'s row, with its device, dtype, and whether Keel's error is within tolerance.
+
+    A case that raises becomes a failed row that says why, so that one broken
+    op costs its row, not the run."""
+    try:
+        row = time_case(case, device, compile_, budget_s)
+    except Exception as e:  # noqa: BLE001 - reported in the row and the exit status
+        msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+        print(f"measure: {case.name} {device} {dname}: {msg}", file=sys.stderr)
+        return {"op": case.name, "shape": case.shape, "device": device, "dtype": dname, "ok": False, "error": msg}
     row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(DTYPES[dname]))
     return row
+
+
+def save(out: dict, path: str) -> None:
+    """Writes the run so far (rewritten after every case, so that a run cut
+    short still leaves its rows)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main() -> None:
@@ -134,6 +151,7 @@ def main() -> None:
     ap.add_argument("--decode-ops", default=",".join(DECODE_OPS),
                     help="comma-separated case names timed again at decode shapes (empty: none)")
     ap.add_argument("--label", default="")
+    ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
@@ -145,30 +163,34 @@ def main() -> None:
     names = [n for n in a.ops.split(",") if n]
     decode_names = [n for n in a.decode_ops.split(",") if n]
     out = {"label": a.label, "size": a.size, "machine": machine(devices), "bandwidth": {}, "rows": [],
-           "decode": [], "overhead": []}
+           "decode": [], "overhead": [], "complete": False}
     for device in devices:
         out["bandwidth"][device] = bandwidth(device)
         for dname in a.dtypes.split(","):
             dtype = DTYPES[dname]
             cases = make_cases(device, dtype, a.size, names)
             for case in tqdm(cases, desc=f"{a.label or 'run'} {device} {dname}", file=sys.stderr, leave=False):
-                out["rows"].append(checked_row(case, device, dname, not a.no_compile))
+                out["rows"].append(checked_row(case, device, dname, not a.no_compile, a.budget))
+                save(out, a.out)
             del cases
             decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
             for case in tqdm(decode, desc=f"{a.label or 'run'} {device} {dname} decode", file=sys.stderr, leave=False):
                 # Decoding runs under no_grad (as Hugging Face's generate() does).
                 with torch.no_grad():
-                    out["decode"].append(checked_row(case, device, dname, not a.no_compile))
+                    out["decode"].append(checked_row(case, device, dname, not a.no_compile, a.budget))
+                save(out, a.out)
             del decode
+        # On CUDA a call is launch-bound and steady; fewer calls measure it as well.
+        calls, rounds = (2000, 3) if device == "cuda" else (20000, 5)
         for mode, ctx in OVERHEAD_MODES.items():
             with ctx():
                 for name, kf, kt, tf in tiny_cases(device):
                     out["overhead"].append({"device": device, "name": name, "mode": mode,
-                                            "keel_us": per_call(kf, device) * 1e6 if kf else None,
-                                            "typed_us": per_call(kt, device) * 1e6 if kt else None,
-                                            "torch_us": per_call(tf, device) * 1e6})
-    with open(a.out, "w") as f:
-        json.dump(out, f, indent=1)
+                                            "keel_us": per_call(kf, device, calls, rounds) * 1e6 if kf else None,
+                                            "typed_us": per_call(kt, device, calls, rounds) * 1e6 if kt else None,
+                                            "torch_us": per_call(tf, device, calls, rounds) * 1e6})
+    out["complete"] = True
+    save(out, a.out)
     sys.exit(0 if all(r["ok"] for r in out["rows"] + out["decode"]) else 1)
 
 

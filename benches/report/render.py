@@ -82,6 +82,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
         lines.append(f"GPU: **{m0['gpu']}** ({m0['gpu_memory_gib']} GiB), driver {m0['driver']}, CUDA {m0['cuda']}.")
     else:
         lines.append("No GPU on this machine: the CUDA section is absent.")
+    cut = [run.get("label") or "default" for run in runs if run.get("complete") is False]
+    if cut:
+        lines.append(f"**Run cut short** ({', '.join(cut)}): the tables hold the cases measured before it stopped.")
     lines += ["", "Produced by `scripts/report.sh` (the command regenerates this file and the plots). Each op is timed "
               "as Keel (`torch.ops.keel`), the torch eager expression it replaces, `torch.compile` of that same "
               "expression, and a `clone` of its inputs, interleaved in one run on the same inputs; figures are "
@@ -112,6 +115,11 @@ def markdown(runs: List[dict], images: List[str]) -> str:
                   "| of bandwidth | Keel / clone | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in run["rows"]:
             if row["device"] != device:
+                continue
+            if "error" in row:
+                lines.append(f"| {row['op']} | {row['dtype']} | {row['shape']} | failed: {row['error']} "
+                             "| | | | | | | | |")
+                misses.append(f"- {title}: {row['op']} {row['dtype']} raised: {row['error']}")
                 continue
             d = _derived(row, bw, device)
             ms = row["ms"]
@@ -172,6 +180,11 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
         for row in run.get("decode", []):
             if row["device"] != device:
                 continue
+            if "error" in row:
+                lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | failed: {row['error']} "
+                             "| | | | | |")
+                misses.append(f"- {title}, decode: {row['op']} {row['dtype']} raised: {row['error']}")
+                continue
             ms, d = row["ms"], _speedups(row)
             comp = _us(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
             vc = f"{d['vs_compile']:.2f}x" if d["vs_compile"] else "-"
@@ -193,7 +206,7 @@ def plots(runs: List[dict], outdir: str) -> List[str]:
     names = []
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
     for ax, (title, run, device) in zip(axes[:, 0], panels):
-        rows = [r for r in run["rows"] if r["device"] == device]
+        rows = [r for r in run["rows"] if r["device"] == device and "error" not in r]
         ops = list(dict.fromkeys(r["op"] for r in rows))
         dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
         series = [(f"vs eager, {dt}", dt, "eager") for dt in dtypes] + [(f"vs compile, {dt}", dt, "compile")
@@ -219,7 +232,7 @@ def plots(runs: List[dict], outdir: str) -> List[str]:
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
     for ax, (title, run, device) in zip(axes[:, 0], panels):
         bw = run["bandwidth"][device]
-        rows = [r for r in run["rows"] if r["device"] == device]
+        rows = [r for r in run["rows"] if r["device"] == device and "error" not in r]
         short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
         labels = [f"{r['op']} {short.get(r['dtype'], r['dtype'])}" for r in rows]
         xs = range(len(rows))

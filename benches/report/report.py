@@ -34,6 +34,7 @@ def main() -> None:
                     help="comma-separated devices (default: cpu, and cuda where torch finds one); the "
                          "THP_MEM_ALLOC_ENABLE=1 run, a CPU one, only where cpu is among them")
     ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
     ap.add_argument("--decode-ops", default=None,
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
@@ -50,6 +51,7 @@ def main() -> None:
         cmd += ["--no-compile"] if a.no_compile else []
         cmd += ["--decode-ops", a.decode_ops] if a.decode_ops is not None else []
         cmd += ["--devices", devices] if devices else []
+        cmd += ["--budget", str(a.budget)]
         rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
         if not os.path.exists(path):
             sys.exit(f"report: the measuring run '{label or 'default'}' failed (exit {rc})")
