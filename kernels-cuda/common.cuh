@@ -97,6 +97,21 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return v;
 }
 
+// Calls f(j) for the columns j of a row this thread owns when the row is read
+// element by element: the same columns, in the same order, as the 16-byte
+// vector loops own (thread t: [t N, t N + N), then t + blockDim.x ...). A
+// row's sums then add the same terms in the same order, and give the same
+// bits, whether or not its layout allows vectors (a view with padded rows, a
+// misaligned start).
+template <typename T, typename F> __device__ __forceinline__ void scalar_cols(int cols, F f) {
+  constexpr int N = Pack<T>::N;
+  for (int i = threadIdx.x; i < (cols + N - 1) / N; i += blockDim.x) {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if (i * N + k < cols) f(i * N + k);
+  }
+}
+
 // Calls f(i, x[i]) (as f32) for the elements of a row this thread owns: 16-byte
 // loads when `vec` (cols a multiple of Pack<T>::N, row 16-byte aligned).
 template <typename T, typename F>
@@ -109,7 +124,7 @@ __device__ __forceinline__ void row_each(const T* __restrict__ x, int cols, bool
       for (int k = 0; k < N; ++k) f(i * N + k, to_f32(p.v[k]));
     }
   } else {
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) f(i, to_f32(x[i]));
+    scalar_cols<T>(cols, [&](int i) { f(i, to_f32(x[i])); });
   }
 }
 
@@ -124,7 +139,7 @@ __device__ __forceinline__ void row_each2(const T* __restrict__ a, const T* __re
       for (int k = 0; k < N; ++k) f(i * N + k, to_f32(p.v[k]), to_f32(q.v[k]));
     }
   } else {
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) f(i, to_f32(a[i]), to_f32(b[i]));
+    scalar_cols<T>(cols, [&](int i) { f(i, to_f32(a[i]), to_f32(b[i])); });
   }
 }
 
@@ -141,7 +156,7 @@ __device__ __forceinline__ void row_map(const T* __restrict__ x, T* __restrict__
       store_pack(y + i * N, o);
     }
   } else {
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) y[i] = from_f32<T>(f(i, to_f32(x[i])));
+    scalar_cols<T>(cols, [&](int i) { y[i] = from_f32<T>(f(i, to_f32(x[i]))); });
   }
 }
 
@@ -159,7 +174,7 @@ __device__ __forceinline__ void row_map2(const T* __restrict__ a, const T* __res
       store_pack(y + i * N, o);
     }
   } else {
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) y[i] = from_f32<T>(f(i, to_f32(a[i]), to_f32(b[i])));
+    scalar_cols<T>(cols, [&](int i) { y[i] = from_f32<T>(f(i, to_f32(a[i]), to_f32(b[i]))); });
   }
 }
 

@@ -41,11 +41,11 @@ __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, 
         store_pack(sr + i * N, o);
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+      scalar_cols<T>(cols, [&](int i) {
         const T v = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
         sr[i] = v;
         ss += to_f32(v) * to_f32(v);
-      }
+      });
     }
     const float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);
     if (vec) {
@@ -58,8 +58,7 @@ __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, 
         store_pack(yr + i * N, o);
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x)
-        yr[i] = from_f32<T>(to_f32(sr[i]) * inv * (w ? to_f32(w[i]) : 1.f));
+      scalar_cols<T>(cols, [&](int i) { yr[i] = from_f32<T>(to_f32(sr[i]) * inv * (w ? to_f32(w[i]) : 1.f)); });
     }
   }
 }

@@ -75,8 +75,9 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
         store_pack(yr + i * N, o);
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x)
+      scalar_cols<T>(cols, [&](int i) {
         yr[i] = from_f32<T>((to_f32(xr[i]) - m.x) * m.y * (w ? to_f32(w[i]) : 1.f) + (b ? to_f32(b[i]) : 0.f));
+      });
     }
   }
 }
@@ -118,11 +119,11 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
         }
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float g = to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f);
+      scalar_cols<T>(cols, [&](int i) {
+        const float g = to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f);
         sg += g;
         sgx += g * (to_f32(xr[i]) - m.x) * m.y;
-      }
+      });
     }
     const float mg = block_sum(sg, scratch) / cols;
     const float mgx = block_sum(sgx, scratch) / cols;
@@ -140,12 +141,12 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
         store_pack(dxr + i * N, o);
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+      scalar_cols<T>(cols, [&](int i) {
         const float xh = (to_f32(xr[i]) - m.x) * m.y, fg = to_f32(gr[i]);
         dxr[i] = from_f32<T>(m.y * (fg * (w ? to_f32(w[i]) : 1.f) - mg - xh * mgx));
         if (pw_) pw_[i] += fg * xh;
         if (pb_) pb_[i] += fg;
-      }
+      });
     }
   }
 }

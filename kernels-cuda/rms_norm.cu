@@ -2,7 +2,8 @@
 //
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and the pointers are aligned (scalar
-// loads otherwise), f32 accumulation, block sums by warp shuffle.
+// loads otherwise, of the same columns per thread: the same bits either way),
+// f32 accumulation, block sums by warp shuffle.
 // Both read x's rows where a strided view puts them: row r, as the index
 // (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
 // i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); the
@@ -41,10 +42,10 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
         }
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float f = to_f32(xr[i]);
+      scalar_cols<T>(cols, [&](int i) {
+        const float f = to_f32(xr[i]);
         ss += f * f;
-      }
+      });
     }
     const float r = rsqrtf(block_sum(ss, scratch) / cols + eps);
     if (vec) {
@@ -57,8 +58,7 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
         store_pack(yr + i * N, o);
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x)
-        yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f));
+      scalar_cols<T>(cols, [&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
     }
   }
 }
@@ -100,11 +100,11 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
         }
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float fx = to_f32(xr[i]);
+      scalar_cols<T>(cols, [&](int i) {
+        const float fx = to_f32(xr[i]);
         ss += fx * fx;
         gx += to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f) * fx;
-      }
+      });
     }
     ss = block_sum(ss, scratch);
     gx = block_sum(gx, scratch);
@@ -124,11 +124,11 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
         store_pack(dxr + i * N, o);
       }
     } else {
-      for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
+      scalar_cols<T>(cols, [&](int i) {
+        const float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
         dxr[i] = from_f32<T>(r * fg * (w ? to_f32(w[i]) : 1.f) - fx * c + (ar ? to_f32(ar[i]) : 0.f));
         if (part) part[i] += fg * fx * r;
-      }
+      });
     }
   }
 }

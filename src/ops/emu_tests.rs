@@ -673,3 +673,65 @@ proptest! {
         }
     }
 }
+
+/// The norms of a row whose layout rules out 16-byte vectors (a start off a
+/// 16-byte boundary, rows padded by one element) read it element by element,
+/// each thread taking the columns the vector loops give it: the same bits as
+/// the aligned, contiguous row.
+fn same_bits_without_vectors<T: Dt>() {
+    let (rows, cols, sm) = (3, 256, 2);
+    let n = rows * cols;
+    let dt = T::DTYPE;
+    let (x, w, b, dy) = (data::<T>(n, 0), data::<T>(cols, 5), data::<T>(cols, 7), data::<T>(n, 11));
+    let run = |shift: usize| {
+        let t = Emu::new(sm);
+        let up = |v: &[T]| Buf::shifted(v, shift);
+        let z = |n: usize| garbage::<T>(n, shift);
+        let scratch = || garbage::<f32>(reduce_parts(sm, rows) * cols + 1, 0);
+        let (xd, wd, bd, dyd) = (up(&x), up(&w), up(&b), up(&dy));
+        let (y, dx, dw) = (z(n), z(n), z(cols));
+        let layout = RowLayout::contiguous(rows, cols);
+        let s = scratch();
+        unsafe {
+            rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6).unwrap();
+            let (g, x, w) = (dyd.addr(), xd.addr(), wd.addr());
+            rms_norm::backward_add_on(&t, dt, g, 0, x, w, dx.addr(), dw.addr(), s.addr(), layout, cols, 1e-6).unwrap();
+        }
+        let (ly, ldx, ldw, ldb, sw, sb) = (z(n), z(n), z(cols), z(cols), scratch(), scratch());
+        unsafe {
+            layer_norm::forward_on(&t, dt, xd.addr(), wd.addr(), bd.addr(), ly.addr(), rows, cols, 1e-5).unwrap();
+            let (g, x, w) = (dyd.addr(), xd.addr(), wd.addr());
+            let (gx, gw, gb) = (ldx.addr(), ldw.addr(), ldb.addr());
+            layer_norm::backward_on(&t, dt, g, x, w, gx, gw, gb, sw.addr(), sb.addr(), rows, cols, 1e-5).unwrap();
+        }
+        [y, dx, dw, ly, ldx, ldw, ldb].map(|b| bits(&b.to_vec()))
+    };
+    let (aligned, shifted) = (run(0), run(1));
+    let names = ["rms_norm", "rms_norm grad_input", "rms_norm grad_weight", "layer_norm"];
+    for (i, (a, s)) in aligned.iter().zip(&shifted).enumerate() {
+        let name = names.get(i).copied().unwrap_or("layer_norm gradients");
+        assert_eq!(a, s, "{name} {}: bits depend on the alignment", T::NAME);
+    }
+    // A view with rows padded by one element against the same rows contiguous.
+    let padded = RowLayout::new(&[rows], &[cols + 1]).unwrap();
+    let storage = data::<T>(padded.span(cols).unwrap(), 13);
+    let packed: Vec<T> = (0..rows).flat_map(|r| storage[r * (cols + 1)..][..cols].to_vec()).collect();
+    let t = Emu::new(sm);
+    let fwd = |v: &[T], layout: RowLayout| {
+        let (xd, wd, y) = (Buf::shifted(v, 0), Buf::shifted(&w, 0), garbage::<T>(n, 0));
+        unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6) }.unwrap();
+        bits(&y.to_vec())
+    };
+    let want = fwd(&packed, RowLayout::contiguous(rows, cols));
+    assert_eq!(fwd(&storage, padded), want, "rms_norm {} of rows padded by one: bits differ", T::NAME);
+}
+
+#[test]
+fn emulated_norms_give_the_same_bits_without_vectors() {
+    if skip("emulated_norms_give_the_same_bits_without_vectors") {
+        return;
+    }
+    same_bits_without_vectors::<f32>();
+    same_bits_without_vectors::<f16>();
+    same_bits_without_vectors::<bf16>();
+}
