@@ -32,7 +32,11 @@ def test_float32_parameters_with_half_activations(kind, dtype, device):
     ours, theirs = _pair(kind, device)
     x = torch.randn(4, 5, 64, device=device).to(dtype).requires_grad_()
     y = ours(x)
-    assert y.dtype == theirs(x).dtype == dtype
+    # torch's module keeps the activations' dtype too (on CPU; its CUDA
+    # layer_norm refuses a float32 weight with half activations).
+    assert y.dtype == dtype
+    if device == "cpu":
+        assert theirs(x).dtype == dtype
     ref = theirs.double()
     x64 = x.detach().double().requires_grad_()
     y64 = ref(x64)
