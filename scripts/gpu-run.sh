@@ -3,7 +3,7 @@
 # but no Rust toolchain, from the repo root, with the .gpu/ folder that
 # scripts/gpu-bundle.sh built elsewhere (the wheel and the CUDA binaries).
 #
-#   bash scripts/gpu-run.sh [checks|bench|report|all] [OUT_DIR]
+#   bash scripts/gpu-run.sh [checks|report|bench|all|profile] [OUT_DIR]
 #
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
 #           op's CUDA kernels against the CPU kernels); the rms_norm example;
@@ -12,6 +12,11 @@
 #           torch.compile, CPU and CUDA, into OUT_DIR/report/.
 #   bench   the criterion CUDA benches (device-synchronised), short runs.
 #   all     the three, in that order (the default).
+#   profile benches/report/profile_cuda.py: wall time against GPU kernel time
+#           per call of the training cases, Keel and torch (not in all).
+#
+# KEEL_PYTEST_ARGS adds words to the pytest command line of checks (e.g.
+# "-k cuda": the CUDA cases alone).
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
 # bench.log, report.log, report/ (8 files in all). KEEL_REPORT_ARGS adds words
@@ -66,7 +71,8 @@ if [ "$what" = checks ] || [ "$what" = all ]; then
   # pytest-xdist, where the machine has it, spreads the tests over 8 workers.
   par=()
   "$py" -c "import xdist" 2>/dev/null && par=(-n 8)
-  step "$log" 240 "$py" -m pytest -q -p no:cacheprovider -rs "${par[@]}" python/tests
+  # shellcheck disable=SC2086  # KEEL_PYTEST_ARGS: extra words for pytest
+  step "$log" 240 "$py" -m pytest -q -p no:cacheprovider -rfEs "${par[@]}" ${KEEL_PYTEST_ARGS:-} python/tests
 fi
 if [ "$what" = report ] || [ "$what" = all ]; then
   log="$out/report.log"; : > "$log"
@@ -76,5 +82,9 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   log="$out/bench.log"; : > "$log"
   step "$log" 150 .gpu/bench_cuda --bench --warm-up-time 0.1 --measurement-time 0.3
+fi
+if [ "$what" = profile ]; then
+  log="$out/profile.log"; : > "$log"
+  step "$log" 120 "$py" benches/report/profile_cuda.py
 fi
 exit "$status"
