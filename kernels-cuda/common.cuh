@@ -82,6 +82,29 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   return warp_sum(v);
 }
 
+// The two sums of block_sum at once (the same bits as two calls), with one
+// pair of barriers instead of two. `scratch` holds 64 floats.
+__device__ __forceinline__ float2 block_sum2(float2 v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+  v.x = warp_sum(v.x);
+  v.y = warp_sum(v.y);
+  __syncthreads();
+  if (lane == 0) {
+    scratch[warp] = v.x;
+    scratch[32 + warp] = v.y;
+  }
+  __syncthreads();
+  v.x = lane < warps ? scratch[lane] : 0.f;
+  v.y = lane < warps ? scratch[32 + lane] : 0.f;
+  return make_float2(warp_sum(v.x), warp_sum(v.y));
+}
+
+// Vectors of a row a thread may own for a backward to keep its parameter
+// gradient's partial sums in registers (rows_config gives each thread about
+// four).
+constexpr int PARTIAL_PACKS = 4;
+
 // Maximum of `v` over the block (NaN ignored, as fmaxf), returned to every thread.
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -232,15 +255,29 @@ __device__ __forceinline__ float2 row_max_sumexp(const T* __restrict__ xr, int c
 }
 
 // out[j] = sum over the `parts` rows of `partial` (column j), rounded to T:
-// the second step of a deterministic parameter gradient.
+// the second step of a deterministic parameter gradient. Blocks of 256
+// threads, each for 32 columns: its 8 warps sum every 8th row (coalesced
+// 128-byte reads), then warp 0 adds their 8 sums in order.
+constexpr int SUM_PARTS_COLS = 32;
 template <typename T>
 __device__ __forceinline__ void sum_parts(const float* __restrict__ partial, T* __restrict__ out, int parts,
                                           int cols) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= cols) return;
+  constexpr int GROUPS = 8;  // blockDim.x == SUM_PARTS_COLS * GROUPS
+  __shared__ float sums[GROUPS][SUM_PARTS_COLS];
+  const int lane = threadIdx.x % SUM_PARTS_COLS, group = threadIdx.x / SUM_PARTS_COLS;
+  const int j = blockIdx.x * SUM_PARTS_COLS + lane;
   float s = 0.f;
-  for (int p = 0; p < parts; ++p) s += partial[(int64_t)p * cols + j];
-  out[j] = from_f32<T>(s);
+  if (j < cols) {
+    for (int p = group; p < parts; p += GROUPS) s += partial[(int64_t)p * cols + j];
+  }
+  sums[group][lane] = s;
+  __syncthreads();
+  if (group == 0 && j < cols) {
+    float t = 0.f;
+#pragma unroll
+    for (int g = 0; g < GROUPS; ++g) t += sums[g][lane];
+    out[j] = from_f32<T>(t);
+  }
 }
 
 }  // namespace keel

@@ -83,41 +83,55 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
 }
 
 // With xh = (x - mean) * rstd, g = dy * w:
-// dx = rstd * (g - mean(g) - xh * mean(g * xh)); block b adds dy * xh and dy
-// into row b of dw_partial / db_partial (when given).
+// dx = rstd * (g - mean(g) - xh * mean(g * xh)); block b sums dy * xh and dy
+// over its rows into row b of dw_partial / db_partial (when given): in
+// registers until its last row where each thread owns at most PARTIAL_PACKS
+// vectors of a row, else in the partial rows themselves.
 template <typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                const T* __restrict__ w, T* __restrict__ dx,
                                                float* __restrict__ dw_partial, float* __restrict__ db_partial,
                                                int64_t rows, int cols, float eps) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[64];
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
                    (w == nullptr || aligned16(w));
+  const int packs = cols / N;
+  const bool regs = vec && packs <= PARTIAL_PACKS * (int)blockDim.x;
   float* pw_ = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
   float* pb_ = db_partial ? db_partial + (int64_t)blockIdx.x * cols : nullptr;
-  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-    if (pw_) pw_[j] = 0.f;
-    if (pb_) pb_[j] = 0.f;
+  float acc_w[PARTIAL_PACKS][N] = {}, acc_b[PARTIAL_PACKS][N] = {};
+  if (!regs) {
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+      if (pw_) pw_[j] = 0.f;
+      if (pb_) pb_[j] = 0.f;
+    }
+    __syncthreads();  // the vector loop below maps columns to threads differently
   }
-  __syncthreads();  // the vector loop below maps columns to threads differently
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
     const T* gr = dy + row * cols;
     T* dxr = dx + row * cols;
     const float2 m = row_moments(xr, cols, vec, eps, scratch);
     float sg = 0.f, sgx = 0.f;
-    if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
-        if (w) pw = load_pack(w + i * N);
+    auto sum_pack = [&](int i) {
+      Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
+      if (w) pw = load_pack(w + i * N);
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          float g = to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f);
-          sg += g;
-          sgx += g * (to_f32(px.v[k]) - m.x) * m.y;
-        }
+      for (int k = 0; k < N; ++k) {
+        float g = to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f);
+        sg += g;
+        sgx += g * (to_f32(px.v[k]) - m.x) * m.y;
       }
+    };
+    if (regs) {
+#pragma unroll
+      for (int p = 0; p < PARTIAL_PACKS; ++p) {
+        const int i = threadIdx.x + p * blockDim.x;
+        if (i < packs) sum_pack(i);
+      }
+    } else if (vec) {
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) sum_pack(i);
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float g = to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f);
@@ -125,21 +139,30 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
         sgx += g * (to_f32(xr[i]) - m.x) * m.y;
       });
     }
-    const float mg = block_sum(sg, scratch) / cols;
-    const float mgx = block_sum(sgx, scratch) / cols;
-    if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, o;
-        if (w) pw = load_pack(w + i * N);
+    const float2 sums = block_sum2(make_float2(sg, sgx), scratch);
+    const float mg = sums.x / cols, mgx = sums.y / cols;
+    // Pack i of the row: its dx, and its dw and db terms added to aw and ab.
+    auto pack = [&](int i, float* aw, float* ab) {
+      Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, o;
+      if (w) pw = load_pack(w + i * N);
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          const float xh = (to_f32(px.v[k]) - m.x) * m.y, fg = to_f32(pg.v[k]);
-          o.v[k] = from_f32<T>(m.y * (fg * (w ? to_f32(pw.v[k]) : 1.f) - mg - xh * mgx));
-          if (pw_) pw_[i * N + k] += fg * xh;
-          if (pb_) pb_[i * N + k] += fg;
-        }
-        store_pack(dxr + i * N, o);
+      for (int k = 0; k < N; ++k) {
+        const float xh = (to_f32(px.v[k]) - m.x) * m.y, fg = to_f32(pg.v[k]);
+        o.v[k] = from_f32<T>(m.y * (fg * (w ? to_f32(pw.v[k]) : 1.f) - mg - xh * mgx));
+        if (pw_) aw[k] += fg * xh;
+        if (pb_) ab[k] += fg;
       }
+      store_pack(dxr + i * N, o);
+    };
+    if (regs) {
+#pragma unroll
+      for (int p = 0; p < PARTIAL_PACKS; ++p) {
+        const int i = threadIdx.x + p * blockDim.x;
+        if (i < packs) pack(i, acc_w[p], acc_b[p]);
+      }
+    } else if (vec) {
+      for (int i = threadIdx.x; i < packs; i += blockDim.x)
+        pack(i, pw_ ? pw_ + i * N : nullptr, pb_ ? pb_ + i * N : nullptr);
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float xh = (to_f32(xr[i]) - m.x) * m.y, fg = to_f32(gr[i]);
@@ -149,6 +172,19 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       });
     }
   }
+  if (regs) {
+#pragma unroll
+    for (int p = 0; p < PARTIAL_PACKS; ++p) {
+      const int i = threadIdx.x + p * blockDim.x;
+      if (i < packs) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          if (pw_) pw_[i * N + k] = acc_w[p][k];
+          if (pb_) pb_[i * N + k] = acc_b[p][k];
+        }
+      }
+    }
+  }
 }
 
 #define KEEL_LAYER_NORM(SUFFIX, T)                                                                 \
@@ -156,7 +192,7 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
                                                      int64_t rows, int cols, float eps) {          \
     layer_norm_fwd<T>(x, w, b, y, rows, cols, eps);                                                \
   }                                                                                                \
-  extern "C" __global__ void layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx,   \
+  extern "C" __global__ void __launch_bounds__(512, 1) layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx,   \
                                                      float* dw_partial, float* db_partial,         \
                                                      int64_t rows, int cols, float eps) {          \
     layer_norm_bwd<T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);                      \

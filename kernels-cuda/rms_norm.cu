@@ -65,20 +65,27 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
 
 // dx = r * dy * w - x * r^3 * sum(dy * w * x) / n (+ add, when given: the
 // gradient arriving at fused_add_rms_norm's sum output). When dw_partial is given,
-// block b adds dy * x * r into dw_partial[b * cols + j] (its own row: no atomics);
-// rms_norm_bwd_dw then sums the gridDim.x rows.
+// block b sums dy * x * r over its rows into dw_partial[b * cols + j] (its own
+// row: no atomics); rms_norm_bwd_dw then sums the gridDim.x rows. Where each
+// thread owns at most PARTIAL_PACKS vectors of a row (every row of up to
+// 4 * 1024 vectors, as rows_config sizes the block), those sums stay in
+// registers until the block's last row; otherwise they accumulate in
+// dw_partial itself.
 template <typename T>
 __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ add,
                                              const T* __restrict__ x, const T* __restrict__ w,
                                              T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
                                              int cols, float eps, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
                                              int64_t s2) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[64];
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(dy) &&
                    aligned16(dx) && (w == nullptr || aligned16(w)) && (add == nullptr || aligned16(add));
+  const int packs = cols / N;
+  const bool regs = vec && packs <= PARTIAL_PACKS * (int)blockDim.x;
   float* part = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
-  if (part) {
+  float acc[PARTIAL_PACKS][N] = {};
+  if (part && !regs) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
     __syncthreads();  // the vector loop below maps columns to threads differently
   }
@@ -88,17 +95,25 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     const T* ar = add ? add + row * cols : nullptr;
     T* dxr = dx + row * cols;
     float ss = 0.f, gx = 0.f;
-    if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
-        if (w) pw = load_pack(w + i * N);
+    auto sum_pack = [&](int i) {
+      Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
+      if (w) pw = load_pack(w + i * N);
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          float fx = to_f32(px.v[k]);
-          ss += fx * fx;
-          gx += to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f) * fx;
-        }
+      for (int k = 0; k < N; ++k) {
+        float fx = to_f32(px.v[k]);
+        ss += fx * fx;
+        gx += to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f) * fx;
       }
+    };
+    if (regs) {
+      // Unrolled: every load of the row in flight at once.
+#pragma unroll
+      for (int p = 0; p < PARTIAL_PACKS; ++p) {
+        const int i = threadIdx.x + p * blockDim.x;
+        if (i < packs) sum_pack(i);
+      }
+    } else if (vec) {
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) sum_pack(i);
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]);
@@ -106,29 +121,46 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
         gx += to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f) * fx;
       });
     }
-    ss = block_sum(ss, scratch);
-    gx = block_sum(gx, scratch);
-    const float r = rsqrtf(ss / cols + eps);
-    const float c = r * r * r * gx / cols;
-    if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, pa, o;
-        if (w) pw = load_pack(w + i * N);
-        if (ar) pa = load_pack(ar + i * N);
+    const float2 sums = block_sum2(make_float2(ss, gx), scratch);
+    const float r = rsqrtf(sums.x / cols + eps);
+    const float c = r * r * r * sums.y / cols;
+    // Pack i of the row: its dx, and its dw terms added to acc[0..N).
+    auto pack = [&](int i, float* acc_i) {
+      Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, pa, o;
+      if (w) pw = load_pack(w + i * N);
+      if (ar) pa = load_pack(ar + i * N);
 #pragma unroll
-        for (int k = 0; k < N; ++k) {
-          float fx = to_f32(px.v[k]), fg = to_f32(pg.v[k]);
-          o.v[k] = from_f32<T>(r * fg * (w ? to_f32(pw.v[k]) : 1.f) - fx * c + (ar ? to_f32(pa.v[k]) : 0.f));
-          if (part) part[i * N + k] += fg * fx * r;
-        }
-        store_pack(dxr + i * N, o);
+      for (int k = 0; k < N; ++k) {
+        float fx = to_f32(px.v[k]), fg = to_f32(pg.v[k]);
+        o.v[k] = from_f32<T>(r * fg * (w ? to_f32(pw.v[k]) : 1.f) - fx * c + (ar ? to_f32(pa.v[k]) : 0.f));
+        if (part) acc_i[k] += fg * fx * r;
       }
+      store_pack(dxr + i * N, o);
+    };
+    if (regs) {
+#pragma unroll
+      for (int p = 0; p < PARTIAL_PACKS; ++p) {
+        const int i = threadIdx.x + p * blockDim.x;
+        if (i < packs) pack(i, acc[p]);
+      }
+    } else if (vec) {
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) pack(i, part ? part + i * N : nullptr);
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
         dxr[i] = from_f32<T>(r * fg * (w ? to_f32(w[i]) : 1.f) - fx * c + (ar ? to_f32(ar[i]) : 0.f));
         if (part) part[i] += fg * fx * r;
       });
+    }
+  }
+  if (part && regs) {
+#pragma unroll
+    for (int p = 0; p < PARTIAL_PACKS; ++p) {
+      const int i = threadIdx.x + p * blockDim.x;
+      if (i < packs) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) part[i * N + k] = acc[p][k];
+      }
     }
   }
 }
@@ -139,7 +171,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
                                                    int64_t s0, int64_t s1, int64_t s2) {         \
     rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                                \
   }                                                                                               \
-  extern "C" __global__ void rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
+  extern "C" __global__ void __launch_bounds__(512, 1) rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
                                                    const T* w, T* dx, float* dw_partial,          \
                                                    int64_t rows, int cols, float eps, int64_t n1, \
                                                    int64_t n2, int64_t s0, int64_t s1,            \

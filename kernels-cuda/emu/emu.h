@@ -33,6 +33,7 @@
 #undef __forceinline__
 #undef __shared__
 #define __global__
+#define __launch_bounds__(...)
 #define __device__
 #define __host__
 #define __forceinline__ inline

@@ -10,9 +10,9 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight and bias gradients per block in f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks: deterministic.
-use super::{check_cols, reduce_parts, sum_parts};
+use super::{check_cols, reduce_config, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
-use crate::cuda::{gpu, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::Result;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -183,13 +183,11 @@ pub(crate) unsafe fn backward_on(
     eps: f64,
 ) -> Result<()> {
     check_dims(rows, cols, eps)?;
-    let parts = reduce_parts(t.sm_count(), rows);
+    let (cfg, parts) = reduce_config(t.sm_count(), rows, cols, dtype.size());
     let s = dtype.suffix();
     let pw = if grad_weight != 0 { scratch_w } else { 0 };
     let pb = if grad_bias != 0 { scratch_b } else { 0 };
     if rows > 0 {
-        let mut cfg = rows_config(rows, cols, dtype.size(), parts as u32);
-        cfg.grid_dim.0 = parts as u32;
         let args = [
             Arg::Ptr(grad_out),
             Arg::Ptr(x),

@@ -12,7 +12,7 @@ pub mod softmax;
 #[cfg(test)]
 mod emu_tests;
 
-use crate::cuda::{Arg, Module, Target};
+use crate::cuda::{rows_config, Arg, Module, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -36,9 +36,28 @@ pub(crate) fn check_len(op: &'static str, arg: &'static str, got: usize, want: u
 }
 
 /// Blocks (and rows of f32 partial sums) of a backward that reduces a
-/// parameter gradient over rows: two per SM, at most one per row.
+/// parameter gradient over rows: four per SM, at most one per row.
 pub(crate) fn reduce_parts(sm_count: u32, rows: usize) -> usize {
-    rows.min(sm_count as usize * 2)
+    rows.min(sm_count as usize * 4)
+}
+
+/// Most threads in a block of a backward that sums a parameter gradient
+/// (the `__launch_bounds__` of those kernels in kernels-cuda/).
+const REDUCE_THREADS: u32 = 512;
+
+/// The launch of a backward that sums a parameter gradient over rows, and its
+/// number of parts (blocks, and rows of f32 partial sums): [`rows_config`]'s
+/// block, at most [`REDUCE_THREADS`] threads, and as many blocks as stay
+/// resident together (512 threads' worth an SM, at most four), so that each
+/// keeps its partial sums in registers through all its rows. The parts are
+/// at most [`reduce_parts`], which sizes the scratch.
+pub(crate) fn reduce_config(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
+    let mut cfg = rows_config(rows, cols, elem_bytes, 1);
+    cfg.block_dim.0 = cfg.block_dim.0.min(REDUCE_THREADS);
+    let per_sm = (REDUCE_THREADS / cfg.block_dim.0).clamp(1, 4) as usize;
+    let parts = rows.min(sm_count as usize * per_sm);
+    cfg.grid_dim.0 = parts.max(1) as u32;
+    (cfg, parts)
 }
 
 /// Launches the `sum_parts` kernel `kernel` of `module`:
@@ -56,7 +75,8 @@ pub(crate) unsafe fn sum_parts(
     parts: usize,
     cols: usize,
 ) -> Result<()> {
-    let cfg = LaunchConfig { grid_dim: (cols.div_ceil(256) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // 32 columns a block, its 8 warps over the parts (common.cuh's sum_parts).
+    let cfg = LaunchConfig { grid_dim: (cols.div_ceil(32) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     let args = [Arg::Ptr(partial), Arg::Ptr(out), Arg::I32(parts as i32), Arg::I32(cols as i32)];
     // SAFETY: matches the sum_parts kernels; sizes per this function's contract.
     unsafe { t.launch(module, kernel, cfg, &args) }

@@ -13,9 +13,9 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight gradient per block into an f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
-use super::{reduce_parts, sum_parts};
+use super::{reduce_config, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par, RowLayout};
-use crate::cuda::{gpu, launch_rows, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -272,13 +272,11 @@ pub(crate) unsafe fn backward_add_on(
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
-    let parts = reduce_parts(t.sm_count(), rows);
+    let (cfg, parts) = reduce_config(t.sm_count(), rows, cols, dtype.size());
     let partial = if grad_weight != 0 { scratch } else { 0 };
     let s = dtype.suffix();
     if rows > 0 {
         let ([_, n1, n2], [s0, s1, s2]) = (layout.sizes(), layout.strides());
-        let mut cfg = rows_config(rows, cols, dtype.size(), parts as u32);
-        cfg.grid_dim.0 = parts as u32;
         let args = [
             Arg::Ptr(grad_out),
             Arg::Ptr(grad_add),
