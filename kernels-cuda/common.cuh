@@ -58,6 +58,14 @@ template <bool InPlace, typename T> __device__ __forceinline__ Pack<T> load_in(c
   }
 }
 
+// A product and a sum rounded on their own: nvcc never fuses __fmul_rn or
+// __fadd_rn into an FMA (and fmaf is always one). Where a kernel has a
+// vector loop and an element-wise one, the compiler's choice of what to
+// fuse may differ between them; with every rounding spelled out both give the
+// same bits.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }

@@ -36,7 +36,7 @@ __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, 
         for (int k = 0; k < N; ++k) {
           o.v[k] = from_f32<T>(to_f32(px.v[k]) + to_f32(pr.v[k]));
           const float f = to_f32(o.v[k]);
-          ss += f * f;
+          ss = fmaf(f, f, ss);
         }
         store_pack(sr + i * N, o);
       }
@@ -44,7 +44,7 @@ __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, 
       scalar_cols<T>(cols, [&](int i) {
         const T v = from_f32<T>(to_f32(xr[i]) + to_f32(rr[i]));
         sr[i] = v;
-        ss += to_f32(v) * to_f32(v);
+        ss = fmaf(to_f32(v), to_f32(v), ss);
       });
     }
     const float inv = rsqrtf(block_sum(ss, scratch) / cols + eps);

@@ -27,7 +27,7 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
     if (n == 0) k = v;
     const float d = v - k;
     s1 += d;
-    s2 += d * d;
+    s2 = fmaf(d, d, s2);
     ++n;
   });
   float mean_t = 0.f, m2 = 0.f;
@@ -39,7 +39,7 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
     } else {
       row_each(xr, cols, vec, [&](int, float v) {
         const float d = v - mean_t;
-        m2 += d * d;
+        m2 = fmaf(d, d, m2);
       });
     }
   }
@@ -49,6 +49,17 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
   // A variance that overflowed f32 gives NaN, not rsqrt(inf) = 0 (zeros would
   // be a silent wrong answer); as the CPU kernels do.
   return make_float2(mean, isinf(var) ? nanf("") : rsqrtf(var + eps));
+}
+
+// One output: (x - mean) rstd w + b, each rounding spelled out (mul_rn), so
+// the vector and element-wise loops give the same bits.
+__device__ __forceinline__ float ln_y(float x, float2 m, float w, float b) {
+  return add_rn(mul_rn(mul_rn(x - m.x, m.y), w), b);
+}
+
+// One gradient: rstd (g w - mean(g w) - xh mean(g w xh)), likewise.
+__device__ __forceinline__ float ln_dx(float rstd, float g, float w, float mg, float xh, float mgx) {
+  return mul_rn(rstd, add_rn(add_rn(mul_rn(g, w), -mg), -mul_rn(xh, mgx)));
 }
 
 template <typename T>
@@ -70,13 +81,12 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
         if (b) pb = load_pack(b + i * N);
 #pragma unroll
         for (int k = 0; k < N; ++k)
-          o.v[k] = from_f32<T>((to_f32(p.v[k]) - m.x) * m.y * (w ? to_f32(pw.v[k]) : 1.f) +
-                               (b ? to_f32(pb.v[k]) : 0.f));
+          o.v[k] = from_f32<T>(ln_y(to_f32(p.v[k]), m, w ? to_f32(pw.v[k]) : 1.f, b ? to_f32(pb.v[k]) : 0.f));
         store_pack(yr + i * N, o);
       }
     } else {
       scalar_cols<T>(cols, [&](int i) {
-        yr[i] = from_f32<T>((to_f32(xr[i]) - m.x) * m.y * (w ? to_f32(w[i]) : 1.f) + (b ? to_f32(b[i]) : 0.f));
+        yr[i] = from_f32<T>(ln_y(to_f32(xr[i]), m, w ? to_f32(w[i]) : 1.f, b ? to_f32(b[i]) : 0.f));
       });
     }
   }
@@ -119,9 +129,9 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       if (w) pw = load_pack(w + i * N);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        float g = to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f);
+        const float g = mul_rn(to_f32(pg.v[k]), w ? to_f32(pw.v[k]) : 1.f);
         sg += g;
-        sgx += g * (to_f32(px.v[k]) - m.x) * m.y;
+        sgx = fmaf(g, mul_rn(to_f32(px.v[k]) - m.x, m.y), sgx);
       }
     };
     if (regs) {
@@ -134,9 +144,9 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       for (int i = threadIdx.x; i < packs; i += blockDim.x) sum_pack(i);
     } else {
       scalar_cols<T>(cols, [&](int i) {
-        const float g = to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f);
+        const float g = mul_rn(to_f32(gr[i]), w ? to_f32(w[i]) : 1.f);
         sg += g;
-        sgx += g * (to_f32(xr[i]) - m.x) * m.y;
+        sgx = fmaf(g, mul_rn(to_f32(xr[i]) - m.x, m.y), sgx);
       });
     }
     const float2 sums = block_sum2(make_float2(sg, sgx), scratch);
@@ -147,9 +157,9 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       if (w) pw = load_pack(w + i * N);
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const float xh = (to_f32(px.v[k]) - m.x) * m.y, fg = to_f32(pg.v[k]);
-        o.v[k] = from_f32<T>(m.y * (fg * (w ? to_f32(pw.v[k]) : 1.f) - mg - xh * mgx));
-        if (pw_) aw[k] += fg * xh;
+        const float xh = mul_rn(to_f32(px.v[k]) - m.x, m.y), fg = to_f32(pg.v[k]);
+        o.v[k] = from_f32<T>(ln_dx(m.y, fg, w ? to_f32(pw.v[k]) : 1.f, mg, xh, mgx));
+        if (pw_) aw[k] = fmaf(fg, xh, aw[k]);
         if (pb_) ab[k] += fg;
       }
       store_pack(dxr + i * N, o);
@@ -165,9 +175,9 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
         pack(i, pw_ ? pw_ + i * N : nullptr, pb_ ? pb_ + i * N : nullptr);
     } else {
       scalar_cols<T>(cols, [&](int i) {
-        const float xh = (to_f32(xr[i]) - m.x) * m.y, fg = to_f32(gr[i]);
-        dxr[i] = from_f32<T>(m.y * (fg * (w ? to_f32(w[i]) : 1.f) - mg - xh * mgx));
-        if (pw_) pw_[i] += fg * xh;
+        const float xh = mul_rn(to_f32(xr[i]) - m.x, m.y), fg = to_f32(gr[i]);
+        dxr[i] = from_f32<T>(ln_dx(m.y, fg, w ? to_f32(w[i]) : 1.f, mg, xh, mgx));
+        if (pw_) pw_[i] = fmaf(fg, xh, pw_[i]);
         if (pb_) pb_[i] += fg;
       });
     }

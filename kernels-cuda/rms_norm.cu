@@ -38,13 +38,13 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           float f = to_f32(p.v[k]);
-          ss += f * f;
+          ss = fmaf(f, f, ss);
         }
       }
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float f = to_f32(xr[i]);
-        ss += f * f;
+        ss = fmaf(f, f, ss);
       });
     }
     const float r = rsqrtf(block_sum(ss, scratch) / cols + eps);
@@ -71,6 +71,11 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
 // 4 * 1024 vectors, as rows_config sizes the block), those sums stay in
 // registers until the block's last row; otherwise they accumulate in
 // dw_partial itself.
+// r g w - x c + a for one element, each rounding spelled out (mul_rn).
+__device__ __forceinline__ float rms_dx(float r, float g, float w, float x, float c, float a) {
+  return add_rn(add_rn(mul_rn(mul_rn(r, g), w), -mul_rn(x, c)), a);
+}
+
 template <typename T>
 __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ add,
                                              const T* __restrict__ x, const T* __restrict__ w,
@@ -101,8 +106,8 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         float fx = to_f32(px.v[k]);
-        ss += fx * fx;
-        gx += to_f32(pg.v[k]) * (w ? to_f32(pw.v[k]) : 1.f) * fx;
+        ss = fmaf(fx, fx, ss);
+        gx = fmaf(mul_rn(to_f32(pg.v[k]), w ? to_f32(pw.v[k]) : 1.f), fx, gx);
       }
     };
     if (regs) {
@@ -117,8 +122,8 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]);
-        ss += fx * fx;
-        gx += to_f32(gr[i]) * (w ? to_f32(w[i]) : 1.f) * fx;
+        ss = fmaf(fx, fx, ss);
+        gx = fmaf(mul_rn(to_f32(gr[i]), w ? to_f32(w[i]) : 1.f), fx, gx);
       });
     }
     const float2 sums = block_sum2(make_float2(ss, gx), scratch);
@@ -132,8 +137,8 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         float fx = to_f32(px.v[k]), fg = to_f32(pg.v[k]);
-        o.v[k] = from_f32<T>(r * fg * (w ? to_f32(pw.v[k]) : 1.f) - fx * c + (ar ? to_f32(pa.v[k]) : 0.f));
-        if (part) acc_i[k] += fg * fx * r;
+        o.v[k] = from_f32<T>(rms_dx(r, fg, w ? to_f32(pw.v[k]) : 1.f, fx, c, ar ? to_f32(pa.v[k]) : 0.f));
+        if (part) acc_i[k] = fmaf(mul_rn(fg, fx), r, acc_i[k]);
       }
       store_pack(dxr + i * N, o);
     };
@@ -148,8 +153,8 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
-        dxr[i] = from_f32<T>(r * fg * (w ? to_f32(w[i]) : 1.f) - fx * c + (ar ? to_f32(ar[i]) : 0.f));
-        if (part) part[i] += fg * fx * r;
+        dxr[i] = from_f32<T>(rms_dx(r, fg, w ? to_f32(w[i]) : 1.f, fx, c, ar ? to_f32(ar[i]) : 0.f));
+        if (part) part[i] = fmaf(mul_rn(fg, fx), r, part[i]);
       });
     }
   }

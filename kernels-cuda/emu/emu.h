@@ -101,3 +101,6 @@ template <typename T> inline T __ldg(const T* p) {
   return *p;
 }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+// Never fused on the GPU; the emulation is built without FMA contraction.
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
