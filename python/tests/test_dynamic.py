@@ -207,7 +207,13 @@ class _Block(torch.nn.Module):
 
 def test_aot_inductor_package_with_dynamic_batch(tmp_path):
     """torch.export, then AOTInductor: the package calls Keel's ops through torch's
-    dispatcher, and loads in a new process that imports keel."""
+    dispatcher, and loads in a new process that imports keel.
+
+    The package is loaded only in that process: on one machine (an H200 image,
+    torch 2.11.0+cu130, Python 3.12) loading an AOTInductor package crashed
+    the process, also for a model that calls no Keel op (keel imported; the
+    same without keel was not tried to the end); a crash there fails this
+    test with its output instead of killing the test run."""
     import subprocess
     import sys
 
@@ -215,10 +221,7 @@ def test_aot_inductor_package_with_dynamic_batch(tmp_path):
     m = _Block().eval()
     ep = torch.export.export(m, (torch.randn(4, 16),), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
     path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "block.pt2"))
-    loaded = torch._inductor.aoti_load_package(path)
     xs = [torch.randn(n, 16) for n in (2, 7, 13)]
-    for x in xs:
-        assert_close(loaded(x), m(x), torch.float32)
     torch.save({"xs": xs, "want": [m(x).detach() for x in xs]}, tmp_path / "io.pt")
     script = (
         "import sys, torch, keel\n"
@@ -231,7 +234,7 @@ def test_aot_inductor_package_with_dynamic_batch(tmp_path):
         "print('ok')\n"
     )
     run = subprocess.run([sys.executable, "-c", script, path, str(tmp_path / "io.pt")], capture_output=True, text=True)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), (run.returncode, run.stderr[-2000:])
 
 
 def test_compiled_graphs_call_keel_kernels():
