@@ -128,12 +128,25 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   return v;
 }
 
-// Calls f(j) for the columns j of a row this thread owns when the row is read
-// element by element: the same columns, in the same order, as the 16-byte
-// vector loops own (thread t: [t N, t N + N), then t + blockDim.x ...). A
-// row's sums then add the same terms in the same order, and give the same
-// bits, whether or not its layout allows vectors (a view with padded rows, a
-// misaligned start).
+// Calls f(j) for the columns j of a row that thread `lane` of the `team`
+// reading it owns when the row is read element by element: the same columns,
+// in the same order, as the 16-byte vector loops give it (lane t: [t N,
+// t N + N), then t + team ...). A row's sums then add the same terms in the
+// same order, and give the same bits, whether or not its layout allows
+// vectors (a view with padded rows, a misaligned start).
+template <typename T, typename F>
+__device__ __forceinline__ void scalar_cols(int cols, int lane, int team, F f) {
+  constexpr int N = Pack<T>::N;
+  for (int i = lane; i < (cols + N - 1) / N; i += team) {
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      if (i * N + k < cols) f(i * N + k);
+  }
+}
+
+// scalar_cols for a row read by the whole block (written out, not through the
+// one above: passing threadIdx.x and blockDim.x as ints cost the f32 kernels
+// up to 23 more registers).
 template <typename T, typename F> __device__ __forceinline__ void scalar_cols(int cols, F f) {
   constexpr int N = Pack<T>::N;
   for (int i = threadIdx.x; i < (cols + N - 1) / N; i += blockDim.x) {

@@ -8,7 +8,7 @@
 // (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
 // i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); the
 // other tensors are contiguous.
-// Kernel symbols: rms_norm_{fwd,bwd,bwd_dw}_{f32,f16,bf16}.
+// Kernel symbols: rms_norm_{fwd,fwd_warp_rows,bwd,bwd_dw}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
@@ -20,7 +20,11 @@ __device__ __forceinline__ int64_t row_offset(int64_t row, int64_t n1, int64_t n
   return i0 * s0 + i1 * s1 + i2 * s2;
 }
 
-template <typename T>
+// Each row is read by a team of threads: the whole block, or with WarpRows
+// (short rows) one warp of it, blockDim.x / 32 rows at a time with warp sums
+// only, no block barriers. A team of 32 gives the same bits either way: the
+// block sum of one warp is its warp sum.
+template <typename T, bool WarpRows>
 __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
                                              T* __restrict__ y, int64_t rows, int cols, float eps, int64_t n1,
                                              int64_t n2, int64_t s0, int64_t s1, int64_t s2) {
@@ -28,12 +32,23 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(y) &&
                    (w == nullptr || aligned16(w));
-  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+  const int team = WarpRows ? 32 : blockDim.x, lane = WarpRows ? threadIdx.x % 32 : threadIdx.x;
+  const int teams = WarpRows ? blockDim.x / 32 : 1;
+  const int64_t first = WarpRows ? (int64_t)blockIdx.x * teams + threadIdx.x / 32 : blockIdx.x;
+  // The columns of a row this thread reads element by element (scalar_cols).
+  auto each_col = [&](auto f) {
+    if constexpr (WarpRows) {
+      scalar_cols<T>(cols, lane, 32, f);
+    } else {
+      scalar_cols<T>(cols, f);
+    }
+  };
+  for (int64_t row = first; row < rows; row += (int64_t)gridDim.x * teams) {
     const T* xr = x + row_offset(row, n1, n2, s0, s1, s2);
     T* yr = y + row * cols;
     float ss = 0.f;
     if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      for (int i = lane; i < cols / N; i += team) {
         Pack<T> p = load_pack(xr + i * N);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
@@ -42,14 +57,14 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
         }
       }
     } else {
-      scalar_cols<T>(cols, [&](int i) {
+      each_col([&](int i) {
         const float f = to_f32(xr[i]);
         ss = fmaf(f, f, ss);
       });
     }
-    const float r = rsqrtf(block_sum(ss, scratch) / cols + eps);
+    const float r = rsqrtf((WarpRows ? warp_sum(ss) : block_sum(ss, scratch)) / cols + eps);
     if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
+      for (int i = lane; i < cols / N; i += team) {
         Pack<T> p = load_pack(xr + i * N), o;
         Pack<T> pw;
         if (w) pw = load_pack(w + i * N);
@@ -58,7 +73,7 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
         store_pack(yr + i * N, o);
       }
     } else {
-      scalar_cols<T>(cols, [&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
+      each_col([&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
     }
   }
 }
@@ -174,7 +189,13 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
                                                    int cols, float eps, int64_t n1, int64_t n2,  \
                                                    int64_t s0, int64_t s1, int64_t s2) {         \
-    rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                                \
+    rms_norm_fwd<T, false>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                         \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(256, 4) rms_norm_fwd_warp_rows_##SUFFIX(const T* x, const T* w, T* y,        \
+                                                             int64_t rows, int cols, float eps,  \
+                                                             int64_t n1, int64_t n2, int64_t s0, \
+                                                             int64_t s1, int64_t s2) {           \
+    rms_norm_fwd<T, true>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                          \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(512, 1) rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
                                                    const T* w, T* dx, float* dw_partial,          \

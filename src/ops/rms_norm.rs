@@ -15,9 +15,9 @@
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
 use super::{reduce_config, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par, RowLayout};
-use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
+use crate::cuda::{gpu, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::Arc;
 
 const OP: &str = "rms_norm";
@@ -151,6 +151,7 @@ pub(crate) unsafe fn forward_on(
         return Ok(());
     }
     let ([_, n1, n2], [s0, s1, s2]) = (layout.sizes(), layout.strides());
+    let (cfg, warp_rows) = forward_config(t.sm_count(), rows, cols, dtype.size());
     let args = [
         Arg::Ptr(x),
         Arg::Ptr(weight),
@@ -164,8 +165,25 @@ pub(crate) unsafe fn forward_on(
         Arg::I64(s1 as i64),
         Arg::I64(s2 as i64),
     ];
-    // SAFETY: the argument list matches rms_norm_fwd_*; pointers per our contract.
-    unsafe { launch_rows(t, MODULE, "rms_norm_fwd", dtype, rows, cols, &args) }
+    let kernel = if warp_rows { "rms_norm_fwd_warp_rows" } else { "rms_norm_fwd" };
+    // SAFETY: the argument list matches rms_norm_fwd_* and rms_norm_fwd_warp_rows_*; pointers per our contract.
+    unsafe { t.launch(MODULE, &format!("{kernel}_{}", dtype.suffix()), cfg, &args) }
+}
+
+/// The forward's launch, and whether it runs `rms_norm_fwd_warp_rows`:
+/// [`rows_config`]'s, or, for rows it gives one warp (at most 128 16-byte
+/// vectors, as QK-norm's 128-wide heads), blocks of eight warps that each take
+/// their own rows, with no block barriers, so that an SM holds 2048 threads
+/// instead of 16 blocks of 32 (the same bits: the block sum of one warp is its
+/// warp sum).
+fn forward_config(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, bool) {
+    let cfg = rows_config(rows, cols, elem_bytes, sm_count * 16);
+    if cfg.block_dim.0 > 32 || rows < 2 {
+        return (cfg, false);
+    }
+    let warps = 8u32;
+    let blocks = (rows as u64).div_ceil(warps as u64).min(sm_count as u64 * 8) as u32;
+    (LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * warps, 1, 1), shared_mem_bytes: 0 }, true)
 }
 
 /// CUDA backward on raw device pointers (`weight`, `grad_weight` 0 for none).
