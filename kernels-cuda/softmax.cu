@@ -1,25 +1,80 @@
 // softmax over the last dimension of x * scale, and its backward from the
 // output: dx = scale * y * (dy - sum(dy * y)).
 //
-// One block per row (grid-stride over rows): the max and the sum of exp in
+// One block per row (grid-stride over rows). A row of up to four 16-byte
+// vectors a thread is held in registers (max, then one exp per element and
+// its sum, then the store); a longer one takes the max and the sum of exp in
 // one pass (online softmax, common.cuh), then the store, the row re-read from
-// L1/L2; 16-byte loads when the row length is a multiple of 16 bytes and the
+// L1/L2. 16-byte loads when the row length is a multiple of 16 bytes and the
 // pointers are aligned. f32 math with expf.
 // Kernel symbols: softmax_{fwd,bwd}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
 
+// Rows of up to ROW_PACKS 16-byte vectors a thread (every row of up to 4096
+// vectors: rows_config gives each thread about four) are held in registers:
+// their max, then exp(x - max) once per element and its sum, then the store.
+// Longer rows take the online pass and re-read the row for the store, with a
+// second exp per element.
+constexpr int ROW_PACKS = 4;
+
 template <typename T>
 __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int cols,
                                             float scale) {
   __shared__ float scratch[32];
-  const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(y);
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(x) && aligned16(y);
+  const int packs = cols / N;
+  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
-    const float2 ms = row_max_sumexp(xr, cols, vec, scale, scratch);
-    const float m = ms.x, inv = 1.f / ms.y;
-    row_map(xr, y + row * cols, cols, vec, [&](int, float v) { return expf(v * scale - m) * inv; });
+    T* yr = y + row * cols;
+    if (regs) {
+      // As the online pass: the max ignores NaN (fmaxf); a NaN, a +inf, or a
+      // row of -inf makes the sum NaN, and so every output of the row.
+      float e[ROW_PACKS][N];
+      float m = -INFINITY;
+#pragma unroll
+      for (int p = 0; p < ROW_PACKS; ++p) {
+        const int i = threadIdx.x + p * blockDim.x;
+        if (i < packs) {
+          const Pack<T> q = load_pack(xr + i * N);
+#pragma unroll
+          for (int k = 0; k < N; ++k) {
+            e[p][k] = to_f32(q.v[k]) * scale;
+            m = fmaxf(m, e[p][k]);
+          }
+        }
+      }
+      m = block_max(m, scratch);
+      float sum = 0.f;
+#pragma unroll
+      for (int p = 0; p < ROW_PACKS; ++p) {
+        if (threadIdx.x + p * blockDim.x < packs) {
+#pragma unroll
+          for (int k = 0; k < N; ++k) {
+            e[p][k] = expf(e[p][k] - m);
+            sum += e[p][k];
+          }
+        }
+      }
+      const float inv = 1.f / block_sum(sum, scratch);
+#pragma unroll
+      for (int p = 0; p < ROW_PACKS; ++p) {
+        const int i = threadIdx.x + p * blockDim.x;
+        if (i < packs) {
+          Pack<T> o;
+#pragma unroll
+          for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(e[p][k] * inv);
+          store_pack(yr + i * N, o);
+        }
+      }
+    } else {
+      const float2 ms = row_max_sumexp(xr, cols, vec, scale, scratch);
+      const float m = ms.x, inv = 1.f / ms.y;
+      row_map(xr, yr, cols, vec, [&](int, float v) { return expf(v * scale - m) * inv; });
+    }
   }
 }
 
@@ -38,7 +93,8 @@ __device__ __forceinline__ void softmax_bwd(const T* __restrict__ dy, const T* _
 }
 
 #define KEEL_SOFTMAX(SUFFIX, T)                                                                                 \
-  extern "C" __global__ void softmax_fwd_##SUFFIX(const T* x, T* y, int64_t rows, int cols, float scale) {    \
+  extern "C" __global__ void __launch_bounds__(1024)                                                            \
+      softmax_fwd_##SUFFIX(const T* x, T* y, int64_t rows, int cols, float scale) {                             \
     softmax_fwd<T>(x, y, rows, cols, scale);                                                                    \
   }                                                                                                             \
   extern "C" __global__ void softmax_bwd_##SUFFIX(const T* dy, const T* y, T* dx, int64_t rows, int cols,     \
