@@ -113,6 +113,23 @@ __device__ __forceinline__ float2 block_sum2(float2 v, float* scratch) {
 // four).
 constexpr int PARTIAL_PACKS = 4;
 
+// Calls f(i, p) for the 16-byte vectors i = threadIdx.x + p blockDim.x of a
+// row that this thread owns. With `unrolled` (at most PARTIAL_PACKS of them)
+// the loop is unrolled: every load is in flight at once, and p is a constant,
+// so f may keep sums per vector in registers indexed by p. Otherwise a plain
+// loop, with p = -1.
+template <typename F> __device__ __forceinline__ void each_pack(int packs, bool unrolled, F f) {
+  if (unrolled) {
+#pragma unroll
+    for (int p = 0; p < PARTIAL_PACKS; ++p) {
+      const int i = threadIdx.x + p * blockDim.x;
+      if (i < packs) f(i, p);
+    }
+  } else {
+    for (int i = threadIdx.x; i < packs; i += blockDim.x) f(i, -1);
+  }
+}
+
 // Maximum of `v` over the block (NaN ignored, as fmaxf), returned to every thread.
 __device__ __forceinline__ float block_max(float v, float* scratch) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

@@ -134,14 +134,8 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
         sgx = fmaf(g, mul_rn(to_f32(px.v[k]) - m.x, m.y), sgx);
       }
     };
-    if (regs) {
-#pragma unroll
-      for (int p = 0; p < PARTIAL_PACKS; ++p) {
-        const int i = threadIdx.x + p * blockDim.x;
-        if (i < packs) sum_pack(i);
-      }
-    } else if (vec) {
-      for (int i = threadIdx.x; i < packs; i += blockDim.x) sum_pack(i);
+    if (vec) {
+      each_pack(packs, regs, [&](int i, int) { sum_pack(i); });
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float g = mul_rn(to_f32(gr[i]), w ? to_f32(w[i]) : 1.f);
@@ -164,15 +158,14 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       }
       store_pack(dxr + i * N, o);
     };
-    if (regs) {
-#pragma unroll
-      for (int p = 0; p < PARTIAL_PACKS; ++p) {
-        const int i = threadIdx.x + p * blockDim.x;
-        if (i < packs) pack(i, acc_w[p], acc_b[p]);
-      }
-    } else if (vec) {
-      for (int i = threadIdx.x; i < packs; i += blockDim.x)
-        pack(i, pw_ ? pw_ + i * N : nullptr, pb_ ? pb_ + i * N : nullptr);
+    if (vec) {
+      each_pack(packs, regs, [&](int i, int p) {
+        if (p >= 0) {
+          pack(i, acc_w[p], acc_b[p]);
+        } else {
+          pack(i, pw_ ? pw_ + i * N : nullptr, pb_ ? pb_ + i * N : nullptr);
+        }
+      });
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float xh = mul_rn(to_f32(xr[i]) - m.x, m.y), fg = to_f32(gr[i]);
@@ -183,17 +176,13 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
     }
   }
   if (regs) {
+    each_pack(packs, true, [&](int i, int p) {
 #pragma unroll
-    for (int p = 0; p < PARTIAL_PACKS; ++p) {
-      const int i = threadIdx.x + p * blockDim.x;
-      if (i < packs) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          if (pw_) pw_[i * N + k] = acc_w[p][k];
-          if (pb_) pb_[i * N + k] = acc_b[p][k];
-        }
+      for (int k = 0; k < N; ++k) {
+        if (pw_) pw_[i * N + k] = acc_w[p][k];
+        if (pb_) pb_[i * N + k] = acc_b[p][k];
       }
-    }
+    });
   }
 }
 

@@ -125,15 +125,8 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
         gx = fmaf(mul_rn(to_f32(pg.v[k]), w ? to_f32(pw.v[k]) : 1.f), fx, gx);
       }
     };
-    if (regs) {
-      // Unrolled: every load of the row in flight at once.
-#pragma unroll
-      for (int p = 0; p < PARTIAL_PACKS; ++p) {
-        const int i = threadIdx.x + p * blockDim.x;
-        if (i < packs) sum_pack(i);
-      }
-    } else if (vec) {
-      for (int i = threadIdx.x; i < packs; i += blockDim.x) sum_pack(i);
+    if (vec) {
+      each_pack(packs, regs, [&](int i, int) { sum_pack(i); });
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]);
@@ -157,14 +150,8 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
       }
       store_pack(dxr + i * N, o);
     };
-    if (regs) {
-#pragma unroll
-      for (int p = 0; p < PARTIAL_PACKS; ++p) {
-        const int i = threadIdx.x + p * blockDim.x;
-        if (i < packs) pack(i, acc[p]);
-      }
-    } else if (vec) {
-      for (int i = threadIdx.x; i < packs; i += blockDim.x) pack(i, part ? part + i * N : nullptr);
+    if (vec) {
+      each_pack(packs, regs, [&](int i, int p) { pack(i, p >= 0 ? acc[p] : part ? part + i * N : nullptr); });
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
@@ -174,14 +161,10 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     }
   }
   if (part && regs) {
+    each_pack(packs, true, [&](int i, int p) {
 #pragma unroll
-    for (int p = 0; p < PARTIAL_PACKS; ++p) {
-      const int i = threadIdx.x + p * blockDim.x;
-      if (i < packs) {
-#pragma unroll
-        for (int k = 0; k < N; ++k) part[i * N + k] = acc[p][k];
-      }
-    }
+      for (int k = 0; k < N; ++k) part[i * N + k] = acc[p][k];
+    });
   }
 }
 
