@@ -191,9 +191,9 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
                                                      int64_t rows, int cols, float eps) {          \
     layer_norm_fwd<T>(x, w, b, y, rows, cols, eps);                                                \
   }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(512, 1) layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx,   \
-                                                     float* dw_partial, float* db_partial,         \
-                                                     int64_t rows, int cols, float eps) {          \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                             \
+      layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,       \
+                              float* db_partial, int64_t rows, int cols, float eps) {              \
     layer_norm_bwd<T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);                      \
   }                                                                                                \
   extern "C" __global__ void layer_norm_bwd_sum_##SUFFIX(const float* partial, T* out, int parts,  \

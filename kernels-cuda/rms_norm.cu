@@ -174,17 +174,16 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
                                                    int64_t s0, int64_t s1, int64_t s2) {         \
     rms_norm_fwd<T, false>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                         \
   }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(256, 4) rms_norm_fwd_warp_rows_##SUFFIX(const T* x, const T* w, T* y,        \
-                                                             int64_t rows, int cols, float eps,  \
-                                                             int64_t n1, int64_t n2, int64_t s0, \
-                                                             int64_t s1, int64_t s2) {           \
+  extern "C" __global__ void __launch_bounds__(256, 4)                                            \
+      rms_norm_fwd_warp_rows_##SUFFIX(const T* x, const T* w, T* y, int64_t rows, int cols,       \
+                                      float eps, int64_t n1, int64_t n2, int64_t s0, int64_t s1,  \
+                                      int64_t s2) {                                               \
     rms_norm_fwd<T, true>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                          \
   }                                                                                               \
-  extern "C" __global__ void __launch_bounds__(512, 1) rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x,       \
-                                                   const T* w, T* dx, float* dw_partial,          \
-                                                   int64_t rows, int cols, float eps, int64_t n1, \
-                                                   int64_t n2, int64_t s0, int64_t s1,            \
-                                                   int64_t s2) {                                  \
+  extern "C" __global__ void __launch_bounds__(512, 1)                                            \
+      rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,             \
+                            float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,     \
+                            int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                     \
     rms_norm_bwd<T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);          \
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_dw_##SUFFIX(const float* partial, T* dw, int parts,     \
