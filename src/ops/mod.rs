@@ -81,3 +81,33 @@ pub(crate) unsafe fn sum_parts(
     // SAFETY: matches the sum_parts kernels; sizes per this function's contract.
     unsafe { t.launch(module, kernel, cfg, &args) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{reduce_config, reduce_parts, REDUCE_THREADS};
+
+    /// The backward launch stays within its kernels' `__launch_bounds__`, its
+    /// parts within the scratch that `reduce_parts` sizes, and its blocks
+    /// within what an SM holds at once (512 threads' worth, at most four).
+    #[test]
+    fn reduce_config_fits_its_bounds_and_scratch() {
+        for sm in [1u32, 8, 132] {
+            for rows in [0usize, 1, 7, 100, 4096, 1 << 20] {
+                for cols in [1usize, 64, 300, 4096, 8192, 20000, 65536] {
+                    for elem in [2usize, 4] {
+                        let (cfg, parts) = reduce_config(sm, rows, cols, elem);
+                        let threads = cfg.block_dim.0;
+                        assert!(threads <= REDUCE_THREADS && threads % 32 == 0, "{threads} threads");
+                        assert!(parts <= reduce_parts(sm, rows) && parts <= rows, "{parts} parts");
+                        assert_eq!(cfg.grid_dim.0 as usize, parts.max(1));
+                        let per_sm = parts.div_ceil(sm as usize);
+                        assert!(per_sm * threads as usize <= 512 || per_sm == 1, "{per_sm} blocks of {threads}");
+                        if rows > 0 {
+                            assert!(parts >= 1);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
