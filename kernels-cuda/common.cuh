@@ -108,20 +108,20 @@ __device__ __forceinline__ float2 block_sum2(float2 v, float* scratch) {
   return make_float2(warp_sum(v.x), warp_sum(v.y));
 }
 
-// Vectors of a row a thread may own for a backward to keep its parameter
-// gradient's partial sums in registers (rows_config gives each thread about
-// four).
-constexpr int PARTIAL_PACKS = 4;
+// Vectors of a row a thread may hold in registers (or, in a backward, keep
+// its parameter gradient's partial sums for): rows_config gives each thread
+// about four.
+constexpr int ROW_PACKS = 4;
 
 // Calls f(i, p) for the 16-byte vectors i = threadIdx.x + p blockDim.x of a
-// row that this thread owns. With `unrolled` (at most PARTIAL_PACKS of them)
+// row that this thread owns. With `unrolled` (at most ROW_PACKS of them)
 // the loop is unrolled: every load is in flight at once, and p is a constant,
 // so f may keep sums per vector in registers indexed by p. Otherwise a plain
 // loop, with p = -1.
 template <typename F> __device__ __forceinline__ void each_pack(int packs, bool unrolled, F f) {
   if (unrolled) {
 #pragma unroll
-    for (int p = 0; p < PARTIAL_PACKS; ++p) {
+    for (int p = 0; p < ROW_PACKS; ++p) {
       const int i = threadIdx.x + p * blockDim.x;
       if (i < packs) f(i, p);
     }

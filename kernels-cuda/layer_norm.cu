@@ -95,7 +95,7 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
 // With xh = (x - mean) * rstd, g = dy * w:
 // dx = rstd * (g - mean(g) - xh * mean(g * xh)); block b sums dy * xh and dy
 // over its rows into row b of dw_partial / db_partial (when given): in
-// registers until its last row where each thread owns at most PARTIAL_PACKS
+// registers until its last row where each thread owns at most ROW_PACKS
 // vectors of a row, else in the partial rows themselves.
 template <typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
@@ -107,10 +107,10 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
                    (w == nullptr || aligned16(w));
   const int packs = cols / N;
-  const bool regs = vec && packs <= PARTIAL_PACKS * (int)blockDim.x;
+  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
   float* pw_ = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
   float* pb_ = db_partial ? db_partial + (int64_t)blockIdx.x * cols : nullptr;
-  float acc_w[PARTIAL_PACKS][N] = {}, acc_b[PARTIAL_PACKS][N] = {};
+  float acc_w[ROW_PACKS][N] = {}, acc_b[ROW_PACKS][N] = {};
   if (!regs) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
       if (pw_) pw_[j] = 0.f;

@@ -82,7 +82,7 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
 // gradient arriving at fused_add_rms_norm's sum output). When dw_partial is given,
 // block b sums dy * x * r over its rows into dw_partial[b * cols + j] (its own
 // row: no atomics); rms_norm_bwd_dw then sums the gridDim.x rows. Where each
-// thread owns at most PARTIAL_PACKS vectors of a row (every row of up to
+// thread owns at most ROW_PACKS vectors of a row (every row of up to
 // 4 * 1024 vectors, as rows_config sizes the block), those sums stay in
 // registers until the block's last row; otherwise they accumulate in
 // dw_partial itself.
@@ -102,9 +102,9 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(dy) &&
                    aligned16(dx) && (w == nullptr || aligned16(w)) && (add == nullptr || aligned16(add));
   const int packs = cols / N;
-  const bool regs = vec && packs <= PARTIAL_PACKS * (int)blockDim.x;
+  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
   float* part = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
-  float acc[PARTIAL_PACKS][N] = {};
+  float acc[ROW_PACKS][N] = {};
   if (part && !regs) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
     __syncthreads();  // the vector loop below maps columns to threads differently

@@ -12,13 +12,11 @@
 
 using namespace keel;
 
-// Rows of up to ROW_PACKS 16-byte vectors a thread (every row of up to 4096
-// vectors: rows_config gives each thread about four) are held in registers:
-// their max, then exp(x - max) once per element and its sum, then the store.
-// Longer rows take the online pass and re-read the row for the store, with a
-// second exp per element.
-constexpr int ROW_PACKS = 4;
-
+// Rows of up to ROW_PACKS (common.cuh) 16-byte vectors a thread (every row of
+// up to 4096 vectors: rows_config gives each thread about four) are held in
+// registers: their max, then exp(x - max) once per element and its sum, then
+// the store. Longer rows take the online pass and re-read the row for the
+// store, with a second exp per element.
 template <typename T>
 __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int cols,
                                             float scale) {
@@ -35,41 +33,30 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
       // row of -inf makes the sum NaN, and so every output of the row.
       float e[ROW_PACKS][N];
       float m = -INFINITY;
+      each_pack(packs, true, [&](int i, int p) {
+        const Pack<T> q = load_pack(xr + i * N);
 #pragma unroll
-      for (int p = 0; p < ROW_PACKS; ++p) {
-        const int i = threadIdx.x + p * blockDim.x;
-        if (i < packs) {
-          const Pack<T> q = load_pack(xr + i * N);
-#pragma unroll
-          for (int k = 0; k < N; ++k) {
-            e[p][k] = to_f32(q.v[k]) * scale;
-            m = fmaxf(m, e[p][k]);
-          }
+        for (int k = 0; k < N; ++k) {
+          e[p][k] = to_f32(q.v[k]) * scale;
+          m = fmaxf(m, e[p][k]);
         }
-      }
+      });
       m = block_max(m, scratch);
       float sum = 0.f;
+      each_pack(packs, true, [&](int, int p) {
 #pragma unroll
-      for (int p = 0; p < ROW_PACKS; ++p) {
-        if (threadIdx.x + p * blockDim.x < packs) {
-#pragma unroll
-          for (int k = 0; k < N; ++k) {
-            e[p][k] = expf(e[p][k] - m);
-            sum += e[p][k];
-          }
+        for (int k = 0; k < N; ++k) {
+          e[p][k] = expf(e[p][k] - m);
+          sum += e[p][k];
         }
-      }
+      });
       const float inv = 1.f / block_sum(sum, scratch);
+      each_pack(packs, true, [&](int i, int p) {
+        Pack<T> o;
 #pragma unroll
-      for (int p = 0; p < ROW_PACKS; ++p) {
-        const int i = threadIdx.x + p * blockDim.x;
-        if (i < packs) {
-          Pack<T> o;
-#pragma unroll
-          for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(e[p][k] * inv);
-          store_pack(yr + i * N, o);
-        }
-      }
+        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(e[p][k] * inv);
+        store_pack(yr + i * N, o);
+      });
     } else {
       const float2 ms = row_max_sumexp(xr, cols, vec, scale, scratch);
       const float m = ms.x, inv = 1.f / ms.y;
