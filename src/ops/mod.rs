@@ -35,10 +35,14 @@ pub(crate) fn check_len(op: &'static str, arg: &'static str, got: usize, want: u
     Err(Error::Invalid { op, arg, msg: format!("has length {got}, expected {want}") })
 }
 
+/// Most blocks an SM of a backward that sums a parameter gradient over rows.
+const REDUCE_BLOCKS_PER_SM: u32 = 4;
+
 /// Blocks (and rows of f32 partial sums) of a backward that reduces a
-/// parameter gradient over rows: four per SM, at most one per row.
+/// parameter gradient over rows, at most: [`REDUCE_BLOCKS_PER_SM`] per SM, at
+/// most one per row. Sizes the scratch; [`reduce_config`] picks the number.
 pub(crate) fn reduce_parts(sm_count: u32, rows: usize) -> usize {
-    rows.min(sm_count as usize * 4)
+    rows.min((sm_count * REDUCE_BLOCKS_PER_SM) as usize)
 }
 
 /// Most threads in a block of a backward that sums a parameter gradient
@@ -48,14 +52,15 @@ const REDUCE_THREADS: u32 = 512;
 /// The launch of a backward that sums a parameter gradient over rows, and its
 /// number of parts (blocks, and rows of f32 partial sums): [`rows_config`]'s
 /// block, at most [`REDUCE_THREADS`] threads, and as many blocks as stay
-/// resident together (512 threads' worth an SM, at most four), so that each
+/// resident together (512 threads' worth an SM, at most
+/// [`REDUCE_BLOCKS_PER_SM`]), so that each
 /// keeps its partial sums in registers through all its rows. The parts are
 /// at most [`reduce_parts`], which sizes the scratch.
 pub(crate) fn reduce_config(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
     let mut cfg = rows_config(rows, cols, elem_bytes, 1);
     cfg.block_dim.0 = cfg.block_dim.0.min(REDUCE_THREADS);
-    let per_sm = (REDUCE_THREADS / cfg.block_dim.0).clamp(1, 4) as usize;
-    let parts = rows.min(sm_count as usize * per_sm);
+    let per_sm = (REDUCE_THREADS / cfg.block_dim.0).clamp(1, REDUCE_BLOCKS_PER_SM);
+    let parts = rows.min((sm_count * per_sm) as usize);
     cfg.grid_dim.0 = parts.max(1) as u32;
     (cfg, parts)
 }
