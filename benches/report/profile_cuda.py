@@ -7,26 +7,15 @@ A wall time well above the kernels' time means the call is bound by the CPU
     python benches/report/profile_cuda.py [--ops "layer_norm fwd+bwd,softmax fwd+bwd"] [--dtypes bfloat16]
 """
 import argparse
+import functools
 import sys
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cases import make_cases
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def wall_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1e6
+from measure import DTYPES
+from timing import per_call
 
 
 def kernels_us(fn, iters: int) -> tuple:
@@ -57,9 +46,10 @@ def main() -> None:
     names = [n for n in a.ops.split(",") if n]
     for dname in a.dtypes.split(","):
         for case in make_cases("cuda", DTYPES[dname], "large", names):
-            for who in ("keel", "eager"):
-                fn = (lambda f: lambda: case.run(f))(getattr(case, "keel" if who == "keel" else "torch"))
-                wall = wall_us(fn, a.iters)
+            for who, op in (("keel", case.keel), ("eager", case.torch)):
+                fn = functools.partial(case.run, op)
+                # Best of three rounds of `iters` calls between two synchronisations.
+                wall = per_call(fn, "cuda", calls=a.iters, rounds=3) * 1e6
                 gpu, rows = kernels_us(fn, a.iters)
                 print(f"{case.name} {dname} {case.shape} {who}: wall {wall:.1f} us/call, kernels {gpu:.1f} us/call")
                 for name, us in rows[:8]:
