@@ -35,7 +35,7 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
     const float d1 = s1 / n;
     mean_t = k + d1;
     if (d1 * d1 <= 0.5f * (s2 / n)) {
-      m2 = s2 - s1 * d1;
+      m2 = fmaf(-s1, d1, s2);
     } else {
       row_each(xr, cols, vec, [&](int, float v) {
         const float d = v - mean_t;
@@ -43,9 +43,9 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
       });
     }
   }
-  const float mean = block_sum(n * mean_t, scratch) / cols;
+  const float mean = block_sum(mul_rn(n, mean_t), scratch) / cols;
   const float dm = mean_t - mean;
-  const float var = block_sum(m2 + n * dm * dm, scratch) / cols;
+  const float var = block_sum(fmaf(n * dm, dm, m2), scratch) / cols;
   // A variance that overflowed f32 gives NaN, not rsqrt(inf) = 0 (zeros would
   // be a silent wrong answer); as the CPU kernels do.
   return make_float2(mean, isinf(var) ? nanf("") : rsqrtf(var + eps));

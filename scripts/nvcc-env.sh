@@ -5,8 +5,9 @@
 # 9.0, which only drivers for CUDA 13.0 (R580) on can JIT; the scripts lower the
 # declared ISA to kernels-cuda/ptx-isa.txt (8.0), and check-ptx.sh assembles the
 # result with CUDA 12.0's ptxas (the JIT of an R525 driver). PyPI has no nvcc
-# older than 13.0, only ptxas (nvidia-cuda-nvcc-cu12).
-KEEL_NVCC_PINS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvcc-cu12==12.0.140"
+# older than 13.0, only ptxas (nvidia-cuda-nvcc-cu12). nvdisasm ($KEEL_NVDISASM,
+# for check-contraction.sh) only reads what ptxas wrote; PyPI's oldest is 13.2.
+KEEL_NVCC_PINS="nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.88 nvidia-cuda-cccl==13.0.85 nvidia-cuda-nvcc-cu12==12.0.140 nvidia-cuda-nvdisasm==13.5.37"
 _root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 _venv="$_root/.venv-nvcc"
 if [ ! -x "$_venv/bin/python" ] || [ "$(cat "$_venv/.pins" 2>/dev/null)" != "$KEEL_NVCC_PINS" ]; then
@@ -17,3 +18,4 @@ if [ ! -x "$_venv/bin/python" ] || [ "$(cat "$_venv/.pins" 2>/dev/null)" != "$KE
 fi
 _cu="$("$_venv/bin/python" -c "import nvidia, os; print(os.path.join(list(nvidia.__path__)[0], 'cu13'))")"
 export KEEL_NVCC="$_cu/bin/nvcc" KEEL_PTXAS="$_cu/bin/ptxas" KEEL_PTXAS_OLDEST="$(dirname "$_cu")/cuda_nvcc/bin/ptxas"
+export KEEL_NVDISASM="$_cu/bin/nvdisasm"

@@ -30,6 +30,9 @@ grep -Ev '^$|^running 0 tests' <<<"$out" || true
 step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
 scripts/check-ptx.sh
 
+step "no multiply-add left to the compilers in the kernels that promise layout-independent bits"
+scripts/check-contraction.sh
+
 step "cargo check --features nvtx (NVTX ranges around launches; needs libclang)"
 # libclang itself (libclang.so, libclang-14.so.1), not libclang-cpp, the C++
 # library that Debian images carry without it: matched by a wider glob, it
