@@ -158,7 +158,8 @@ no loss)."""
 
 
 def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequence[str] = ()) -> list:
-    """The report's cases on `device` in `dtype`; only `names` when given."""
+    """The report's cases on `device` in `dtype`; only those named in `names`
+    (case names, as the report prints them) when given. An unknown name raises."""
     sh = SHAPES[size]
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -203,7 +204,7 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
         return Case("cross_entropy fwd+bwd", f"{n}x{v}", (logits, tgt.to(device)), keel.cross_entropy,
                     F.cross_entropy, 3 * n * v * es, bandwidth_bound=False, grad_args=(0,))
 
-    mk["cross_entropy"] = ce
+    mk["cross_entropy fwd+bwd"] = ce
 
     def rope():
         bq, s, heads, d = sh["rope"]
@@ -267,6 +268,9 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
         return c
 
     mk["rotary_embedding fwd+bwd"] = rope_fb
+    unknown = [n for n in names if n not in mk]
+    if unknown:
+        raise ValueError(f"make_cases: no case named {', '.join(map(repr, unknown))} (cases: {', '.join(mk)})")
     return [f() for k, f in mk.items() if not names or k in names]
 
 

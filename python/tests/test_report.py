@@ -16,7 +16,7 @@ from render import markdown  # noqa: E402
 
 def test_small_report_runs_and_checks_values(tmp_path):
     cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
-           "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy,rms_norm (qkv view),rotary_embedding (x.T),"
+           "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy fwd+bwd,rms_norm (qkv view),rotary_embedding (x.T),"
            "fused_add_rms_norm_ (in place),rotary_embedding_ (in place)", "--decode-ops", "rms_norm,rotary_embedding"]
     plots = True
     try:
