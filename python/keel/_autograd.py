@@ -2,11 +2,10 @@
 
 The stable C ABI cannot build autograd graph nodes, so the formulas are
 registered here, once, at import and before any op is used (registering after
-first use breaks AOT dispatch): on each op's ``_autograd`` twin, whose calls in
-grad mode the op's Rust autograd kernel forwards (torch 2.13+), as a kernel of
-Keel's own (``_twin_kernel``), and on the op itself, through
-``torch.library.register_autograd``, where there is no such kernel (see
-``_common.TWINS``).
+first use breaks AOT dispatch), as an ``Autograd`` kernel of Keel's own
+(``_autograd_kernel``): on each op's ``_autograd`` twin, whose calls in grad mode
+the op's Rust autograd kernel forwards (torch 2.13+), and on the op itself where
+it has no such kernel (torch 2.10-2.12; see ``_common.TWINS``).
 Each formula calls the op's own backward operator, except in a backward that
 must itself be differentiable (``create_graph=True``): see ``_twice``.
 """
@@ -221,19 +220,21 @@ grad mode (torch 2.13+; see ``_common.TWINS``); filled by register()."""
 _LIB = None
 
 
-def _twin_kernel(name, backward, setup):
-    """The ``Autograd`` kernel of op `name`'s ``_autograd`` twin: where an
-    argument requires a gradient, the formula (an autograd.Function whose
-    forward calls the ``_nograd`` twin, the same kernels); else the ``_nograd``
-    twin at once.
+def _autograd_kernel(name, backward, setup):
+    """The ``Autograd`` kernel of op `name`'s ``_autograd`` twin, and of the op
+    itself before torch 2.13: where an argument requires a gradient, the formula
+    (an autograd.Function whose forward calls the ``_nograd`` twin, the same
+    kernels); else the ``_nograd`` twin at once.
 
     What ``torch.library.register_autograd`` registers does the same, and
     ``_nograd`` is how this avoids its costs: it calls the op again below
     autograd with a context manager and a redispatch, after filling in the
-    defaults through the schema, and passes a metadata object through
-    ``apply``. [1, 64] in grad mode, no argument requiring a gradient
-    (measured): the twin called alone 6.02 -> 4.82 us a call,
-    ``torch.ops.keel.softmax.default`` (through Rust's kernel) 6.45 -> 5.27.
+    defaults through the schema (``fill_defaults`` reads ``schema.arguments``,
+    a new list of new objects, once per argument: 15 us a call for
+    cross_entropy's five), and passes a metadata object through ``apply``.
+    [1, 64] in grad mode, no argument requiring a gradient (measured): the twin
+    called alone 6.02 -> 4.82 us a call, ``torch.ops.keel.softmax.default``
+    (through Rust's kernel) 6.45 -> 5.27.
     """
     nograd = getattr(ops, twins(name)[1]).default
     arguments = nograd._schema.arguments
@@ -276,6 +277,6 @@ def register() -> None:
         if torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{name}", "Autograd"):
             FORWARDED.add(name)
         with_grad, _ = twins(name)
-        _LIB.impl(with_grad, _twin_kernel(name, backward, setup), "Autograd")
+        _LIB.impl(with_grad, _autograd_kernel(name, backward, setup), "Autograd")
         if name not in FORWARDED:
-            torch.library.register_autograd(f"keel::{name}", backward, setup_context=setup)
+            _LIB.impl(name, _autograd_kernel(name, backward, setup), "Autograd")

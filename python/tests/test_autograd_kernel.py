@@ -69,10 +69,31 @@ def test_no_grad_call_runs_no_python_kernel():
     assert not [s for s in seen if "_library" in s[0]], seen
 
 
-@forwarding
+@pytest.mark.parametrize("requires_grad", [True, False])
+def test_grad_mode_runs_keels_autograd_kernel_not_torch_librarys(requires_grad):
+    """On every torch: the Python autograd kernel that runs in grad mode is
+    Keel's (the twin's from 2.13, the op's own before), not the one
+    ``torch.library.register_autograd`` generates (15 us more a call for
+    cross_entropy, most of it filling in defaults through the schema)."""
+    x = torch.randn(4, 8, requires_grad=requires_grad)
+    t = torch.tensor([1, 7, 0, 2])
+    for op, call, setup in (
+        ("softmax", lambda: ops.softmax.default(x, 1.0), "_softmax_setup"),
+        ("cross_entropy", lambda: ops.cross_entropy_with_lse.default(x, t, -100, 0.0, "mean")[0], "_cross_entropy_lse_setup"),
+    ):
+        call()
+        y, seen = _python_calls(call)
+        assert (y.grad_fn is not None) == requires_grad, op
+        ours = {s[1] for s in seen if s[0].endswith("_autograd.py")}
+        assert "kernel" in ours, (op, seen)
+        assert (setup in ours) == requires_grad, (op, seen)
+        assert not [s for s in seen if "_library" in s[0]], (op, seen)
+
+
 def test_defaults_left_out_reach_the_formula():
     """The dispatcher leaves trailing arguments equal to their defaults out of
-    a Python kernel's call; the twin's kernel puts them back for the formula."""
+    a Python kernel's call; Keel's autograd kernel (the twin's from torch 2.13,
+    the op's own before) puts them back for the formula."""
     torch.manual_seed(0)
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     t = torch.tensor([1, 7, 0])
