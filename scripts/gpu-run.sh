@@ -3,7 +3,7 @@
 # but no Rust toolchain, from the repo root, with the .gpu/ folder that
 # scripts/gpu-bundle.sh built elsewhere (the wheel and the CUDA binaries).
 #
-#   bash scripts/gpu-run.sh [checks|report|bench|all|profile] [OUT_DIR]
+#   bash scripts/gpu-run.sh [checks|report|bench|all|profile|verify] [OUT_DIR]
 #
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
 #           op's CUDA kernels against the CPU kernels); the rms_norm example;
@@ -13,7 +13,12 @@
 #   bench   the criterion CUDA benches (device-synchronised), short runs.
 #   all     the three, in that order (the default).
 #   profile benches/report/profile_cuda.py: wall time against GPU kernel time
-#           per call of the training cases, Keel and torch (not in all).
+#           per call of the training cases, Keel and torch, and where their
+#           CPU time goes (not in all).
+#   verify  what a short lease needs after kernel changes: checks of the CUDA
+#           cases alone (KEEL_PYTEST_ARGS defaults to "-k cuda"), the CUDA
+#           report (KEEL_REPORT_ARGS defaults to "--devices cuda --budget
+#           0.5"), and profile; about 3 minutes on the H200 of docs/GPU.md.
 #
 # KEEL_PYTEST_ARGS adds words to the pytest command line of checks (e.g.
 # "-k cuda": the CUDA cases alone).
@@ -41,6 +46,18 @@ for f in ops_cuda rms_norm_cuda bench_cuda rms_norm; do
   [ -x ".gpu/$f" ] || { echo "gpu-run: .gpu/$f missing: run scripts/gpu-bundle.sh where Rust is, and carry .gpu" >&2; exit 2; }
 done
 
+if [ "$what" = verify ]; then
+  export KEEL_PYTEST_ARGS="${KEEL_PYTEST_ARGS:--k cuda}" KEEL_REPORT_ARGS="${KEEL_REPORT_ARGS:---devices cuda --budget 0.5}"
+fi
+# wants STEP: whether this run does STEP.
+wants() {
+  case "$what" in
+    all) [[ "$1" =~ ^(checks|report|bench)$ ]] ;;
+    verify) [[ "$1" =~ ^(checks|profile|report)$ ]] ;;
+    *) [ "$what" = "$1" ] ;;
+  esac
+}
+
 status=0
 scale="${KEEL_STEP_LIMIT_S:-1}"
 # step LOG SECONDS COMMAND...: runs COMMAND for at most SECONDS (times the
@@ -61,7 +78,7 @@ site="$(mktemp -d)/site"
 "$py" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$site" .gpu/keel-*.whl || exit 2
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
-if [ "$what" = checks ] || [ "$what" = all ]; then
+if wants checks; then
   log="$out/checks.log"; : > "$log"
   step "$log" 30 nvidia-smi
   step "$log" 60 "$py" -c "import torch, keel; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, 'keel', keel.LIBRARY_PATH)"
@@ -74,16 +91,16 @@ if [ "$what" = checks ] || [ "$what" = all ]; then
   # shellcheck disable=SC2086  # KEEL_PYTEST_ARGS: extra words for pytest
   step "$log" 240 "$py" -m pytest -q -p no:cacheprovider -rfEs "${par[@]}" ${KEEL_PYTEST_ARGS:-} python/tests
 fi
-if [ "$what" = report ] || [ "$what" = all ]; then
+if wants report; then
   log="$out/report.log"; : > "$log"
   # shellcheck disable=SC2086  # KEEL_REPORT_ARGS: extra words for report.py, e.g. "--devices cuda" or "--ops softmax"
   step "$log" 360 "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if wants bench; then
   log="$out/bench.log"; : > "$log"
   step "$log" 150 .gpu/bench_cuda --bench --warm-up-time 0.1 --measurement-time 0.3
 fi
-if [ "$what" = profile ]; then
+if wants profile; then
   log="$out/profile.log"; : > "$log"
   step "$log" 120 "$py" benches/report/profile_cuda.py
 fi
