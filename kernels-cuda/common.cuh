@@ -108,6 +108,26 @@ __device__ __forceinline__ float2 block_sum2(float2 v, float* scratch) {
   return make_float2(warp_sum(v.x), warp_sum(v.y));
 }
 
+// The four sums of block_sum at once (the same bits as four calls), with one
+// pair of barriers. `scratch` holds 128 floats.
+__device__ __forceinline__ float4 block_sum4(float4 v, float* scratch) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = (blockDim.x + 31) >> 5;
+  v = make_float4(warp_sum(v.x), warp_sum(v.y), warp_sum(v.z), warp_sum(v.w));
+  __syncthreads();
+  if (lane == 0) {
+    scratch[warp] = v.x;
+    scratch[32 + warp] = v.y;
+    scratch[64 + warp] = v.z;
+    scratch[96 + warp] = v.w;
+  }
+  __syncthreads();
+  const bool in = lane < warps;
+  v = make_float4(in ? scratch[lane] : 0.f, in ? scratch[32 + lane] : 0.f, in ? scratch[64 + lane] : 0.f,
+                  in ? scratch[96 + lane] : 0.f);
+  return make_float4(warp_sum(v.x), warp_sum(v.y), warp_sum(v.z), warp_sum(v.w));
+}
+
 // Vectors of a row a thread may hold in registers (or, in a backward, keep
 // its parameter gradient's partial sums for): rows_config gives each thread
 // about four.

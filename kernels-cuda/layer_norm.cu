@@ -2,9 +2,11 @@
 //
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and every pointer is aligned, f32
-// accumulation. Mean and variance from one read of the row (row_moments), the
-// output from a second. The backward recomputes them and sums dw/db per block
-// into f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
+// accumulation. The forward takes the mean and variance from one read of the
+// row (row_moments), the output from a second. The backward takes the moments
+// and its two gradient sums from one read and one block reduction (its own
+// way: see layer_norm_bwd), dx from a second, and sums dw/db per block into
+// f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
 // Kernel symbols: layer_norm_{fwd,bwd,bwd_sum}_{f32,f16,bf16}.
 #include "common.cuh"
 
@@ -57,6 +59,33 @@ __device__ __forceinline__ float ln_y(float x, float2 m, float w, float b) {
   return add_rn(mul_rn(mul_rn(x - m.x, m.y), w), b);
 }
 
+// The backward's moments, kept as the CPU kernels keep them
+// (kernels-cpu/src/layer_norm.rs): mean = k + m1 with k a shift near the
+// row's values, rstd = 1 / sqrt(var + eps), and xh = ((x - k) - m1) rstd,
+// which stays accurate where the mean is large against the spread.
+struct LnMoments {
+  float k, m1, rstd;
+};
+
+// The shift k: the mean of the row's first 16 elements (the CPU kernels'
+// `shift`), each lane of every warp reading one and the warp summing them in
+// the same order: the same value in every thread.
+template <typename T> __device__ __forceinline__ float row_shift(const T* __restrict__ xr, int cols) {
+  const int h = cols < 16 ? cols : 16, lane = threadIdx.x & 31;
+  return warp_sum(lane < h ? to_f32(xr[lane]) : 0.f) / h;
+}
+
+// 1 / sqrt(var + eps); NaN, not 0, where the variance overflowed f32 (zeros
+// would be a silent wrong answer), as the CPU kernels do.
+__device__ __forceinline__ float ln_rstd(float var, float eps) { return isinf(var) ? nanf("") : rsqrtf(var + eps); }
+
+// Whether the shifted sums give the variance to about a bit: m1^2 <= m2 / 2
+// (the CPU's test); m1m1 = m1^2.
+__device__ __forceinline__ bool shift_good(float m1m1, float m2) { return m1m1 <= 0.5f * m2; }
+
+// (x - mean) rstd, each rounding spelled out.
+__device__ __forceinline__ float ln_xh(float x, LnMoments m) { return mul_rn((x - m.k) - m.m1, m.rstd); }
+
 // One gradient: rstd (g w - mean(g w) - xh mean(g w xh)), likewise.
 __device__ __forceinline__ float ln_dx(float rstd, float g, float w, float mg, float xh, float mgx) {
   return mul_rn(rstd, add_rn(add_rn(mul_rn(g, w), -mg), -mul_rn(xh, mgx)));
@@ -97,12 +126,22 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
 // over its rows into row b of dw_partial / db_partial (when given): in
 // registers until its last row where each thread owns at most ROW_PACKS
 // vectors of a row, else in the partial rows themselves.
+//
+// A row's moments and gradient means come as the CPU's row_consts gets them
+// for bf16 and f16: one read of x and dy and one block reduction of
+// [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))], with sum(g xh) =
+// rstd (sum(g (x - k)) - m1 sum(g)), which loses at most about a bit where the
+// shift is good (shift_good); elsewhere the same again with k + m1, the mean
+// now known to a few bits, as the shift, so that m1 is tiny against the
+// spread. Then a second read writes dx. Moments and sums took two reads and
+// three block reductions before (row_moments, then the sums about its mean);
+// the forward keeps row_moments, which needs fewer registers.
 template <typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                const T* __restrict__ w, T* __restrict__ dx,
                                                float* __restrict__ dw_partial, float* __restrict__ db_partial,
                                                int64_t rows, int cols, float eps) {
-  __shared__ float scratch[64];
+  __shared__ float scratch[128];
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
                    (w == nullptr || aligned16(w));
@@ -122,39 +161,49 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
     const T* xr = x + row * cols;
     const T* gr = dy + row * cols;
     T* dxr = dx + row * cols;
-    const float2 m = row_moments(xr, cols, vec, eps, scratch);
-    float sg = 0.f, sgx = 0.f;
-    auto sum_pack = [&](int i) {
-      Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
-      if (w) pw = load_pack(w + i * N);
+    LnMoments m{row_shift(xr, cols), 0.f, 0.f};
+    float mg, mgx;
+    for (int pass = 0;; ++pass) {
+      float s1 = 0.f, s2 = 0.f, sg = 0.f, sgk = 0.f;
+      auto add = [&](float fx, float fg, float fw) {
+        const float d = fx - m.k, g = mul_rn(fg, fw);
+        s1 = add_rn(s1, d);
+        s2 = fmaf(d, d, s2);
+        sg = add_rn(sg, g);
+        sgk = fmaf(g, d, sgk);
+      };
+      if (vec) {
+        each_pack(packs, regs, [&](int i, int) {
+          Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
+          if (w) pw = load_pack(w + i * N);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const float g = mul_rn(to_f32(pg.v[k]), w ? to_f32(pw.v[k]) : 1.f);
-        sg += g;
-        sgx = fmaf(g, mul_rn(to_f32(px.v[k]) - m.x, m.y), sgx);
+          for (int j = 0; j < N; ++j) add(to_f32(px.v[j]), to_f32(pg.v[j]), w ? to_f32(pw.v[j]) : 1.f);
+        });
+      } else {
+        scalar_cols<T>(cols, [&](int i) { add(to_f32(xr[i]), to_f32(gr[i]), w ? to_f32(w[i]) : 1.f); });
       }
-    };
-    if (vec) {
-      each_pack(packs, regs, [&](int i, int) { sum_pack(i); });
-    } else {
-      scalar_cols<T>(cols, [&](int i) {
-        const float g = mul_rn(to_f32(gr[i]), w ? to_f32(w[i]) : 1.f);
-        sg += g;
-        sgx = fmaf(g, mul_rn(to_f32(xr[i]) - m.x, m.y), sgx);
-      });
+      const float4 s = block_sum4(make_float4(s1, s2, sg, sgk), scratch);
+      const float m1 = s.x / cols, m2 = s.y / cols, m1m1 = mul_rn(m1, m1);
+      if (pass == 0 && !shift_good(m1m1, m2)) {
+        m.k = add_rn(m.k, m1);
+        continue;
+      }
+      m.m1 = m1;
+      m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
+      mg = s.z / cols;
+      mgx = mul_rn(m.rstd, add_rn(s.w, -mul_rn(m1, s.z))) / cols;
+      break;
     }
-    const float2 sums = block_sum2(make_float2(sg, sgx), scratch);
-    const float mg = sums.x / cols, mgx = sums.y / cols;
     // Pack i of the row: its dx, and its dw and db terms added to aw and ab.
     auto pack = [&](int i, float* aw, float* ab) {
       Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw, o;
       if (w) pw = load_pack(w + i * N);
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const float xh = mul_rn(to_f32(px.v[k]) - m.x, m.y), fg = to_f32(pg.v[k]);
-        o.v[k] = from_f32<T>(ln_dx(m.y, fg, w ? to_f32(pw.v[k]) : 1.f, mg, xh, mgx));
-        if (pw_) aw[k] = fmaf(fg, xh, aw[k]);
-        if (pb_) ab[k] += fg;
+      for (int j = 0; j < N; ++j) {
+        const float xh = ln_xh(to_f32(px.v[j]), m), fg = to_f32(pg.v[j]);
+        o.v[j] = from_f32<T>(ln_dx(m.rstd, fg, w ? to_f32(pw.v[j]) : 1.f, mg, xh, mgx));
+        if (pw_) aw[j] = fmaf(fg, xh, aw[j]);
+        if (pb_) ab[j] += fg;
       }
       store_pack(dxr + i * N, o);
     };
@@ -168,8 +217,8 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       });
     } else {
       scalar_cols<T>(cols, [&](int i) {
-        const float xh = mul_rn(to_f32(xr[i]) - m.x, m.y), fg = to_f32(gr[i]);
-        dxr[i] = from_f32<T>(ln_dx(m.y, fg, w ? to_f32(w[i]) : 1.f, mg, xh, mgx));
+        const float xh = ln_xh(to_f32(xr[i]), m), fg = to_f32(gr[i]);
+        dxr[i] = from_f32<T>(ln_dx(m.rstd, fg, w ? to_f32(w[i]) : 1.f, mg, xh, mgx));
         if (pw_) pw_[i] = fmaf(fg, xh, pw_[i]);
         if (pb_) pb_[i] += fg;
       });
