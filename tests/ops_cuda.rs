@@ -139,9 +139,18 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     let bad: Vec<i64> = (0..rows).map(|i| if i == rows - 1 { cols as i64 } else { 0 }).collect();
     let opts =
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
-    let err = cross_entropy::forward_cuda(&s, &xd, &s.clone_htod(&bad).unwrap(), &mut zeros(1), None, cols, opts)
-        .unwrap_err();
+    let bad_d = s.clone_htod(&bad).unwrap();
+    let err = cross_entropy::forward_cuda(&s, &xd, &bad_d, &mut zeros(1), None, cols, opts).unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
+    let one = up(&s, &[T::from_f64(1.0)]);
+    let err = cross_entropy::backward_cuda(&s, &one, &xd, &bad_d, None, &mut zeros(n), cols, opts).unwrap_err();
+    assert!(err.to_string().contains("argument 'target'"), "{err}");
+    // Given the forward's lse, the backward does not check again (no
+    // synchronisation): a bad target, against that promise, leaves NaN.
+    let (lse0, mut dx) = (s.clone_htod(&vec![0f32; rows]).unwrap(), zeros(n));
+    cross_entropy::backward_cuda(&s, &one, &xd, &bad_d, Some(&lse0), &mut dx, cols, opts).unwrap();
+    let dx = s.clone_dtoh(&dx).unwrap();
+    assert!(dx[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient given the lse");
 
     // rotary: seq = rows, batch 1 with 1 head, then batch 2 with 3 heads; both
     // layouts, both directions; whole heads rotated up to 256 wide, 80 dims beyond

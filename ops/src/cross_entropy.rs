@@ -9,7 +9,9 @@
 //! rows). `cross_entropy_backward(grad, logits, target, ignore_index,
 //! label_smoothing, reduction, lse=None) -> grad_logits` takes that lse, or
 //! recomputes it from the logits (fused either way: nothing logits-sized is
-//! saved by the forward).
+//! saved by the forward). On CUDA, given the lse it does not check the
+//! targets again (no synchronisation): they are the forward's, which did
+//! (see `keel::ops::cross_entropy`).
 use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{check_err, kernel_err, kernel_err_as, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;

@@ -172,7 +172,8 @@ def cross_entropy(
     Args:
         logits: ``[N, V]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
         target: ``[N]`` int64 class indices in ``[0, V)``, or ``ignore_index``; any other
-            value raises a RuntimeError (on CUDA this check synchronises the stream; during
+            value raises a RuntimeError (on CUDA this check synchronises the stream, in
+            the forward only: the backward trusts the targets the forward checked; during
             CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
             instead).
         ignore_index: rows with this target contribute no loss and no gradient.

@@ -12,7 +12,11 @@
 //! points synchronise `stream` once per call; while `stream` is being
 //! captured into a CUDA graph (`torch.cuda.graph`, `torch.compile`'s
 //! "reduce-overhead") they cannot, and a bad target's row gets a NaN loss
-//! and gradient (so a "mean" or "sum" is NaN) instead of the error.
+//! and gradient (so a "mean" or "sum" is NaN) instead of the error. A CUDA
+//! backward given the forward's `lse` does not check again: the forward that
+//! wrote it checked the same targets (autograd saves both and refuses them
+//! if either changed), so a training step synchronises once, not twice; a
+//! bad target there gives its row a NaN gradient, as under capture.
 //!
 //! CUDA: one block per row; the row's max, sum of exp and (for label
 //! smoothing) sum come from one read of it (online softmax). The backward
@@ -194,9 +198,11 @@ pub(crate) unsafe fn forward_on(
     unsafe { check_status(OP, t, scratch, rows, &opts, cols) }
 }
 
-/// CUDA backward on raw device pointers; synchronises `stream` to check the
-/// targets, except during graph capture (see [`forward_cuda_raw`]). `lse` is
-/// 0 (recomputed), or the forward's `rows` f32s.
+/// CUDA backward on raw device pointers. `lse` is 0 (recomputed), or the
+/// forward's `rows` f32s. Without `lse` it synchronises `stream` to check the
+/// targets, except during graph capture (see [`forward_cuda_raw`]); with it, it
+/// does not: the targets must be those the forward that wrote `lse` checked
+/// (a bad one gives its row a NaN gradient, no error).
 ///
 /// # Safety
 /// As [`forward_cuda_raw`], with `grad` (`opts.reduction.out_len(rows)`
@@ -264,6 +270,10 @@ pub(crate) unsafe fn backward_on(
         // SAFETY: matches cross_entropy_bwd_*; pointers per our contract.
         unsafe { launch_rows(t, MODULE, "cross_entropy_bwd", dtype, rows, cols, &args)? };
     }
+    if lse != 0 {
+        // The forward that wrote `lse` checked these targets (our contract).
+        return Ok(());
+    }
     // SAFETY: scratch per our contract.
     unsafe { check_status(OP, t, scratch, rows, &opts, cols) }
 }
@@ -301,9 +311,10 @@ pub fn forward_cuda<T: CudaElement>(
     unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, pl, pt, po, pe.unwrap_or(0), ps, rows, cols, opts) }
 }
 
-/// CUDA backward on `cudarc` buffers, launched on `stream` (which it
-/// synchronises, except during graph capture), given the forward's `lse` or
-/// recomputing it.
+/// CUDA backward on `cudarc` buffers, launched on `stream`, given the
+/// forward's `lse` or recomputing it. Without `lse` it synchronises `stream`
+/// to check the targets (except during graph capture); with it, the targets
+/// must be the ones that forward checked (see [`backward_cuda_raw`]).
 #[allow(clippy::too_many_arguments)]
 pub fn backward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
