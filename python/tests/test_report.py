@@ -133,3 +133,24 @@ def test_devices_cuda_without_a_gpu_is_refused(tmp_path):
     assert done.returncode != 0
     assert "cuda was asked for, but torch finds no CUDA device" in done.stderr, done.stderr
     assert not (tmp_path / "raw-thp.json").exists()  # no CPU run with THP either
+
+
+def test_profile_runs_on_cpu_tensors_and_names_its_cases():
+    """profile_cuda.py, which otherwise runs only on a lent GPU, on CPU tensors:
+    every case asked for is profiled (a name that matched no case used to be
+    skipped without a word), with the forward and backward calls' CPU time and
+    the CPU events of each contender; an unknown name is an error."""
+    script = os.path.join(REPORT, "profile_cuda.py")
+    ops = "rms_norm fwd+bwd,cross_entropy fwd+bwd,softmax"
+    cmd = [sys.executable, script, "--device", "cpu", "--size", "small", "--iters", "2", "--ops", ops, "--cpu-events", "10"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPORT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    for case in ops.split(","):
+        for who in ("keel", "eager"):
+            assert f"{case} bfloat16 " in out and f" {who}: wall " in out, (case, who, out)
+    assert out.count("CPU: forward call") == 4, out  # the two training cases, two contenders each
+    assert "keel::rms_norm" in out and "keel::cross_entropy_backward" in out, out
+    bad = subprocess.run([sys.executable, script, "--device", "cpu", "--ops", "no such op"], capture_output=True,
+                         text=True, timeout=300, cwd=REPORT)
+    assert bad.returncode != 0 and "no case named 'no such op'" in bad.stderr, bad.stderr[-2000:]
