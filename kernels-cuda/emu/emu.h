@@ -104,3 +104,11 @@ inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 // Never fused on the GPU; the emulation is built without FMA contraction.
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+// The GPU's approximations (gated.cu's f16 and bf16 paths), emulated by the
+// precise operations, whose results are within the approximations' error;
+// __fdividef's special case kept: 0 times a for 2^126 < |b| < 2^128.
+inline float __expf(float x) { return expf(x); }
+inline float __fdividef(float a, float b) {
+  const float m = fabsf(b);
+  return m > 0x1p126f && m < INFINITY ? a * 0.f : a / b;
+}
