@@ -66,6 +66,19 @@ template <bool InPlace, typename T> __device__ __forceinline__ Pack<T> load_in(c
 __device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 
+// Whether kernels on T may take the hardware's approximations of exp and
+// division (__expf, __fdividef: relative errors near 1e-6 for moderate
+// arguments): for f16 and bf16, whose outputs keep 11 and 8 bits, not for f32.
+template <typename T> struct FastMath {
+  static constexpr bool value = true;
+};
+template <> struct FastMath<float> {
+  static constexpr bool value = false;
+};
+
+// exp(x): precise, or __expf where Fast (see FastMath).
+template <bool Fast> __device__ __forceinline__ float exp_(float x) { return Fast ? __expf(x) : expf(x); }
+
 __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }

@@ -17,10 +17,9 @@
 
 using namespace keel;
 
-// exp(x), and a / b, precise or fast (see above). __fdividef(a, b) is 0 for
-// 2^126 < |b| < 2^128 (a / b is below 2^-126 |a| there) and, as a / b,
-// +-0 for b = inf.
-template <bool Fast> __device__ __forceinline__ float exp_(float x) { return Fast ? __expf(x) : expf(x); }
+// a / b, precise or fast (see above; exp_ is in common.cuh). __fdividef(a, b)
+// is 0 for 2^126 < |b| < 2^128 (a / b is below 2^-126 |a| there) and, as
+// a / b, +-0 for b = inf.
 template <bool Fast> __device__ __forceinline__ float div_(float a, float b) {
   return Fast ? __fdividef(a, b) : a / b;
 }
@@ -66,13 +65,6 @@ struct GeluTanh {
   }
 };
 
-// Whether T takes the fast functions: f16 and bf16, not f32.
-template <typename T> struct FastMath {
-  static constexpr bool value = true;
-};
-template <> struct FastMath<float> {
-  static constexpr bool value = false;
-};
 
 template <typename Act, typename T>
 __device__ __forceinline__ void act_and_mul_fwd(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int d) {

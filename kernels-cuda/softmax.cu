@@ -6,7 +6,9 @@
 // its sum, then the store); a longer one takes the max and the sum of exp in
 // one pass (online softmax, common.cuh), then the store, the row re-read from
 // L1/L2. 16-byte loads when the row length is a multiple of 16 bytes and the
-// pointers are aligned. f32 math with expf.
+// pointers are aligned. f32 math; exp is expf for f32 and __expf for f16 and
+// bf16 (common.cuh's FastMath: the forward of a bf16 row was bound by
+// instructions on an H200).
 // Kernel symbols: softmax_{fwd,bwd}_{f32,f16,bf16}.
 #include "common.cuh"
 
@@ -46,7 +48,7 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
       each_pack(packs, true, [&](int, int p) {
 #pragma unroll
         for (int k = 0; k < N; ++k) {
-          e[p][k] = expf(e[p][k] - m);
+          e[p][k] = exp_<FastMath<T>::value>(e[p][k] - m);
           sum += e[p][k];
         }
       });
@@ -60,7 +62,7 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
     } else {
       const float2 ms = row_max_sumexp(xr, cols, vec, scale, scratch);
       const float m = ms.x, inv = 1.f / ms.y;
-      row_map(xr, yr, cols, vec, [&](int, float v) { return expf(v * scale - m) * inv; });
+      row_map(xr, yr, cols, vec, [&](int, float v) { return exp_<FastMath<T>::value>(v * scale - m) * inv; });
     }
   }
 }
