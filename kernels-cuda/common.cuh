@@ -297,30 +297,35 @@ struct RowCol {
 // Adds v to a running (max m, sum s of exp(x - m)), rescaling s when v is a
 // new maximum: one pass over a row instead of a max pass and a sum pass.
 // A -inf adds nothing (also while m is -inf, where exp(v - m) would be NaN);
-// NaN, and +inf met twice, make s NaN, as the two-pass form does.
-__device__ __forceinline__ void online_add(float v, float& m, float& s) {
+// NaN, and +inf met twice, make s NaN, as the two-pass form does. exp is
+// __expf where Fast (FastMath).
+template <bool Fast> __device__ __forceinline__ void online_add(float v, float& m, float& s) {
   if (v > m) {
-    s = s * expf(m - v) + 1.f;
+    s = s * exp_<Fast>(m - v) + 1.f;
     m = v;
   } else if (!(v == -INFINITY)) {
-    s += expf(v - m);
+    s += exp_<Fast>(v - m);
   }
 }
 
 // (max, sum of exp(x - max)) of `x * scale` over a row, to every thread of
-// the block, in one read of the row; with `sum_x`, also the sum of x.
+// the block, in one read of the row; with `sum_x`, also the sum of x. exp is
+// __expf for f16 and bf16 rows (FastMath): a sum of terms each within about
+// 2e-6 of its value where it matters (x - max > -10), so a log-sum-exp within
+// about 2e-6 of the precise one.
 template <typename T>
 __device__ __forceinline__ float2 row_max_sumexp(const T* __restrict__ xr, int cols, bool vec, float scale,
                                                  float* scratch, float* sum_x = nullptr) {
+  constexpr bool Fast = FastMath<T>::value;
   float m = -INFINITY, s = 0.f, sx = 0.f;
   row_each(xr, cols, vec, [&](int, float v) {
-    online_add(v * scale, m, s);
+    online_add<Fast>(v * scale, m, s);
     sx += v;
   });
   const float bm = block_max(m, scratch);
   // This thread's sum moved to the block's maximum (0 from a thread that saw
   // only -inf; NaN where bm is +inf, or -inf for the whole row, as torch).
-  s = block_sum(s * expf(m - bm), scratch);
+  s = block_sum(s * exp_<Fast>(m - bm), scratch);
   if (sum_x) *sum_x = block_sum(sx, scratch);
   return make_float2(bm, s);
 }

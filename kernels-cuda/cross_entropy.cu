@@ -21,6 +21,8 @@
 //   ignored rows, NaN for bad ones.
 // The caller reads status[0] back and raises an error when it is not 0; where
 // it cannot (during CUDA graph capture) the NaNs are the only sign.
+// exp is __expf for f16 and bf16 logits (common.cuh's FastMath; the lse then
+// within about 2e-6 of the precise one), expf for f32; log is logf.
 #include "common.cuh"
 
 using namespace keel;
@@ -118,7 +120,8 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
     const bool trusted = lse && fabsf(lse[row]) < 64.f;
     const float2 ms = trusted ? make_float2(lse[row], 1.f) : row_max_sumexp(xr, cols, vec, 1.f, scratch);
     const float gs = g / ms.y, off = g * ls / cols, hot = g * (1.f - ls);
-    row_map(xr, dr, cols, vec, [&](int j, float v) { return expf(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
+    row_map(xr, dr, cols, vec,
+            [&](int j, float v) { return exp_<FastMath<T>::value>(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
   }
 }
 
