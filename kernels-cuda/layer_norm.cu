@@ -12,6 +12,10 @@
 
 using namespace keel;
 
+// 1 / sqrt(var + eps); NaN, not 0, where the variance overflowed f32 (zeros
+// would be a silent wrong answer), as the CPU kernels do.
+__device__ __forceinline__ float ln_rstd(float var, float eps) { return isinf(var) ? nanf("") : rsqrtf(var + eps); }
+
 // Mean and 1/sqrt(var + eps) of one row, returned to every thread, from one
 // read of the row. Each thread sums its own elements shifted by the first of
 // them, (sum(x - k), sum((x - k)^2)); where the shift was poor (the shifted
@@ -48,9 +52,7 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
   const float mean = block_sum(mul_rn(n, mean_t), scratch) / cols;
   const float dm = mean_t - mean;
   const float var = block_sum(fmaf(n * dm, dm, m2), scratch) / cols;
-  // A variance that overflowed f32 gives NaN, not rsqrt(inf) = 0 (zeros would
-  // be a silent wrong answer); as the CPU kernels do.
-  return make_float2(mean, isinf(var) ? nanf("") : rsqrtf(var + eps));
+  return make_float2(mean, ln_rstd(var, eps));
 }
 
 // One output: (x - mean) rstd w + b, each rounding spelled out (mul_rn), so
@@ -74,10 +76,6 @@ template <typename T> __device__ __forceinline__ float row_shift(const T* __rest
   const int h = cols < 16 ? cols : 16, lane = threadIdx.x & 31;
   return warp_sum(lane < h ? to_f32(xr[lane]) : 0.f) / h;
 }
-
-// 1 / sqrt(var + eps); NaN, not 0, where the variance overflowed f32 (zeros
-// would be a silent wrong answer), as the CPU kernels do.
-__device__ __forceinline__ float ln_rstd(float var, float eps) { return isinf(var) ? nanf("") : rsqrtf(var + eps); }
 
 // Whether the shifted sums give the variance to about a bit: m1^2 <= m2 / 2
 // (the CPU's test); m1m1 = m1^2.
