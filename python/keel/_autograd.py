@@ -276,7 +276,7 @@ def register() -> None:
     for name, (backward, setup) in FORMULAS.items():
         if torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{name}", "Autograd"):
             FORWARDED.add(name)
-        with_grad, _ = twins(name)
-        _LIB.impl(with_grad, _autograd_kernel(name, backward, setup), "Autograd")
+        kernel = _autograd_kernel(name, backward, setup)
+        _LIB.impl(twins(name)[0], kernel, "Autograd")
         if name not in FORWARDED:
-            _LIB.impl(name, _autograd_kernel(name, backward, setup), "Autograd")
+            _LIB.impl(name, kernel, "Autograd")
