@@ -49,17 +49,27 @@ class Case:
     def backward(self) -> bool:
         return bool(self.grad_args)
 
+    def leaves(self, args: tuple = None) -> tuple:
+        """`args` (the case's own by default), those in `grad_args` as fresh
+        leaves that require a gradient: a forward + backward call's inputs."""
+        args = self.args if args is None else args
+        return tuple(a.detach().requires_grad_() if i in self.grad_args else a for i, a in enumerate(args))
+
+    def backward_of(self, out) -> tuple:
+        """Runs the backward of a forward's result `out` from the upstream
+        gradients; returns the outputs as a tuple."""
+        outs = out if isinstance(out, tuple) else (out,)
+        torch.autograd.backward(outs, [self._upstream(i, o) for i, o in enumerate(outs)])
+        return outs
+
     def run(self, fn: Callable, args: tuple = None) -> tuple:
         """Calls `fn` as this case is timed; returns its outputs (and, for a
         forward + backward case, the gradients) as a tuple."""
-        args = self.args if args is None else args
         if not self.backward:
-            out = fn(*args)
+            out = fn(*(self.args if args is None else args))
             return out if isinstance(out, tuple) else (out,)
-        args = tuple(a.detach().requires_grad_() if i in self.grad_args else a for i, a in enumerate(args))
-        out = fn(*args)
-        outs = out if isinstance(out, tuple) else (out,)
-        torch.autograd.backward(outs, [self._upstream(i, o) for i, o in enumerate(outs)])
+        args = self.leaves(args)
+        outs = self.backward_of(fn(*args))
         return tuple(o.detach() for o in outs) + tuple(args[i].grad for i in self.grad_args)
 
     def reference(self) -> tuple:

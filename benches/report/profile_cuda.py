@@ -63,12 +63,11 @@ def phases_us(case, op, device: str, iters: int) -> tuple:
         spent = [0.0, 0.0]
         _sync(device)
         for _ in range(iters):
-            args = tuple(a.detach().requires_grad_() if i in case.grad_args else a for i, a in enumerate(case.args))
+            args = case.leaves()
             t0 = time.perf_counter()
             out = op(*args)
             t1 = time.perf_counter()
-            outs = out if isinstance(out, tuple) else (out,)
-            torch.autograd.backward(outs, [case._upstream(i, o) for i, o in enumerate(outs)])
+            case.backward_of(out)
             t2 = time.perf_counter()
             spent[0] += t1 - t0
             spent[1] += t2 - t1
