@@ -23,10 +23,11 @@ using namespace keel;
 template <bool Fast> __device__ __forceinline__ float div_(float a, float b) {
   return Fast ? __fdividef(a, b) : a / b;
 }
-// tanh(u) = 1 - 2 / (1 + exp(2u)): +-1 where exp over- or underflows; an
-// absolute error near 1e-7, which is what 1 + tanh (all the uses below) sees.
+// tanh(u): tanhf, or where Fast 1 - 2 / (1 + exp(2u)) from the fast exp and
+// division: +-1 where exp over- or underflows; an absolute error near 1e-7,
+// which is what 1 + tanh (all the uses below) sees.
 template <bool Fast> __device__ __forceinline__ float tanh_(float u) {
-  return Fast ? 1.f - __fdividef(2.f, 1.f + __expf(2.f * u)) : tanhf(u);
+  return Fast ? 1.f - div_<true>(2.f, 1.f + exp_<true>(2.f * u)) : tanhf(u);
 }
 
 struct Silu {
