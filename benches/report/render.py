@@ -3,7 +3,7 @@ table per run, the per-call overhead, the list of missed targets, and two PNG
 plots (speedup per op; achieved GB/s against the bandwidth lines).
 """
 import os
-from typing import List
+from typing import Callable, List, Tuple
 
 BW_TARGET = {"cpu": 0.80, "cuda": 0.85}  # fraction of the bandwidth line a bandwidth-bound op must reach
 BW_LINE = {"cpu": "clone_GBps", "cuda": "copy_GBps"}  # CPU: fresh outputs pay page faults as clone does
@@ -117,14 +117,12 @@ def markdown(runs: List[dict], images: List[str]) -> str:
             if row["device"] != device:
                 continue
             if "error" in row:
-                lines.append(f"| {row['op']} | {row['dtype']} | {row['shape']} | failed: {row['error']} "
-                             "| | | | | | | | |")
+                lines.append(_failed_row([], row, 12))
                 misses.append(f"- {title}: {row['op']} {row['dtype']} raised: {row['error']}")
                 continue
             d = _derived(row, bw, device)
             ms = row["ms"]
-            comp = _ms(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
-            vc = f"{d['vs_compile']:.2f}x" if d["vs_compile"] else "-"
+            comp, vc = _compile_cells(row, d, _ms)
             frac = f"{100 * d['frac']:.0f}%" if row["bandwidth_bound"] else f"({100 * d['frac']:.0f}%)"
             lines.append(f"| {row['op']} | {row['dtype']} | {row['shape']} | {_ms(ms['keel'])} | {_ms(ms['eager'])} | "
                          f"{comp} | {d['vs_eager']:.2f}x | {vc} | {d['gbps']:.1f} | {frac} | {d['floor']:.2f} | "
@@ -161,6 +159,21 @@ def _us(ms: float) -> str:
     return f"{1e3 * ms:.1f}"
 
 
+def _failed_row(lead: List[str], row: dict, columns: int) -> str:
+    """A table line for a row whose Keel call raised: the `lead` cells, the
+    op, dtype and shape, the error, and blanks up to `columns` cells."""
+    cells = lead + [row["op"], row["dtype"], row["shape"], f"failed: {row['error']}"]
+    return "| " + " | ".join(cells + [""] * (columns - len(cells))) + " |"
+
+
+def _compile_cells(row: dict, d: dict, fmt: Callable[[float], str]) -> Tuple[str, str]:
+    """The `compile` time cell (formatted by `fmt`; "failed" where
+    torch.compile raised, "-" where it was not timed) and the `vs compile` cell."""
+    ms = row["ms"]
+    comp = fmt(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
+    return comp, f"{d['vs_compile']:.2f}x" if d["vs_compile"] else "-"
+
+
 def _decode(runs: List[dict], misses: List[str]) -> List[str]:
     """The decode-shapes table (forward ops on one decoding step's tensors, in
     microseconds); its slower-than-torch rows go to `misses`."""
@@ -181,13 +194,11 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
             if row["device"] != device:
                 continue
             if "error" in row:
-                lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | failed: {row['error']} "
-                             "| | | | | |")
+                lines.append(_failed_row([title], row, 10))
                 misses.append(f"- {title}, decode: {row['op']} {row['dtype']} raised: {row['error']}")
                 continue
             ms, d = row["ms"], _speedups(row)
-            comp = _us(ms["compile"]) if "compile" in ms else "failed" if "compile_error" in row else "-"
-            vc = f"{d['vs_compile']:.2f}x" if d["vs_compile"] else "-"
+            comp, vc = _compile_cells(row, d, _us)
             lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | "
                          f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vc} | {row['err']['keel']:.1e} |")
             misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}"

@@ -154,3 +154,28 @@ def test_profile_runs_on_cpu_tensors_and_names_its_cases():
     bad = subprocess.run([sys.executable, script, "--device", "cpu", "--ops", "no such op"], capture_output=True,
                          text=True, timeout=300, cwd=REPORT)
     assert bad.returncode != 0 and "no case named 'no such op'" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_failed_calls_fill_their_tables_columns_and_are_listed_as_misses():
+    """A row whose Keel call raised keeps the table's column count (main: 12,
+    decode: 10); a failed torch.compile reads "failed" in its cell; both are
+    listed under the misses."""
+    broken = {"op": "bad", "shape": "s", "dtype": "float32", "device": "cpu", "error": "boom"}
+    no_compile = _row("nocomp", 1.0, 2.0, 2.0)
+    del no_compile["ms"]["compile"]
+    no_compile["compile_error"] = "InductorError"
+    run = _run([broken, no_compile])
+    run["decode"] = [dict(broken), dict(no_compile, shape="32x4096")]
+    text = markdown([run], [])
+    main = text.split("## CPU\n")[1].split("## Decode-sized calls")[0]
+    decode = text.split("## Decode-sized calls (forward)")[1].split("## Per-call overhead")[0]
+    for table, columns, lead in ((main, 12, "| bad"), (decode, 10, "| CPU | bad")):
+        line = next(ln for ln in table.splitlines() if ln.startswith(lead))
+        assert line.count("|") == columns + 1, line
+        assert "failed: boom" in line
+        nocomp = next(ln for ln in table.splitlines() if "nocomp" in ln)
+        assert "| failed | 2.00x | - |" in nocomp, nocomp
+    tail = text.split("## Targets missed in this run")[1]
+    assert "- CPU: bad float32 raised: boom" in tail
+    assert "- CPU, decode: bad float32 raised: boom" in tail
+    assert "- CPU: torch.compile of nocomp float32 failed: InductorError" in tail
