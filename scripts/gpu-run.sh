@@ -3,7 +3,7 @@
 # but no Rust toolchain, from the repo root, with the .gpu/ folder that
 # scripts/gpu-bundle.sh built elsewhere (the wheel and the CUDA binaries).
 #
-#   bash scripts/gpu-run.sh [checks|report|bench|all|profile|verify] [OUT_DIR]
+#   bash scripts/gpu-run.sh [checks|report|bench|all|profile|verify|ab] [OUT_DIR]
 #
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
 #           op's CUDA kernels against the CPU kernels); the rms_norm example;
@@ -19,6 +19,16 @@
 #           cases alone (KEEL_PYTEST_ARGS defaults to "-k cuda"), the CUDA
 #           report (KEEL_REPORT_ARGS defaults to "--devices cuda --budget
 #           0.5"), and profile; about 3 minutes on the H200 of docs/GPU.md.
+#           Then ab, where the bundle has a baseline.
+#   ab      Keel at the bundle's baseline revision (gpu-bundle.sh with
+#           KEEL_BASELINE=REV) against this tree's, on this GPU: measure.py's
+#           CUDA rows (no torch.compile, no decode shapes) and the per-call
+#           overhead, with each wheel in turn (KEEL_AB_ROUNDS rounds, default 2,
+#           KEEL_AB_BUDGET seconds a case, default 0.3; KEEL_AB_ARGS adds
+#           words to measure.py's command line, e.g. "--ops softmax"), then
+#           benches/report/ab.py into OUT_DIR/ab/AB.md: each row's new / base,
+#           and whether torch's time moved between them. Answers "did this
+#           change make its row slower?" on any card; about 4 minutes.
 #
 # KEEL_PYTEST_ARGS adds words to the pytest command line of checks (e.g.
 # "-k cuda": the CUDA cases alone).
@@ -53,7 +63,7 @@ fi
 wants() {
   case "$what" in
     all) [[ "$1" =~ ^(checks|report|bench)$ ]] ;;
-    verify) [[ "$1" =~ ^(checks|profile|report)$ ]] ;;
+    verify) [[ "$1" =~ ^(checks|profile|report)$ ]] || { [ "$1" = ab ] && [ -d .gpu/baseline ]; } ;;
     *) [ "$what" = "$1" ] ;;
   esac
 }
@@ -73,10 +83,17 @@ step() {
   if [ "$rc" != 0 ] && [ "$status" = 0 ]; then status="$rc"; fi
 }
 
-# The wheel, installed beside the machine's torch without touching it.
-site="$(mktemp -d)/site"
-"$py" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$site" .gpu/keel-*.whl || exit 2
-export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# install WHEEL: installs it beside the machine's torch, without touching
+# it, into a new folder, and prints the folder.
+install() {
+  local site
+  site="$(mktemp -d)/site"
+  "$py" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$site" "$1" >&2 || return 1
+  echo "$site"
+}
+path0="${PYTHONPATH:-}"
+site="$(install .gpu/keel-*.whl)" || exit 2
+export PYTHONPATH="$site${path0:+:$path0}"
 
 if wants checks; then
   log="$out/checks.log"; : > "$log"
@@ -103,5 +120,35 @@ fi
 if wants profile; then
   log="$out/profile.log"; : > "$log"
   step "$log" 120 "$py" benches/report/profile_cuda.py
+fi
+if wants ab; then
+  log="$out/ab.log"; : > "$log"
+  base_whl="$(ls .gpu/baseline/keel-*.whl 2>/dev/null)"
+  if [ -z "$base_whl" ]; then
+    echo "gpu-run: ab: no .gpu/baseline wheel: run gpu-bundle.sh with KEEL_BASELINE=REV" | tee -a "$log"
+    [ "$status" = 0 ] && status=2
+  else
+    base_site="$(install "$base_whl")" || exit 2
+    base_rev="$(cat .gpu/baseline/REV)" new_rev="$(cat .gpu/REV 2>/dev/null || echo new)"
+    # Where KEEL_REQUIRE_GPU=0 (a dry run without a GPU), the CPU rows instead.
+    devices=cuda; [ "$KEEL_REQUIRE_GPU" = 1 ] || devices=cpu
+    mkdir -p "$out/ab"
+    base_runs=() new_runs=()
+    for round in $(seq "${KEEL_AB_ROUNDS:-2}"); do
+      for side in base new; do
+        where="$site"; [ "$side" = base ] && where="$base_site"
+        json="$out/ab/$side-$round.json"
+        # shellcheck disable=SC2086  # KEEL_AB_ARGS: extra words for measure.py
+        step "$log" 240 env PYTHONPATH="$where${path0:+:$path0}" "$py" benches/report/measure.py --out "$json" \
+          --devices "$devices" --no-compile --decode-ops "" --budget "${KEEL_AB_BUDGET:-0.3}" --label "$side" \
+          ${KEEL_AB_ARGS:-}
+        if [ -f "$json" ]; then
+          if [ "$side" = base ]; then base_runs+=("$json"); else new_runs+=("$json"); fi
+        fi
+      done
+    done
+    step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
+      --base-label "$base_rev" --new-label "$new_rev" --out "$out/ab/AB.md"
+  fi
 fi
 exit "$status"

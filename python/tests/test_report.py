@@ -179,3 +179,35 @@ def test_failed_calls_fill_their_tables_columns_and_are_listed_as_misses():
     assert "- CPU: bad float32 raised: boom" in tail
     assert "- CPU, decode: bad float32 raised: boom" in tail
     assert "- CPU: torch.compile of nocomp float32 failed: InductorError" in tail
+
+
+def _ab_run(rows, overhead=()):
+    run = _run(rows, overhead)
+    run["machine"].update(gpu="G", driver="1", cuda="13")
+    return run
+
+
+def test_ab_takes_each_sides_least_time_and_marks_rows_where_torch_moved():
+    """benches/report/ab.py: the least Keel time over each side's runs, new /
+    base, and a verdict; a row whose torch eager time moved between the sides
+    is unsure, however Keel's moved; rows or overheads one side lacks are left
+    out."""
+    import ab
+
+    base = [_ab_run([_row("a", 2.0, 1.0, 1.0), _row("b", 1.0, 1.0, 1.0), _row("c", 1.0, 1.0, 1.0),
+                     _row("gone", 1.0, 1.0, 1.0)],
+                    [{"device": "cpu", "name": "tiny", "mode": "no_grad", "keel_us": 5.0, "torch_us": 2.0}]),
+            _ab_run([_row("a", 1.0, 1.0, 1.0), _row("b", 1.5, 1.0, 1.0), _row("c", 1.2, 1.0, 1.0)])]
+    new = [_ab_run([_row("a", 1.5, 1.0, 1.0), _row("b", 0.8, 1.1, 1.0), _row("c", 1.01, 1.0, 1.0),
+                    _row("added", 1.0, 1.0, 1.0)],
+                   [{"device": "cpu", "name": "tiny", "mode": "no_grad", "keel_us": 4.0, "torch_us": 2.02}])]
+    got = {k[1]: (b, n, v) for k, b, n, _, v in ab.compare(base, new, 0.03)}
+    assert got == {"a": (1.0, 1.5, "**slower**"), "b": (1.0, 0.8, "unsure (torch moved too)"),
+                   "c": (1.0, 1.01, "same")}
+    over = ab.compare_overhead(base, new, 0.03)
+    assert [(k, b, n, v) for k, b, n, _, v in over] == [(("cpu", "tiny", "no_grad"), 5.0, 4.0, "faster")]
+    text = ab.markdown(base, new, "94b306d", "HEAD", 0.03)
+    assert "on **G**, driver 1, CUDA 13" in text
+    assert "| cpu | a | float32 | s | 1.0000 | 1.5000 | 1.500 | 1.000 | **slower** |" in text
+    assert "| cpu | tiny | no_grad | 5.00 | 4.00 | 0.800 | 1.010 | faster |" in text
+    assert "gone" not in text and "added" not in text
