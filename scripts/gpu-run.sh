@@ -27,7 +27,9 @@
 #           KEEL_AB_BUDGET seconds a case, default 0.3; KEEL_AB_ARGS adds
 #           words to measure.py's command line, e.g. "--ops softmax"), then
 #           benches/report/ab.py into OUT_DIR/ab/AB.md: each row's new / base,
-#           and whether torch's time moved between them. Answers "did this
+#           and whether torch's time moved between them; and profile_cuda.py
+#           with each wheel, into OUT_DIR/ab/profile-{base,new}.log (each
+#           kernel's time per call). Answers "did this
 #           change make its row slower?" on any card; about 4 minutes.
 #
 # KEEL_PYTEST_ARGS adds words to the pytest command line of checks (e.g.
@@ -149,6 +151,14 @@ if wants ab; then
     done
     step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
       --base-label "$base_rev" --new-label "$new_rev" --out "$out/ab/AB.md"
+    # Each kernel's time per call in the training cases, with each wheel
+    # (profile_cuda.py, about 10 s each on a GPU; small shapes in a dry run.)
+    profile=(--device "$devices"); [ "$devices" = cpu ] && profile+=(--size small)
+    for side in base new; do
+      where="$site"; [ "$side" = base ] && where="$base_site"
+      step "$out/ab/profile-$side.log" 120 env PYTHONPATH="$where${path0:+:$path0}" "$py" \
+        benches/report/profile_cuda.py "${profile[@]}"
+    done
   fi
 fi
 exit "$status"
