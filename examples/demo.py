@@ -9,6 +9,7 @@ the floor for an op that returns new tensors (allocation, page faults, one
 write). The ops and inputs are those of the benchmark report
 (benches/report/cases.py); `scripts/report.sh` adds torch.compile and plots.
 """
+import argparse
 import os
 import sys
 
@@ -22,17 +23,21 @@ from measure import time_case  # noqa: E402
 
 
 def main():
-    thp = "--thp" in sys.argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--thp", action="store_true", help="say that THP_MEM_ALLOC_ENABLE=1 is set (scripts/demo.sh)")
+    ap.add_argument("--size", default="large", choices=["large", "small"], help="the report's shapes")
+    ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per op")
+    a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, keel {keel.__version__}"
-          f"{', THP_MEM_ALLOC_ENABLE=1' if thp else ''}")
+          f"{', THP_MEM_ALLOC_ENABLE=1' if a.thp else ''}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     ok = True
     print(f"{'op':26} {'dev':4} {'dtype':8} {'shape':13}  {'err keel':>8} {'err torch':>9}  "
           f"{'keel ms':>8} {'torch ms':>8} {'clone ms':>8}  {'speedup':>7} {'keel/clone':>10}")
     for device in devices:
         for dtype in (torch.float32, torch.bfloat16):
-            for case in make_cases(device, dtype):
-                row = time_case(case, device, compile_=False)
+            for case in make_cases(device, dtype, a.size):
+                row = time_case(case, device, compile_=False, budget_s=a.budget)
                 (ek, et), t = (row["err"]["keel"], row["err"]["eager"]), row["ms"]
                 good = ek <= tolerance(dtype)
                 ok &= good

@@ -211,3 +211,23 @@ def test_ab_takes_each_sides_least_time_and_marks_rows_where_torch_moved():
     assert "| cpu | a | float32 | s | 1.0000 | 1.5000 | 1.500 | 1.000 | **slower** |" in text
     assert "| cpu | tiny | no_grad | 5.00 | 4.00 | 0.800 | 1.010 | faster |" in text
     assert "gone" not in text and "added" not in text
+
+
+def test_demo_runs_and_checks_every_op():
+    """examples/demo.py, the README's main job (scripts/demo.sh runs it at the
+    large shapes): every case of the report is checked and timed, and the demo
+    exits 0. It had called the report's timing function with an argument
+    missing since 5a73251, and no test ran it."""
+    import torch
+    from cases import make_cases
+
+    demo = os.path.join(ROOT, "examples", "demo.py")
+    p = subprocess.run([sys.executable, demo, "--size", "small", "--budget", "0.02"], capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        for case in make_cases("cpu", dtype, "small"):
+            assert any(ln.startswith(f"{case.name:26} cpu  {dname:8} {case.shape:13}") for ln in lines), \
+                (case.name, dname, p.stdout)
+    assert "BAD" not in p.stdout
