@@ -27,6 +27,9 @@ out="$(cargo test --workspace --release -q 2>&1)" || rc=$?
 grep -Ev '^$|^running 0 tests' <<<"$out" || true
 [ "$rc" = 0 ] || { echo "cargo test failed (exit $rc)" >&2; exit "$rc"; }
 
+step "the standalone Rust example (CPU; where there is no GPU it must say so and exit 0)"
+cargo run --release -q --example rms_norm
+
 step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
 scripts/check-ptx.sh
 
