@@ -30,6 +30,12 @@ grep -Ev '^$|^running 0 tests' <<<"$out" || true
 step "the standalone Rust example (CPU; where there is no GPU it must say so and exit 0)"
 cargo run --release -q --example rms_norm
 
+step "criterion benches, each run once (criterion's --test mode: every bench's inputs and kernel calls work)"
+rc=0
+out="$(cargo bench --benches -q -- --test 2>&1)" || rc=$?
+grep -Ev '^(Testing .*|Success|)$' <<<"$out" || true
+[ "$rc" = 0 ] || { echo "a criterion bench failed (exit $rc)" >&2; exit "$rc"; }
+
 step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
 scripts/check-ptx.sh
 
