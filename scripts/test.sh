@@ -32,7 +32,7 @@ cargo run --release -q --example rms_norm
 
 step "criterion benches, each run once (criterion's --test mode: every bench's inputs and kernel calls work)"
 rc=0
-out="$(cargo bench --benches -q -- --test 2>&1)" || rc=$?
+out="$(cargo bench -q -- --test 2>&1)" || rc=$?
 grep -Ev '^(Testing .*|Success|)$' <<<"$out" || true
 [ "$rc" = 0 ] || { echo "a criterion bench failed (exit $rc)" >&2; exit "$rc"; }
 
