@@ -5,10 +5,12 @@
 # (ignored by git, about 21 MB; carry it there). Then, on the GPU machine, in
 # the repo root: bash scripts/gpu-run.sh [checks|bench|report|all|verify|ab] [OUT_DIR]
 #
-# KEEL_BASELINE=REV (a git revision) also builds REV's wheel, from a temporary
-# worktree, into .gpu/baseline/ (5 MB more; its cargo build is cached in
-# target/baseline): gpu-run.sh's ab step then times it against this tree's on
-# the same GPU. .gpu/REV and .gpu/baseline/REV name the two.
+# KEEL_BASELINE="REV ..." (git revisions or branch names) also builds each
+# one's wheel, from a temporary worktree, into .gpu/baseline/NAME/ (NAME: the
+# word as given, / made -; 5 MB each; the cargo builds are cached in
+# target/baseline): gpu-run.sh's ab step then times each against this tree's
+# on the same GPU. A kernel variant on a branch is measured the same way.
+# .gpu/REV and .gpu/baseline/NAME/REV name them.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -21,16 +23,20 @@ build_wheel
 cp "$WHEEL" "$bundle/"
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- || echo +changes)" > "$bundle/REV"
 
-if [ -n "${KEEL_BASELINE:-}" ]; then
-  rev="$(git rev-parse --short "$KEEL_BASELINE^{commit}")"
+# A temporary worktree per baseline, removed on exit.
+trees=()
+trap 'for t in "${trees[@]}"; do git worktree remove --force "$t"; done' EXIT
+for want in ${KEEL_BASELINE:-}; do
+  rev="$(git rev-parse --short "$want^{commit}")"
+  name="${want//\//-}"
   tree="$(mktemp -d)/keel-$rev"
   git worktree add -q --detach "$tree" "$rev"
-  trap 'git worktree remove --force "$tree"' EXIT
-  mkdir -p "$bundle/baseline"
+  trees+=("$tree")
+  mkdir -p "$bundle/baseline/$name"
   CARGO_TARGET_DIR="$root/target/baseline" \
-    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$bundle/baseline" "$tree"
-  echo "$rev" > "$bundle/baseline/REV"
-fi
+    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$bundle/baseline/$name" "$tree"
+  if [ "$name" = "$rev" ]; then echo "$rev"; else echo "$name ($rev)"; fi > "$bundle/baseline/$name/REV"
+done
 
 # The executables cargo builds, by target name, from its JSON messages.
 executables() {

@@ -20,17 +20,20 @@
 #           report (KEEL_REPORT_ARGS defaults to "--devices cuda --budget
 #           0.5"), and profile; about 3 minutes on the H200 of docs/GPU.md.
 #           Then ab, where the bundle has a baseline.
-#   ab      Keel at the bundle's baseline revision (gpu-bundle.sh with
-#           KEEL_BASELINE=REV) against this tree's, on this GPU: measure.py's
-#           CUDA rows (no torch.compile, no decode shapes) and the per-call
-#           overhead, with each wheel in turn (KEEL_AB_ROUNDS rounds, default 2,
+#   ab      Keel at each baseline of the bundle (gpu-bundle.sh with
+#           KEEL_BASELINE="REV ..."; KEEL_AB_ONLY="NAME ..." picks some)
+#           against this tree's, on this GPU: measure.py's CUDA rows (no
+#           torch.compile, no decode shapes) and the per-call overhead, with
+#           the two wheels in turn (KEEL_AB_ROUNDS rounds, default 2;
 #           KEEL_AB_BUDGET seconds a case, default 0.3; KEEL_AB_ARGS adds
-#           words to measure.py's command line, e.g. "--ops softmax"), then
-#           benches/report/ab.py into OUT_DIR/ab/AB.md: each row's new / base,
-#           and whether torch's time moved between them; and profile_cuda.py
-#           with each wheel, into OUT_DIR/ab/profile-{base,new}.log (each
-#           kernel's time per call). Answers "did this
-#           change make its row slower?" on any card; about 4 minutes.
+#           words to measure.py's command line, e.g. "--ops layer_norm"),
+#           then benches/report/ab.py into OUT_DIR/ab/NAME/AB.md: each row's
+#           new / base, and whether torch's time moved between them; and
+#           profile_cuda.py with each wheel (OUT_DIR/ab/NAME/profile-base.log,
+#           OUT_DIR/ab/profile-new.log: each kernel's time per call). Answers
+#           "did this change make its row slower?" (a baseline before it) or
+#           "is this variant faster?" (a branch after it) on any card; about
+#           4 minutes a baseline over every op.
 #
 # KEEL_PYTEST_ARGS adds words to the pytest command line of checks (e.g.
 # "-k cuda": the CUDA cases alone).
@@ -125,21 +128,36 @@ if wants profile; then
 fi
 if wants ab; then
   log="$out/ab.log"; : > "$log"
-  base_whl="$(ls .gpu/baseline/keel-*.whl 2>/dev/null)"
-  if [ -z "$base_whl" ]; then
-    echo "gpu-run: ab: no .gpu/baseline wheel: run gpu-bundle.sh with KEEL_BASELINE=REV" | tee -a "$log"
+  # The baselines: every wheel gpu-bundle.sh put under .gpu/baseline, or
+  # those KEEL_AB_ONLY names.
+  bases=()
+  for d in .gpu/baseline/*/; do [ -d "$d" ] && bases+=("$(basename "$d")"); done
+  # shellcheck disable=SC2206  # KEEL_AB_ONLY: names, split on spaces
+  [ -n "${KEEL_AB_ONLY:-}" ] && bases=(${KEEL_AB_ONLY})
+  if [ "${#bases[@]}" = 0 ]; then
+    echo "gpu-run: ab: no wheel under .gpu/baseline: run gpu-bundle.sh with KEEL_BASELINE=REV" | tee -a "$log"
     [ "$status" = 0 ] && status=2
-  else
+  fi
+  new_rev="$(cat .gpu/REV 2>/dev/null || echo new)"
+  # Where KEEL_REQUIRE_GPU=0 (a dry run without a GPU), the CPU rows instead.
+  devices=cuda; [ "$KEEL_REQUIRE_GPU" = 1 ] || devices=cpu
+  # profile_cuda.py: each kernel's time per call in the training cases (about
+  # 10 s on a GPU; small shapes in a dry run).
+  profile=(--device "$devices"); [ "$devices" = cpu ] && profile+=(--size small)
+  for name in "${bases[@]}"; do
+    dir="$out/ab/$name"; mkdir -p "$dir"
+    base_whl="$(ls .gpu/baseline/"$name"/keel-*.whl 2>/dev/null)"
+    if [ -z "$base_whl" ]; then
+      echo "gpu-run: ab: no wheel in .gpu/baseline/$name" | tee -a "$log"
+      [ "$status" = 0 ] && status=2
+      continue
+    fi
     base_site="$(install "$base_whl")" || exit 2
-    base_rev="$(cat .gpu/baseline/REV)" new_rev="$(cat .gpu/REV 2>/dev/null || echo new)"
-    # Where KEEL_REQUIRE_GPU=0 (a dry run without a GPU), the CPU rows instead.
-    devices=cuda; [ "$KEEL_REQUIRE_GPU" = 1 ] || devices=cpu
-    mkdir -p "$out/ab"
     base_runs=() new_runs=()
     for round in $(seq "${KEEL_AB_ROUNDS:-2}"); do
       for side in base new; do
         where="$site"; [ "$side" = base ] && where="$base_site"
-        json="$out/ab/$side-$round.json"
+        json="$dir/$side-$round.json"
         # shellcheck disable=SC2086  # KEEL_AB_ARGS: extra words for measure.py
         step "$log" 240 env PYTHONPATH="$where${path0:+:$path0}" "$py" benches/report/measure.py --out "$json" \
           --devices "$devices" --no-compile --decode-ops "" --budget "${KEEL_AB_BUDGET:-0.3}" --label "$side" \
@@ -150,15 +168,12 @@ if wants ab; then
       done
     done
     step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
-      --base-label "$base_rev" --new-label "$new_rev" --out "$out/ab/AB.md"
-    # Each kernel's time per call in the training cases, with each wheel
-    # (profile_cuda.py, about 10 s each on a GPU; small shapes in a dry run.)
-    profile=(--device "$devices"); [ "$devices" = cpu ] && profile+=(--size small)
-    for side in base new; do
-      where="$site"; [ "$side" = base ] && where="$base_site"
-      step "$out/ab/profile-$side.log" 120 env PYTHONPATH="$where${path0:+:$path0}" "$py" \
-        benches/report/profile_cuda.py "${profile[@]}"
-    done
+      --base-label "$(cat .gpu/baseline/"$name"/REV)" --new-label "$new_rev" --out "$dir/AB.md"
+    step "$dir/profile-base.log" 120 env PYTHONPATH="$base_site${path0:+:$path0}" "$py" \
+      benches/report/profile_cuda.py "${profile[@]}"
+  done
+  if [ "${#bases[@]}" != 0 ]; then
+    step "$out/ab/profile-new.log" 120 "$py" benches/report/profile_cuda.py "${profile[@]}"
   fi
 fi
 exit "$status"

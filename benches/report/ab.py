@@ -10,9 +10,11 @@ answers "did this change make its row slower?" on whatever GPU a session is
 lent, without a report from another card to compare with.
 
 Each row's time is the least over a side's runs (noise only adds time); the
-ratio is new / base. The torch eager time of the same row is shown for both
-sides too: torch did not change between the runs, so where its ratio is far
-from 1 the machine moved, and the row's Keel ratio is marked as unsure. The
+ratio is new / base, and each side's largest error against float64 is
+shown (a kernel variant must stay as accurate). The torch eager time of the
+same row is shown for both sides too: torch did not change between the runs,
+so where its ratio is far from 1 the machine moved, and the row's Keel ratio
+is marked as unsure. The
 per-call overhead rows compare the same way (`torch.ops.keel` column).
 """
 import argparse
@@ -55,6 +57,12 @@ def _eager(r: dict) -> Optional[float]:
     return None if "error" in r else r["ms"]["eager"]
 
 
+def _err(r: dict) -> Optional[float]:
+    """Keel's error against float64 (the largest over runs is kept: negated
+    for `_best`, which keeps the least)."""
+    return None if "error" in r else -r["err"]["keel"]
+
+
 def _verdict(ratio: float, control: Optional[float], threshold: float) -> str:
     if control is not None and abs(control - 1) > threshold:
         return "unsure (torch moved too)"
@@ -77,6 +85,12 @@ def compare(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[t
         control = ne[k] / be[k] if k in ne and k in be else None
         out.append((k, bk[k], nk[k], control, _verdict(nk[k] / bk[k], control, threshold)))
     return out
+
+
+def errors(base: List[dict], new: List[dict]) -> Dict[tuple, Tuple[float, float]]:
+    """(base, new) largest Keel error against float64 per row both measured."""
+    b, n = _best(base, "rows", _row_key, _err), _best(new, "rows", _row_key, _err)
+    return {k: (-b[k], -n[k]) for k in n if k in b}
 
 
 def compare_overhead(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
@@ -103,11 +117,15 @@ def markdown(base: List[dict], new: List[dict], base_label: str, new_label: str,
              f"and {len(new)} of {new_label}, alternated, each row the least over a side's runs. A row is slower or "
              f"faster where new / base is beyond 1 +- {threshold:g}; unsure where torch eager's time of the same row "
              "moved that much between the sides (the machine, not Keel).", "",
-             f"| device | op | dtype | shape | {base_label} ms | {new_label} ms | new / base | torch new / base | |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for (dev, op, dt, shape), b, n, c, v in compare(base, new, threshold):
+             f"| device | op | dtype | shape | {base_label} ms | {new_label} ms | new / base | torch new / base | | "
+             "err base | err new |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    errs = errors(base, new)
+    for k, b, n, c, v in compare(base, new, threshold):
+        dev, op, dt, shape = k
         cs = f"{c:.3f}" if c is not None else "-"
-        lines.append(f"| {dev} | {op} | {dt} | {shape} | {b:.4f} | {n:.4f} | {n / b:.3f} | {cs} | {v} |")
+        eb, en = (f"{e:.1e}" for e in errs[k]) if k in errs else ("-", "-")
+        lines.append(f"| {dev} | {op} | {dt} | {shape} | {b:.4f} | {n:.4f} | {n / b:.3f} | {cs} | {v} | {eb} | {en} |")
     over = compare_overhead(base, new, threshold)
     if over:
         lines += ["", "## Per-call overhead (`torch.ops.keel`)", "",

@@ -198,7 +198,7 @@ def test_ab_takes_each_sides_least_time_and_marks_rows_where_torch_moved():
                      _row("gone", 1.0, 1.0, 1.0)],
                     [{"device": "cpu", "name": "tiny", "mode": "no_grad", "keel_us": 5.0, "torch_us": 2.0}]),
             _ab_run([_row("a", 1.0, 1.0, 1.0), _row("b", 1.5, 1.0, 1.0), _row("c", 1.2, 1.0, 1.0)])]
-    new = [_ab_run([_row("a", 1.5, 1.0, 1.0), _row("b", 0.8, 1.1, 1.0), _row("c", 1.01, 1.0, 1.0),
+    new = [_ab_run([_row("a", 1.5, 1.0, 1.0), _row("b", 0.8, 1.1, 1.0), _row("c", 1.01, 1.0, 1.0, err=2e-7),
                     _row("added", 1.0, 1.0, 1.0)],
                    [{"device": "cpu", "name": "tiny", "mode": "no_grad", "keel_us": 4.0, "torch_us": 2.02}])]
     got = {k[1]: (b, n, v) for k, b, n, _, v in ab.compare(base, new, 0.03)}
@@ -208,8 +208,9 @@ def test_ab_takes_each_sides_least_time_and_marks_rows_where_torch_moved():
     assert [(k, b, n, v) for k, b, n, _, v in over] == [(("cpu", "tiny", "no_grad"), 5.0, 4.0, "faster")]
     text = ab.markdown(base, new, "94b306d", "HEAD", 0.03)
     assert "on **G**, driver 1, CUDA 13" in text
-    assert "| cpu | a | float32 | s | 1.0000 | 1.5000 | 1.500 | 1.000 | **slower** |" in text
+    assert "| cpu | a | float32 | s | 1.0000 | 1.5000 | 1.500 | 1.000 | **slower** | 0.0e+00 | 0.0e+00 |" in text
     assert "| cpu | tiny | no_grad | 5.00 | 4.00 | 0.800 | 1.010 | faster |" in text
+    assert "| cpu | c | float32 | s | 1.0000 | 1.0100 | 1.010 | 1.000 | same | 0.0e+00 | 2.0e-07 |" in text
     assert "gone" not in text and "added" not in text
 
 
