@@ -152,6 +152,7 @@ def main() -> None:
                     help="comma-separated case names timed again at decode shapes (empty: none)")
     ap.add_argument("--label", default="")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
+    ap.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead of tiny calls")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
@@ -182,7 +183,7 @@ def main() -> None:
             del decode
         # On CUDA a call is launch-bound and steady; fewer calls measure it as well.
         calls, rounds = (2000, 3) if device == "cuda" else (20000, 5)
-        for mode, ctx in OVERHEAD_MODES.items():
+        for mode, ctx in ({} if a.no_overhead else OVERHEAD_MODES).items():
             with ctx():
                 for name, kf, kt, tf in tiny_cases(device):
                     out["overhead"].append({"device": device, "name": name, "mode": mode,
