@@ -779,6 +779,18 @@ fn same_bits_without_vectors<T: Dt>() {
     };
     let want = fwd(&packed, RowLayout::contiguous(rows, cols));
     assert_eq!(fwd(&storage, padded), want, "rms_norm {} of rows padded by one: bits differ", T::NAME);
+    // Rows that rows_config gives a block, not a warp (the rows above take
+    // the warp-rows forward): the block forward's vectors against its
+    // element-wise loop.
+    let wide = 2048;
+    let (xw, ww) = (data::<T>(rows * wide, 17), data::<T>(wide, 19));
+    let fwd_wide = |shift: usize| {
+        let (xd, wd, y) = (Buf::shifted(&xw, shift), Buf::shifted(&ww, shift), garbage::<T>(rows * wide, shift));
+        let layout = RowLayout::contiguous(rows, wide);
+        unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), wide, 1e-6) }.unwrap();
+        bits(&y.to_vec())
+    };
+    assert_eq!(fwd_wide(0), fwd_wide(1), "rms_norm {} of {wide}-wide rows: bits depend on the alignment", T::NAME);
 }
 
 #[test]
