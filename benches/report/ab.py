@@ -31,9 +31,10 @@ def _load(paths: List[str]) -> List[dict]:
     return runs
 
 
-def _best(runs: List[dict], section: str, key, value) -> Dict[tuple, float]:
-    """The least `value(entry)` per `key(entry)` over the runs' `section`
-    entries (entries whose call failed are left out)."""
+def _best(runs: List[dict], section: str, key, value, pick=min) -> Dict[tuple, float]:
+    """The least (or, with `pick=max`, largest) `value(entry)` per
+    `key(entry)` over the runs' `section` entries (entries whose call failed,
+    `value` None, are left out)."""
     best: Dict[tuple, float] = {}
     for run in runs:
         for e in run.get(section, []):
@@ -41,7 +42,7 @@ def _best(runs: List[dict], section: str, key, value) -> Dict[tuple, float]:
             if v is None:
                 continue
             k = key(e)
-            best[k] = min(best.get(k, v), v)
+            best[k] = pick(best.get(k, v), v)
     return best
 
 
@@ -58,9 +59,11 @@ def _eager(r: dict) -> Optional[float]:
 
 
 def _err(r: dict) -> Optional[float]:
-    """Keel's error against float64 (the largest over runs is kept: negated
-    for `_best`, which keeps the least)."""
-    return None if "error" in r else -r["err"]["keel"]
+    return None if "error" in r else r["err"]["keel"]
+
+
+def _overhead_key(o: dict) -> tuple:
+    return (o["device"], o["name"], o.get("mode", "grad mode"))
 
 
 def _verdict(ratio: float, control: Optional[float], threshold: float) -> str:
@@ -73,39 +76,37 @@ def _verdict(ratio: float, control: Optional[float], threshold: float) -> str:
     return "same"
 
 
-def compare(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
-    """(row key, base ms, new ms, torch's new / base, verdict) for every row
-    that both sides measured, in the new runs' order."""
-    bk, nk = _best(base, "rows", _row_key, _keel), _best(new, "rows", _row_key, _keel)
-    be, ne = _best(base, "rows", _row_key, _eager), _best(new, "rows", _row_key, _eager)
-    out = []
-    for k in nk:
-        if k not in bk:
-            continue
-        control = ne[k] / be[k] if k in ne and k in be else None
-        out.append((k, bk[k], nk[k], control, _verdict(nk[k] / bk[k], control, threshold)))
-    return out
-
-
-def errors(base: List[dict], new: List[dict]) -> Dict[tuple, Tuple[float, float]]:
-    """(base, new) largest Keel error against float64 per row both measured."""
-    b, n = _best(base, "rows", _row_key, _err), _best(new, "rows", _row_key, _err)
-    return {k: (-b[k], -n[k]) for k in n if k in b}
-
-
-def compare_overhead(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
-    """As `compare`, for the per-call overhead entries (µs)."""
-    def key(o):
-        return (o["device"], o["name"], o.get("mode", "grad mode"))
-
-    bk, nk = _best(base, "overhead", key, lambda o: o["keel_us"]), _best(new, "overhead", key, lambda o: o["keel_us"])
-    bt, nt = _best(base, "overhead", key, lambda o: o["torch_us"]), _best(new, "overhead", key, lambda o: o["torch_us"])
+def _side_by_side(base: List[dict], new: List[dict], section: str, key, keel, torch_,
+                  threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
+    """(key, base Keel time, new Keel time, torch's new / base, verdict) for
+    every entry of `section` that both sides measured, in the new runs' order;
+    `keel` and `torch_` read an entry's times."""
+    bk, nk = _best(base, section, key, keel), _best(new, section, key, keel)
+    bt, nt = _best(base, section, key, torch_), _best(new, section, key, torch_)
     out = []
     for k in nk:
         if k in bk:
             control = nt[k] / bt[k] if k in nt and k in bt else None
             out.append((k, bk[k], nk[k], control, _verdict(nk[k] / bk[k], control, threshold)))
     return out
+
+
+def compare(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
+    """(row key, base ms, new ms, torch's new / base, verdict) for every row
+    that both sides measured, in the new runs' order."""
+    return _side_by_side(base, new, "rows", _row_key, _keel, _eager, threshold)
+
+
+def errors(base: List[dict], new: List[dict]) -> Dict[tuple, Tuple[float, float]]:
+    """(base, new) largest Keel error against float64 per row both measured."""
+    b, n = _best(base, "rows", _row_key, _err, max), _best(new, "rows", _row_key, _err, max)
+    return {k: (b[k], n[k]) for k in n if k in b}
+
+
+def compare_overhead(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
+    """As `compare`, for the per-call overhead entries (µs)."""
+    return _side_by_side(base, new, "overhead", _overhead_key, lambda o: o["keel_us"], lambda o: o["torch_us"],
+                         threshold)
 
 
 def markdown(base: List[dict], new: List[dict], base_label: str, new_label: str, threshold: float) -> str:
