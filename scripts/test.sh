@@ -7,6 +7,16 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 source scripts/torch-env.sh
 step() { printf '\n=== %s\n' "$*"; }
+# filtered WHAT PATTERN COMMAND...: runs COMMAND, shows its output without
+# the lines PATTERN (grep -E) matches, and exits with its status, naming WHAT,
+# where it failed.
+filtered() {
+  local what="$1" pattern="$2" out rc=0
+  shift 2
+  out="$("$@" 2>&1)" || rc=$?
+  grep -Ev "$pattern" <<<"$out" || true
+  [ "$rc" = 0 ] || { echo "$what failed (exit $rc)" >&2; exit "$rc"; }
+}
 
 step "cargo fmt / clippy"
 rustup component add rustfmt clippy >/dev/null 2>&1 || true
@@ -22,19 +32,13 @@ fi
 source scripts/nvcc-env.sh
 export KEEL_REQUIRE_CUDA_EMU=1
 # Once, not twice: the emulated CUDA tests alone take about 40 s.
-rc=0
-out="$(cargo test --workspace --release -q 2>&1)" || rc=$?
-grep -Ev '^$|^running 0 tests' <<<"$out" || true
-[ "$rc" = 0 ] || { echo "cargo test failed (exit $rc)" >&2; exit "$rc"; }
+filtered "cargo test" '^$|^running 0 tests' cargo test --workspace --release -q
 
 step "the standalone Rust example (CPU; where there is no GPU it must say so and exit 0)"
 cargo run --release -q --example rms_norm
 
 step "criterion benches, each run once (criterion's --test mode: every bench's inputs and kernel calls work)"
-rc=0
-out="$(cargo bench -q -- --test 2>&1)" || rc=$?
-grep -Ev '^(Testing .*|Success|)$' <<<"$out" || true
-[ "$rc" = 0 ] || { echo "a criterion bench failed (exit $rc)" >&2; exit "$rc"; }
+filtered "a criterion bench" '^(Testing .*|Success|)$' cargo bench -q -- --test
 
 step "ptx/ up to date with kernels-cuda/, no spills (pinned nvcc)"
 scripts/check-ptx.sh
