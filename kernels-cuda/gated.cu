@@ -66,7 +66,6 @@ struct GeluTanh {
   }
 };
 
-
 template <typename Act, typename T>
 __device__ __forceinline__ void act_and_mul_fwd(const T* __restrict__ x, T* __restrict__ y, int64_t rows, int d) {
   constexpr int N = Pack<T>::N;
