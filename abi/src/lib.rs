@@ -17,6 +17,8 @@
 //! - [`Library`]: schema definitions and per-dispatch-key implementations;
 //! - [`forward`]: an autograd kernel that forwards a call to a twin op by
 //!   grad mode;
+//! - [`refuse`]: the kernel an op has for sparse, quantized and nested
+//!   tensors, raising an error that names the argument;
 //! - [`DeviceGuard`], [`current_cuda_stream`], [`parallel_for`].
 //!
 //! It knows nothing of kernels or op names.
@@ -28,6 +30,7 @@ mod error;
 mod library;
 mod parallel;
 mod redispatch;
+mod refuse;
 mod stack;
 pub mod sys;
 mod tensor;
@@ -39,9 +42,10 @@ pub use error::{raise, Error, Result};
 pub use library::{DispatchKey, Library};
 pub use parallel::{get_num_threads, parallel_for};
 pub use redispatch::{can_forward, forward, Forwarded};
+pub use refuse::{refuse, OpSchema, REFUSED_KEYS};
 pub use stack::{FromStack, IntoStack, StableIValue};
 pub use tensor::Tensor;
-pub use types::{Device, DeviceType, ScalarType};
+pub use types::{Device, DeviceType, Layout, ScalarType};
 
 /// The stable-ABI version this crate is built against: torch 2.10.
 pub const EXTENSION_BUILD_VERSION: u64 = (2 << 56) | (10 << 48);

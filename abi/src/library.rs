@@ -15,6 +15,8 @@ pub enum DispatchKey {
     /// torch's autograd alias key (every `Autograd<Backend>` key): its kernel
     /// runs before any backend's, for every tensor outside inference mode.
     Autograd,
+    /// Any other key, by torch's name (`c"SparseCPU"`).
+    Named(&'static std::ffi::CStr),
 }
 
 impl DispatchKey {
@@ -24,6 +26,7 @@ impl DispatchKey {
             DispatchKey::Cuda => c"CUDA",
             DispatchKey::Meta => c"Meta",
             DispatchKey::Autograd => c"Autograd",
+            DispatchKey::Named(name) => name,
         }
     }
 }

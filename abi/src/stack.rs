@@ -25,6 +25,13 @@ pub trait FromStack: Sized {
     /// # Safety
     /// The slots must hold values of this type as torch boxed them, not yet taken.
     unsafe fn take(slots: &[StableIValue]) -> Result<Self>;
+
+    /// Calls `f` with each tensor this value holds, and the index of the
+    /// argument it came in (`index` is this value's first): none for
+    /// non-tensor values.
+    fn each_tensor(&self, index: usize, f: &mut dyn FnMut(usize, &Tensor)) {
+        let _ = (index, f);
+    }
 }
 
 /// A value that can be written (with ownership) into stack slots.
@@ -40,6 +47,10 @@ impl FromStack for Tensor {
     unsafe fn take(slots: &[StableIValue]) -> Result<Self> {
         // SAFETY: the slot holds an owning tensor handle (caller's contract).
         Ok(unsafe { Tensor::from_raw(slots[0] as usize as *mut c_void) })
+    }
+
+    fn each_tensor(&self, index: usize, f: &mut dyn FnMut(usize, &Tensor)) {
+        f(index, self)
     }
 }
 
@@ -95,6 +106,12 @@ impl<T: FromStack> FromStack for Option<T> {
         let inner = unsafe { T::take(std::slice::from_ref(&*p)) };
         free_boxed_ivalue(p)?;
         inner.map(Some)
+    }
+
+    fn each_tensor(&self, index: usize, f: &mut dyn FnMut(usize, &Tensor)) {
+        if let Some(v) = self {
+            v.each_tensor(index, f)
+        }
     }
 }
 
@@ -178,6 +195,13 @@ macro_rules! tuple_impls {
                     at += $t::SLOTS;
                 )+
                 Ok(($($t?,)+))
+            }
+
+            #[allow(non_snake_case, unused_assignments)]
+            fn each_tensor(&self, index: usize, f: &mut dyn FnMut(usize, &Tensor)) {
+                let ($($t,)+) = self;
+                let mut at = index;
+                $( $t.each_tensor(at, f); at += $t::SLOTS; )+
             }
         }
         impl<$($t: IntoStack),+> IntoStack for ($($t,)+) {

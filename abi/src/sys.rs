@@ -115,6 +115,17 @@ api! {
         aoti_torch_dtype_float8_e4m3fn: fn() -> i32;
         aoti_torch_dtype_float8_e5m2fnuz: fn() -> i32;
         aoti_torch_dtype_float8_e4m3fnuz: fn() -> i32;
+        // Layouts: only to name, in an error, a tensor Keel's ops do not take
+        // (see `refuse`).
+        aoti_torch_get_layout: fn(AtenTensorHandle, *mut i32) -> ErrorCode;
+        aoti_torch_layout_strided: fn() -> i32;
+        aoti_torch_layout_sparse_coo: fn() -> i32;
+        aoti_torch_layout_sparse_csr: fn() -> i32;
+        aoti_torch_layout_sparse_csc: fn() -> i32;
+        aoti_torch_layout_sparse_bsr: fn() -> i32;
+        aoti_torch_layout_sparse_bsc: fn() -> i32;
+        aoti_torch_layout__mkldnn: fn() -> i32;
+        aoti_torch_layout_jagged: fn() -> i32;
     }
 }
 

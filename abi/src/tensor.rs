@@ -1,6 +1,6 @@
 use crate::error::Result;
 use crate::sys::{api, check, AtenTensorHandle};
-use crate::types::{Device, DeviceType, ScalarType};
+use crate::types::{Device, DeviceType, Layout, ScalarType};
 use std::ffi::c_void;
 
 /// An owning handle to a torch tensor. Dropping it releases the reference.
@@ -121,6 +121,14 @@ impl Tensor {
     /// Element type.
     pub fn dtype(&self) -> Result<ScalarType> {
         ScalarType::from_code(self.get("aoti_torch_get_dtype", api()?.aoti_torch_get_dtype)?)
+    }
+
+    /// Layout; None where this torch cannot tell it (no `aoti_torch_get_layout`).
+    pub fn layout(&self) -> Result<Option<Layout>> {
+        match api()?.aoti_torch_get_layout {
+            Some(f) => Ok(Some(Layout::from_code(self.get("aoti_torch_get_layout", f)?)?)),
+            None => Ok(None),
+        }
     }
 
     /// Device.

@@ -105,10 +105,74 @@ impl fmt::Display for ScalarType {
             ScalarType::I64 => f.write_str("torch.int64"),
             ScalarType::I32 => f.write_str("torch.int32"),
             ScalarType::Bool => f.write_str("torch.bool"),
-            ScalarType::Other(c) => match ScalarType::other_name(*c) {
+            ScalarType::Other(c) => match ScalarType::other_name(*c).or(ScalarType::quantized_name(*c)) {
                 Some(name) => f.write_str(name),
                 None => write!(f, "dtype code {c}"),
             },
+        }
+    }
+}
+
+impl ScalarType {
+    /// Whether this is one of torch's quantized dtypes (`torch.quint8`, ...).
+    pub fn is_quantized(self) -> bool {
+        matches!(self, ScalarType::Other(c) if Self::quantized_name(c).is_some())
+    }
+
+    /// torch's name of quantized dtype `code`. The shim has no getters for
+    /// these; its dtype codes are c10's `ScalarType` values, which have held
+    /// these numbers since quantization was added.
+    fn quantized_name(code: i32) -> Option<&'static str> {
+        Some(match code {
+            12 => "torch.qint8",
+            13 => "torch.quint8",
+            14 => "torch.qint32",
+            16 => "torch.quint4x2",
+            17 => "torch.quint2x4",
+            _ => return None,
+        })
+    }
+}
+
+/// How a tensor's elements are laid out in memory (torch's `layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Layout {
+    /// Dense, through sizes and strides: the only layout Keel's ops take.
+    Strided,
+    /// Any other layout, by torch's name (`"torch.sparse_coo"`), or by its
+    /// shim code where this torch has no getter for it.
+    Other(Option<&'static str>, i32),
+}
+
+impl Layout {
+    /// From the shim's layout code.
+    pub fn from_code(code: i32) -> Result<Self> {
+        let a = api()?;
+        let named = [
+            (a.aoti_torch_layout_strided, "torch.strided"),
+            (a.aoti_torch_layout_sparse_coo, "torch.sparse_coo"),
+            (a.aoti_torch_layout_sparse_csr, "torch.sparse_csr"),
+            (a.aoti_torch_layout_sparse_csc, "torch.sparse_csc"),
+            (a.aoti_torch_layout_sparse_bsr, "torch.sparse_bsr"),
+            (a.aoti_torch_layout_sparse_bsc, "torch.sparse_bsc"),
+            (a.aoti_torch_layout__mkldnn, "torch._mkldnn"),
+            (a.aoti_torch_layout_jagged, "torch.jagged"),
+        ];
+        // SAFETY: argument-less constant getters.
+        let name = named.into_iter().find_map(|(get, name)| get.filter(|g| unsafe { g() } == code).map(|_| name));
+        Ok(match name {
+            Some("torch.strided") => Layout::Strided,
+            name => Layout::Other(name, code),
+        })
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Layout::Strided => f.write_str("torch.strided"),
+            Layout::Other(Some(name), _) => f.write_str(name),
+            Layout::Other(None, code) => write!(f, "layout code {code}"),
         }
     }
 }

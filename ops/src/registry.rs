@@ -1,69 +1,67 @@
 //! The list of ops and their registration with torch.
-use keel_abi::{boxed, can_forward, forward, BoxedOp, DispatchKey, Forwarded, Library, Result};
+use keel_abi::{boxed, can_forward, forward, refuse, DispatchKey, Forwarded, Library, OpSchema, Result, REFUSED_KEYS};
 use std::ffi::CStr;
 use std::sync::OnceLock;
 
-/// One op: its schema and its boxed kernel (served for CPU, CUDA and Meta).
+/// One op: its name, schema, boxed kernel (served for CPU, CUDA and Meta) and
+/// refusal of the tensors it does not take (see [`keel_abi::refuse`]).
 struct OpDef {
     schema: &'static str,
     name: &'static str,
     kernel: keel_abi::sys::BoxedKernel,
+    refuse: keel_abi::sys::BoxedKernel,
 }
 
-const fn op<K: BoxedOp>(schema: &'static str) -> OpDef {
-    OpDef { schema, name: K::NAME, kernel: boxed::<K> }
+const fn op<K: OpSchema>() -> OpDef {
+    OpDef { schema: K::SCHEMA, name: K::NAME, kernel: boxed::<K>, refuse: refuse::<K> }
 }
 
-const OPS: &[OpDef] = &[
-    op::<crate::abi_selftest::AbiSelfTest>(
+/// Gives each op its schema ([`OpSchema`]) and lists them all in `OPS`.
+macro_rules! ops {
+    ($($op:path => $schema:expr,)*) => {
+        $(impl OpSchema for $op {
+            const SCHEMA: &'static str = $schema;
+        })*
+        const OPS: &[OpDef] = &[$(op::<$op>()),*];
+    };
+}
+
+ops! {
+    crate::abi_selftest::AbiSelfTest =>
         "_abi_selftest(Tensor anchor, Tensor? t, int i, float f, bool b, str s, int[] l, ScalarType dtype) -> (Tensor, Tensor)",
-    ),
-    op::<crate::rms_norm::RmsNorm>("rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor"),
-    op::<crate::rms_norm::RmsNormBackward>(
+    crate::rms_norm::RmsNorm => "rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor",
+    crate::rms_norm::RmsNormBackward =>
         "rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps) -> (Tensor, Tensor)",
-    ),
-    op::<crate::layer_norm::LayerNorm>(
+    crate::layer_norm::LayerNorm =>
         "layer_norm(Tensor input, Tensor? weight=None, Tensor? bias=None, float eps=1e-05) -> Tensor",
-    ),
-    op::<crate::layer_norm::LayerNormBackward>(
+    crate::layer_norm::LayerNormBackward =>
         "layer_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
-    ),
-    op::<crate::fused_add_rms_norm::FusedAddRmsNorm>(
+    crate::fused_add_rms_norm::FusedAddRmsNorm =>
         "fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06) -> (Tensor, Tensor)",
-    ),
-    op::<crate::fused_add_rms_norm::FusedAddRmsNormInplace>(
+    crate::fused_add_rms_norm::FusedAddRmsNormInplace =>
         "fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06) -> ()",
-    ),
-    op::<crate::fused_add_rms_norm::FusedAddRmsNormBackward>(
+    crate::fused_add_rms_norm::FusedAddRmsNormBackward =>
         "fused_add_rms_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor? weight, float eps) -> (Tensor, Tensor)",
-    ),
-    op::<crate::gated::SiluAndMul>("silu_and_mul(Tensor input) -> Tensor"),
-    op::<crate::gated::SiluAndMulBackward>("silu_and_mul_backward(Tensor grad_out, Tensor input) -> Tensor"),
-    op::<crate::gated::GeluAndMul>("gelu_and_mul(Tensor input, str approximate=\"none\") -> Tensor"),
-    op::<crate::gated::GeluAndMulBackward>(
+    crate::gated::SiluAndMul => "silu_and_mul(Tensor input) -> Tensor",
+    crate::gated::SiluAndMulBackward => "silu_and_mul_backward(Tensor grad_out, Tensor input) -> Tensor",
+    crate::gated::GeluAndMul => "gelu_and_mul(Tensor input, str approximate=\"none\") -> Tensor",
+    crate::gated::GeluAndMulBackward =>
         "gelu_and_mul_backward(Tensor grad_out, Tensor input, str approximate=\"none\") -> Tensor",
-    ),
-    op::<crate::softmax::Softmax>("softmax(Tensor input, float scale=1.0) -> Tensor"),
-    op::<crate::softmax::SoftmaxBackward>("softmax_backward(Tensor grad_out, Tensor output, float scale) -> Tensor"),
-    op::<crate::cross_entropy::CrossEntropy>(
+    crate::softmax::Softmax => "softmax(Tensor input, float scale=1.0) -> Tensor",
+    crate::softmax::SoftmaxBackward => "softmax_backward(Tensor grad_out, Tensor output, float scale) -> Tensor",
+    crate::cross_entropy::CrossEntropy =>
         "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor",
-    ),
-    op::<crate::cross_entropy::CrossEntropyWithLse>(
+    crate::cross_entropy::CrossEntropyWithLse =>
         "cross_entropy_with_lse(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> (Tensor, Tensor)",
-    ),
-    op::<crate::cross_entropy::CrossEntropyBackward>(
+    crate::cross_entropy::CrossEntropyBackward =>
         "cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, Tensor? lse=None) -> Tensor",
-    ),
-    op::<crate::rotary::RotaryEmbedding>(
+    crate::rotary::RotaryEmbedding =>
         "rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
-    ),
-    op::<crate::rotary::RotaryEmbeddingInplace>(
+    crate::rotary::RotaryEmbeddingInplace =>
         "rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False) -> ()",
-    ),
-    op::<crate::rotary::RotaryEmbeddingBackward>(
+    crate::rotary::RotaryEmbeddingBackward =>
         "rotary_embedding_backward(Tensor grad_out, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
-    ),
-];
+}
 
 /// An op with autograd: its name, and the autograd kernel that forwards its
 /// calls to its twins `_{name}_autograd` and `_{name}_nograd` (see
@@ -115,15 +113,26 @@ with_autograd! {
     RotaryEmbeddingTwins "rotary_embedding",
 }
 
+/// An op to define: a [`OpDef`] of [`OPS`], or the twin of one.
+struct Defined {
+    schema: String,
+    name: &'static str,
+    kernel: keel_abi::sys::BoxedKernel,
+    refuse: keel_abi::sys::BoxedKernel,
+}
+
 /// The ops to define: [`OPS`], then the twins of each [`WITH_AUTOGRAD`] op
-/// (its schema and kernel under the twin's name).
-fn all_ops() -> Vec<(String, &'static str, keel_abi::sys::BoxedKernel)> {
-    let mut all: Vec<_> = OPS.iter().map(|op| (op.schema.to_string(), op.name, op.kernel)).collect();
+/// (its schema and kernels under the twin's name).
+fn all_ops() -> Vec<Defined> {
+    let mut all: Vec<_> = OPS
+        .iter()
+        .map(|op| Defined { schema: op.schema.to_string(), name: op.name, kernel: op.kernel, refuse: op.refuse })
+        .collect();
     for w in WITH_AUTOGRAD {
         let op = OPS.iter().find(|op| op.name == w.name).expect("every op with autograd is in OPS");
         let args = op.schema.strip_prefix(op.name).filter(|a| a.starts_with('(')).expect("schema starts with the name");
         for twin in w.twins {
-            all.push((format!("{twin}{args}"), twin, op.kernel));
+            all.push(Defined { schema: format!("{twin}{args}"), name: twin, kernel: op.kernel, refuse: op.refuse });
         }
     }
     all
@@ -136,14 +145,14 @@ static LIBRARIES: OnceLock<Vec<Library>> = OnceLock::new();
 pub(crate) fn register_all() -> Result<()> {
     let ops = all_ops();
     let def = Library::define_namespace("keel")?;
-    for (schema, _, _) in &ops {
-        def.def(schema)?;
+    for op in &ops {
+        def.def(&op.schema)?;
     }
     let mut libs = vec![def];
     for key in [DispatchKey::Cpu, DispatchKey::Cuda, DispatchKey::Meta] {
         let lib = Library::implement("keel", key)?;
-        for &(_, name, kernel) in &ops {
-            lib.impl_kernel(name, kernel)?;
+        for op in &ops {
+            lib.impl_kernel(op.name, op.kernel)?;
         }
         libs.push(lib);
     }
@@ -153,6 +162,14 @@ pub(crate) fn register_all() -> Result<()> {
             lib.impl_kernel(w.name, w.kernel)?;
         }
         libs.push(lib);
+    }
+    // Last, and each key on its own: a key that a later torch no longer
+    // parses loses only its clearer error (torch's own is left), not the ops.
+    for &key in REFUSED_KEYS {
+        let Ok(lib) = Library::implement("keel", DispatchKey::Named(key)) else { continue };
+        if ops.iter().all(|op| lib.impl_kernel(op.name, op.refuse).is_ok()) {
+            libs.push(lib);
+        }
     }
     let _ = LIBRARIES.set(libs);
     Ok(())

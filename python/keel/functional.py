@@ -102,7 +102,12 @@ def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor
     Not differentiable: use :func:`fused_add_rms_norm` where a gradient is needed
     (grad mode on and an argument requiring one is refused with a RuntimeError).
     """
-    _call_inplace(_keel.fused_add_rms_norm_.default, (input, residual), input, residual, _c(weight), eps)
+    op = _keel.fused_add_rms_norm_.default
+    try:
+        _call_inplace(op, (input, residual), input, residual, _c(weight), eps)
+    except RuntimeError:
+        _refuse_not_dense(op, (input, residual, weight, eps))
+        raise
 
 
 def silu_and_mul(input: Tensor) -> Tensor:
@@ -186,7 +191,11 @@ def cross_entropy(
     """
     if _twice.transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
-    logits, target = logits.contiguous(), target.contiguous()
+    try:
+        logits, target = logits.contiguous(), target.contiguous()
+    except RuntimeError:
+        _refuse_not_dense(_CROSS_ENTROPY[0], (logits, target, ignore_index, label_smoothing, reduction))
+        raise
     if torch.is_grad_enabled() and logits.requires_grad:
         return _keel.cross_entropy_with_lse.default(logits, target, ignore_index, label_smoothing, reduction)[0]
     return _call(_plain, _CROSS_ENTROPY, None, logits, target, ignore_index, label_smoothing, reduction)
@@ -253,7 +262,12 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
     Not differentiable: use :func:`rotary_embedding` where a gradient is needed (grad
     mode on and an argument requiring one is refused with a RuntimeError).
     """
-    _call_inplace(_keel.rotary_embedding_.default, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
+    op = _keel.rotary_embedding_.default
+    try:
+        _call_inplace(op, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
+    except RuntimeError:
+        _refuse_not_dense(op, (x, cos, sin, interleaved))
+        raise
 
 
 def _ops(name):
@@ -292,15 +306,35 @@ def _call(fn, ops, ref, *args):
       manager. torch.compile's graphs then hold the twin, as they do where the
       op's autograd kernel calls it.
     One function, not two: a second Python frame cost 0.35 us a call (measured).
+    An argument that is not a dense tensor gets the op's own error, naming it
+    (:func:`_refuse_not_dense`).
     """
-    if ref is not None and _twice.transformed():
-        return _twice.through_torch(fn, ops[0], ref, *args)
-    if torch.is_grad_enabled():
-        # A loop, not any(<generator>): the generator, left early, cost 4 us here.
-        for a in args:
-            if isinstance(a, Tensor) and a.requires_grad:
-                return fn(ops[0], *args)
-    return fn(ops[1], *args)
+    try:
+        if ref is not None and _twice.transformed():
+            return _twice.through_torch(fn, ops[0], ref, *args)
+        if torch.is_grad_enabled():
+            # A loop, not any(<generator>): the generator, left early, cost 4 us here.
+            for a in args:
+                if isinstance(a, Tensor) and a.requires_grad:
+                    return fn(ops[0], *args)
+        return fn(ops[1], *args)
+    except RuntimeError:
+        _refuse_not_dense(ops[0], args)
+        raise
+
+
+def _refuse_not_dense(op, args):
+    """Where an argument is a sparse, quantized or nested tensor, raises the
+    error of `op` (a Keel op) called on the arguments as given: its kernel for
+    such tensors names the op and the argument (``abi/src/refuse.rs``). Called
+    where preparing the arguments (``.contiguous()``, reading strides) failed:
+    on such tensors that fails first, with torch's message about the method.
+    """
+    if any(isinstance(a, Tensor) and (a.layout != torch.strided or a.is_quantized or a.is_nested) for a in args):
+        try:
+            op(*args)
+        except RuntimeError as refused:
+            raise refused from None
 
 
 _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView
