@@ -77,3 +77,44 @@ def test_functional_api_still_refuses_a_weight_of_another_dtype():
         keel.rms_norm(x, w)
     with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight'"):
         keel.rms_norm(x, w.long())
+
+
+@pytest.mark.parametrize("device", devices())
+def test_ops_keep_their_inputs_dtype_under_autocast(device):
+    """Keel's ops are on none of autocast's lists: under autocast they compute
+    in their inputs' dtype (f32 accumulation) and return it, where torch's
+    autocast runs cross_entropy (and, on CUDA, softmax and layer_norm) in
+    float32 and returns float32. The values are torch's float32 results rounded
+    once (README, "Mixed precision")."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96, device=device)
+    x = torch.randn(16, 64, device=device)
+    target = torch.randint(0, 96, (16,), device=device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        h = lin(x)
+        assert h.dtype == torch.bfloat16
+        got = {
+            "cross_entropy": keel.cross_entropy(h, target),
+            "softmax": keel.softmax(h, 0.5),
+            "layer_norm": keel.layer_norm(h),
+            "rms_norm": keel.rms_norm(h),
+        }
+    hf = h.float()
+    want = {
+        "cross_entropy": torch.nn.functional.cross_entropy(hf, target),
+        "softmax": torch.softmax(hf * 0.5, -1),
+        "layer_norm": torch.nn.functional.layer_norm(hf, (96,)),
+        "rms_norm": torch.nn.functional.rms_norm(hf, (96,), eps=1e-6),
+    }
+    for name, out in got.items():
+        assert out.dtype == torch.bfloat16, name
+        assert_close(out, want[name].bfloat16(), torch.bfloat16)
+    # The loss is differentiable back to the float32 parameters through autocast's
+    # casts, with torch's gradient (its loss is float32; the gradient's bfloat16
+    # rounding is the same on both sides: h's).
+    got["cross_entropy"].backward()
+    ours, lin.weight.grad = lin.weight.grad, None
+    with torch.autocast(device, dtype=torch.bfloat16):
+        torch.nn.functional.cross_entropy(lin(x), target).backward()
+    assert ours.dtype == torch.float32
+    assert_close(ours, lin.weight.grad, torch.bfloat16)
