@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import keel
+from conftest import devices
 
 ops = torch.ops.keel
 
@@ -71,12 +72,12 @@ def _schema_names(op):
     return [a.name for a in getattr(ops, op).default._schema.arguments]
 
 
-def _case(op, arg, make_args, kind):
-    """The arguments of `op` with `arg` made a `kind` tensor; a skip where
-    torch cannot make one of that argument (a quantized int64 target, a CSR
-    tensor of one dim)."""
+def _case(op, arg, make_args, kind, device):
+    """The arguments of `op` on `device` with `arg` made a `kind` tensor; a skip
+    where torch cannot make one of that argument (a quantized int64 target, a
+    CSR tensor of one dim, an MKL-DNN tensor on CUDA)."""
     make = dict(KINDS)[kind]
-    args = make_args()
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in make_args()]
     i = _schema_names(op).index(arg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # nested and CSR tensors warn that they are prototype / beta
@@ -101,8 +102,9 @@ def _expect(op, arg, kind, mode):
 @pytest.mark.parametrize("kind", [k for k, _ in KINDS])
 @pytest.mark.parametrize("op,arg,make_args,typed", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "inference_mode"])
-def test_refused_naming_op_and_argument(op, arg, make_args, typed, kind, mode):
-    args = _case(op, arg, make_args, kind)
+@pytest.mark.parametrize("device", devices())
+def test_refused_naming_op_and_argument(op, arg, make_args, typed, kind, mode, device):
+    args = _case(op, arg, make_args, kind, device)
     ctx = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}[mode]
     calls = [("torch.ops.keel", getattr(ops, op).default)] + ([("keel", typed)] if typed is not None else [])
     for how, f in calls:
