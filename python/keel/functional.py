@@ -323,6 +323,11 @@ def _call(fn, ops, ref, *args):
         raise
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether Keel's ops take `t`: strided, not quantized, not nested."""
+    return t.layout == torch.strided and not t.is_quantized and not t.is_nested
+
+
 def _refuse_not_dense(op, args):
     """Where an argument is a sparse, quantized or nested tensor, raises the
     error of `op` (a Keel op) called on the arguments as given: its kernel for
@@ -330,7 +335,7 @@ def _refuse_not_dense(op, args):
     where preparing the arguments (``.contiguous()``, reading strides) failed:
     on such tensors that fails first, with torch's message about the method.
     """
-    if any(isinstance(a, Tensor) and (a.layout != torch.strided or a.is_quantized or a.is_nested) for a in args):
+    if any(isinstance(a, Tensor) and not _dense(a) for a in args):
         try:
             op(*args)
         except RuntimeError as refused:

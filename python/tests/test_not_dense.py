@@ -113,3 +113,22 @@ def test_refused_naming_op_and_argument(op, arg, make_args, typed, kind, mode, d
         assert re.search(_expect(op, arg, kind, mode), str(e.value)), (how, str(e.value))
         # The message is Keel's alone: not torch's NotImplementedError naming a twin op.
         assert "_nograd" not in str(e.value) and "_autograd" not in str(e.value), (how, str(e.value))
+
+
+@pytest.mark.parametrize("kind", ["sparse_coo", "nested", "quantized"])
+@pytest.mark.parametrize("module,op", [(keel.nn.RMSNorm, "rms_norm"), (keel.nn.LayerNorm, "layer_norm")])
+def test_modules_refuse_naming_their_op(module, op, kind):
+    """keel.nn's norms reshape their input first, which fails on these tensors
+    with torch's message about reshape or sizes; they raise their op's refusal."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        x = dict(KINDS)[kind](torch.randn(4, 8))
+    with pytest.raises(RuntimeError, match=_expect(op, "input", kind, "grad")):
+        module(8)(x)
+
+
+def test_rms_norm_module_refuses_an_integer_input_naming_its_op():
+    """eps=None takes torch.finfo of the input's dtype, which raised a TypeError
+    for an integer input before the op could name the argument."""
+    with pytest.raises(RuntimeError, match=r"^keel::rms_norm: argument 'input' must be float32"):
+        keel.nn.RMSNorm(8)(torch.ones(4, 8, dtype=torch.int64))

@@ -5,7 +5,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..functional import cross_entropy, layer_norm, rms_norm, silu_and_mul
+from ..functional import _dense, cross_entropy, layer_norm, rms_norm, silu_and_mul
 
 __all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss"]
 
@@ -16,8 +16,19 @@ def _shape(normalized_shape) -> tuple:
     return tuple(normalized_shape)
 
 
-def _flat(module_name: str, x: Tensor, normalized_shape: tuple) -> tuple:
-    """(x as [..., n], n) for the trailing normalized_shape dims of x."""
+def _flat(module_name: str, x: Tensor, normalized_shape: tuple, functional) -> tuple:
+    """(x as [..., n], n) for the trailing normalized_shape dims of x. Where x
+    is not a dense tensor (sparse, nested: its shape or reshape fails), the
+    error is that of `functional` (the module's op) on x, naming op and argument."""
+    try:
+        return _flat_dense(module_name, x, normalized_shape)
+    except RuntimeError:
+        if not _dense(x):
+            functional(x)
+        raise
+
+
+def _flat_dense(module_name: str, x: Tensor, normalized_shape: tuple) -> tuple:
     k = len(normalized_shape)
     if tuple(x.shape[x.dim() - k:]) != normalized_shape:
         raise RuntimeError(
@@ -76,8 +87,9 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat, n = _flat("keel.nn.RMSNorm", x, self.normalized_shape)
-        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        flat, n = _flat("keel.nn.RMSNorm", x, self.normalized_shape, rms_norm)
+        # (Any eps for a dtype that is not floating point: the op refuses the input, naming it.)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
         return rms_norm(flat, _param(self.weight, x, n), eps).reshape(x.shape)
 
     def extra_repr(self) -> str:
@@ -124,7 +136,7 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        flat, n = _flat("keel.nn.LayerNorm", x, self.normalized_shape)
+        flat, n = _flat("keel.nn.LayerNorm", x, self.normalized_shape, layer_norm)
         w, b = _param(self.weight, x, n), _param(self.bias, x, n)
         return layer_norm(flat, w, b, self.eps).reshape(x.shape)
 
