@@ -30,7 +30,6 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// `extern "C-unwind"` entry point, outside any `catch_unwind`) after every
 /// resource of the call has been released; [`crate::boxed`] does this.
 pub fn raise(msg: &str) -> ! {
-    LAST_RAISED.with(|l| *l.borrow_mut() = Some(msg.to_string()));
     let msg = CString::new(msg.replace('\0', "\\0")).unwrap_or_default();
     match crate::sys::api() {
         Ok(api) => {
@@ -43,19 +42,6 @@ pub fn raise(msg: &str) -> ! {
     // Only reached if torch is missing or aoti_torch_check returned.
     eprintln!("keel: could not raise to torch: {}", msg.to_string_lossy());
     std::process::abort()
-}
-
-thread_local! {
-    /// The message [`raise`] last raised on this thread.
-    static LAST_RAISED: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
-}
-
-/// Takes the message that [`raise`] last raised on this thread, if any since
-/// the last take: what a caller of a nested op that failed reports, word for
-/// word, where the error passed through Python frames on its way (which add
-/// their traceback to torch's text of it).
-pub(crate) fn take_last_raised() -> Option<String> {
-    LAST_RAISED.with(|l| l.borrow_mut().take())
 }
 
 /// A C string from `s`, or an error if it holds a NUL byte.

@@ -15,8 +15,6 @@
 //!   point every op is registered through (panics caught, errors raised as a
 //!   Python `RuntimeError`);
 //! - [`Library`]: schema definitions and per-dispatch-key implementations;
-//! - [`forward`]: an autograd kernel that forwards a call to a twin op by
-//!   grad mode;
 //! - [`refuse`]: the kernel an op has for sparse, quantized and nested
 //!   tensors, raising an error that names the argument;
 //! - [`DeviceGuard`], [`current_cuda_stream`], [`parallel_for`].
@@ -29,7 +27,6 @@ mod cuda;
 mod error;
 mod library;
 mod parallel;
-mod redispatch;
 mod refuse;
 mod stack;
 pub mod sys;
@@ -41,7 +38,6 @@ pub use cuda::{current_cuda_stream, DeviceGuard};
 pub use error::{raise, Error, Result};
 pub use library::{DispatchKey, Library};
 pub use parallel::{get_num_threads, parallel_for};
-pub use redispatch::{can_forward, forward, Forwarded};
 pub use refuse::{refuse, OpSchema, REFUSED_KEYS};
 pub use stack::{FromStack, IntoStack, StableIValue};
 pub use tensor::Tensor;

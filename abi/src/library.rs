@@ -12,9 +12,6 @@ pub enum DispatchKey {
     Cuda,
     /// Meta tensors (also what fake tensors and `torch.compile` use for shapes).
     Meta,
-    /// torch's autograd alias key (every `Autograd<Backend>` key): its kernel
-    /// runs before any backend's, for every tensor outside inference mode.
-    Autograd,
     /// Any other key, by torch's name (`c"SparseCPU"`).
     Named(&'static std::ffi::CStr),
 }
@@ -25,7 +22,6 @@ impl DispatchKey {
             DispatchKey::Cpu => c"CPU",
             DispatchKey::Cuda => c"CUDA",
             DispatchKey::Meta => c"Meta",
-            DispatchKey::Autograd => c"Autograd",
             DispatchKey::Named(name) => name,
         }
     }

@@ -4,9 +4,9 @@
 //! Keel's kernels read dense memory through sizes and strides. A call with
 //! another kind of tensor dispatches to that kind's key (`SparseCPU`,
 //! `QuantizedCUDA`, ...), where an op without a kernel gets torch's
-//! `NotImplementedError` naming the backend, and, where the op's autograd
-//! kernel forwards the call ([`crate::forward`]), the twin op's internal
-//! name. [`refuse`], registered at each of [`REFUSED_KEYS`], raises instead a
+//! `NotImplementedError` naming the backend, and, where the call reached it
+//! through the op's twin, the twin's internal name. [`refuse`], registered at
+//! each of [`REFUSED_KEYS`], raises instead a
 //! message naming the op, the argument and what to do. It reads no data.
 use crate::boxed::BoxedOp;
 use crate::error::raise;

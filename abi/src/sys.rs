@@ -92,10 +92,6 @@ api! {
         // 2.13+
         torch_delete_stable_ivalue: fn(*mut u64) -> ErrorCode;
         torch_exception_get_what_without_backtrace: fn() -> *const c_char;
-        // In 2.10 (optional all the same: Keel's ops work without them, with
-        // autograd in Python alone; see `redispatch`).
-        torch_call_dispatcher: fn(*const c_char, *const c_char, *mut u64, u64) -> ErrorCode;
-        aoti_torch_grad_mode_is_enabled: fn() -> bool;
         // In every torch Keel supports; optional all the same, as `numel`
         // can fall back to the product of the sizes.
         aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;

@@ -1,6 +1,5 @@
 //! The list of ops and their registration with torch.
-use keel_abi::{boxed, can_forward, forward, refuse, DispatchKey, Forwarded, Library, OpSchema, Result, REFUSED_KEYS};
-use std::ffi::CStr;
+use keel_abi::{boxed, refuse, DispatchKey, Library, OpSchema, Result, REFUSED_KEYS};
 use std::sync::OnceLock;
 
 /// One op: its name, schema, boxed kernel (served for CPU, CUDA and Meta) and
@@ -63,77 +62,53 @@ ops! {
         "rotary_embedding_backward(Tensor grad_out, Tensor cos, Tensor sin, bool interleaved) -> Tensor",
 }
 
-/// An op with autograd: its name, and the autograd kernel that forwards its
-/// calls to its twins `_{name}_autograd` and `_{name}_nograd` (see
-/// [`keel_abi::forward`]).
-struct WithAutograd {
-    name: &'static str,
-    /// `_{name}_autograd` and `_{name}_nograd`.
-    twins: [&'static str; 2],
-    kernel: keel_abi::sys::BoxedKernel,
-}
-
-/// `WithAutograd` entries, each with its [`Forwarded`] marker type.
-macro_rules! with_autograd {
-    ($($marker:ident $name:literal),* $(,)?) => {
-        $(
-            #[doc = concat!("The twins of `keel::", $name, "`.")]
-            struct $marker;
-            impl Forwarded for $marker {
-                const NAME: &'static str = $name;
-                const AUTOGRAD: &'static CStr = cstr(concat!("keel::_", $name, "_autograd\0"));
-                const NOGRAD: &'static CStr = cstr(concat!("keel::_", $name, "_nograd\0"));
-            }
-        )*
-        const WITH_AUTOGRAD: &[WithAutograd] = &[$(WithAutograd {
-            name: $name,
-            twins: [concat!("_", $name, "_autograd"), concat!("_", $name, "_nograd")],
-            kernel: forward::<$marker>,
-        }),*];
-    };
-}
-
-const fn cstr(s: &'static str) -> &'static CStr {
-    match CStr::from_bytes_with_nul(s.as_bytes()) {
-        Ok(c) => c,
-        Err(_) => panic!("not a C string"),
-    }
-}
-
-// The ops whose autograd formulas `python/keel/_autograd.py` registers.
-with_autograd! {
-    RmsNormTwins "rms_norm",
-    LayerNormTwins "layer_norm",
-    FusedAddRmsNormTwins "fused_add_rms_norm",
-    SiluAndMulTwins "silu_and_mul",
-    GeluAndMulTwins "gelu_and_mul",
-    SoftmaxTwins "softmax",
-    CrossEntropyTwins "cross_entropy",
-    CrossEntropyWithLseTwins "cross_entropy_with_lse",
-    RotaryEmbeddingTwins "rotary_embedding",
-}
+/// The ops with autograd: `python/keel/_autograd.py` registers each one's
+/// formula as its Python `Autograd` kernel. Each has a twin, `_{name}_nograd`:
+/// its schema and kernels under another name, with no autograd kernel, which
+/// the formula's forward and the typed API call where no gradient is needed.
+///
+/// (torch 2.13-2.15 had a Rust autograd kernel here instead, forwarding each
+/// call through `torch_call_dispatcher` to a twin by grad mode. That call
+/// re-raises a Python exception from the formula as a RuntimeError, which
+/// broke non-reentrant activation checkpointing: it stops its recomputation
+/// with an exception that it catches by type. See `test_checkpoint.py`.)
+const WITH_AUTOGRAD: &[&str] = &[
+    "rms_norm",
+    "layer_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "gelu_and_mul",
+    "softmax",
+    "cross_entropy",
+    "cross_entropy_with_lse",
+    "rotary_embedding",
+];
 
 /// An op to define: a [`OpDef`] of [`OPS`], or the twin of one.
 struct Defined {
     schema: String,
-    name: &'static str,
+    name: String,
     kernel: keel_abi::sys::BoxedKernel,
     refuse: keel_abi::sys::BoxedKernel,
 }
 
-/// The ops to define: [`OPS`], then the twins of each [`WITH_AUTOGRAD`] op
-/// (its schema and kernels under the twin's name).
+/// The ops to define: [`OPS`], then the `_nograd` twin of each
+/// [`WITH_AUTOGRAD`] op (its schema and kernels under the twin's name).
 fn all_ops() -> Vec<Defined> {
     let mut all: Vec<_> = OPS
         .iter()
-        .map(|op| Defined { schema: op.schema.to_string(), name: op.name, kernel: op.kernel, refuse: op.refuse })
+        .map(|op| Defined {
+            schema: op.schema.to_string(),
+            name: op.name.to_string(),
+            kernel: op.kernel,
+            refuse: op.refuse,
+        })
         .collect();
-    for w in WITH_AUTOGRAD {
-        let op = OPS.iter().find(|op| op.name == w.name).expect("every op with autograd is in OPS");
+    for &name in WITH_AUTOGRAD {
+        let op = OPS.iter().find(|op| op.name == name).expect("every op with autograd is in OPS");
         let args = op.schema.strip_prefix(op.name).filter(|a| a.starts_with('(')).expect("schema starts with the name");
-        for twin in w.twins {
-            all.push(Defined { schema: format!("{twin}{args}"), name: twin, kernel: op.kernel, refuse: op.refuse });
-        }
+        let twin = format!("_{name}_nograd");
+        all.push(Defined { schema: format!("{twin}{args}"), name: twin, kernel: op.kernel, refuse: op.refuse });
     }
     all
 }
@@ -152,14 +127,7 @@ pub(crate) fn register_all() -> Result<()> {
     for key in [DispatchKey::Cpu, DispatchKey::Cuda, DispatchKey::Meta] {
         let lib = Library::implement("keel", key)?;
         for op in &ops {
-            lib.impl_kernel(op.name, op.kernel)?;
-        }
-        libs.push(lib);
-    }
-    if can_forward() {
-        let lib = Library::implement("keel", DispatchKey::Autograd)?;
-        for w in WITH_AUTOGRAD {
-            lib.impl_kernel(w.name, w.kernel)?;
+            lib.impl_kernel(&op.name, op.kernel)?;
         }
         libs.push(lib);
     }
@@ -167,7 +135,7 @@ pub(crate) fn register_all() -> Result<()> {
     // parses loses only its clearer error (torch's own is left), not the ops.
     for &key in REFUSED_KEYS {
         let Ok(lib) = Library::implement("keel", DispatchKey::Named(key)) else { continue };
-        if ops.iter().all(|op| lib.impl_kernel(op.name, op.refuse).is_ok()) {
+        if ops.iter().all(|op| lib.impl_kernel(&op.name, op.refuse).is_ok()) {
             libs.push(lib);
         }
     }

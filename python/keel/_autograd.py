@@ -3,16 +3,16 @@
 The stable C ABI cannot build autograd graph nodes, so the formulas are
 registered here, once, at import and before any op is used (registering after
 first use breaks AOT dispatch), as an ``Autograd`` kernel of Keel's own
-(``_autograd_kernel``): on each op's ``_autograd`` twin, whose calls in grad mode
-the op's Rust autograd kernel forwards (torch 2.13+), and on the op itself where
-it has no such kernel (torch 2.10-2.12; see ``_common.TWINS``).
+(``_autograd_kernel``), on each op itself, in every torch version. The Python
+exceptions of the formula (a saved-tensor hook's, as non-reentrant activation
+checkpointing raises to stop its recomputation) reach the caller as they are.
 Each formula calls the op's own backward operator, except in a backward that
 must itself be differentiable (``create_graph=True``): see ``_twice``.
 """
 import torch
 
 from . import _twice
-from ._common import acc_dtype, heads_contiguous, twins
+from ._common import acc_dtype, heads_contiguous, nograd
 
 ops = torch.ops.keel
 
@@ -208,21 +208,15 @@ FORMULAS = {
     "cross_entropy_with_lse": (_cross_entropy_lse_backward, _cross_entropy_lse_setup),
     "rotary_embedding": (_rotary_backward, _rotary_setup),
 }
-"""Each differentiable op's (backward, setup_context): the ops with twins
-(Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs`` lists the same)."""
-
-
-FORWARDED = set()
-"""The ops whose autograd kernel is Rust's, forwarding each call to a twin by
-grad mode (torch 2.13+; see ``_common.TWINS``); filled by register()."""
+"""Each differentiable op's (backward, setup_context): the ops with a ``_nograd``
+twin (Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs`` lists the same)."""
 
 
 _LIB = None
 
 
 def _autograd_kernel(name, backward, setup):
-    """The ``Autograd`` kernel of op `name`'s ``_autograd`` twin, and of the op
-    itself before torch 2.13: where an argument requires a gradient, the formula
+    """The ``Autograd`` kernel of op `name`: where an argument requires a gradient, the formula
     (an autograd.Function whose forward calls the ``_nograd`` twin, the same
     kernels); else the ``_nograd`` twin at once.
 
@@ -232,12 +226,11 @@ def _autograd_kernel(name, backward, setup):
     defaults through the schema (``fill_defaults`` reads ``schema.arguments``,
     a new list of new objects, once per argument: 15 us a call for
     cross_entropy's five), and passes a metadata object through ``apply``.
-    [1, 64] in grad mode, no argument requiring a gradient (measured): the twin
-    called alone 6.02 -> 4.82 us a call, ``torch.ops.keel.softmax.default``
-    (through Rust's kernel) 6.45 -> 5.27.
+    [1, 64] in grad mode, no argument requiring a gradient (measured, session 31):
+    6.02 -> 4.82 us a call.
     """
-    nograd = getattr(ops, twins(name)[1]).default
-    arguments = nograd._schema.arguments
+    twin = getattr(ops, nograd(name)).default
+    arguments = twin._schema.arguments
     # A Python kernel gets keyword-only arguments as keywords: none of Keel's ops has any.
     assert not any(a.kwarg_only for a in arguments), f"keel::{name}: keyword-only arguments"
     # The dispatcher leaves out trailing arguments equal to their defaults.
@@ -247,7 +240,7 @@ def _autograd_kernel(name, backward, setup):
     grad_enabled = torch.is_grad_enabled
 
     def forward(ctx, *args):
-        out = nograd(*args)
+        out = twin(*args)
         setup(ctx, args, out)
         return out
 
@@ -263,20 +256,14 @@ def _autograd_kernel(name, backward, setup):
             args = args + defaults[len(args) :]
         if grad_enabled() and any_requires_grad(*args):
             return apply(*args)
-        return nograd(*args)
+        return twin(*args)
 
     return kernel
 
 
 def register() -> None:
-    """Registers each formula on the op's ``_autograd`` twin, and on the op
-    itself where its autograd kernel is not Rust's."""
+    """Registers each op's formula as its ``Autograd`` kernel."""
     global _LIB
     _LIB = torch.library.Library("keel", "IMPL")
     for name, (backward, setup) in FORMULAS.items():
-        if torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{name}", "Autograd"):
-            FORWARDED.add(name)
-        kernel = _autograd_kernel(name, backward, setup)
-        _LIB.impl(twins(name)[0], kernel, "Autograd")
-        if name not in FORWARDED:
-            _LIB.impl(name, kernel, "Autograd")
+        _LIB.impl(name, _autograd_kernel(name, backward, setup), "Autograd")

@@ -7,19 +7,13 @@ INPLACE = ("fused_add_rms_norm_", "rotary_embedding_")
 of returning new tensors; see ``_inplace``."""
 
 
-TWINS = ("_autograd", "_nograd")
-"""Each op with autograd has two twins, ``keel::_{name}_autograd`` and
-``keel::_{name}_nograd``: its schema and kernels under another name. Where torch
-can (2.13+), the op's autograd kernel is Rust's, which forwards each call to the
-first twin in grad mode (the autograd formula is registered there) and to the
-second, which has no Python kernel, otherwise: a call under ``torch.no_grad()``
-never enters Python. Before 2.13 the formula is also registered on the op itself,
-as it always was. See ``abi/src/redispatch.rs``."""
-
-
-def twins(name: str) -> tuple:
-    """The names of op `name`'s twins (see ``TWINS``)."""
-    return tuple(f"_{name}{t}" for t in TWINS)
+def nograd(name: str) -> str:
+    """The name of op `name`'s ``_nograd`` twin (``keel::_{name}_nograd``): its
+    schema and kernels under another name, with no autograd kernel (torch's own
+    C++ fallback passes it through). Each op with an autograd formula has one:
+    the formula's forward calls it, and the typed API calls it where no
+    gradient can be needed. See ``WITH_AUTOGRAD`` in ``ops/src/registry.rs``."""
+    return f"_{name}_nograd"
 
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ._common import acc_dtype, one_device, twins
+from ._common import acc_dtype, one_device, nograd
 
 ops = torch.ops.keel
 # Set by register() to torch.utils._python_dispatch._disable_current_modes; until
@@ -187,8 +187,8 @@ REGISTERED = False
 has changed shape; then the ops specialise sizes under torch.compile)."""
 
 NAMES = {}
-"""The ops given a fake kernel (each op, and the twins of those with autograd:
-``_common.TWINS``), each to the op whose rule it follows; filled by register()."""
+"""The ops given a fake kernel (each op, and the ``_nograd`` twins of those with
+autograd: ``_common.nograd``), each to the op whose rule it follows; filled by register()."""
 
 
 def register() -> None:
@@ -199,7 +199,7 @@ def register() -> None:
     from ._autograd import FORMULAS
 
     NAMES.update({name: name for name in _RULES})
-    NAMES.update({twin: name for name in FORMULAS for twin in twins(name)})
+    NAMES.update({nograd(name): name for name in FORMULAS})
     try:
         from torch._library import simple_registry
         from torch._library.utils import Kernel

@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from . import _twice
-from ._common import heads_contiguous, rows_in_place, twins
+from ._common import heads_contiguous, nograd, rows_in_place
 
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
@@ -271,9 +271,9 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
 
 
 def _ops(name):
-    """Op `name`'s overload and its ``_nograd`` twin's (``_common.TWINS``): the same
+    """Op `name`'s overload and its ``_nograd`` twin's (``_common.nograd``): the same
     kernels, without an autograd kernel."""
-    return getattr(_keel, name).default, getattr(_keel, twins(name)[1]).default
+    return getattr(_keel, name).default, getattr(_keel, nograd(name)).default
 
 
 _RMS_NORM = _ops("rms_norm")
@@ -306,10 +306,10 @@ def _call(fn, ops, ref, *args):
     - Where an argument requires a gradient in grad mode: the op.
     - Else (no gradient can be needed): the ``_nograd`` twin, whose kernels are
       the op's and which has no autograd kernel (torch's own C++ fallback passes
-      it through). The op's autograd kernel would only make that decision again
-      (in Python, in grad mode), and running the op below it needs a context
-      manager. torch.compile's graphs then hold the twin, as they do where the
-      op's autograd kernel calls it. Not while torch.jit.trace records: there the
+      it through). The op's autograd kernel (Python) would only make that
+      decision again, and running the op below it needs a context manager.
+      torch.compile's graphs then hold the twin, as they do where the op's
+      autograd kernel calls it. Not while torch.jit.trace records: there the
       op, in every grad mode, so that the trace and its check agree.
     One function, not two: a second Python frame cost 0.35 us a call (measured).
     An argument that is not a dense tensor gets the op's own error, naming it

@@ -1,7 +1,7 @@
-"""Each differentiable op's autograd kernel: Rust's where torch has what it
-needs (2.13+), forwarding a call to the op's ``_autograd`` twin (the Python
-formula) in grad mode and to its ``_nograd`` twin otherwise; torch's Python
-kernel alone before 2.13 (see ``_common.TWINS`` and ``abi/src/redispatch.rs``)."""
+"""Each differentiable op's autograd kernel: Keel's own Python kernel on the op
+itself, in every torch version (``_autograd._autograd_kernel``): the formula
+where an argument requires a gradient, else the op's ``_nograd`` twin (the
+same kernels, no autograd kernel; ``_common.nograd``)."""
 import sys
 
 import pytest
@@ -9,30 +9,25 @@ import torch
 
 import keel
 from keel._autograd import FORMULAS
-from keel._common import twins
+from keel._common import nograd
 
 ops = torch.ops.keel
-TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-forwarding = pytest.mark.skipif(
-    TORCH < (2, 13), reason=f"torch {torch.__version__}: the Rust autograd kernel needs torch >= 2.13"
-)
 
 
-def test_every_differentiable_op_has_its_formula_and_twins():
+def test_every_differentiable_op_has_its_formula_and_twin():
     # Rust's list of ops with twins is Python's list of formulas.
     registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("keel::_")}
-    assert {n for n in registered if n.endswith("_autograd")} == {f"keel::{twins(n)[0]}" for n in FORMULAS}
+    assert {n for n in registered if n.endswith("_nograd")} == {f"keel::{nograd(n)}" for n in FORMULAS}
+    assert not [n for n in registered if n.endswith("_autograd")], registered
     for name in FORMULAS:
-        for twin in twins(name):
-            schema, own = getattr(ops, twin).default._schema, getattr(ops, name).default._schema
-            assert str(schema) == str(own).replace(f"keel::{name}(", f"keel::{twin}(", 1), (schema, own)
-            for key in ("CPU", "CUDA", "Meta"):
-                assert torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{twin}", key), (twin, key)
-
-
-def test_autograd_kernel_is_rust_exactly_where_torch_allows():
-    want = set(FORMULAS) if TORCH >= (2, 13) else set()
-    assert keel._autograd.FORWARDED == want
+        twin = nograd(name)
+        schema, own = getattr(ops, twin).default._schema, getattr(ops, name).default._schema
+        assert str(schema) == str(own).replace(f"keel::{name}(", f"keel::{twin}(", 1), (schema, own)
+        for key in ("CPU", "CUDA", "Meta"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{twin}", key), (twin, key)
+        # The formula sits on the op; the twin has none (torch's fallthrough passes it).
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{name}", "Autograd"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{twin}", "Autograd"), twin
 
 
 def _python_calls(f):
@@ -51,28 +46,10 @@ def _python_calls(f):
     return out, seen
 
 
-@forwarding
-def test_no_grad_call_runs_no_python_kernel():
-    """Under no_grad, only torch.ops' own call is Python: no autograd kernel."""
-    x = torch.randn(4, 8, requires_grad=True)
-    op = ops.softmax.default
-    op(x, 1.0)  # anything lazily set up on a first call
-    with torch.no_grad():
-        y, seen = _python_calls(lambda: op(x, 1.0))
-    assert y.grad_fn is None and not y.requires_grad
-    assert not [s for s in seen if "_library" in s[0] or "keel" in s[0]], seen
-    torch.testing.assert_close(y, torch.softmax(x.detach(), -1))
-    # In grad mode the twin's Python kernel runs (Keel's, not torch.library's generated one).
-    y, seen = _python_calls(lambda: op(x, 1.0))
-    assert y.grad_fn is not None
-    assert {"kernel", "_softmax_setup"} <= {s[1] for s in seen if s[0].endswith("_autograd.py")}, seen
-    assert not [s for s in seen if "_library" in s[0]], seen
-
-
 @pytest.mark.parametrize("requires_grad", [True, False])
 def test_grad_mode_runs_keels_autograd_kernel_not_torch_librarys(requires_grad):
     """On every torch: the Python autograd kernel that runs in grad mode is
-    Keel's (the twin's from 2.13, the op's own before), not the one
+    Keel's, not the one
     ``torch.library.register_autograd`` generates (15 us more a call for
     cross_entropy, most of it filling in defaults through the schema)."""
     x = torch.randn(4, 8, requires_grad=requires_grad)
@@ -92,8 +69,7 @@ def test_grad_mode_runs_keels_autograd_kernel_not_torch_librarys(requires_grad):
 
 def test_defaults_left_out_reach_the_formula():
     """The dispatcher leaves trailing arguments equal to their defaults out of
-    a Python kernel's call; Keel's autograd kernel (the twin's from torch 2.13,
-    the op's own before) puts them back for the formula."""
+    a Python kernel's call; Keel's autograd kernel puts them back for the formula."""
     torch.manual_seed(0)
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
     t = torch.tensor([1, 7, 0])
@@ -151,7 +127,7 @@ def test_every_op_forwards_values_and_gradients(mode):
 @pytest.mark.parametrize("mode", ["grad", "no_grad", "requires_grad", "inference"])
 def test_errors_name_the_op_and_argument_in_every_mode(mode):
     """The message is the kernel's own, word for word (no Python frames, no
-    prefix added on the way through the twin)."""
+    prefix added on the way through the autograd kernel and the twin)."""
     x = torch.randn(2, 8, requires_grad=mode == "requires_grad")
     w = torch.randn(8, dtype=torch.float64)
     ctx = torch.inference_mode() if mode == "inference" else torch.set_grad_enabled(mode != "no_grad")
@@ -163,9 +139,9 @@ def test_errors_name_the_op_and_argument_in_every_mode(mode):
             ops.gelu_and_mul(x, "erf")
 
 
-def test_forwarding_keeps_reference_counts():
-    """The stack's ownership passes whole through the dispatcher call: no
-    argument gains or loses a reference, in either mode, on success or error."""
+def test_calls_keep_reference_counts():
+    """No argument gains or loses a reference through the autograd kernel and
+    the twin, in either mode, on success or error."""
     x, w = torch.randn(2, 8), torch.randn(8)
     before = (sys.getrefcount(x), sys.getrefcount(w))
     for grad in (True, False):

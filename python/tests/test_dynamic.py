@@ -241,9 +241,8 @@ def test_compiled_graphs_call_keel_kernels():
     """The typed API keeps Keel's ops (not their torch-op versions, which serve
     torch.func and forward AD) in the graphs torch.compile makes, forward and
     backward. The forward graph holds each op's ``_nograd`` twin (the same
-    kernels): Keel's autograd kernel (the ``_autograd`` twin's, which Rust's
-    kernel calls in grad mode from torch 2.13; the op's own before) runs the
-    formula, whose forward calls the twin."""
+    kernels): Keel's autograd kernel on the op runs the formula, whose
+    forward calls the twin."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
