@@ -6,8 +6,8 @@
 //! `QuantizedCUDA`, ...), where an op without a kernel gets torch's
 //! `NotImplementedError` naming the backend, and, where the call reached it
 //! through the op's twin, the twin's internal name. [`refuse`], registered at
-//! each of [`REFUSED_KEYS`], raises instead a
-//! message naming the op, the argument and what to do. It reads no data.
+//! each of [`REFUSED_KEYS`], raises instead a message naming the op, the
+//! argument and what to do. It reads no data.
 use crate::boxed::BoxedOp;
 use crate::error::raise;
 use crate::stack::{FromStack, StableIValue};

@@ -79,8 +79,7 @@ impl ScalarType {
             (a.aoti_torch_dtype_float8_e5m2fnuz, "torch.float8_e5m2fnuz"),
             (a.aoti_torch_dtype_float8_e4m3fnuz, "torch.float8_e4m3fnuz"),
         ];
-        // SAFETY: argument-less constant getters.
-        named.into_iter().find_map(|(get, name)| get.filter(|g| unsafe { g() } == code).map(|_| name))
+        named_code(code, named)
     }
 
     /// Bytes per element, for the types Keel computes with.
@@ -134,6 +133,16 @@ impl ScalarType {
     }
 }
 
+/// The name paired with the shim's constant getter that returns `code`, among
+/// those this torch has (a getter is None where it lacks one).
+fn named_code<const N: usize>(
+    code: i32,
+    named: [(Option<unsafe extern "C-unwind" fn() -> i32>, &'static str); N],
+) -> Option<&'static str> {
+    // SAFETY: argument-less constant getters.
+    named.into_iter().find_map(|(get, name)| get.filter(|g| unsafe { g() } == code).map(|_| name))
+}
+
 /// How a tensor's elements are laid out in memory (torch's `layout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Layout {
@@ -158,9 +167,7 @@ impl Layout {
             (a.aoti_torch_layout__mkldnn, "torch._mkldnn"),
             (a.aoti_torch_layout_jagged, "torch.jagged"),
         ];
-        // SAFETY: argument-less constant getters.
-        let name = named.into_iter().find_map(|(get, name)| get.filter(|g| unsafe { g() } == code).map(|_| name));
-        Ok(match name {
+        Ok(match named_code(code, named) {
             Some("torch.strided") => Layout::Strided,
             name => Layout::Other(name, code),
         })

@@ -84,31 +84,24 @@ const WITH_AUTOGRAD: &[&str] = &[
     "rotary_embedding",
 ];
 
-/// An op to define: a [`OpDef`] of [`OPS`], or the twin of one.
+/// An op to define: one of [`OPS`] under its own name and schema, or under
+/// its twin's (`_{name}_nograd`, the same arguments).
 struct Defined {
     schema: String,
     name: String,
-    kernel: keel_abi::sys::BoxedKernel,
-    refuse: keel_abi::sys::BoxedKernel,
+    op: &'static OpDef,
 }
 
 /// The ops to define: [`OPS`], then the `_nograd` twin of each
 /// [`WITH_AUTOGRAD`] op (its schema and kernels under the twin's name).
 fn all_ops() -> Vec<Defined> {
-    let mut all: Vec<_> = OPS
-        .iter()
-        .map(|op| Defined {
-            schema: op.schema.to_string(),
-            name: op.name.to_string(),
-            kernel: op.kernel,
-            refuse: op.refuse,
-        })
-        .collect();
+    let mut all: Vec<_> =
+        OPS.iter().map(|op| Defined { schema: op.schema.to_string(), name: op.name.to_string(), op }).collect();
     for &name in WITH_AUTOGRAD {
         let op = OPS.iter().find(|op| op.name == name).expect("every op with autograd is in OPS");
         let args = op.schema.strip_prefix(op.name).filter(|a| a.starts_with('(')).expect("schema starts with the name");
         let twin = format!("_{name}_nograd");
-        all.push(Defined { schema: format!("{twin}{args}"), name: twin, kernel: op.kernel, refuse: op.refuse });
+        all.push(Defined { schema: format!("{twin}{args}"), name: twin, op });
     }
     all
 }
@@ -127,7 +120,7 @@ pub(crate) fn register_all() -> Result<()> {
     for key in [DispatchKey::Cpu, DispatchKey::Cuda, DispatchKey::Meta] {
         let lib = Library::implement("keel", key)?;
         for op in &ops {
-            lib.impl_kernel(&op.name, op.kernel)?;
+            lib.impl_kernel(&op.name, op.op.kernel)?;
         }
         libs.push(lib);
     }
@@ -135,7 +128,7 @@ pub(crate) fn register_all() -> Result<()> {
     // parses loses only its clearer error (torch's own is left), not the ops.
     for &key in REFUSED_KEYS {
         let Ok(lib) = Library::implement("keel", DispatchKey::Named(key)) else { continue };
-        if ops.iter().all(|op| lib.impl_kernel(&op.name, op.refuse).is_ok()) {
+        if ops.iter().all(|op| lib.impl_kernel(&op.name, op.op.refuse).is_ok()) {
             libs.push(lib);
         }
     }

@@ -80,12 +80,20 @@ fn input<T: Element>(c: Case) -> Vec<T> {
 /// Element-wise `|got - want| <= tol (1 + |want|)`; where `want` is NaN or
 /// infinite, `got` must be the same.
 fn close<T: Element>(got: &[T], want: &[T], tol: f64, what: &str) {
+    close_scaled(got, want, tol, |_| 0.0, what)
+}
+
+/// [`close`] with `scale(i)` added to `|want|` in element `i`'s tolerance.
+fn close_scaled<T: Element>(got: &[T], want: &[T], tol: f64, scale: impl Fn(usize) -> f64, what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        let (a, b) = (a.to_f64(), b.to_f64());
-        let ok =
-            if b.is_finite() { (a - b).abs() <= tol * (1.0 + b.abs()) } else { a == b || (a.is_nan() && b.is_nan()) };
-        assert!(ok, "{what} {} at {i}: {a} vs {b}", T::NAME);
+        let (a, b, s) = (a.to_f64(), b.to_f64(), scale(i));
+        let ok = if b.is_finite() {
+            (a - b).abs() <= tol * (1.0 + b.abs() + s)
+        } else {
+            a == b || (a.is_nan() && b.is_nan())
+        };
+        assert!(ok, "{what} {} at {i}: {a} vs {b} (scale {s})", T::NAME);
     }
 }
 
@@ -94,20 +102,11 @@ fn close<T: Element>(got: &[T], want: &[T], tol: f64, what: &str) {
 /// element's tolerance also scales with the largest finite input of its row
 /// (`cols` elements of `x`, laid out as the outputs).
 fn close_rotated<T: Element>(got: &[T], want: &[T], x: &[T], cols: usize, tol: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
     let scales: Vec<f64> = x
         .chunks(cols)
         .map(|row| row.iter().map(|v| v.to_f64().abs()).filter(|v| v.is_finite()).fold(0.0, f64::max))
         .collect();
-    for (i, (a, b)) in got.iter().zip(want).enumerate() {
-        let (a, b, scale) = (a.to_f64(), b.to_f64(), scales[i / cols]);
-        let ok = if b.is_finite() {
-            (a - b).abs() <= tol * (1.0 + b.abs() + scale)
-        } else {
-            a == b || (a.is_nan() && b.is_nan())
-        };
-        assert!(ok, "{what} {} at {i}: {a} vs {b} (row scale {scale})", T::NAME);
-    }
+    close_scaled(got, want, tol, |i| scales[i / cols], what)
 }
 
 fn bits<T: Element>(v: &[T]) -> Vec<u64> {
