@@ -3,9 +3,31 @@ from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function
 
 from . import _twice
 from ._common import heads_contiguous, nograd, rows_in_place
+
+# A tensor argument that overrides __torch_function__ (a subclass, torch.fx's
+# Proxy) or an active TorchFunctionMode sees the call of the typed function,
+# as for torch.nn.functional's: torch.fx.symbolic_trace records one node.
+# The check costs about 35 ns a call (measured); `_overridden` runs only where
+# it says yes.
+_has_torch_function = torch._C._has_torch_function_variadic
+_handle = handle_torch_function
+
+
+def _overridden(*tensors) -> bool:
+    """Whether a call whose tensor arguments `_has_torch_function` accepted goes to
+    ``__torch_function__``: not where one is a nested tensor, which Keel's ops
+    refuse, naming the argument (a jagged one's ``__torch_function__`` would take
+    ``keel.rms_norm`` for ``torch.nn.functional.rms_norm``: it goes by name).
+    Read with ``__torch_function__`` off, so that no override sees ``is_nested``."""
+    with _no_torch_function():
+        return not any(isinstance(t, Tensor) and t.is_nested for t in tensors)
+
+
+_no_torch_function = torch._C.DisableTorchFunction
 
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
@@ -30,6 +52,8 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
         A new contiguous tensor shaped like ``input``. Differentiable in ``input``
         and ``weight`` (the backward reads a strided ``input`` in place too).
     """
+    if _has_torch_function(input, weight) and _overridden(input, weight):
+        return _handle(rms_norm, (input, weight), input, weight, eps)
     return _call(_rms_norm, _RMS_NORM, _twice.rms_norm, input, weight, eps)
 
 
@@ -53,6 +77,8 @@ def layer_norm(
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``, ``weight`` and ``bias``.
     """
+    if _has_torch_function(input, weight, bias) and _overridden(input, weight, bias):
+        return _handle(layer_norm, (input, weight, bias), input, weight, bias, eps)
     return _call(_layer_norm, _LAYER_NORM, _twice.layer_norm, input, weight, bias, eps)
 
 
@@ -66,7 +92,7 @@ def fused_add_rms_norm(
     """``s = input + residual`` and ``rms_norm(s, weight, eps)`` in one pass over memory.
 
     The pre-norm step of a transformer block. Returns ``(rms_norm(s), s)``, the same as
-    ``s = input + residual; (F.rms_norm(s, (n,), weight, eps), s)``: ``s`` is rounded to the
+    ``s = input + residual; (F.rms_norm(s, (n), weight, eps), s)``: ``s`` is rounded to the
     dtype before it is normalised, as in torch. Out of place; vLLM's in-place form is
     :func:`fused_add_rms_norm_`.
 
@@ -78,6 +104,8 @@ def fused_add_rms_norm(
         ``(normed, sum)``, both shaped like ``input``. Differentiable in ``input``,
         ``residual`` and ``weight``.
     """
+    if _has_torch_function(input, residual, weight) and _overridden(input, residual, weight):
+        return _handle(fused_add_rms_norm, (input, residual, weight), input, residual, weight, eps)
     return _call(_fused_add_rms_norm, _FUSED_ADD_RMS_NORM, _twice.fused_add_rms_norm, input, residual, weight, eps)
 
 
@@ -102,6 +130,8 @@ def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor
     Not differentiable: use :func:`fused_add_rms_norm` where a gradient is needed
     (grad mode on and an argument requiring one is refused with a RuntimeError).
     """
+    if _has_torch_function(input, residual, weight) and _overridden(input, residual, weight):
+        return _handle(fused_add_rms_norm_, (input, residual, weight), input, residual, weight, eps)
     op = _keel.fused_add_rms_norm_.default
     try:
         _call_inplace(op, (input, residual), input, residual, _c(weight), eps)
@@ -116,6 +146,8 @@ def silu_and_mul(input: Tensor) -> Tensor:
     The first half is the gate, the second the up projection (vLLM's layout).
     f32 math, one rounding. Differentiable.
     """
+    if _has_torch_function(input) and _overridden(input):
+        return _handle(silu_and_mul, (input,), input)
     return _call(_silu_and_mul, _SILU_AND_MUL, _twice.gated, input)
 
 
@@ -129,6 +161,8 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
     ``approximate`` is ``"none"`` (exact, erf) or ``"tanh"``, as in ``F.gelu``; anything
     else raises a RuntimeError. f32 math, one rounding. Differentiable.
     """
+    if _has_torch_function(input) and _overridden(input):
+        return _handle(gelu_and_mul, (input,), input, approximate)
     return _call(_gelu_and_mul, _GELU_AND_MUL, _twice.gated, input, approximate)
 
 
@@ -153,6 +187,8 @@ def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
     Returns:
         A new tensor shaped like ``input``. Differentiable in ``input``.
     """
+    if _has_torch_function(input) and _overridden(input):
+        return _handle(softmax, (input,), input, scale)
     return _call(_softmax, _SOFTMAX, _twice.softmax, input, scale)
 
 
@@ -189,6 +225,8 @@ def cross_entropy(
     Returns:
         The loss in ``logits``' dtype. Differentiable in ``logits``.
     """
+    if _has_torch_function(logits, target) and _overridden(logits, target):
+        return _handle(cross_entropy, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
     if _twice.transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:
@@ -215,6 +253,8 @@ def cross_entropy_with_lse(
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
     """
+    if _has_torch_function(logits, target) and _overridden(logits, target):
+        return _handle(cross_entropy_with_lse, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
     return _call(_cross_entropy_with_lse, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
 
 
@@ -239,6 +279,8 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
         A new contiguous tensor shaped like ``x``. Differentiable in ``x`` (and in
         ``cos``/``sin``).
     """
+    if _has_torch_function(x, cos, sin) and _overridden(x, cos, sin):
+        return _handle(rotary_embedding, (x, cos, sin), x, cos, sin, interleaved)
     return _call(_rotary_embedding, _ROTARY_EMBEDDING, _twice.rotary, x, cos, sin, interleaved)
 
 
@@ -262,9 +304,11 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
     Not differentiable: use :func:`rotary_embedding` where a gradient is needed (grad
     mode on and an argument requiring one is refused with a RuntimeError).
     """
+    if _has_torch_function(x, cos, sin) and _overridden(x, cos, sin):
+        return _handle(rotary_embedding_, (x, cos, sin), x, cos, sin, interleaved)
     op = _keel.rotary_embedding_.default
     try:
-        _call_inplace(op, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
+        _call_inplace(op, (x), x, cos.contiguous(), sin.contiguous(), interleaved)
     except RuntimeError:
         _refuse_not_dense(op, (x, cos, sin, interleaved))
         raise
