@@ -308,7 +308,7 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
         return _handle(rotary_embedding_, (x, cos, sin), x, cos, sin, interleaved)
     op = _keel.rotary_embedding_.default
     try:
-        _call_inplace(op, (x), x, cos.contiguous(), sin.contiguous(), interleaved)
+        _call_inplace(op, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
     except RuntimeError:
         _refuse_not_dense(op, (x, cos, sin, interleaved))
         raise
