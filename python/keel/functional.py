@@ -135,8 +135,8 @@ def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor
     op = _keel.fused_add_rms_norm_.default
     try:
         _call_inplace(op, (input, residual), input, residual, _c(weight), eps)
-    except RuntimeError:
-        _refuse_not_dense(op, (input, residual, weight, eps))
+    except _PREPARING as err:
+        _refuse(op, (input, residual, weight, eps), err)
         raise
 
 
@@ -231,11 +231,16 @@ def cross_entropy(
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:
         logits, target = logits.contiguous(), target.contiguous()
-    except RuntimeError:
-        _refuse_not_dense(_CROSS_ENTROPY[0], (logits, target, ignore_index, label_smoothing, reduction))
+    except _PREPARING as err:
+        _refuse(_CROSS_ENTROPY[0], (logits, target, ignore_index, label_smoothing, reduction), err)
         raise
     if torch.is_grad_enabled() and logits.requires_grad and _tracing_state() is None:
-        return _keel.cross_entropy_with_lse.default(logits, target, ignore_index, label_smoothing, reduction)[0]
+        try:
+            return _CROSS_ENTROPY_WITH_LSE[0](logits, target, ignore_index, label_smoothing, reduction)[0]
+        except _PREPARING as err:
+            args = (logits, target, ignore_index, label_smoothing, reduction)
+            _refuse(_CROSS_ENTROPY[0], args, err, _CROSS_ENTROPY_WITH_LSE[0])
+            raise
     return _call(_plain, _CROSS_ENTROPY, None, logits, target, ignore_index, label_smoothing, reduction)
 
 
@@ -309,8 +314,8 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
     op = _keel.rotary_embedding_.default
     try:
         _call_inplace(op, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
-    except RuntimeError:
-        _refuse_not_dense(op, (x, cos, sin, interleaved))
+    except _PREPARING as err:
+        _refuse(op, (x, cos, sin, interleaved), err)
         raise
 
 
@@ -356,8 +361,8 @@ def _call(fn, ops, ref, *args):
       autograd kernel calls it. Not while torch.jit.trace records: there the
       op, in every grad mode, so that the trace and its check agree.
     One function, not two: a second Python frame cost 0.35 us a call (measured).
-    An argument that is not a dense tensor gets the op's own error, naming it
-    (:func:`_refuse_not_dense`).
+    An argument that is not a dense tensor, or of the wrong type, gets an error
+    naming the op and the argument (:func:`_refuse`).
     """
     try:
         if ref is not None and _twice.transformed():
@@ -370,8 +375,8 @@ def _call(fn, ops, ref, *args):
         # Under torch.jit.trace, the op itself: the trace's check runs the function
         # again under no_grad and must record the same op as the trace did.
         return fn(ops[1] if _tracing_state() is None else ops[0], *args)
-    except RuntimeError:
-        _refuse_not_dense(ops[0], args)
+    except _PREPARING as err:
+        _refuse(ops[0], args, err, ops[1])
         raise
 
 
@@ -380,18 +385,50 @@ def _dense(t: Tensor) -> bool:
     return t.layout == torch.strided and not t.is_quantized and not t.is_nested
 
 
-def _refuse_not_dense(op, args):
-    """Where an argument is a sparse, quantized or nested tensor, raises the
-    error of `op` (a Keel op) called on the arguments as given: its kernel for
-    such tensors names the op and the argument (``abi/src/refuse.rs``). Called
-    where preparing the arguments (``.contiguous()``, reading strides) failed:
-    on such tensors that fails first, with torch's message about the method.
+# What preparing a call's arguments or calling its op raises where an argument
+# is not what the op takes: RuntimeError from torch (a sparse tensor's
+# .contiguous(), the op's own checks), AttributeError where a value is not a
+# tensor (a list's .contiguous()), TypeError from Python.
+_PREPARING = (RuntimeError, AttributeError, TypeError)
+
+
+def _refuse(op, args, err, called=None):
+    """Raises an error naming `op` (a Keel op) and the argument where one of
+    `args` (the op's arguments as the caller gave them) is not what it takes;
+    called where preparing them (``.contiguous()``, reading strides) or the
+    call itself raised `err`, which the caller raises again where this returns.
+
+    - A sparse, quantized or nested tensor: the error of `op` called on the
+      arguments as given, from its kernel for such tensors, which names op and
+      argument (``abi/src/refuse.rs``). Preparing them fails first, with torch's
+      message about the method.
+    - A value that is not a tensor where the op takes one (a list, a numpy
+      array): says so (where preparing it failed, torch's parser never saw it).
+    - An error raised by `called`, an op the typed function called in place of
+      `op` (its ``_nograd`` twin; cross_entropy's ``cross_entropy_with_lse``):
+      torch's parser error for an argument of the wrong type, or the kernel's
+      own check: the same, naming `op`, the op the caller asked for.
+
+    All are RuntimeErrors, as torch's parser raises for ``torch.ops.keel``: the
+    same mistake gets the same error in every grad mode and through both APIs.
     """
     if any(isinstance(a, Tensor) and not _dense(a) for a in args):
         try:
             op(*args)
         except RuntimeError as refused:
             raise refused from None
+    name = op._schema.name
+    for arg, value in zip(op._schema.arguments, args):
+        if isinstance(value, Tensor):
+            continue
+        kind = str(arg.type)
+        if kind == "Tensor" or (kind == "Optional[Tensor]" and value is not None):
+            wanted = "a Tensor" if kind == "Tensor" else "a Tensor or None"
+            raise RuntimeError(f"{name}: argument '{arg.name}' must be {wanted}, got {type(value).__name__}") from None
+    if called is not None and isinstance(err, RuntimeError):
+        called_name = called._schema.name
+        if str(err).startswith((called_name + "()", called_name + ":")):
+            raise RuntimeError(str(err).replace(called_name, name)) from None
 
 
 _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView

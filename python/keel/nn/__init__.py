@@ -19,12 +19,12 @@ def _shape(normalized_shape) -> tuple:
 def _flat(module_name: str, x: Tensor, normalized_shape: tuple, functional) -> tuple:
     """(x as [..., n], n) for the trailing normalized_shape dims of x: x itself
     where normalized_shape is one dim. Where x is not a dense tensor (sparse,
-    nested: its shape or reshape fails), the error is that of `functional` (the
-    module's op) on x, naming op and argument."""
+    nested: its shape or reshape fails) or not a tensor at all, the error is
+    that of `functional` (the module's op) on x, naming op and argument."""
     try:
         return _flat_dense(module_name, x, normalized_shape)
-    except RuntimeError:
-        if not _dense(x):
+    except (RuntimeError, AttributeError):
+        if not isinstance(x, Tensor) or not _dense(x):
             functional(x)
         raise
 
