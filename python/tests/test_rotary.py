@@ -143,6 +143,21 @@ def test_matches_llama_with_its_cos_and_sin():
     torch.testing.assert_close(got.transpose(1, 2), want, atol=1e-5, rtol=1e-5)
 
 
+def test_per_sequence_positions_through_one_flattened_batch():
+    """Positions that differ per sequence (left padding, packed sequences): batch
+    and seq flattened into one seq of tokens, each with its own cos/sin row
+    gathered from a table, as vLLM's positions index its cos/sin cache."""
+    torch.manual_seed(0)
+    b, s, h, d = 3, 10, 4, 64
+    positions = torch.stack([torch.arange(s), torch.arange(s) + 7, (torch.arange(s) - 3).clamp(min=0)])
+    q = torch.randn(b, h, s, d)
+    want, _ = llama_rope(q, positions, d)
+    table = llama_rope(torch.zeros(1, 1, 64, d), torch.arange(64)[None], d)[1][0, :, : d // 2]  # [max_pos, d/2]
+    cos, sin = table.cos()[positions.flatten()], table.sin()[positions.flatten()]  # [b * s, d/2]
+    got = keel.rotary_embedding(q.transpose(1, 2).reshape(1, b * s, h, d), cos, sin)
+    torch.testing.assert_close(got.view(b, s, h, d).transpose(1, 2), want, atol=1e-5, rtol=1e-5)
+
+
 def test_gradcheck_f64_including_cos_and_sin():
     x = torch.randn(2, 3, 2, 8, dtype=torch.float64, requires_grad=True)
     a = torch.randn(3, 3, dtype=torch.float64)
