@@ -92,7 +92,7 @@ def fused_add_rms_norm(
     """``s = input + residual`` and ``rms_norm(s, weight, eps)`` in one pass over memory.
 
     The pre-norm step of a transformer block. Returns ``(rms_norm(s), s)``, the same as
-    ``s = input + residual; (F.rms_norm(s, (n), weight, eps), s)``: ``s`` is rounded to the
+    ``s = input + residual; (F.rms_norm(s, (n,), weight, eps), s)``: ``s`` is rounded to the
     dtype before it is normalised, as in torch. Out of place; vLLM's in-place form is
     :func:`fused_add_rms_norm_`.
 
