@@ -214,6 +214,14 @@ twin (Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs`` lists the same)."""
 
 _LIB = None
 
+APPLY = {}
+"""Each differentiable op's formula, ``apply`` of its autograd.Function (filled
+by :func:`register`): called with all of the op's arguments, it runs the op's
+``_nograd`` twin and records the backward, as the op's autograd kernel does
+where an argument requires a gradient. The typed API calls it directly in
+eager grad mode (``functional._call``), without the dispatcher's trip through
+the op's autograd kernel."""
+
 
 def _autograd_kernel(name, backward, setup):
     """The ``Autograd`` kernel of op `name`: where an argument requires a gradient, the formula
@@ -249,7 +257,7 @@ def _autograd_kernel(name, backward, setup):
         (torch.autograd.Function,),
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
-    apply = formula.apply
+    apply = APPLY[name] = formula.apply
 
     def kernel(*args):
         if len(args) < count:
