@@ -152,3 +152,17 @@ def test_nn_layernorm_is_a_drop_in_for_torch(device, shape, bias):
     theirs(x).pow(2).sum().backward()
     for a, b in zip(g_ours, [x.grad] + [p.grad for p in theirs.parameters()]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arg", ["weight", "bias"])
+@pytest.mark.parametrize("bad", [(8, 4), (32,), (4, 7)], ids=["transposed", "flattened", "wrong-size"])
+def test_nn_layernorm_refuses_a_parameter_not_of_normalized_shape(arg, bad):
+    # torch.nn.LayerNorm refuses these too; a (8, 4) weight on (4, 8) has as many elements
+    # and would otherwise be taken, silently, in the wrong order.
+    m = keel.nn.LayerNorm((4, 8))
+    setattr(m, arg, torch.nn.Parameter(torch.ones(bad)))
+    with pytest.raises(RuntimeError, match=rf"keel.nn.LayerNorm: argument '{arg}' must have shape \(4, 8\) "):
+        m(torch.randn(2, 4, 8))
+    params = {"weight": torch.ones(4, 8), "bias": torch.zeros(4, 8), arg: torch.ones(bad)}
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.layer_norm(torch.randn(2, 4, 8), (4, 8), **params)

@@ -273,6 +273,18 @@ def test_nn_rmsnorm_is_a_drop_in_for_torch(device, shape, eps):
     torch.testing.assert_close(g_ours[1], theirs.weight.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("bad", [(8, 4), (32,), (4, 7)], ids=["transposed", "flattened", "wrong-size"])
+def test_nn_rmsnorm_refuses_a_weight_not_of_normalized_shape(bad):
+    # torch.nn.RMSNorm refuses these too; a (8, 4) weight on (4, 8) has as many elements
+    # and would otherwise be taken, silently, in the wrong order.
+    m = keel.nn.RMSNorm((4, 8))
+    m.weight = torch.nn.Parameter(torch.ones(bad))
+    with pytest.raises(RuntimeError, match=r"keel.nn.RMSNorm: argument 'weight' must have shape \(4, 8\) "):
+        m(torch.randn(2, 4, 8))
+    with pytest.raises(RuntimeError):
+        torch.nn.functional.rms_norm(torch.randn(2, 4, 8), (4, 8), torch.ones(bad))
+
+
 def test_same_result_for_any_thread_count():
     x = torch.randn(300, 1000)
     w = torch.randn(1000, requires_grad=True)

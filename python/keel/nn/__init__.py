@@ -58,6 +58,21 @@ def _param(p: Optional[Tensor], x: Tensor, n: int) -> Optional[Tensor]:
     return p
 
 
+def _check_params(module_name: str, normalized_shape: tuple, **params: Optional[Tensor]) -> None:
+    """Refuses a parameter whose shape is not ``normalized_shape``, as torch's
+    modules do, where that spans several dims: :func:`_param` flattens it, so a
+    parameter of another shape with as many elements (``(8, 4)`` for ``(4, 8)``)
+    would be taken silently, and one of the wrong size would be refused by the
+    op with its flattened width. A one-dim ``normalized_shape`` needs no check
+    here: the op's own names the argument and the width."""
+    for arg, p in params.items():
+        if isinstance(p, Tensor) and tuple(p.shape) != normalized_shape:
+            raise RuntimeError(
+                f"{module_name}: argument '{arg}' must have shape {normalized_shape} (normalized_shape), "
+                f"got {tuple(p.shape)}"
+            )
+
+
 def _unflat(out: Tensor, flat: Tensor, x: Tensor) -> Tensor:
     """The op's result `out` on `flat` (from :func:`_flat`), shaped like `x`."""
     return out if flat is x else out.reshape(x.shape)
@@ -84,6 +99,8 @@ def _rms_norm_module(x: Tensor, normalized_shape: tuple, weight: Optional[Tensor
     if _has_torch_function(x, weight) and _overridden(x, weight):
         return _handle(_rms_norm_module, (x, weight), x, normalized_shape, weight, eps)
     flat, n = _flat("keel.nn.RMSNorm", x, normalized_shape, rms_norm)
+    if flat is not x:
+        _check_params("keel.nn.RMSNorm", normalized_shape, weight=weight)
     out = rms_norm(flat, _param(weight, x, n), _default_eps(x) if eps is None else eps)
     return _unflat(out, flat, x)
 
@@ -95,6 +112,8 @@ def _layer_norm_module(
     if _has_torch_function(x, weight, bias) and _overridden(x, weight, bias):
         return _handle(_layer_norm_module, (x, weight, bias), x, normalized_shape, weight, bias, eps)
     flat, n = _flat("keel.nn.LayerNorm", x, normalized_shape, layer_norm)
+    if flat is not x:
+        _check_params("keel.nn.LayerNorm", normalized_shape, weight=weight, bias=bias)
     out = layer_norm(flat, _param(weight, x, n), _param(bias, x, n), eps)
     return _unflat(out, flat, x)
 
