@@ -76,9 +76,9 @@ impl Shape {
             Some(span) => Err(Error::Shape {
                 op,
                 arg: "x",
-                msg: format!("holds {x} elements, but its shape and strides {strides:?} reach {span}"),
+                msg: format!("holds {x} elements, but its shape and strides {strides} reach {span}"),
             }),
-            None => Err(Error::Shape { op, arg: "x", msg: format!("strides {strides:?} overflow the address space") }),
+            None => Err(Error::Shape { op, arg: "x", msg: format!("strides {strides} overflow the address space") }),
         }
     }
 
@@ -99,7 +99,7 @@ impl Shape {
                 continue;
             }
             if s < extent {
-                let msg = format!("has heads that overlap (strides {strides:?}), which an in-place op cannot write");
+                let msg = format!("has heads that overlap (strides {strides}), which an in-place op cannot write");
                 return Err(Error::Shape { op, arg: "x", msg });
             }
             extent = s.saturating_mul(n - 1).saturating_add(extent);
@@ -137,6 +137,13 @@ pub struct Strides {
     pub seq: usize,
     /// Between heads.
     pub heads: usize,
+}
+
+/// `[batch, seq, heads, 1]`: `x.stride()`, as the other messages give strides.
+impl std::fmt::Display for Strides {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "[{}, {}, {}, 1]", self.batch, self.seq, self.heads)
+    }
 }
 
 /// Writes the rotation of `x` to `out` (by the opposite angle when `inverse`:

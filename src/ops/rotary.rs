@@ -84,7 +84,7 @@ fn check_launch(op: &'static str, shape: &Shape, strides: Strides) -> Result<usi
     let span = shape.span(strides).unwrap_or(usize::MAX);
     shape.check_strided(op, span, strides, shape.seq * half, shape.seq * half, n)?;
     if span > i64::MAX as usize {
-        let msg = format!("strides {strides:?} reach past 2^63 elements");
+        let msg = format!("strides {strides} reach past 2^63 elements");
         return Err(Error::Invalid { op, arg: "x", msg });
     }
     Ok(if n == 0 { 0 } else { shape.batch * shape.seq * shape.heads })
