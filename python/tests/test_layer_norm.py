@@ -1,5 +1,7 @@
 """keel.layer_norm against torch: values, gradients, opcheck, gradcheck,
 torch.compile, bad input, and keel.nn.LayerNorm."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,14 +157,19 @@ def test_nn_layernorm_is_a_drop_in_for_torch(device, shape, bias):
 
 
 @pytest.mark.parametrize("arg", ["weight", "bias"])
-@pytest.mark.parametrize("bad", [(8, 4), (32,), (4, 7)], ids=["transposed", "flattened", "wrong-size"])
-def test_nn_layernorm_refuses_a_parameter_not_of_normalized_shape(arg, bad):
-    # torch.nn.LayerNorm refuses these too; a (8, 4) weight on (4, 8) has as many elements
-    # and would otherwise be taken, silently, in the wrong order.
-    m = keel.nn.LayerNorm((4, 8))
+@pytest.mark.parametrize(
+    "shape,bad",
+    [((4, 8), (8, 4)), ((4, 8), (32,)), ((4, 8), (4, 7)), ((8,), (2, 4)), ((8,), (1, 8))],
+    ids=["transposed", "flattened", "wrong-size", "one-dim-as-two", "one-dim-unsqueezed"],
+)
+def test_nn_layernorm_refuses_a_parameter_not_of_normalized_shape(arg, shape, bad):
+    # torch.nn.LayerNorm refuses these too; a (8, 4) weight on (4, 8), or (2, 4) on (8,), has as
+    # many elements and would otherwise be taken, silently, in the wrong order.
+    m = keel.nn.LayerNorm(shape)
     setattr(m, arg, torch.nn.Parameter(torch.ones(bad)))
-    with pytest.raises(RuntimeError, match=rf"keel.nn.LayerNorm: argument '{arg}' must have shape \(4, 8\) "):
-        m(torch.randn(2, 4, 8))
-    params = {"weight": torch.ones(4, 8), "bias": torch.zeros(4, 8), arg: torch.ones(bad)}
+    want = re.escape(f"keel.nn.LayerNorm: argument '{arg}' must have shape {shape} (normalized_shape), got {bad}")
+    with pytest.raises(RuntimeError, match=want):
+        m(torch.randn(2, *shape))
+    params = {"weight": torch.ones(shape), "bias": torch.zeros(shape), arg: torch.ones(bad)}
     with pytest.raises(RuntimeError):
-        torch.nn.functional.layer_norm(torch.randn(2, 4, 8), (4, 8), **params)
+        torch.nn.functional.layer_norm(torch.randn(2, *shape), shape, **params)

@@ -1,5 +1,7 @@
 """keel.rms_norm against torch: values, gradients, opcheck, gradcheck,
 torch.compile, bad input, the nn module and threads."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -273,16 +275,21 @@ def test_nn_rmsnorm_is_a_drop_in_for_torch(device, shape, eps):
     torch.testing.assert_close(g_ours[1], theirs.weight.grad, atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("bad", [(8, 4), (32,), (4, 7)], ids=["transposed", "flattened", "wrong-size"])
-def test_nn_rmsnorm_refuses_a_weight_not_of_normalized_shape(bad):
-    # torch.nn.RMSNorm refuses these too; a (8, 4) weight on (4, 8) has as many elements
-    # and would otherwise be taken, silently, in the wrong order.
-    m = keel.nn.RMSNorm((4, 8))
+@pytest.mark.parametrize(
+    "shape,bad",
+    [((4, 8), (8, 4)), ((4, 8), (32,)), ((4, 8), (4, 7)), ((8,), (2, 4)), ((8,), (1, 8))],
+    ids=["transposed", "flattened", "wrong-size", "one-dim-as-two", "one-dim-unsqueezed"],
+)
+def test_nn_rmsnorm_refuses_a_weight_not_of_normalized_shape(shape, bad):
+    # torch.nn.RMSNorm refuses these too; a (8, 4) weight on (4, 8), or (2, 4) on (8,), has as
+    # many elements and would otherwise be taken, silently, in the wrong order.
+    m = keel.nn.RMSNorm(shape)
     m.weight = torch.nn.Parameter(torch.ones(bad))
-    with pytest.raises(RuntimeError, match=r"keel.nn.RMSNorm: argument 'weight' must have shape \(4, 8\) "):
-        m(torch.randn(2, 4, 8))
+    want = re.escape(f"keel.nn.RMSNorm: argument 'weight' must have shape {shape} (normalized_shape), got {bad}")
+    with pytest.raises(RuntimeError, match=want):
+        m(torch.randn(2, *shape))
     with pytest.raises(RuntimeError):
-        torch.nn.functional.rms_norm(torch.randn(2, 4, 8), (4, 8), torch.ones(bad))
+        torch.nn.functional.rms_norm(torch.randn(2, *shape), shape, torch.ones(bad))
 
 
 def test_same_result_for_any_thread_count():

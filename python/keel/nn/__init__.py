@@ -44,33 +44,30 @@ def _flat_dense(module_name: str, x: Tensor, normalized_shape: tuple) -> tuple:
     return x.reshape(*x.shape[: x.dim() - k], n), n
 
 
-def _param(p: Optional[Tensor], x: Tensor, n: int) -> Optional[Tensor]:
-    """A parameter as ``[n]`` in ``x``'s dtype: float32 parameters with bfloat16 or
-    float16 activations (mixed precision, autocast) are cast, as torch's modules
-    accept them; the cast is differentiable, so the gradient reaches the parameter
-    in its own dtype."""
+def _param(module_name: str, arg: str, p: Optional[Tensor], x: Tensor, normalized_shape: tuple,
+           n: int) -> Optional[Tensor]:
+    """Parameter `arg` of module `module_name` as ``[n]`` in ``x``'s dtype.
+
+    It must have the shape ``normalized_shape``, as torch's modules require.
+    Where that is one dim and the parameter is too, the op checks the width
+    itself (naming the argument); anywhere else a parameter is flattened, so it
+    is checked here first: one of another shape with as many elements (``(8, 4)``
+    for ``(4, 8)``, ``(2, 4)`` for ``(8,)``) would be taken silently, in the wrong
+    order. float32 parameters with bfloat16 or float16 activations (mixed
+    precision, autocast) are cast, as torch's modules accept them; the cast is
+    differentiable, so the gradient reaches the parameter in its own dtype."""
     if p is None:
         return None
-    if p.dim() != 1:
-        p = p.reshape(n)
-    if p.dtype != x.dtype and p.is_floating_point() and x.is_floating_point():
-        p = p.to(x.dtype)
-    return p
-
-
-def _check_params(module_name: str, normalized_shape: tuple, **params: Optional[Tensor]) -> None:
-    """Refuses a parameter whose shape is not ``normalized_shape``, as torch's
-    modules do, where that spans several dims: :func:`_param` flattens it, so a
-    parameter of another shape with as many elements (``(8, 4)`` for ``(4, 8)``)
-    would be taken silently, and one of the wrong size would be refused by the
-    op with its flattened width. A one-dim ``normalized_shape`` needs no check
-    here: the op's own names the argument and the width."""
-    for arg, p in params.items():
-        if isinstance(p, Tensor) and tuple(p.shape) != normalized_shape:
+    if p.dim() != 1 or len(normalized_shape) != 1:
+        if tuple(p.shape) != normalized_shape:
             raise RuntimeError(
                 f"{module_name}: argument '{arg}' must have shape {normalized_shape} (normalized_shape), "
                 f"got {tuple(p.shape)}"
             )
+        p = p.reshape(n)
+    if p.dtype != x.dtype and p.is_floating_point() and x.is_floating_point():
+        p = p.to(x.dtype)
+    return p
 
 
 def _unflat(out: Tensor, flat: Tensor, x: Tensor) -> Tensor:
@@ -99,9 +96,8 @@ def _rms_norm_module(x: Tensor, normalized_shape: tuple, weight: Optional[Tensor
     if _has_torch_function(x, weight) and _overridden(x, weight):
         return _handle(_rms_norm_module, (x, weight), x, normalized_shape, weight, eps)
     flat, n = _flat("keel.nn.RMSNorm", x, normalized_shape, rms_norm)
-    if flat is not x:
-        _check_params("keel.nn.RMSNorm", normalized_shape, weight=weight)
-    out = rms_norm(flat, _param(weight, x, n), _default_eps(x) if eps is None else eps)
+    w = _param("keel.nn.RMSNorm", "weight", weight, x, normalized_shape, n)
+    out = rms_norm(flat, w, _default_eps(x) if eps is None else eps)
     return _unflat(out, flat, x)
 
 
@@ -112,9 +108,9 @@ def _layer_norm_module(
     if _has_torch_function(x, weight, bias) and _overridden(x, weight, bias):
         return _handle(_layer_norm_module, (x, weight, bias), x, normalized_shape, weight, bias, eps)
     flat, n = _flat("keel.nn.LayerNorm", x, normalized_shape, layer_norm)
-    if flat is not x:
-        _check_params("keel.nn.LayerNorm", normalized_shape, weight=weight, bias=bias)
-    out = layer_norm(flat, _param(weight, x, n), _param(bias, x, n), eps)
+    w = _param("keel.nn.LayerNorm", "weight", weight, x, normalized_shape, n)
+    b = _param("keel.nn.LayerNorm", "bias", bias, x, normalized_shape, n)
+    out = layer_norm(flat, w, b, eps)
     return _unflat(out, flat, x)
 
 
