@@ -186,8 +186,9 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
              "moves a few hundred KB, so the time is mostly the call itself, the allocation, and spreading the work "
              "over the threads. Timed as above (interleaved, medians), under `torch.no_grad()`, as a model decodes "
              "(Hugging Face's `generate()` does so). Keel is called through `torch.ops.keel`, so each call first "
-             "passes through Keel's Python autograd kernel: about 2-2.5 µs (see the per-call overhead below), 4 µs for the in-place ops; "
-             "the typed `keel.*` and `keel.nn` skip it, and under `torch.inference_mode()` no call runs it.", "",
+             "passes through Keel's Python autograd kernel: about 2-2.5 µs (see the per-call overhead below), "
+             "4 µs for the in-place ops; the typed `keel.*` and `keel.nn` skip it, and under "
+             "`torch.inference_mode()` no call runs it.", "",
              "| run | op | dtype | shape | Keel µs | eager µs | compile µs | vs eager | vs compile | err |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):
