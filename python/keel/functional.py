@@ -457,7 +457,7 @@ def _call_inplace(op, written, *args):
     is called as it is.
     """
     # is_compiling first: dynamo cannot trace is_inference_mode_enabled.
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+    if _compiling() or torch.is_inference_mode_enabled():
         return op(*args)
     if torch.is_grad_enabled():
         for a in args:
