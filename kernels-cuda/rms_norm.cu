@@ -43,19 +43,36 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
       scalar_cols<T>(cols, f);
     }
   };
+  // A row of up to ROW_PACKS vectors a thread is held in registers between
+  // its two passes (every load in flight at once, one read of x), as the
+  // softmax forward holds its rows. Each thread takes the same vectors in the
+  // same order as the plain loop: the same bits.
+  const int packs = cols / N;
+  const bool regs = vec && !WarpRows && packs <= ROW_PACKS * team;
+  auto sum_sq = [&](const Pack<T>& p, float& ss) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float f = to_f32(p.v[k]);
+      ss = fmaf(f, f, ss);
+    }
+  };
+  auto write = [&](T* yr, int i, const Pack<T>& p, float r) {
+    Pack<T> o, pw;
+    if (w) pw = load_pack(w + i * N);
+#pragma unroll
+    for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * r * (w ? to_f32(pw.v[k]) : 1.f));
+    store_pack(yr + i * N, o);
+  };
   for (int64_t row = first; row < rows; row += (int64_t)gridDim.x * teams) {
     const T* xr = x + row_offset(row, n1, n2, s0, s1, s2);
     T* yr = y + row * cols;
     float ss = 0.f;
-    if (vec) {
-      for (int i = lane; i < cols / N; i += team) {
-        Pack<T> p = load_pack(xr + i * N);
-#pragma unroll
-        for (int k = 0; k < N; ++k) {
-          float f = to_f32(p.v[k]);
-          ss = fmaf(f, f, ss);
-        }
-      }
+    Pack<T> held[ROW_PACKS];
+    if (regs) {
+      each_pack(packs, true, [&](int i, int p) { held[p] = load_pack(xr + i * N); });
+      each_pack(packs, true, [&](int, int p) { sum_sq(held[p], ss); });
+    } else if (vec) {
+      for (int i = lane; i < packs; i += team) sum_sq(load_pack(xr + i * N), ss);
     } else {
       each_col([&](int i) {
         const float f = to_f32(xr[i]);
@@ -63,15 +80,10 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
       });
     }
     const float r = rsqrtf((WarpRows ? warp_sum(ss) : block_sum(ss, scratch)) / cols + eps);
-    if (vec) {
-      for (int i = lane; i < cols / N; i += team) {
-        Pack<T> p = load_pack(xr + i * N), o;
-        Pack<T> pw;
-        if (w) pw = load_pack(w + i * N);
-#pragma unroll
-        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * r * (w ? to_f32(pw.v[k]) : 1.f));
-        store_pack(yr + i * N, o);
-      }
+    if (regs) {
+      each_pack(packs, true, [&](int i, int p) { write(yr, i, held[p], r); });
+    } else if (vec) {
+      for (int i = lane; i < packs; i += team) write(yr, i, load_pack(xr + i * N), r);
     } else {
       each_col([&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
     }
