@@ -60,6 +60,7 @@ api! {
         aoti_torch_get_device_index: fn(AtenTensorHandle, *mut i32) -> ErrorCode;
         aoti_torch_is_contiguous: fn(AtenTensorHandle, *mut bool) -> ErrorCode;
         aoti_torch_empty_strided: fn(i64, *const i64, *const i64, i32, i32, i32, *mut AtenTensorHandle) -> ErrorCode;
+        aoti_torch_copy_: fn(AtenTensorHandle, AtenTensorHandle, i32) -> ErrorCode;
         aoti_torch_dtype_float16: fn() -> i32;
         aoti_torch_dtype_bfloat16: fn() -> i32;
         aoti_torch_dtype_float32: fn() -> i32;

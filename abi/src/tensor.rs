@@ -67,6 +67,20 @@ impl Tensor {
         Tensor::empty(self.sizes()?, self.dtype()?, self.device()?)
     }
 
+    /// This tensor itself where it is contiguous, else a contiguous copy of
+    /// it (same sizes, dtype and device), made by torch's `copy_` on the
+    /// current stream: for a kernel that reads dense rows, given a view.
+    pub fn into_contiguous(self) -> Result<Tensor> {
+        if self.is_contiguous()? {
+            return Ok(self);
+        }
+        let out = self.empty_like()?;
+        // SAFETY: both handles are valid and owned for the call; `out` is a
+        // fresh tensor of `self`'s sizes, dtype and device.
+        check("aoti_torch_copy_", unsafe { (api()?.aoti_torch_copy_)(out.handle, self.handle, 0) })?;
+        Ok(out)
+    }
+
     fn get<T: Default>(
         &self,
         call: &'static str,

@@ -43,12 +43,12 @@ pub(crate) fn same_dtype(op: &str, arg: &str, t: &Tensor, main_arg: &str, dtype:
     }
 }
 
-pub(crate) fn contiguous(op: &str, arg: &str, t: &Tensor) -> Result<()> {
-    if t.is_contiguous()? {
-        Ok(())
-    } else {
-        Err(invalid(op, arg, "must be contiguous (call .contiguous() first; the Python API keel.* does)"))
-    }
+/// `t` itself where it is contiguous, else a contiguous copy: the kernels read
+/// dense rows, and a torch op takes any strided layout (torch.compile hands
+/// over views of its own choosing, such as a padded matmul's output sliced
+/// back). Call it once `t` has passed the op's other checks.
+pub(crate) fn dense(op: &str, arg: &str, t: Tensor) -> Result<Tensor> {
+    t.into_contiguous().map_err(|e| invalid(op, arg, format!("could not be copied to a contiguous tensor: {e}")))
 }
 
 pub(crate) fn same_shape(op: &str, arg: &str, t: &Tensor, main_arg: &str, sizes: &[i64]) -> Result<()> {
@@ -61,24 +61,24 @@ pub(crate) fn same_shape(op: &str, arg: &str, t: &Tensor, main_arg: &str, sizes:
 }
 
 /// A per-column parameter (weight, bias) of the row tensor `c`: on its
-/// device, of its dtype, shape `[cols]`, contiguous.
-pub(crate) fn param(op: &str, arg: &str, t: &Tensor, c: &Rows) -> Result<()> {
-    same_device(op, arg, t, c.arg, c.device)?;
-    same_dtype(op, arg, t, c.arg, c.dtype)?;
+/// device, of its dtype, shape `[cols]`; returned contiguous ([`dense`]).
+pub(crate) fn param(op: &str, arg: &str, t: Tensor, c: &Rows) -> Result<Tensor> {
+    same_device(op, arg, &t, c.arg, c.device)?;
+    same_dtype(op, arg, &t, c.arg, c.dtype)?;
     let (s, cols) = (t.sizes()?, c.cols);
     if s != [cols as i64] {
         return Err(invalid(op, arg, format!("must have shape [{cols}] ({}'s last dim), got {s:?}", c.arg)));
     }
-    contiguous(op, arg, t)
+    dense(op, arg, t)
 }
 
 /// A tensor that must match the row tensor `main` (checked as `c`) in
-/// device, dtype and shape, and be contiguous.
-pub(crate) fn like(op: &str, arg: &str, t: &Tensor, main: &Tensor, c: &Rows) -> Result<()> {
-    same_device(op, arg, t, c.arg, c.device)?;
-    same_dtype(op, arg, t, c.arg, c.dtype)?;
-    same_shape(op, arg, t, c.arg, main.sizes()?)?;
-    contiguous(op, arg, t)
+/// device, dtype and shape; returned contiguous ([`dense`]).
+pub(crate) fn like(op: &str, arg: &str, t: Tensor, main: &Tensor, c: &Rows) -> Result<Tensor> {
+    same_device(op, arg, &t, c.arg, c.device)?;
+    same_dtype(op, arg, &t, c.arg, c.dtype)?;
+    same_shape(op, arg, &t, c.arg, main.sizes()?)?;
+    dense(op, arg, t)
 }
 
 /// `t` and `other` (both checked, of one dtype) share no element: an op
@@ -124,10 +124,10 @@ impl Rows {
 }
 
 /// The checks every op over the last dimension makes of its main tensor `arg`.
-pub(crate) fn rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result<Rows> {
-    let r = strided_rows_of(op, arg, t)?;
-    contiguous(op, arg, t)?;
-    Ok(r)
+/// Returns `t` contiguous ([`dense`]) with what the checks found.
+pub(crate) fn rows_of(op: &str, arg: &'static str, t: Tensor) -> Result<(Tensor, Rows)> {
+    let r = strided_rows_of(op, arg, &t)?;
+    Ok((dense(op, arg, t)?, r))
 }
 
 /// [`rows_of`] for an op that reads `t` through its strides: any layout.

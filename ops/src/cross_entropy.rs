@@ -19,21 +19,19 @@ use keel::cpu::Element;
 use keel::ops::cross_entropy::{Options, Reduction};
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
-/// Checks logits, target and the options.
-fn check(
-    op: &'static str,
-    logits: &Tensor,
-    target: &Tensor,
-    ii: i64,
-    ls: f64,
-    reduction: &str,
-) -> Result<(Rows, Options)> {
-    let c = checks::rows_of(op, "logits", logits)?;
+/// The checked logits and target (both contiguous), what the checks found,
+/// and the options.
+type Checked = (Tensor, Tensor, Rows, Options);
+
+/// Checks logits, target and the options; returns the two tensors contiguous
+/// ([`checks::dense`]).
+fn check(op: &'static str, logits: Tensor, target: Tensor, ii: i64, ls: f64, reduction: &str) -> Result<Checked> {
+    let c = checks::strided_rows_of(op, "logits", &logits)?;
     let s = logits.sizes()?;
     if s.len() != 2 {
         return Err(invalid(op, "logits", format!("must have 2 dims [N, V], got shape {s:?}")));
     }
-    checks::same_device(op, "target", target, "logits", c.device)?;
+    checks::same_device(op, "target", &target, "logits", c.device)?;
     if target.dtype()? != ScalarType::I64 {
         return Err(invalid(
             op,
@@ -48,12 +46,11 @@ fn check(
             format!("must have shape [{}] (logits' first dim), got {:?}", s[0], target.sizes()?),
         ));
     }
-    checks::contiguous(op, "target", target)?;
     // The kernels' own checks of V > 0 and the options, for every device.
     let reduction = Reduction::parse(op, reduction).map_err(check_err)?;
     let opts = Options { ignore_index: ii, label_smoothing: ls, reduction };
     keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, c.cols, &opts).map_err(check_err)?;
-    Ok((c, opts))
+    Ok((checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?, c, opts))
 }
 
 fn loss_shape(c: &Rows, reduction: Reduction) -> Vec<i64> {
@@ -80,7 +77,7 @@ fn forward(
     (logits, target, ii, ls, reduction): (Tensor, Tensor, i64, f64, String),
     with_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (c, opts) = check(op, &logits, &target, ii, ls, &reduction)?;
+    let (logits, target, c, opts) = check(op, logits, target, ii, ls, &reduction)?;
     let out = Tensor::empty(&loss_shape(&c, opts.reduction), c.dtype, c.device)?;
     let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
     match c.device.kind {
@@ -156,8 +153,8 @@ impl BoxedOp for CrossEntropyWithLse {
 }
 
 /// Checks the optional `lse` of `cross_entropy_backward` against the logits.
-fn check_lse(op: &str, lse: &Tensor, c: &Rows) -> Result<()> {
-    checks::same_device(op, "lse", lse, "logits", c.device)?;
+fn check_lse(op: &str, lse: Tensor, c: &Rows) -> Result<Tensor> {
+    checks::same_device(op, "lse", &lse, "logits", c.device)?;
     let want = lse_dtype(c.dtype);
     if lse.dtype()? != want {
         let msg = format!(
@@ -170,7 +167,7 @@ fn check_lse(op: &str, lse: &Tensor, c: &Rows) -> Result<()> {
     if lse.sizes()? != [c.rows as i64] {
         return Err(invalid(op, "lse", format!("must have shape [{}] (one per row), got {:?}", c.rows, lse.sizes()?)));
     }
-    checks::contiguous(op, "lse", lse)
+    checks::dense(op, "lse", lse)
 }
 
 /// `cross_entropy_backward`.
@@ -183,17 +180,15 @@ impl BoxedOp for CrossEntropyBackward {
 
     fn run((grad, logits, target, ii, ls, reduction, lse): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let (c, opts) = check(op, &logits, &target, ii, ls, &reduction)?;
+        let (logits, target, c, opts) = check(op, logits, target, ii, ls, &reduction)?;
         checks::same_device(op, "grad", &grad, "logits", c.device)?;
         checks::same_dtype(op, "grad", &grad, "logits", c.dtype)?;
         let want = loss_shape(&c, opts.reduction);
         if grad.sizes()? != want.as_slice() {
             return Err(invalid(op, "grad", format!("must have shape {want:?} (the loss's), got {:?}", grad.sizes()?)));
         }
-        checks::contiguous(op, "grad", &grad)?;
-        if let Some(l) = &lse {
-            check_lse(op, l, &c)?;
-        }
+        let grad = checks::dense(op, "grad", grad)?;
+        let lse = lse.map(|l| check_lse(op, l, &c)).transpose()?;
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {

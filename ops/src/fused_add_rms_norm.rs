@@ -26,8 +26,8 @@ impl BoxedOp for FusedAddRmsNorm {
     type Out = (Tensor, Tensor);
 
     fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP, "input", &input, weight.as_ref(), eps)?;
-        checks::like(OP, "residual", &residual, &input, &c)?;
+        let (input, weight, c) = check(OP, "input", input, weight, eps)?;
+        let residual = checks::like(OP, "residual", residual, &input, &c)?;
         let (out, sum) = (c.empty_like(&input)?, c.empty_like(&input)?);
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -90,8 +90,9 @@ impl BoxedOp for FusedAddRmsNormInplace {
                 return Err(checks::invalid(OP_INPLACE, arg, msg));
             }
         }
-        let c = check(OP_INPLACE, "input", &input, weight.as_ref(), eps)?;
-        checks::like(OP_INPLACE, "residual", &residual, &input, &c)?;
+        // Both contiguous (above): `check` and `like` hand back these tensors, not copies.
+        let (input, weight, c) = check(OP_INPLACE, "input", input, weight, eps)?;
+        let residual = checks::like(OP_INPLACE, "residual", residual, &input, &c)?;
         checks::disjoint(OP_INPLACE, "residual", &residual, "input", &input)?;
         if let Some(w) = &weight {
             checks::disjoint(OP_INPLACE, "weight", w, "input", &input)?;
@@ -146,11 +147,9 @@ impl BoxedOp for FusedAddRmsNormBackward {
     type Out = (Tensor, Tensor);
 
     fn run((grad_out, grad_sum, sum, weight, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP_BWD, "sum", &sum, weight.as_ref(), eps)?;
-        checks::like(OP_BWD, "grad_out", &grad_out, &sum, &c)?;
-        if let Some(g) = &grad_sum {
-            checks::like(OP_BWD, "grad_sum", g, &sum, &c)?;
-        }
+        let (sum, weight, c) = check(OP_BWD, "sum", sum, weight, eps)?;
+        let grad_out = checks::like(OP_BWD, "grad_out", grad_out, &sum, &c)?;
+        let grad_sum = grad_sum.map(|g| checks::like(OP_BWD, "grad_sum", g, &sum, &c)).transpose()?;
         let grad = c.empty_like(&sum)?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {

@@ -10,14 +10,14 @@ use crate::torch_pool::with_torch_par;
 use keel::ops::gated::Activation;
 use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
 
-/// Checks `input` (last dim even) and returns it with `d`.
-fn check(op: &str, input: &Tensor) -> Result<(Rows, usize)> {
-    let c = checks::rows_of(op, "input", input)?;
+/// Checks `input` (last dim even) and returns it, contiguous, with `d`.
+fn check(op: &str, input: Tensor) -> Result<(Tensor, Rows, usize)> {
+    let (input, c) = checks::rows_of(op, "input", input)?;
     if c.cols % 2 != 0 {
         return Err(invalid(op, "input", format!("must have an even last dimension (2d), got {}", c.cols)));
     }
     let d = c.cols / 2;
-    Ok((c, d))
+    Ok((input, c, d))
 }
 
 fn gelu(approximate: &str) -> Result<Activation> {
@@ -26,7 +26,7 @@ fn gelu(approximate: &str) -> Result<Activation> {
 
 fn forward(act: Activation, input: Tensor) -> Result<(Tensor,)> {
     let op = act.op();
-    let (c, d) = check(op, &input)?;
+    let (input, c, d) = check(op, input)?;
     let mut sizes = input.sizes()?.to_vec();
     *sizes.last_mut().expect("checked: at least 1 dim") = d as i64;
     let out = Tensor::empty(&sizes, c.dtype, c.device)?;
@@ -59,7 +59,7 @@ fn forward(act: Activation, input: Tensor) -> Result<(Tensor,)> {
 }
 
 fn backward(act: Activation, op: &str, grad_out: Tensor, input: Tensor) -> Result<(Tensor,)> {
-    let (c, d) = check(op, &input)?;
+    let (input, c, d) = check(op, input)?;
     checks::same_device(op, "grad_out", &grad_out, "input", c.device)?;
     checks::same_dtype(op, "grad_out", &grad_out, "input", c.dtype)?;
     let mut want = input.sizes()?.to_vec();
@@ -71,7 +71,7 @@ fn backward(act: Activation, op: &str, grad_out: Tensor, input: Tensor) -> Resul
             format!("must have shape {want:?} (input's with the last dim halved), got {:?}", grad_out.sizes()?),
         ));
     }
-    checks::contiguous(op, "grad_out", &grad_out)?;
+    let grad_out = checks::dense(op, "grad_out", grad_out)?;
     let grad_input = c.empty_like(&input)?;
     match c.device.kind {
         DeviceType::Cpu => with_float_type!(c.dtype, T => {

@@ -12,15 +12,15 @@ use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 const OP: &str = "layer_norm";
 const OP_BWD: &str = "layer_norm_backward";
 
-fn check(op: &str, input: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>, eps: f64) -> Result<Rows> {
-    let c = checks::rows_of(op, "input", input)?;
-    for (arg, p) in [("weight", weight), ("bias", bias)] {
-        if let Some(p) = p {
-            checks::param(op, arg, p, &c)?;
-        }
-    }
+/// The checked tensors, each contiguous, and what the checks found.
+type Checked = (Tensor, Option<Tensor>, Option<Tensor>, Rows);
+
+fn check(op: &str, input: Tensor, weight: Option<Tensor>, bias: Option<Tensor>, eps: f64) -> Result<Checked> {
+    let (input, c) = checks::rows_of(op, "input", input)?;
+    let weight = weight.map(|p| checks::param(op, "weight", p, &c)).transpose()?;
+    let bias = bias.map(|p| checks::param(op, "bias", p, &c)).transpose()?;
     checks::eps(op, eps)?;
-    Ok(c)
+    Ok((input, weight, bias, c))
 }
 
 /// The forward op.
@@ -32,7 +32,7 @@ impl BoxedOp for LayerNorm {
     type Out = (Tensor,);
 
     fn run((input, weight, bias, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP, &input, weight.as_ref(), bias.as_ref(), eps)?;
+        let (input, weight, bias, c) = check(OP, input, weight, bias, eps)?;
         let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -82,8 +82,8 @@ impl BoxedOp for LayerNormBackward {
     type Out = (Tensor, Tensor, Tensor);
 
     fn run((grad_out, input, weight, bias, eps): Self::Args) -> Result<Self::Out> {
-        let c = check(OP_BWD, &input, weight.as_ref(), bias.as_ref(), eps)?;
-        checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
+        let (input, weight, bias, c) = check(OP_BWD, input, weight, bias, eps)?;
+        let grad_out = checks::like(OP_BWD, "grad_out", grad_out, &input, &c)?;
         let grad_input = c.empty_like(&input)?;
         let param_grad =
             |p: &Option<Tensor>| Tensor::empty(&[if p.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device);

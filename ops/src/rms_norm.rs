@@ -7,7 +7,8 @@
 //!
 //! Both read `input` through its strides where its last dim is contiguous
 //! (q or k of a fused qkv projection viewed per head, for QK-norm; a
-//! transposed tensor): see [`checks::row_layout`]. `grad_out` is contiguous.
+//! transposed tensor): see [`checks::row_layout`]. Any other layout, and a
+//! strided `grad_out` or `weight`, is copied to a contiguous tensor first.
 use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
@@ -17,29 +18,42 @@ use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 const OP: &str = "rms_norm";
 const OP_BWD: &str = "rms_norm_backward";
 
+/// The checked tensors and what the checks found: the normalised tensor,
+/// the weight (contiguous), the rows.
+pub(crate) type Checked = (Tensor, Option<Tensor>, Rows);
+
 /// Checks the normalised tensor (named `arg` in the schema), `weight` and
-/// `eps` the same way on every device; shared with `fused_add_rms_norm`.
-pub(crate) fn check(op: &str, arg: &'static str, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<Rows> {
-    let c = checks::rows_of(op, arg, x)?;
-    check_params(op, &c, weight, eps)?;
-    Ok(c)
+/// `eps` the same way on every device, and returns the tensors contiguous
+/// ([`checks::dense`]); shared with `fused_add_rms_norm`.
+pub(crate) fn check(op: &str, arg: &'static str, x: Tensor, weight: Option<Tensor>, eps: f64) -> Result<Checked> {
+    let (x, c) = checks::rows_of(op, arg, x)?;
+    let weight = check_params(op, &c, weight, eps)?;
+    Ok((x, weight, c))
 }
 
-/// [`check`] for an `input` read through its strides; also returns where its
-/// rows lie.
-fn check_strided(op: &str, x: &Tensor, weight: Option<&Tensor>, eps: f64) -> Result<(Rows, RowLayout)> {
-    let c = checks::strided_rows_of(op, "input", x)?;
-    let layout = checks::row_layout(op, "input", x, &c)?;
-    check_params(op, &c, weight, eps)?;
-    Ok((c, layout))
+/// [`check`] for an `input` read through its strides: also returns where its
+/// rows lie. A layout its rows cannot be read in place from (the last dim
+/// strided, or leading dims that do not merge) is copied to a contiguous one.
+fn check_strided(
+    op: &str,
+    x: Tensor,
+    weight: Option<Tensor>,
+    eps: f64,
+) -> Result<(Tensor, Option<Tensor>, Rows, RowLayout)> {
+    let c = checks::strided_rows_of(op, "input", &x)?;
+    let (x, layout) = match checks::row_layout(op, "input", &x, &c) {
+        Ok(layout) => (x, layout),
+        Err(_) => (checks::dense(op, "input", x)?, RowLayout::contiguous(c.rows, c.cols)),
+    };
+    let weight = check_params(op, &c, weight, eps)?;
+    Ok((x, weight, c, layout))
 }
 
-/// [`check`]'s checks of `weight` and `eps`.
-fn check_params(op: &str, c: &Rows, weight: Option<&Tensor>, eps: f64) -> Result<()> {
-    if let Some(w) = weight {
-        checks::param(op, "weight", w, c)?;
-    }
-    checks::eps(op, eps)
+/// [`check`]'s checks of `weight` (returned contiguous) and `eps`.
+fn check_params(op: &str, c: &Rows, weight: Option<Tensor>, eps: f64) -> Result<Option<Tensor>> {
+    let weight = weight.map(|w| checks::param(op, "weight", w, c)).transpose()?;
+    checks::eps(op, eps)?;
+    Ok(weight)
 }
 
 /// The forward op.
@@ -51,7 +65,7 @@ impl BoxedOp for RmsNorm {
     type Out = (Tensor,);
 
     fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let (c, layout) = check_strided(OP, &input, weight.as_ref(), eps)?;
+        let (input, weight, c, layout) = check_strided(OP, input, weight, eps)?;
         let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -98,8 +112,8 @@ impl BoxedOp for RmsNormBackward {
     type Out = (Tensor, Tensor);
 
     fn run((grad_out, input, weight, eps): Self::Args) -> Result<Self::Out> {
-        let (c, layout) = check_strided(OP_BWD, &input, weight.as_ref(), eps)?;
-        checks::like(OP_BWD, "grad_out", &grad_out, &input, &c)?;
+        let (input, weight, c, layout) = check_strided(OP_BWD, input, weight, eps)?;
+        let grad_out = checks::like(OP_BWD, "grad_out", grad_out, &input, &c)?;
         let grad_input = c.empty_like(&input)?;
         let grad_weight = Tensor::empty(&[if weight.is_some() { c.cols as i64 } else { 0 }], c.dtype, c.device)?;
         match c.device.kind {

@@ -19,21 +19,20 @@ use crate::torch_pool::with_torch_par;
 use keel::ops::rotary::{Shape, Strides};
 use keel_abi::{BoxedOp, DeviceType, Result, Tensor};
 
-/// Checks `x` (4-D, each head contiguous) and `cos`, `sin` against it;
-/// returns the shape and `x`'s strides.
-fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Rows, Shape, Strides)> {
-    let c = checks::strided_rows_of(op, arg, x)?;
-    let s = x.sizes()?;
-    let &[batch, seq, heads, head_dim] = s else {
+/// The checked `x` (each head contiguous), `cos` and `sin` (contiguous),
+/// what the checks found, the shape and `x`'s strides.
+type Checked = (Tensor, Tensor, Tensor, Rows, Shape, Strides);
+
+/// Checks `x` (4-D) and `cos`, `sin` against it. An `x` whose heads are not
+/// contiguous, and a strided `cos` or `sin`, is copied to a contiguous tensor
+/// ([`checks::dense`]; the in-place op refuses such an `x` before this).
+fn check(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor) -> Result<Checked> {
+    let c = checks::strided_rows_of(op, arg, &x)?;
+    let &[batch, seq, heads, head_dim] = x.sizes()? else {
+        let s = x.sizes()?;
         return Err(invalid(op, arg, format!("must have 4 dims [batch, seq, heads, head_dim], got shape {s:?}")));
     };
-    let st = x.strides()?;
-    if !checks::rows_read_in_place(st, head_dim as usize) {
-        let msg = format!("{}, got strides {st:?} (call .contiguous() first)", checks::LAST_DIM_CONTIGUOUS);
-        return Err(invalid(op, arg, msg));
-    }
-    let strides = Strides { batch: st[0] as usize, seq: st[1] as usize, heads: st[2] as usize };
-    for (name, t) in [("cos", cos), ("sin", sin)] {
+    for (name, t) in [("cos", &cos), ("sin", &sin)] {
         checks::same_device(op, name, t, arg, c.device)?;
         checks::same_dtype(op, name, t, arg, c.dtype)?;
         let ts = t.sizes()?;
@@ -48,18 +47,21 @@ fn check(op: &str, arg: &'static str, x: &Tensor, cos: &Tensor, sin: &Tensor) ->
             let msg = format!("gives rotary_dim = {} (2 x its last dim), more than head_dim = {head_dim}", 2 * ts[1]);
             return Err(invalid(op, name, msg));
         }
-        checks::contiguous(op, name, t)?;
     }
     if cos.sizes()? != sin.sizes()? {
         return Err(invalid(op, "sin", format!("has shape {:?} but 'cos' has {:?}", sin.sizes()?, cos.sizes()?)));
     }
     let rotary_dim = 2 * cos.sizes()?[1] as usize;
     let (batch, seq, heads, head_dim) = (batch as usize, seq as usize, heads as usize, head_dim as usize);
-    Ok((c, Shape { batch, seq, heads, head_dim, rotary_dim }, strides))
+    let x = if checks::rows_read_in_place(x.strides()?, head_dim) { x } else { checks::dense(op, arg, x)? };
+    let st = x.strides()?;
+    let strides = Strides { batch: st[0] as usize, seq: st[1] as usize, heads: st[2] as usize };
+    let (cos, sin) = (checks::dense(op, "cos", cos)?, checks::dense(op, "sin", sin)?);
+    Ok((x, cos, sin, c, Shape { batch, seq, heads, head_dim, rotary_dim }, strides))
 }
 
 fn run(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Result<(Tensor,)> {
-    let (c, shape, strides) = check(op, arg, &x, &cos, &sin)?;
+    let (x, cos, sin, c, shape, strides) = check(op, arg, x, cos, sin)?;
     let inverse = op.ends_with("_backward");
     let out = c.empty_like(&x)?;
     match c.device.kind {
@@ -142,7 +144,7 @@ impl BoxedOp for RotaryEmbeddingInplace {
             let msg = format!("{}, got strides {st:?}: the op writes it in place", checks::LAST_DIM_CONTIGUOUS);
             return Err(invalid(op, "x", msg));
         }
-        let (c, shape, strides) = check(op, "x", &x, &cos, &sin)?;
+        let (x, cos, sin, c, shape, strides) = check(op, "x", x, cos, sin)?;
         shape.check_disjoint(op, strides).map_err(check_err)?;
         checks::disjoint(op, "cos", &cos, "x", &x)?;
         checks::disjoint(op, "sin", &sin, "x", &x)?;

@@ -23,7 +23,7 @@ impl BoxedOp for Softmax {
 
     fn run((input, scale): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let c = checks::rows_of(op, "input", &input)?;
+        let (input, c) = checks::rows_of(op, "input", input)?;
         check_scale(op, &c, scale)?;
         let out = c.empty_like(&input)?;
         match c.device.kind {
@@ -58,8 +58,8 @@ impl BoxedOp for SoftmaxBackward {
 
     fn run((grad_out, output, scale): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let c = checks::rows_of(op, "output", &output)?;
-        checks::like(op, "grad_out", &grad_out, &output, &c)?;
+        let (output, c) = checks::rows_of(op, "output", output)?;
+        let grad_out = checks::like(op, "grad_out", grad_out, &output, &c)?;
         check_scale(op, &c, scale)?;
         let grad_input = c.empty_like(&output)?;
         match c.device.kind {

@@ -121,8 +121,6 @@ BAD = [
     ("weight dtype", lambda: (torch.randn(2, 4), torch.randn(4, dtype=torch.float64), 1e-6), r"argument 'weight' has dtype torch.float64"),
     ("devices differ", lambda: (torch.randn(2, 4), torch.randn(4, device="meta"), 1e-6), r"argument 'weight' is on meta but 'input' is on cpu"),
     ("0-dim", lambda: (torch.tensor(1.0), None, 1e-6), r"argument 'input' must have at least 1 dimension"),
-    ("last dim strided", lambda: (torch.randn(4, 6).t(), None, 1e-6), r"argument 'input' must have its last dim contiguous \(stride 1\) and no negative stride, got sizes \[6, 4\] and strides \[1, 6\] \(call .contiguous\(\) first\)"),
-    ("4 leading dims apart", lambda: (torch.randn(2000).as_strided((2, 2, 2, 2, 4), (1000, 300, 50, 8, 1)), None, 1e-6), r"argument 'input' has more than 3 leading dims that do not merge into one another, got sizes \[2, 2, 2, 2, 4\] and strides \[1000, 300, 50, 8, 1\]"),
     ("negative eps", lambda: (torch.randn(2, 4), None, -1.0), r"argument 'eps' must be finite and >= 0"),
     ("nan eps", lambda: (torch.randn(2, 4), None, float("nan")), r"argument 'eps' must be finite and >= 0"),
 ]

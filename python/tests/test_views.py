@@ -2,8 +2,8 @@
 last dim, zero-size dims) through the ops that read views in place
 (rms_norm and rotary_embedding, forward and backward), against the same op on
 a contiguous copy (bit for bit) and against torch; a layout the op cannot read
-raises a RuntimeError naming the op and the argument, and the typed API copies
-it instead. Seeded, so a failure reproduces."""
+in place (the last dim strided) it copies first. Seeded, so a failure
+reproduces."""
 import random
 
 import torch
@@ -34,7 +34,7 @@ def random_view(rng, shape, last_dim_may_stride=True):
 def test_rms_norm_on_random_views():
     rng = random.Random(0)
     torch.manual_seed(0)
-    in_place = refused = 0
+    in_place = copied = 0
     for _ in range(300):
         shape = [rng.randint(0 if rng.random() < 0.05 else 1, 5) for _ in range(rng.randint(1, 5))]
         x = random_view(rng, shape)
@@ -42,21 +42,18 @@ def test_rms_norm_on_random_views():
         dy = torch.randn(shape, dtype=torch.float64)
         want = F.rms_norm(x, (shape[-1],), w, 1e-6)
         torch.testing.assert_close(keel.rms_norm(x, w), want)
-        try:
-            got = torch.ops.keel.rms_norm(x, w, 1e-6)
-        except RuntimeError as e:
-            assert "keel::rms_norm: argument 'input'" in str(e), str(e)
-            assert "last dim contiguous" in str(e) or "leading dims" in str(e), str(e)
-            refused += 1
-            continue
-        in_place += 1
+        got = torch.ops.keel.rms_norm(x, w, 1e-6)
+        if x.dim() > 1 and x.shape[-1] > 1 and x.stride(-1) != 1:
+            copied += 1
+        else:
+            in_place += 1
         assert torch.equal(got, torch.ops.keel.rms_norm(x.contiguous(), w, 1e-6)), (x.shape, x.stride())
         torch.testing.assert_close(got, want)
         gx, gw = torch.ops.keel.rms_norm_backward(dy, x, w, 1e-6)
         cx, cw = torch.ops.keel.rms_norm_backward(dy, x.contiguous(), w, 1e-6)
         assert torch.equal(gx, cx), (x.shape, x.stride())
         torch.testing.assert_close(gw, cw, atol=1e-12, rtol=1e-12)  # summed per thread block
-    assert in_place > 200 and refused > 10, (in_place, refused)
+    assert in_place > 200 and copied > 10, (in_place, copied)
 
 
 def test_rotary_on_random_views():
@@ -64,7 +61,7 @@ def test_rotary_on_random_views():
     torch.manual_seed(1)
     for _ in range(200):
         b, s, h, d = rng.randint(1, 3), rng.randint(1, 6), rng.randint(1, 4), 2 * rng.randint(0, 8)
-        x = random_view(rng, [b, s, h, d], last_dim_may_stride=False)
+        x = random_view(rng, [b, s, h, d])
         half = rng.randint(0, d // 2)
         a = torch.randn(s, half, dtype=torch.float64)
         cos, sin, il = a.cos(), a.sin(), rng.random() < 0.5
