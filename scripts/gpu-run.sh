@@ -26,7 +26,9 @@
 #           torch.compile, no decode shapes) and the per-call overhead, with
 #           the two wheels in turn (KEEL_AB_ROUNDS rounds, default 2;
 #           KEEL_AB_BUDGET seconds a case, default 0.3; KEEL_AB_ARGS adds
-#           words to measure.py's command line, e.g. "--ops layer_norm"),
+#           words to measure.py's command line, e.g. "--no-overhead", split
+#           on spaces; KEEL_AB_OPS its --ops, kept whole: case names such as
+#           "rms_norm fwd+bwd,softmax fwd+bwd"),
 #           then benches/report/ab.py into OUT_DIR/ab/NAME/AB.md: each row's
 #           new / base, and whether torch's time moved between them; and
 #           profile_cuda.py with each wheel (OUT_DIR/ab/NAME/profile-base.log,
@@ -36,7 +38,8 @@
 #           4 minutes a baseline over every op.
 #
 # KEEL_PYTEST_ARGS adds words to the pytest command line of checks (e.g.
-# "-k cuda": the CUDA cases alone).
+# "-k cuda": the CUDA cases alone), split on spaces; KEEL_PYTEST_K a -k
+# expression kept whole (e.g. "cuda and layouts").
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
 # bench.log, report.log, report/ (8 files in all). KEEL_REPORT_ARGS adds words
@@ -111,7 +114,9 @@ if wants checks; then
   par=()
   "$py" -c "import xdist" 2>/dev/null && par=(-n 8)
   # shellcheck disable=SC2086  # KEEL_PYTEST_ARGS: extra words for pytest
-  step "$log" 240 "$py" -m pytest -q -p no:cacheprovider -rfEs "${par[@]}" ${KEEL_PYTEST_ARGS:-} python/tests
+  # KEEL_PYTEST_K: a -k expression kept whole (KEEL_PYTEST_ARGS is split on spaces).
+  step "$log" 240 "$py" -m pytest -q -p no:cacheprovider -rfEs "${par[@]}" ${KEEL_PYTEST_ARGS:-} \
+    ${KEEL_PYTEST_K:+-k "$KEEL_PYTEST_K"} python/tests
 fi
 if wants report; then
   log="$out/report.log"; : > "$log"
@@ -161,7 +166,7 @@ if wants ab; then
         # shellcheck disable=SC2086  # KEEL_AB_ARGS: extra words for measure.py
         step "$log" 240 env PYTHONPATH="$where${path0:+:$path0}" "$py" benches/report/measure.py --out "$json" \
           --devices "$devices" --no-compile --decode-ops "" --budget "${KEEL_AB_BUDGET:-0.3}" --label "$side" \
-          ${KEEL_AB_ARGS:-}
+          ${KEEL_AB_ARGS:-} ${KEEL_AB_OPS:+--ops "$KEEL_AB_OPS"}
         if [ -f "$json" ]; then
           if [ "$side" = base ]; then base_runs+=("$json"); else new_runs+=("$json"); fi
         fi
