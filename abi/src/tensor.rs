@@ -68,17 +68,30 @@ impl Tensor {
     }
 
     /// This tensor itself where it is contiguous, else a contiguous copy of
-    /// it (same sizes, dtype and device), made by torch's `copy_` on the
-    /// current stream: for a kernel that reads dense rows, given a view.
+    /// it ([`Tensor::contiguous_copy`]): for a kernel that reads dense rows,
+    /// given a view.
     pub fn into_contiguous(self) -> Result<Tensor> {
         if self.is_contiguous()? {
-            return Ok(self);
+            Ok(self)
+        } else {
+            self.contiguous_copy()
         }
+    }
+
+    /// A new contiguous tensor with this one's sizes, dtype, device and
+    /// values, made by torch's `copy_` on the current stream.
+    pub fn contiguous_copy(&self) -> Result<Tensor> {
         let out = self.empty_like()?;
-        // SAFETY: both handles are valid and owned for the call; `out` is a
-        // fresh tensor of `self`'s sizes, dtype and device.
-        check("aoti_torch_copy_", unsafe { (api()?.aoti_torch_copy_)(out.handle, self.handle, 0) })?;
+        out.copy_from(self)?;
         Ok(out)
+    }
+
+    /// Writes `src`'s values into this tensor (torch's `copy_`, on the
+    /// current stream; same sizes, or sizes that broadcast to these). Torch
+    /// refuses, with an error, a destination whose elements share memory.
+    pub fn copy_from(&self, src: &Tensor) -> Result<()> {
+        // SAFETY: both handles are valid and owned for the call.
+        check("aoti_torch_copy_", unsafe { (api()?.aoti_torch_copy_)(self.handle, src.handle, 0) })
     }
 
     fn get<T: Default>(

@@ -51,6 +51,53 @@ pub(crate) fn dense(op: &str, arg: &str, t: Tensor) -> Result<Tensor> {
     t.into_contiguous().map_err(|e| invalid(op, arg, format!("could not be copied to a contiguous tensor: {e}")))
 }
 
+/// For an op that writes the row tensor `t` in place: `(t, None)` where `t`
+/// is contiguous; else a contiguous copy to work on and `t`, to write the
+/// result back into ([`Tensor::copy_from`]) once the kernel has run. Refuses
+/// a `t` whose elements share memory (an expanded view): no result can be
+/// written there.
+pub(crate) fn written(op: &str, arg: &'static str, t: Tensor) -> Result<(Tensor, Option<Tensor>)> {
+    if t.is_contiguous()? {
+        return Ok((t, None));
+    }
+    // What a copy needs (a supported device, a float dtype); the op's checks follow.
+    strided_rows_of(op, arg, &t)?;
+    if !no_internal_overlap(t.sizes()?, t.strides()?) {
+        let msg = format!(
+            "has elements that share memory (sizes {:?}, strides {:?}): the op writes it in place",
+            t.sizes()?,
+            t.strides()?
+        );
+        return Err(invalid(op, arg, msg));
+    }
+    let work = t
+        .contiguous_copy()
+        .map_err(|e| invalid(op, arg, format!("could not be copied to a contiguous tensor: {e}")))?;
+    Ok((work, Some(t)))
+}
+
+/// Whether no two elements of a tensor of these sizes and strides share
+/// memory: each dim, in order of stride, steps past everything the smaller
+/// ones reach. Sufficient, not necessary (interleaved dims are refused); no
+/// element at all, or negative strides (which torch does not make), count as
+/// overlapping only where they would.
+pub(crate) fn no_internal_overlap(sizes: &[i64], strides: &[i64]) -> bool {
+    if sizes.contains(&0) {
+        return true;
+    }
+    let mut dims: Vec<(i64, i64)> = sizes.iter().zip(strides).filter(|(&n, _)| n > 1).map(|(&n, &s)| (s, n)).collect();
+    dims.sort_unstable();
+    // One past the largest offset the dims so far reach.
+    let mut reach: i64 = 1;
+    for (s, n) in dims {
+        if s < reach {
+            return false;
+        }
+        reach = s.saturating_mul(n - 1).saturating_add(reach);
+    }
+    true
+}
+
 pub(crate) fn same_shape(op: &str, arg: &str, t: &Tensor, main_arg: &str, sizes: &[i64]) -> Result<()> {
     let s = t.sizes()?;
     if s == sizes {
@@ -219,5 +266,24 @@ pub(crate) fn cuda_dtype(dtype: ScalarType) -> Result<keel::cuda::DType> {
         ScalarType::F16 => Ok(keel::cuda::DType::F16),
         ScalarType::BF16 => Ok(keel::cuda::DType::BF16),
         other => Err(Error::Invalid(format!("keel: internal error: no CUDA kernel for {other}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::no_internal_overlap;
+
+    #[test]
+    fn internal_overlap_of_layouts() {
+        assert!(no_internal_overlap(&[3, 4], &[4, 1])); // contiguous
+        assert!(no_internal_overlap(&[3, 4], &[1, 3])); // transposed
+        assert!(no_internal_overlap(&[3, 4], &[12, 1])); // padded rows
+        assert!(no_internal_overlap(&[2, 3, 4], &[1, 8, 2])); // dims in any order
+        assert!(no_internal_overlap(&[1, 4], &[0, 1])); // a size-1 dim's stride reaches nothing
+        assert!(no_internal_overlap(&[0, 4], &[0, 0])); // no element
+        assert!(!no_internal_overlap(&[3, 4], &[0, 1])); // expanded
+        assert!(!no_internal_overlap(&[3, 4], &[2, 1])); // rows overlap
+        assert!(!no_internal_overlap(&[2, 2], &[1, 1]));
+        assert!(!no_internal_overlap(&[2, 3], &[2, 1])); // row 1 starts inside row 0
     }
 }

@@ -6,7 +6,9 @@
 //! `grad` is the gradient of both `input` and `residual`; `grad_weight` is
 //! `[0]` when `weight` is None.
 //! `fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06) -> ()`
-//! is the forward in place: `residual` becomes the sum, `input` the output.
+//! is the forward in place: `residual` becomes the sum, `input` the output. A
+//! non-contiguous `input` or `residual` is worked on in a contiguous copy and
+//! written back; one whose elements share memory is refused.
 use crate::checks::{self, with_float_type};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::rms_norm::check;
@@ -83,20 +85,20 @@ impl BoxedOp for FusedAddRmsNormInplace {
     type Out = ();
 
     fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
-        for (arg, t) in [("input", &input), ("residual", &residual)] {
-            if !t.is_contiguous()? {
-                // A copy would take the result with it: say so, not "call .contiguous()".
-                let msg = "must be contiguous: the op writes it in place (keel.fused_add_rms_norm takes any layout)";
-                return Err(checks::invalid(OP_INPLACE, arg, msg));
-            }
-        }
-        // Both contiguous (above): `check` and `like` hand back these tensors, not copies.
+        // A layout the kernel cannot write is worked on in a contiguous copy,
+        // written back after (`back`); contiguous ones are written directly.
+        let (input, input_back) = checks::written(OP_INPLACE, "input", input)?;
+        let (residual, residual_back) = checks::written(OP_INPLACE, "residual", residual)?;
         let (input, weight, c) = check(OP_INPLACE, "input", input, weight, eps)?;
         let residual = checks::like(OP_INPLACE, "residual", residual, &input, &c)?;
-        checks::disjoint(OP_INPLACE, "residual", &residual, "input", &input)?;
+        // Memory shared between the tensors as given (not the copies) would
+        // make the result depend on the order of the writes.
+        let given_input = input_back.as_ref().unwrap_or(&input);
+        let given_residual = residual_back.as_ref().unwrap_or(&residual);
+        checks::disjoint(OP_INPLACE, "residual", given_residual, "input", given_input)?;
         if let Some(w) = &weight {
-            checks::disjoint(OP_INPLACE, "weight", w, "input", &input)?;
-            checks::disjoint(OP_INPLACE, "weight", w, "residual", &residual)?;
+            checks::disjoint(OP_INPLACE, "weight", w, "input", given_input)?;
+            checks::disjoint(OP_INPLACE, "weight", w, "residual", given_residual)?;
         }
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -133,6 +135,12 @@ impl BoxedOp for FusedAddRmsNormInplace {
                 .map_err(kernel_err)?
             }
             DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        if let Some(back) = residual_back {
+            back.copy_from(&residual)?;
+        }
+        if let Some(back) = input_back {
+            back.copy_from(&input)?;
         }
         Ok(())
     }

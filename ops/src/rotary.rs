@@ -12,7 +12,8 @@
 //!
 //! `rotary_embedding_(Tensor(a!) x, Tensor cos, Tensor sin, bool interleaved=False) -> ()`
 //! rotates `x` in place, through the same strides (vLLM's form); its heads
-//! must not overlap, nor `x` `cos` or `sin`.
+//! must not overlap, nor `x` `cos` or `sin`. An `x` whose last dim is strided
+//! is rotated in a contiguous copy and written back.
 use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{check_err, kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
@@ -138,16 +139,16 @@ impl BoxedOp for RotaryEmbeddingInplace {
 
     fn run((x, cos, sin, interleaved): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let (sizes, st) = (x.sizes()?, x.strides()?);
-        if sizes.len() == 4 && !checks::rows_read_in_place(st, sizes[3] as usize) {
-            // A copy would take the result with it: say so, not "call .contiguous()".
-            let msg = format!("{}, got strides {st:?}: the op writes it in place", checks::LAST_DIM_CONTIGUOUS);
-            return Err(invalid(op, "x", msg));
-        }
+        let sizes = x.sizes()?;
+        let heads_strided = sizes.len() == 4 && !checks::rows_read_in_place(x.strides()?, sizes[3] as usize);
+        // Heads whose last dim is strided are rotated in a contiguous copy and
+        // written back after (`back`); any other view in place, through its strides.
+        let (x, back) = if heads_strided { checks::written(op, "x", x)? } else { (x, None) };
         let (x, cos, sin, c, shape, strides) = check(op, "x", x, cos, sin)?;
         shape.check_disjoint(op, strides).map_err(check_err)?;
-        checks::disjoint(op, "cos", &cos, "x", &x)?;
-        checks::disjoint(op, "sin", &sin, "x", &x)?;
+        let given = back.as_ref().unwrap_or(&x);
+        checks::disjoint(op, "cos", &cos, "x", given)?;
+        checks::disjoint(op, "sin", &sin, "x", given)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked CPU tensors of element type T; `x`'s heads
@@ -181,6 +182,9 @@ impl BoxedOp for RotaryEmbeddingInplace {
                 .map_err(kernel_err)?
             }
             DeviceType::Meta | DeviceType::Other(_) => {}
+        }
+        if let Some(back) = back {
+            back.copy_from(&x)?;
         }
         Ok(())
     }

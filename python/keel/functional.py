@@ -123,8 +123,9 @@ def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor
     on CUDA, their memory.
 
     Args:
-        input, residual: ``[..., n]``, contiguous (they are written in place), same shape,
-            dtype and device, sharing no memory.
+        input, residual: ``[..., n]``, same shape, dtype and device, sharing no memory
+            with each other nor within themselves (an expanded view is refused). A view
+            that is not contiguous is worked on in a contiguous copy, written back.
         weight: optional ``[n]`` scale, sharing no memory with either. eps: finite and >= 0.
 
     Not differentiable: use :func:`fused_add_rms_norm` where a gradient is needed
@@ -303,8 +304,9 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
     Elements of the storage that ``x`` does not reach are left as they are.
 
     Args:
-        x: ``[batch, seq, heads, head_dim]`` with its last dim contiguous and no two
-            heads sharing memory (a broadcast, stride-0 dim is refused).
+        x: ``[batch, seq, heads, head_dim]`` with no two heads sharing memory (a
+            broadcast, stride-0 dim is refused); heads whose last dim is strided are
+            rotated in a contiguous copy, written back.
         cos, sin: as for :func:`rotary_embedding`, sharing no memory with ``x``.
 
     Not differentiable: use :func:`rotary_embedding` where a gradient is needed (grad

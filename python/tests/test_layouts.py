@@ -5,8 +5,9 @@ a broadcast. The result equals, bit for bit, the op on contiguous copies: an op
 copies what its kernels cannot read in place, and reads the rest through its
 strides. Before, most ops refused such a tensor ("must be contiguous"), so a
 compiled graph whose matmul Inductor chose to pad failed on an H200 (session 36,
-docs/GPU.md). The in-place ops still refuse a layout they cannot write: see
-test_fused_add_rms_norm_inplace.py and test_rotary_inplace.py."""
+docs/GPU.md). The in-place ops write such a tensor too, through a contiguous copy
+written back, and refuse only one whose elements share memory (see
+test_fused_add_rms_norm_inplace.py and test_rotary_inplace.py)."""
 import pytest
 import torch
 
@@ -114,6 +115,39 @@ def test_any_layout_gives_the_contiguous_result(device, layout, name, i):
         # The same kernel on the same values: the same bits. A weight gradient
         # sums per block of rows, in an order set by the row count alone.
         assert torch.equal(g, w), (name, i, layout, (g - w).abs().max())
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("which", ["input", "residual", "both"])
+def test_fused_add_rms_norm_inplace_writes_any_layout(device, layout, which):
+    """The in-place op on views: the same bits as the out-of-place op, written
+    into the views' own memory (the base tensors change, nothing else)."""
+    g = torch.Generator().manual_seed(1)
+    x, r, w = (torch.randn(*s, generator=g).to(device) for s in ((N, C), (N, C), (C,)))
+    want_out, want_sum = K.fused_add_rms_norm(x, r, w, 1e-6)
+    xv = LAYOUTS[layout](x) if which in ("input", "both") else x.clone()
+    rv = LAYOUTS[layout](r) if which in ("residual", "both") else r.clone()
+    K.fused_add_rms_norm_(xv, rv, w, 1e-6)
+    assert torch.equal(xv, want_out) and torch.equal(rv, want_sum)
+    if which != "residual":
+        assert not xv.is_contiguous() and torch.equal(xv._base[..., : xv.shape[-1]] if layout == "padded rows" else xv, want_out)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rotary_inplace_writes_heads_with_a_strided_last_dim(device, interleaved):
+    """rotary_embedding_ on heads whose last dim is strided: rotated in a copy
+    and written back, the same bits as the out-of-place op."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 5, 3, 16, generator=g).to(device)
+    a = torch.randn(5, 6, generator=g).to(device)
+    cos, sin = a.cos(), a.sin()
+    want = K.rotary_embedding(x, cos, sin, interleaved)
+    xv = column_major(x)
+    assert xv.stride(-1) != 1
+    K.rotary_embedding_(xv, cos, sin, interleaved)
+    assert torch.equal(xv, want)
 
 
 @pytest.mark.parametrize("device", devices())

@@ -116,7 +116,7 @@ def _cs(seq=3, half=4):
 
 
 BAD = [
-    ("head not contiguous", lambda: (torch.randn(1, 3, 2, 16)[..., ::2], *_cs()), r"argument 'x' must have its last dim contiguous \(stride 1\) and no negative stride, got strides \[96, 32, 16, 2\]: the op writes it in place"),
+    ("head not contiguous, heads shared", lambda: (torch.randn(1, 3, 1, 16)[..., ::2].expand(1, 3, 2, 8), *_cs()), r"argument 'x' has elements that share memory \(sizes \[1, 3, 2, 8\], strides \[48, 16, 0, 2\]\): the op writes it in place"),
     ("broadcast batch", lambda: (torch.randn(1, 3, 2, 8).expand(2, 3, 2, 8), *_cs()), r"argument 'x' has heads that overlap \(strides \[0, 16, 8, 1\]\)"),
     ("overlapping heads", lambda: (torch.randn(64).as_strided((1, 3, 2, 8), (48, 16, 4, 1)), *_cs()), r"argument 'x' has heads that overlap \(strides \[48, 16, 4, 1\]\)"),
     ("cos inside x", lambda: (lambda t: (t[:48].view(1, 3, 2, 8), t[40:52].view(3, 4), _cs()[1]))(torch.randn(64)), r"argument 'cos' shares memory with 'x'"),
