@@ -48,7 +48,12 @@ pub(crate) fn same_dtype(op: &str, arg: &str, t: &Tensor, main_arg: &str, dtype:
 /// over views of its own choosing, such as a padded matmul's output sliced
 /// back). Call it once `t` has passed the op's other checks.
 pub(crate) fn dense(op: &str, arg: &str, t: Tensor) -> Result<Tensor> {
-    t.into_contiguous().map_err(|e| invalid(op, arg, format!("could not be copied to a contiguous tensor: {e}")))
+    t.into_contiguous().map_err(copy_failed(op, arg))
+}
+
+/// The error of a failed contiguous copy of `arg`, naming the op and it.
+fn copy_failed<'a>(op: &'a str, arg: &'a str) -> impl FnOnce(Error) -> Error + 'a {
+    move |e| invalid(op, arg, format!("could not be copied to a contiguous tensor: {e}"))
 }
 
 /// For an op that writes the row tensor `t` in place: `(t, None)` where `t`
@@ -70,9 +75,7 @@ pub(crate) fn written(op: &str, arg: &'static str, t: Tensor) -> Result<(Tensor,
         );
         return Err(invalid(op, arg, msg));
     }
-    let work = t
-        .contiguous_copy()
-        .map_err(|e| invalid(op, arg, format!("could not be copied to a contiguous tensor: {e}")))?;
+    let work = t.contiguous_copy().map_err(copy_failed(op, arg))?;
     Ok((work, Some(t)))
 }
 
@@ -185,9 +188,6 @@ pub(crate) fn strided_rows_of(op: &str, arg: &'static str, t: &Tensor) -> Result
     Ok(Rows { arg, device, dtype, rows, cols })
 }
 
-/// What an op that reads rows in place says of a layout it cannot read.
-pub(crate) const LAST_DIM_CONTIGUOUS: &str = "must have its last dim contiguous (stride 1) and no negative stride";
-
 /// Whether rows of `cols` elements can be read in place through `strides`:
 /// the last dim contiguous (stride 1, or at most one element), no negative
 /// stride.
@@ -196,21 +196,17 @@ pub(crate) fn rows_read_in_place(strides: &[i64], cols: usize) -> bool {
 }
 
 /// Where the rows of `t` (checked as `c`) lie for a row op that reads it
-/// through its strides: its last dim contiguous (stride 1, or at most one
-/// element), no negative stride, and at most three leading dims once the
+/// through its strides; None where they cannot be read in place: the last
+/// dim strided, a negative stride, or more than three leading dims once the
 /// contiguous ones merge.
-pub(crate) fn row_layout(op: &str, arg: &str, t: &Tensor, c: &Rows) -> Result<keel::cpu::RowLayout> {
+pub(crate) fn row_layout(t: &Tensor, c: &Rows) -> Result<Option<keel::cpu::RowLayout>> {
     let (sizes, strides) = (t.sizes()?, t.strides()?);
-    let n = sizes.len();
-    let refuse = |why: &str| {
-        invalid(op, arg, format!("{why}, got sizes {sizes:?} and strides {strides:?} (call .contiguous() first)"))
-    };
     if !rows_read_in_place(strides, c.cols) {
-        return Err(refuse(LAST_DIM_CONTIGUOUS));
+        return Ok(None);
     }
+    let n = sizes.len();
     let us = |v: &[i64]| v.iter().map(|&x| x as usize).collect::<Vec<_>>();
-    keel::cpu::RowLayout::new(&us(&sizes[..n - 1]), &us(&strides[..n - 1]))
-        .ok_or_else(|| refuse("has more than 3 leading dims that do not merge into one another"))
+    Ok(keel::cpu::RowLayout::new(&us(&sizes[..n - 1]), &us(&strides[..n - 1])))
 }
 
 pub(crate) fn eps(op: &str, eps: f64) -> Result<()> {

@@ -41,9 +41,9 @@ fn check_strided(
     eps: f64,
 ) -> Result<(Tensor, Option<Tensor>, Rows, RowLayout)> {
     let c = checks::strided_rows_of(op, "input", &x)?;
-    let (x, layout) = match checks::row_layout(op, "input", &x, &c) {
-        Ok(layout) => (x, layout),
-        Err(_) => (checks::dense(op, "input", x)?, RowLayout::contiguous(c.rows, c.cols)),
+    let (x, layout) = match checks::row_layout(&x, &c)? {
+        Some(layout) => (x, layout),
+        None => (checks::dense(op, "input", x)?, RowLayout::contiguous(c.rows, c.cols)),
     };
     let weight = check_params(op, &c, weight, eps)?;
     Ok((x, weight, c, layout))

@@ -26,7 +26,8 @@ type Checked = (Tensor, Tensor, Tensor, Rows, Shape, Strides);
 
 /// Checks `x` (4-D) and `cos`, `sin` against it. An `x` whose heads are not
 /// contiguous, and a strided `cos` or `sin`, is copied to a contiguous tensor
-/// ([`checks::dense`]; the in-place op refuses such an `x` before this).
+/// ([`checks::dense`]; the in-place op hands over its own copy of such an `x`,
+/// made by [`checks::written`], to write back).
 fn check(op: &str, arg: &'static str, x: Tensor, cos: Tensor, sin: Tensor) -> Result<Checked> {
     let c = checks::strided_rows_of(op, arg, &x)?;
     let &[batch, seq, heads, head_dim] = x.sizes()? else {
