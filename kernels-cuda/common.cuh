@@ -89,6 +89,24 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// Lanes a short row is read by (the rows of a warp-per-row kernel): the
+// fewest, a power of two up to 32, that give none more than one of its
+// `packs` vectors (all 32 for rows longer than that).
+__device__ __forceinline__ int row_team(int packs) {
+  int team = 32;
+  while (team > 1 && team / 2 >= packs) team /= 2;
+  return team;
+}
+
+// Sum of `v` over each aligned group of `team` lanes (a power of two up to
+// 32), returned to each of them; the whole warp must call it. The last
+// log2(team) steps of warp_sum: where the other lanes of a 32-lane sum hold
+// zeros, the same bits.
+__device__ __forceinline__ float team_sum(float v, int team) {
+  for (int o = team / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Sum of `v` over the block, returned to every thread. `scratch` holds 32
 // floats of shared memory; the leading __syncthreads makes it safe to call
 // again in a loop.

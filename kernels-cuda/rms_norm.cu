@@ -14,17 +14,45 @@
 using namespace keel;
 
 // Where row `row` of a strided x starts (see above).
-__device__ __forceinline__ int64_t row_offset(int64_t row, int64_t n1, int64_t n2, int64_t s0, int64_t s1,
-                                              int64_t s2) {
+// Its two divisions are 32-bit where the row count allows (a 64-bit one is a
+// long subroutine; n1 and n2 divide the row count, so they fit too).
+__device__ __forceinline__ int64_t row_offset(int64_t row, int64_t rows, int64_t n1, int64_t n2, int64_t s0,
+                                              int64_t s1, int64_t s2) {
+  if (rows <= 0xffffffffll) {
+    const uint32_t r = (uint32_t)row, m1 = (uint32_t)n1, m2 = (uint32_t)n2;
+    const uint32_t t = r / m2, i2 = r - t * m2, i0 = t / m1, i1 = t - i0 * m1;
+    return (int64_t)i0 * s0 + (int64_t)i1 * s1 + (int64_t)i2 * s2;
+  }
   const int64_t t = row / n2, i2 = row - t * n2, i0 = t / n1, i1 = t - i0 * n1;
   return i0 * s0 + i1 * s1 + i2 * s2;
 }
 
-// Each row is read by a team of threads: the whole block, or with WarpRows
-// (short rows) one warp of it, blockDim.x / 32 rows at a time with warp sums
-// only, no block barriers. A team of 32 gives the same bits either way: the
-// block sum of one warp is its warp sum.
-template <typename T, bool WarpRows>
+// ss += the squares of a vector's elements, in order.
+template <typename T> __device__ __forceinline__ void sum_sq_pack(const Pack<T>& p, float& ss) {
+#pragma unroll
+  for (int k = 0; k < Pack<T>::N; ++k) {
+    const float f = to_f32(p.v[k]);
+    ss = fmaf(f, f, ss);
+  }
+}
+
+// Vector i of output row yr: p's elements times r (times w's).
+template <typename T>
+__device__ __forceinline__ void rms_write_pack(T* __restrict__ yr, const T* __restrict__ w, int i, const Pack<T>& p,
+                                               float r) {
+  constexpr int N = Pack<T>::N;
+  Pack<T> o, pw;
+  if (w) pw = load_pack(w + i * N);
+#pragma unroll
+  for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * r * (w ? to_f32(pw.v[k]) : 1.f));
+  store_pack(yr + i * N, o);
+}
+
+// Each row is read by the whole block. A row of up to ROW_PACKS vectors a
+// thread is held in registers between its two passes (every load in flight
+// at once, one read of x), as the softmax forward holds its rows. Each thread
+// takes the same vectors in the same order as the plain loop: the same bits.
+template <typename T>
 __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
                                              T* __restrict__ y, int64_t rows, int cols, float eps, int64_t n1,
                                              int64_t n2, int64_t s0, int64_t s1, int64_t s2) {
@@ -32,60 +60,100 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(y) &&
                    (w == nullptr || aligned16(w));
-  const int team = WarpRows ? 32 : blockDim.x, lane = WarpRows ? threadIdx.x % 32 : threadIdx.x;
-  const int teams = WarpRows ? blockDim.x / 32 : 1;
-  const int64_t first = WarpRows ? (int64_t)blockIdx.x * teams + threadIdx.x / 32 : blockIdx.x;
-  // The columns of a row this thread reads element by element (scalar_cols).
-  auto each_col = [&](auto f) {
-    if constexpr (WarpRows) {
-      scalar_cols<T>(cols, lane, 32, f);
-    } else {
-      scalar_cols<T>(cols, f);
-    }
-  };
-  // A row of up to ROW_PACKS vectors a thread is held in registers between
-  // its two passes (every load in flight at once, one read of x), as the
-  // softmax forward holds its rows. Each thread takes the same vectors in the
-  // same order as the plain loop: the same bits.
   const int packs = cols / N;
-  const bool regs = vec && !WarpRows && packs <= ROW_PACKS * team;
-  auto sum_sq = [&](const Pack<T>& p, float& ss) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const float f = to_f32(p.v[k]);
-      ss = fmaf(f, f, ss);
-    }
-  };
-  auto write = [&](T* yr, int i, const Pack<T>& p, float r) {
-    Pack<T> o, pw;
-    if (w) pw = load_pack(w + i * N);
-#pragma unroll
-    for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * r * (w ? to_f32(pw.v[k]) : 1.f));
-    store_pack(yr + i * N, o);
-  };
-  for (int64_t row = first; row < rows; row += (int64_t)gridDim.x * teams) {
-    const T* xr = x + row_offset(row, n1, n2, s0, s1, s2);
+  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row_offset(row, rows, n1, n2, s0, s1, s2);
     T* yr = y + row * cols;
     float ss = 0.f;
     Pack<T> held[ROW_PACKS];
     if (regs) {
       each_pack(packs, true, [&](int i, int p) { held[p] = load_pack(xr + i * N); });
-      each_pack(packs, true, [&](int, int p) { sum_sq(held[p], ss); });
+      each_pack(packs, true, [&](int, int p) { sum_sq_pack(held[p], ss); });
     } else if (vec) {
-      for (int i = lane; i < packs; i += team) sum_sq(load_pack(xr + i * N), ss);
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) sum_sq_pack(load_pack(xr + i * N), ss);
     } else {
-      each_col([&](int i) {
+      scalar_cols<T>(cols, [&](int i) {
         const float f = to_f32(xr[i]);
         ss = fmaf(f, f, ss);
       });
     }
-    const float r = rsqrtf((WarpRows ? warp_sum(ss) : block_sum(ss, scratch)) / cols + eps);
+    const float r = rsqrtf(block_sum(ss, scratch) / cols + eps);
     if (regs) {
-      each_pack(packs, true, [&](int i, int p) { write(yr, i, held[p], r); });
+      each_pack(packs, true, [&](int i, int p) { rms_write_pack(yr, w, i, held[p], r); });
     } else if (vec) {
-      for (int i = lane; i < packs; i += team) write(yr, i, load_pack(xr + i * N), r);
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) rms_write_pack(yr, w, i, load_pack(xr + i * N), r);
     } else {
-      each_col([&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
+      scalar_cols<T>(cols, [&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
+    }
+  }
+}
+
+// Short rows (forward_config: at most 128 vectors, as QK-norm's 128-wide
+// heads), each read by a team of lanes of one warp (row_team: 16 for a head
+// of 128 bf16, 32 for f32), a warp reading two groups of 32 / team rows at
+// once; sums by shuffles within the team, no block barriers; a row of up to
+// 32 vectors held in registers between the two passes. The same bits as a
+// team of 32 (the kernel before): the lanes past a row's vectors hold zeros,
+// and the shuffles a 32-lane sum adds first add only those zeros.
+template <typename T>
+__device__ __forceinline__ void rms_norm_fwd_teams(const T* __restrict__ x, const T* __restrict__ w,
+                                                   T* __restrict__ y, int64_t rows, int cols, float eps, int64_t n1,
+                                                   int64_t n2, int64_t s0, int64_t s1, int64_t s2) {
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(y) &&
+                   (w == nullptr || aligned16(w));
+  const int packs = (cols + N - 1) / N;  // vectors, or the element groups scalar_cols gives a lane
+  const int team = row_team(packs), lane = threadIdx.x & (team - 1);
+  const int per_warp = 32 / team;
+  const bool one = vec && packs <= team;  // one vector a lane, held in registers between the passes
+  const int64_t warps = blockDim.x / 32, warp = (int64_t)blockIdx.x * warps + threadIdx.x / 32;
+  // A warp takes G groups of per_warp rows a pass, every load of them issued
+  // before any sum. Every lane of a warp runs each pass (the shuffles need the
+  // whole warp); a team whose row is past the end reads and writes nothing.
+  constexpr int G = 2;
+  for (int64_t base = warp * per_warp * G; base < rows; base += (int64_t)gridDim.x * warps * per_warp * G) {
+    const T* xr[G];
+    T* yr[G];
+    bool live[G];
+    float ss[G], r[G];
+    Pack<T> held[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int64_t row = base + g * per_warp + (threadIdx.x & 31) / team;
+      live[g] = row < rows;
+      xr[g] = x + (live[g] ? row_offset(row, rows, n1, n2, s0, s1, s2) : 0);
+      yr[g] = y + row * cols;
+      ss[g] = 0.f;
+      if (one && live[g] && lane < packs) held[g] = load_pack(xr[g] + lane * N);
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (!live[g]) continue;
+      if (one) {
+        if (lane < packs) sum_sq_pack(held[g], ss[g]);
+      } else if (vec) {
+        for (int i = lane; i < packs; i += team) sum_sq_pack(load_pack(xr[g] + i * N), ss[g]);
+      } else {
+        scalar_cols<T>(cols, lane, team, [&](int i) {
+          const float f = to_f32(xr[g][i]);
+          ss[g] = fmaf(f, f, ss[g]);
+        });
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) r[g] = rsqrtf(team_sum(ss[g], team) / cols + eps);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (!live[g]) continue;
+      if (one) {
+        if (lane < packs) rms_write_pack(yr[g], w, lane, held[g], r[g]);
+      } else if (vec) {
+        for (int i = lane; i < packs; i += team) rms_write_pack(yr[g], w, i, load_pack(xr[g] + i * N), r[g]);
+      } else {
+        scalar_cols<T>(cols, lane, team,
+                       [&](int i) { yr[g][i] = from_f32<T>(to_f32(xr[g][i]) * r[g] * (w ? to_f32(w[i]) : 1.f)); });
+      }
     }
   }
 }
@@ -122,7 +190,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     __syncthreads();  // the vector loop below maps columns to threads differently
   }
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
-    const T* xr = x + row_offset(row, n1, n2, s0, s1, s2);
+    const T* xr = x + row_offset(row, rows, n1, n2, s0, s1, s2);
     const T* gr = dy + row * cols;
     const T* ar = add ? add + row * cols : nullptr;
     T* dxr = dx + row * cols;
@@ -184,13 +252,13 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
                                                    int cols, float eps, int64_t n1, int64_t n2,  \
                                                    int64_t s0, int64_t s1, int64_t s2) {         \
-    rms_norm_fwd<T, false>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                         \
+    rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                         \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(256, 4)                                            \
       rms_norm_fwd_warp_rows_##SUFFIX(const T* x, const T* w, T* y, int64_t rows, int cols,       \
                                       float eps, int64_t n1, int64_t n2, int64_t s0, int64_t s1,  \
                                       int64_t s2) {                                               \
-    rms_norm_fwd<T, true>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                          \
+    rms_norm_fwd_teams<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                          \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(512, 1)                                            \
       rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,             \

@@ -823,3 +823,36 @@ fn emulated_norms_and_rotary_give_the_same_bits_without_vectors() {
     same_bits_without_vectors::<f16>();
     same_bits_without_vectors::<bf16>();
 }
+
+/// The warp-rows forward reads a short row with a team of fewer than 32 lanes
+/// (`row_team`) and sums it within the team: the same bits as the block
+/// forward, which reads a lone row (forward_config gives it one warp) with
+/// all 32 lanes. Widths of 3, 10, 16 and 32 vectors, and 5 rows (a warp's
+/// last team past the end), each row against itself alone.
+#[test]
+fn emulated_rms_norm_teams_give_the_bits_of_a_warp() {
+    if skip("emulated_rms_norm_teams_give_the_bits_of_a_warp") {
+        return;
+    }
+    teams_give_the_bits_of_a_warp::<f32>();
+    teams_give_the_bits_of_a_warp::<f16>();
+    teams_give_the_bits_of_a_warp::<bf16>();
+}
+
+fn teams_give_the_bits_of_a_warp<T: Dt>() {
+    let (rows, dt, t) = (5, T::DTYPE, Emu::new(2));
+    let per_vec = 16 / std::mem::size_of::<T>();
+    for cols in [3 * per_vec, 10 * per_vec, 16 * per_vec, 32 * per_vec, 10 * per_vec + 1] {
+        let (x, w) = (data::<T>(rows * cols, 23), data::<T>(cols, 29));
+        let wd = Buf::shifted(&w, 0);
+        let fwd = |x: &[T], rows: usize| {
+            let (xd, y) = (Buf::shifted(x, 0), garbage::<T>(rows * cols, 0));
+            let layout = RowLayout::contiguous(rows, cols);
+            unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6) }.unwrap();
+            bits(&y.to_vec())
+        };
+        let together = fwd(&x, rows);
+        let alone: Vec<_> = x.chunks(cols).flat_map(|row| fwd(row, 1)).collect();
+        assert_eq!(together, alone, "rms_norm {} of {rows}x{cols}: a team's bits differ from a warp's", T::NAME);
+    }
+}

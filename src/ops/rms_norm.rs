@@ -174,16 +174,26 @@ pub(crate) unsafe fn forward_on(
 /// [`rows_config`]'s, or, for rows it gives one warp (at most 128 16-byte
 /// vectors, as QK-norm's 128-wide heads), blocks of eight warps that each take
 /// their own rows, with no block barriers, so that an SM holds 2048 threads
-/// instead of 16 blocks of 32 (the same bits: the block sum of one warp is its
-/// warp sum).
+/// instead of 16 blocks of 32. A warp reads `32 / row_team` rows at once
+/// (the kernel's `row_team`: the lanes a row takes, one vector each up to
+/// 32; the same bits as a team of 32).
 fn forward_config(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, bool) {
     let cfg = rows_config(rows, cols, elem_bytes, sm_count * 16);
     if cfg.block_dim.0 > 32 || rows < 2 {
         return (cfg, false);
     }
     let warps = 8u32;
-    let blocks = (rows as u64).div_ceil(warps as u64).min(sm_count as u64 * 8) as u32;
+    let per_warp = 32 / row_team(cols.div_ceil(16 / elem_bytes));
+    let per_block = (warps * per_warp * 2) as u64; // the kernel's G = 2 groups a warp
+    let blocks = (rows as u64).div_ceil(per_block).min(sm_count as u64 * 8) as u32;
     (LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (32 * warps, 1, 1), shared_mem_bytes: 0 }, true)
+}
+
+/// Lanes a row of `packs` 16-byte vectors takes in `rms_norm_fwd_warp_rows`,
+/// as `row_team` in kernels-cuda/common.cuh: the fewest, a power of two up to
+/// 32, that give none more than one vector.
+fn row_team(packs: usize) -> u32 {
+    packs.clamp(1, 32).next_power_of_two() as u32
 }
 
 /// CUDA backward on raw device pointers (`weight`, `grad_weight` 0 for none).
@@ -433,5 +443,35 @@ pub fn backward_strided_cuda<T: CudaElement>(
             cols,
             eps,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn row_team_gives_each_lane_at_most_one_vector() {
+        // As kernels-cuda/common.cuh's row_team: a head of 128 bf16 (16 vectors)
+        // takes 16 lanes, one of 128 f32 (32 vectors) the whole warp.
+        assert_eq!([0, 1, 2, 3, 5, 16, 17, 32, 33, 128].map(row_team), [1, 1, 2, 4, 8, 16, 32, 32, 32, 32]);
+        for packs in 1..=32 {
+            let team = row_team(packs) as usize;
+            assert!(team >= packs && (team == 1 || team / 2 < packs));
+        }
+    }
+
+    #[test]
+    fn forward_config_covers_every_row_once_a_pass() {
+        // 4096 tokens x 32 heads of 128 bf16: 32 rows a block of 8 warps.
+        let (cfg, warp_rows) = forward_config(132, 4096 * 32, 128, 2);
+        assert!(warp_rows);
+        assert_eq!((cfg.grid_dim.0, cfg.block_dim.0), (132 * 8, 256));
+        let (cfg, warp_rows) = forward_config(132, 100, 128, 2);
+        assert!(warp_rows);
+        assert_eq!(cfg.grid_dim.0, 4); // ceil(100 / 32)
+        let (cfg, warp_rows) = forward_config(132, 100, 4096, 4);
+        assert!(!warp_rows);
+        assert!(cfg.block_dim.0 > 32);
     }
 }
