@@ -3,7 +3,8 @@
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and every pointer is aligned, f32
 // accumulation. The forward takes the mean and variance from one read of the
-// row (row_moments), the output from a second. The backward takes the moments
+// row (row_moments), the output from a second, or, as for every row a block
+// holds in registers, from the same read. The backward takes the moments
 // and its two gradient sums from one read and one block reduction (its own
 // way: see layer_norm_bwd), dx from a second, and sums dw/db per block into
 // f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
@@ -24,12 +25,14 @@ __device__ __forceinline__ float ln_rstd(float var, float eps) { return isinf(va
 // sum((x - mean_t)^2). The block then combines the threads' (count, mean,
 // M2) as Chan et al.: mean = sum(n_t mean_t) / n, M2 = sum(M2_t + n_t (mean_t
 // - mean)^2).
-template <typename T>
-__device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols, bool vec, float eps,
-                                              float* scratch) {
+//
+// `each(f)` calls f(i, x[i]) for this thread's elements in row_each's order,
+// from memory (row_moments) or from a row held in registers.
+template <typename Each>
+__device__ __forceinline__ float2 moments_of(Each each, int cols, float eps, float* scratch) {
   float k = 0.f, s1 = 0.f, s2 = 0.f;
   int n = 0;
-  row_each(xr, cols, vec, [&](int, float v) {
+  each([&](int, float v) {
     if (n == 0) k = v;
     const float d = v - k;
     s1 += d;
@@ -43,7 +46,7 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
     if (d1 * d1 <= 0.5f * (s2 / n)) {
       m2 = fmaf(-s1, d1, s2);
     } else {
-      row_each(xr, cols, vec, [&](int, float v) {
+      each([&](int, float v) {
         const float d = v - mean_t;
         m2 = fmaf(d, d, m2);
       });
@@ -53,6 +56,13 @@ __device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols
   const float dm = mean_t - mean;
   const float var = block_sum(fmaf(n * dm, dm, m2), scratch) / cols;
   return make_float2(mean, ln_rstd(var, eps));
+}
+
+// moments_of a row read from memory.
+template <typename T>
+__device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols, bool vec, float eps,
+                                              float* scratch) {
+  return moments_of([&](auto f) { row_each(xr, cols, vec, f); }, cols, eps, scratch);
 }
 
 // One output: (x - mean) rstd w + b, each rounding spelled out (mul_rn), so
@@ -97,20 +107,40 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(y) && (w == nullptr || aligned16(w)) &&
                    (b == nullptr || aligned16(b));
+  const int packs = cols / N;
+  // A row of up to ROW_PACKS vectors a thread (every row rows_config gives
+  // a block) is held in registers: one read of x, every load in flight at
+  // once, the same elements in the same order as the loops below.
+  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
+  // Vector i of the output, from p = x's vector i.
+  auto write = [&](T* yr, int i, const Pack<T>& p, float2 m) {
+    Pack<T> pw, pb, o;
+    if (w) pw = load_pack(w + i * N);
+    if (b) pb = load_pack(b + i * N);
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      o.v[k] = from_f32<T>(ln_y(to_f32(p.v[k]), m, w ? to_f32(pw.v[k]) : 1.f, b ? to_f32(pb.v[k]) : 0.f));
+    store_pack(yr + i * N, o);
+  };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
     T* yr = y + row * cols;
+    if (regs) {
+      Pack<T> held[ROW_PACKS];
+      each_pack(packs, true, [&](int i, int p) { held[p] = load_pack(xr + i * N); });
+      auto each = [&](auto f) {
+        each_pack(packs, true, [&](int i, int p) {
+#pragma unroll
+          for (int k = 0; k < N; ++k) f(i * N + k, to_f32(held[p].v[k]));
+        });
+      };
+      const float2 m = moments_of(each, cols, eps, scratch);
+      each_pack(packs, true, [&](int i, int p) { write(yr, i, held[p], m); });
+      continue;
+    }
     const float2 m = row_moments(xr, cols, vec, eps, scratch);
     if (vec) {
-      for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-        Pack<T> p = load_pack(xr + i * N), pw, pb, o;
-        if (w) pw = load_pack(w + i * N);
-        if (b) pb = load_pack(b + i * N);
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-          o.v[k] = from_f32<T>(ln_y(to_f32(p.v[k]), m, w ? to_f32(pw.v[k]) : 1.f, b ? to_f32(pb.v[k]) : 0.f));
-        store_pack(yr + i * N, o);
-      }
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) write(yr, i, load_pack(xr + i * N), m);
     } else {
       scalar_cols<T>(cols, [&](int i) {
         yr[i] = from_f32<T>(ln_y(to_f32(xr[i]), m, w ? to_f32(w[i]) : 1.f, b ? to_f32(b[i]) : 0.f));
