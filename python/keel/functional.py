@@ -213,6 +213,9 @@ def cross_entropy(
 
     Args:
         logits: ``[N, V]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
+            Also torch's other layouts: ``[V]`` (one row, with a 0-dim target) and
+            ``[N, V, d1, ...]`` (classes in dim 1, with target ``[N, d1, ...]``), which
+            are copied to ``[N d1 ..., V]`` rows first (one more logits-sized buffer).
         target: ``[N]`` int64 class indices in ``[0, V)``, or ``ignore_index``; any other
             value raises a RuntimeError (on CUDA this check synchronises the stream, in
             the forward only: the backward trusts the targets the forward checked; during
@@ -221,13 +224,15 @@ def cross_entropy(
         ignore_index: rows with this target contribute no loss and no gradient.
         label_smoothing: in ``[0, 1]``, as in torch.
         reduction: ``"mean"`` (over the rows not ignored; NaN when all are),
-            ``"sum"`` or ``"none"`` (``[N]`` losses).
+            ``"sum"`` or ``"none"`` (``[N]`` losses; target's shape for the other layouts).
 
     Returns:
         The loss in ``logits``' dtype. Differentiable in ``logits``.
     """
     if _has_torch_function(logits, target) and _overridden(logits, target):
         return _handle(cross_entropy, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
+    if _other_layout(logits, target):
+        return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction)
     if _twice.transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:
@@ -244,6 +249,40 @@ def cross_entropy(
             _refuse(_CROSS_ENTROPY[0], args, err, _CROSS_ENTROPY_WITH_LSE[:2])
             raise
     return _call(_plain, _CROSS_ENTROPY, None, logits, target, ignore_index, label_smoothing, reduction)
+
+
+def _other_layout(logits, target) -> bool:
+    """Whether cross_entropy's logits take one of torch's layouts other than
+    ``[N, V]`` (:func:`_cross_entropy_as_rows`). Nested and other non-strided
+    tensors go on to the op, which refuses them, naming the argument."""
+    return (
+        isinstance(logits, Tensor)
+        and isinstance(target, Tensor)
+        and logits.layout == torch.strided
+        and not logits.is_nested
+        and logits.dim() not in (0, 2)
+    )
+
+
+def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction):
+    """:func:`cross_entropy` of torch's layouts other than ``[N, V]``, as rows: ``[V]``
+    with a 0-dim target is one row; ``[N, V, d1, ...]`` with target ``[N, d1, ...]``
+    (classes in dim 1) is ``[N d1 ..., V]`` (a copy) with the target flattened. Losses
+    (``"none"``) come back in the target's shape, as torch's do."""
+    if logits.dim() == 1:
+        want = ()
+        rows, flat = logits.unsqueeze(0), target.reshape(1) if target.dim() == 0 else target
+    else:
+        want = (logits.shape[0],) + tuple(logits.shape[2:])
+        rows, flat = logits.movedim(1, -1).reshape(-1, logits.shape[1]), target.reshape(-1)
+    if tuple(target.shape) != want:
+        layout = "[V]" if logits.dim() == 1 else "[N, V, d1, ...] (classes in dim 1)"
+        raise RuntimeError(
+            f"keel::cross_entropy: argument 'target' must have shape {list(want)} for logits {layout} of shape "
+            f"{list(logits.shape)}, got shape {list(target.shape)}"
+        )
+    loss = cross_entropy(rows, flat, ignore_index, label_smoothing, reduction)
+    return loss.reshape(want) if reduction == "none" else loss
 
 
 def cross_entropy_with_lse(

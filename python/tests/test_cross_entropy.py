@@ -171,7 +171,11 @@ BAD = [
     ("negative target", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, -1, 1])), r"keel::cross_entropy: argument 'target' holds -1 at row 1, out of range"),
     ("int32 target", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 1], dtype=torch.int32)), r"keel::cross_entropy: argument 'target' must have dtype torch.int64"),
     ("target shape", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1])), r"keel::cross_entropy: argument 'target' must have shape \[3\]"),
-    ("3-d logits", lambda: keel.cross_entropy(torch.randn(2, 3, 5), torch.tensor([0, 1])), r"keel::cross_entropy: argument 'logits' must have 2 dims \[N, V\]"),
+    ("3-d logits, the op", lambda: torch.ops.keel.cross_entropy(torch.randn(2, 3, 5), torch.tensor([0, 1])), r"keel::cross_entropy: argument 'logits' must have 2 dims \[N, V\]"),
+    ("0-d logits", lambda: keel.cross_entropy(torch.tensor(1.0), torch.tensor(0)), r"keel::cross_entropy: argument 'logits' must have at least 1 dimension, got a 0-dim tensor"),
+    ("3-d logits, target shape", lambda: keel.cross_entropy(torch.randn(2, 3, 5), torch.tensor([0, 1])), r"keel::cross_entropy: argument 'target' must have shape \[2, 5\] for logits \[N, V, d1, \.\.\.\] \(classes in dim 1\) of shape \[2, 3, 5\], got shape \[2\]"),
+    ("1-d logits, target shape", lambda: keel.cross_entropy(torch.randn(5), torch.tensor([1])), r"keel::cross_entropy: argument 'target' must have shape \[\] for logits \[V\] of shape \[5\], got shape \[1\]"),
+    ("3-d logits, bad target", lambda: keel.cross_entropy(torch.randn(2, 3, 5), torch.full((2, 5), 3)), r"keel::cross_entropy: argument 'target' holds 3 at row 0, out of range for 3 classes"),
     ("no classes", lambda: keel.cross_entropy(torch.randn(3, 0), torch.tensor([0, 1, 1])), r"keel::cross_entropy: argument 'logits' must have at least one class"),
     ("reduction", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 1]), reduction="avg"), r"keel::cross_entropy: argument 'reduction' must be \"mean\", \"sum\" or \"none\", got \"avg\""),
     ("label_smoothing", lambda: keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 1, 1]), label_smoothing=-0.1), r"keel::cross_entropy: argument 'label_smoothing' must be in \[0, 1\]"),
@@ -183,6 +187,72 @@ BAD = [
     ("with_lse target", lambda: keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, 5, 1])), r"keel::cross_entropy_with_lse: argument 'target' holds 5 at row 1, out of range for 5 classes"),
     ("with_lse negative target", lambda: torch.ops.keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, -7, 1])), r"keel::cross_entropy_with_lse: argument 'target' holds -7 at row 1"),
 ]
+
+
+# torch's layouts besides [N, V]: one row [V] with a 0-dim target, and classes in dim 1.
+OTHER_LAYOUTS = [((7,), ()), ((3, 7, 5), (3, 5)), ((2, 7, 3, 4), (2, 3, 4))]
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("shape,target_shape", OTHER_LAYOUTS, ids=["V", "N,V,d1", "N,V,d1,d2"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_torch_other_layouts_match_torch(device, shape, target_shape, reduction):
+    v = shape[0] if len(shape) == 1 else shape[1]
+    g = torch.Generator().manual_seed(1)
+    t = torch.randint(0, v, target_shape, generator=g)
+    if t.dim():
+        t.view(-1)[::4] = 3 if reduction == "sum" else -100  # ignored rows; a custom ignore_index for "sum"
+    t = t.to(device)
+    ignore_index = 3 if reduction == "sum" else -100
+    for dtype in dtypes_for(device):
+        x = make(shape, dtype, device, 0, 4.0)
+        xr = x.double().clone().requires_grad_()
+        want = F.cross_entropy(xr, t, ignore_index=ignore_index, label_smoothing=0.1, reduction=reduction)
+        grad = make(want.shape, dtype, device, 2)
+        want.backward(grad.double())
+        atol, rtol = TOL[dtype]
+        module = keel.nn.CrossEntropyLoss(ignore_index=ignore_index, reduction=reduction, label_smoothing=0.1)
+        for call in (lambda x: keel.cross_entropy(x, t, ignore_index, 0.1, reduction), lambda x: module(x, t)):
+            xk = x.clone().requires_grad_()
+            loss = call(xk)
+            assert loss.shape == want.shape and loss.dtype == dtype
+            torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
+            loss.backward(grad)
+            torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+
+
+def test_classes_in_dim_1_of_a_transposed_tensor_need_no_copy():
+    # F.cross_entropy(logits.transpose(1, 2), t), the usual way to pass [B, S, V]
+    # logits to torch: moving the classes back to the last dim is a view of the
+    # contiguous logits, so Keel copies nothing.
+    from conftest import DispatchedOps
+
+    x, t = torch.randn(2, 6, 11), torch.randint(0, 11, (2, 6))
+    with DispatchedOps() as calls:
+        loss = keel.cross_entropy(x.transpose(1, 2), t, reduction="none")
+    assert not any("clone" in op or "copy" in op for op in calls.ops), calls.ops
+    torch.testing.assert_close(loss, F.cross_entropy(x.transpose(1, 2), t, reduction="none"))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_torch_compile_of_classes_in_dim_1(device):
+    torch._dynamo.reset()
+
+    def f(h, w, t):  # [B, S, H] @ [H, V] -> [B, V, S], as a torch user writes it
+        return keel.cross_entropy((h @ w).transpose(1, 2), t, label_smoothing=0.05)
+
+    w = torch.randn(16, 50, device=device)
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    for s in (5, 9):
+        h = torch.randn(3, s, 16, device=device, requires_grad=True)
+        t = torch.randint(0, 50, (3, s), device=device)
+        out = compiled(h, w, t)
+        torch.testing.assert_close(out, f(h, w, t))
+        out.backward()
+        g = h.grad.clone()
+        h.grad = None
+        f(h, w, t).backward()
+        torch.testing.assert_close(g, h.grad)
 
 
 @pytest.mark.parametrize("name,call,msg", BAD, ids=[b[0] for b in BAD])

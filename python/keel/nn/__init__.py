@@ -242,15 +242,18 @@ class SwiGLU(nn.Module):
 
 
 class CrossEntropyLoss(nn.Module):
-    """Keel's ``torch.nn.CrossEntropyLoss`` for ``[N, V]`` logits and ``[N]`` class indices.
+    """Keel's ``torch.nn.CrossEntropyLoss`` for class indices: ``[N, V]`` logits and
+    ``[N]`` targets, or torch's other layouts (``[V]`` with a 0-dim target; ``[N, V, d1,
+    ...]``, classes in dim 1, with ``[N, d1, ...]``), as :func:`keel.cross_entropy` takes them.
 
     The same ``ignore_index``, ``reduction`` and ``label_smoothing`` as torch, through
     :func:`keel.cross_entropy` (fused: forward + backward allocate one logits-sized buffer).
     The constructor's signature is torch's. Class weights and probability targets are
     not supported: a ``weight`` other than ``None`` is refused here (as are torch's
     deprecated ``size_average`` and ``reduce``), and targets that are not int64 class indices raise a
-    RuntimeError naming ``target``. For a language model, flatten first:
-    ``loss_fn(logits.view(-1, vocab), labels.view(-1))``.
+    RuntimeError naming ``target``. For a language model's ``[B, S, V]`` logits, flatten
+    (``loss_fn(logits.view(-1, vocab), labels.view(-1))``) or pass
+    ``logits.transpose(1, 2)`` as for torch: neither copies the logits.
     """
 
     def __init__(
