@@ -252,7 +252,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
                                                    int cols, float eps, int64_t n1, int64_t n2,  \
                                                    int64_t s0, int64_t s1, int64_t s2) {         \
-    rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                         \
+    rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                                \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(256, 4)                                            \
       rms_norm_fwd_warp_rows_##SUFFIX(const T* x, const T* w, T* y, int64_t rows, int cols,       \

@@ -214,8 +214,9 @@ def cross_entropy(
     Args:
         logits: ``[N, V]`` float32, float16, bfloat16 (CPU and CUDA) or float64 (CPU).
             Also torch's other layouts: ``[V]`` (one row, with a 0-dim target) and
-            ``[N, V, d1, ...]`` (classes in dim 1, with target ``[N, d1, ...]``), which
-            are copied to ``[N d1 ..., V]`` rows first (one more logits-sized buffer).
+            ``[N, V, d1, ...]`` (classes in dim 1, with target ``[N, d1, ...]``), run as
+            ``[N d1 ..., V]`` rows: a copy (one more logits-sized buffer), unless that is
+            a view already, as for ``logits.transpose(1, 2)`` of ``[B, S, V]`` logits.
         target: ``[N]`` int64 class indices in ``[0, V)``, or ``ignore_index``; any other
             value raises a RuntimeError (on CUDA this check synchronises the stream, in
             the forward only: the backward trusts the targets the forward checked; during
@@ -267,21 +268,19 @@ def _other_layout(logits, target) -> bool:
 def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction):
     """:func:`cross_entropy` of torch's layouts other than ``[N, V]``, as rows: ``[V]``
     with a 0-dim target is one row; ``[N, V, d1, ...]`` with target ``[N, d1, ...]``
-    (classes in dim 1) is ``[N d1 ..., V]`` (a copy) with the target flattened. Losses
+    (classes in dim 1) is ``[N d1 ..., V]`` (a copy, unless the classes were moved to
+    dim 1 by a view such as ``transpose(1, 2)``) with the target flattened. Losses
     (``"none"``) come back in the target's shape, as torch's do."""
-    if logits.dim() == 1:
-        want = ()
-        rows, flat = logits.unsqueeze(0), target.reshape(1) if target.dim() == 0 else target
-    else:
-        want = (logits.shape[0],) + tuple(logits.shape[2:])
-        rows, flat = logits.movedim(1, -1).reshape(-1, logits.shape[1]), target.reshape(-1)
+    one_row = logits.dim() == 1
+    want = () if one_row else (logits.shape[0],) + tuple(logits.shape[2:])
     if tuple(target.shape) != want:
-        layout = "[V]" if logits.dim() == 1 else "[N, V, d1, ...] (classes in dim 1)"
+        layout = "[V]" if one_row else "[N, V, d1, ...] (classes in dim 1)"
         raise RuntimeError(
             f"keel::cross_entropy: argument 'target' must have shape {list(want)} for logits {layout} of shape "
             f"{list(logits.shape)}, got shape {list(target.shape)}"
         )
-    loss = cross_entropy(rows, flat, ignore_index, label_smoothing, reduction)
+    rows = logits.unsqueeze(0) if one_row else logits.movedim(1, -1).reshape(-1, logits.shape[1])
+    loss = cross_entropy(rows, target.reshape(-1), ignore_index, label_smoothing, reduction)
     return loss.reshape(want) if reduction == "none" else loss
 
 

@@ -157,13 +157,18 @@ def test_torch_compile_fullgraph(device):
     t = targets(8, 50, device)
     for f in (head, z_head):
         h = torch.randn(8, 16, device=device, requires_grad=True)
-        out = torch.compile(f, fullgraph=True)(h, w, t)
-        torch.testing.assert_close(out, f(h, w, t))
-        out.backward()
-        g = h.grad.clone()
-        h.grad = None
-        f(h, w, t).backward()
-        torch.testing.assert_close(g, h.grad)
+        _assert_compiled_matches_eager(torch.compile(f, fullgraph=True), f, h, w, t)
+
+
+def _assert_compiled_matches_eager(compiled, f, h, w, t):
+    """`compiled(h, w, t)` gives f's loss and f's gradient in `h`."""
+    out = compiled(h, w, t)
+    torch.testing.assert_close(out, f(h, w, t))
+    out.backward()
+    g = h.grad.clone()
+    h.grad = None
+    f(h, w, t).backward()
+    torch.testing.assert_close(g, h.grad)
 
 
 BAD = [
@@ -246,13 +251,7 @@ def test_torch_compile_of_classes_in_dim_1(device):
     for s in (5, 9):
         h = torch.randn(3, s, 16, device=device, requires_grad=True)
         t = torch.randint(0, 50, (3, s), device=device)
-        out = compiled(h, w, t)
-        torch.testing.assert_close(out, f(h, w, t))
-        out.backward()
-        g = h.grad.clone()
-        h.grad = None
-        f(h, w, t).backward()
-        torch.testing.assert_close(g, h.grad)
+        _assert_compiled_matches_eager(compiled, f, h, w, t)
 
 
 @pytest.mark.parametrize("name,call,msg", BAD, ids=[b[0] for b in BAD])
