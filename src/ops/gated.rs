@@ -38,7 +38,9 @@ fn kernel(act: Activation, which: &str, dtype: DType) -> String {
     format!("{}_and_mul_{which}_{}", act.name(), dtype.suffix())
 }
 
-/// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step.
+/// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step:
+/// blocks of 256 threads, at most 8 per SM (the forward kernels' launch bounds in
+/// gated.cu, which keep all 8 resident).
 fn config(sm_count: u32, rows: usize, d: usize, dtype: DType) -> LaunchConfig {
     let per = if d.is_multiple_of(16 / dtype.size()) { 16 / dtype.size() } else { 1 };
     let items = (rows * d).div_ceil(per);
