@@ -149,9 +149,9 @@ __device__ __forceinline__ void act_and_mul_bwd(const T* __restrict__ dy, const 
   }
 }
 
-// The forward's launch bounds are the grid gated.rs launches (blocks of 256
-// threads, 8 per SM): they hold it to 32 registers, so that all 8 blocks fit
-// on an SM at once. Without them gelu's erff took 39 (f32) and 43 (bf16),
+// The forward's launch bounds are the grid gated.rs launches (THREADS = 256
+// a block, BLOCKS_PER_SM = 8): they hold it to 32 registers, so that all 8
+// blocks fit on an SM at once. Without them gelu's erff took 39 (f32) and 43 (bf16),
 // 5 or 6 blocks fitted, and the other blocks of the grid-stride grid ran
 // after them, with only the in-flight loads of those few; silu and gelu_tanh
 // needed 32 already. The backward keeps the compiler's count: held to 32,

@@ -38,14 +38,19 @@ fn kernel(act: Activation, which: &str, dtype: DType) -> String {
     format!("{}_and_mul_{which}_{}", act.name(), dtype.suffix())
 }
 
+/// Threads a block and blocks an SM of [`config`]'s grid: the forward kernels'
+/// `__launch_bounds__(256, 8)` in gated.cu, which keep all of them resident,
+/// must change with them.
+const THREADS: usize = 256;
+const BLOCKS_PER_SM: usize = 8;
+
 /// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step:
-/// blocks of 256 threads, at most 8 per SM (the forward kernels' launch bounds in
-/// gated.cu, which keep all 8 resident).
+/// blocks of [`THREADS`], at most [`BLOCKS_PER_SM`] per SM.
 fn config(sm_count: u32, rows: usize, d: usize, dtype: DType) -> LaunchConfig {
     let per = if d.is_multiple_of(16 / dtype.size()) { 16 / dtype.size() } else { 1 };
     let items = (rows * d).div_ceil(per);
-    let blocks = items.div_ceil(256).clamp(1, sm_count as usize * 8);
-    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    let blocks = items.div_ceil(THREADS).clamp(1, sm_count as usize * BLOCKS_PER_SM);
+    LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 }
 }
 
 fn check_d(act: Activation, rows: usize, d: usize) -> Result<()> {
