@@ -41,6 +41,36 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_flags() -> set:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# The features of kernels-cpu's `simd::has_v4_bf16` (pulp's x86-64-v4 plus
+# AVX512-BF16 and F16C) and of its AVX2 width (`wide::x86::V8`), as
+# /proc/cpuinfo names them.
+_AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "f16c", "avx2", "fma", "bmi2"}
+_AVX2 = {"avx2", "fma", "f16c"}
+
+
+def _simd() -> str:
+    """Which of Keel's explicit SIMD widths this CPU runs (as the kernels
+    choose at run time), so that reports from different CPUs are told apart."""
+    flags = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"{platform.machine()}: portable lanes (no explicit SIMD)"
+    if _AVX512 <= flags:
+        return "AVX-512 with AVX512-BF16 (16 lanes)"
+    if _AVX2 <= flags:
+        return "AVX2 with FMA and F16C (8 lanes)"
+    return "neither AVX-512 nor AVX2: portable lanes"
+
+
 def _thp() -> str:
     try:
         return open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
@@ -61,6 +91,7 @@ def machine(devices) -> dict:
     m = {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": _cpu_model(),
+        "simd": _simd(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

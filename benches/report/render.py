@@ -77,7 +77,7 @@ def markdown(runs: List[dict], images: List[str]) -> str:
     lines = ["# Keel benchmark report", ""]
     lines.append(f"Measured {m0['date']} on **{m0['cpu']}**, {m0['cores']} cores ({m0['torch_threads']} torch threads), "
                  f"torch {m0['torch']}, Keel {m0['keel']}, Python {m0['python']}; transparent huge pages "
-                 f"`{m0['thp_sysfs']}`.")
+                 f"`{m0['thp_sysfs']}`." + (f" Keel's CPU kernels run {m0['simd']}." if "simd" in m0 else ""))
     if "gpu" in m0:
         lines.append(f"GPU: **{m0['gpu']}** ({m0['gpu_memory_gib']} GiB), driver {m0['driver']}, CUDA {m0['cuda']}.")
     else:
