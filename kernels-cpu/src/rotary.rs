@@ -190,7 +190,8 @@ pub fn apply_strided<T: Element>(
 /// `shape.contiguous()` for a contiguous one), whose heads must not overlap
 /// ([`Shape::check_disjoint`]). The same bits as [`apply_strided`]'s output.
 /// Rows are visited in the order they lie in memory (a transposed layout
-/// too), each copied to a buffer first and rotated back into place.
+/// too; there, where bf16 or f16 angles are widened, in tiles of positions),
+/// each copied to a buffer first and rotated back into place.
 #[allow(clippy::too_many_arguments)]
 pub fn apply_inplace<T: Element>(
     x: &mut [T],
@@ -223,7 +224,11 @@ pub fn apply_inplace<T: Element>(
     // rows in memory order would go through every position once per head,
     // each widening its angles again; tiles of TILE positions, stream by
     // stream (a stream: one head's positions), widen them once per tile.
-    let tiled = pos_dim == 2 && n2 > 1;
+    // Where no angles are widened (f32, f64; bf16 without AVX512-BF16) there
+    // is nothing to share, and memory order is faster: f32 4x1024x32x128 on
+    // a 2-core AMD EPYC (Zen 4), criterion, alternated runs, 4.2-4.6 ms
+    // against 5.7-6.6 in tiles (docs/BENCHMARKS.md, session 39).
+    let tiled = pos_dim == 2 && n2 > 1 && wide::applies::<T>();
     par.for_each(blocks.count, &|b| {
         let rows = blocks.rows(b);
         dispatch(
@@ -419,8 +424,17 @@ fn rotate_tiles<T: Element>(
                 if !rows.contains(&row) {
                     continue;
                 }
+                let at = base[i] + h * st.heads;
+                // The same token's next head, a tile's worth of rows ahead of
+                // its use: each head's rows of a tile start cold otherwise
+                // (bf16 [4, 1024, 32, 128] transposed, criterion on a Zen 4:
+                // 4.1-4.4 ms against 4.0-5.3, 5 of 6 alternated pairs faster;
+                // f32 within noise).
+                if h + 1 < heads {
+                    prefetch_part::<T, false>(x.get(at + st.heads..).unwrap_or(&[]), 0, d);
+                }
                 let y = &mut y[(row - rows.start) * d..][..d];
-                rot.row(pos[i], &x[base[i] + h * st.heads..][..d], y);
+                rot.row(pos[i], &x[at..][..d], y);
             }
         }
         tile += n;
