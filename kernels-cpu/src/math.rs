@@ -178,6 +178,27 @@ pub(crate) fn erf_f32(x: f32) -> f32 {
 mod tests {
     use super::*;
 
+    /// CUDA's `erf_fast` (kernels-cuda/gated.cu, for f16 and bf16 gelu)
+    /// repeats [`erf_f32`]'s constants, which CUDA C++ cannot take from
+    /// here: its float literals, in order, must be these, bit for bit (a
+    /// drift would otherwise show only within the emulated test's tolerance).
+    #[test]
+    fn cuda_erf_fast_repeats_these_constants() {
+        let cu = include_str!("../../kernels-cuda/gated.cu");
+        let body = cu.split("float erf_fast(float x) {").nth(1).expect("gated.cu defines erf_fast");
+        let body = body.split("\n}").next().unwrap();
+        let literals: Vec<f32> = body
+            .split(|c: char| !(c.is_ascii_alphanumeric() || "._-".contains(c)))
+            .filter_map(|w| w.strip_suffix('f')?.parse().ok())
+            .collect();
+        let want: Vec<f32> = [-4.0, 4.0].into_iter().chain(ERF_P).chain(ERF_Q).chain([ERF_ONE_FROM, 1.0]).collect();
+        assert_eq!(
+            literals.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "erf_fast: {literals:?}, want {want:?}"
+        );
+    }
+
     fn grid() -> impl Iterator<Item = f32> {
         (-200_000..=200_000).map(|i| i as f32 * 1e-4)
     }
