@@ -42,11 +42,12 @@ struct Silu {
 };
 
 // erf(x) where Fast: the rational function of Keel's CPU kernels
-// (kernels-cpu math.rs erf_f32, whose test checks these literals; Eigen's and XLA's: within a few f32 ulp of
-// erf), with the fast division (q is at most -0.0142 on [-4, 4]: far from
-// where __fdividef gives 0); exactly +-1 from |x| = 3.92 on, where erf rounds
-// to +-1 in f32. erff branches on |x| and took the bf16 forward's time to 1.14
-// times silu's (H200, after the launch bounds below); this one 1.10 times.
+// (kernels-cpu math.rs erf_f32, whose test checks these literals; Eigen's
+// and XLA's: within a few f32 ulp of erf), with the fast division (q is at
+// most -0.0142 on [-4, 4]: far from where __fdividef gives 0); exactly +-1
+// from |x| = 3.92 on, where erf rounds to +-1 in f32. erff branches on |x|
+// and took the bf16 forward's time to 1.14 times silu's (H200, after the
+// launch bounds below); this one 1.10 times.
 __device__ __forceinline__ float erf_fast(float x) {
   const float xc = fminf(fmaxf(x, -4.f), 4.f), x2 = xc * xc;
   float p = -2.7261423e-10f;

@@ -31,24 +31,19 @@ except ImportError:  # the report installs tqdm; smoke tests may run without it
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
 
 
-def _cpu_flags() -> set:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 # The features of kernels-cpu's `simd::has_v4_bf16` (pulp's x86-64-v4 plus
@@ -61,7 +56,7 @@ _AVX2 = {"avx2", "fma", "f16c"}
 def _simd() -> str:
     """Which of Keel's explicit SIMD widths this CPU runs (as the kernels
     choose at run time), so that reports from different CPUs are told apart."""
-    flags = _cpu_flags()
+    flags = set(_cpuinfo("flags").split())
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"{platform.machine()}: portable lanes (no explicit SIMD)"
     if _AVX512 <= flags:

@@ -38,10 +38,11 @@ fn kernel(act: Activation, which: &str, dtype: DType) -> String {
     format!("{}_and_mul_{which}_{}", act.name(), dtype.suffix())
 }
 
-/// Threads a block and blocks an SM of [`config`]'s grid: the forward kernels'
-/// `__launch_bounds__(256, 8)` in gated.cu, which keep all of them resident,
-/// must change with them.
+/// Threads a block of [`config`]'s grid. With [`BLOCKS_PER_SM`], the forward
+/// kernels' `__launch_bounds__(256, 8)` in gated.cu, which keep all of them
+/// resident: the two must change together.
 const THREADS: usize = 256;
+/// Blocks an SM of [`config`]'s grid at most (see [`THREADS`]).
 const BLOCKS_PER_SM: usize = 8;
 
 /// Grid-stride launch over `rows * d` outputs, 16 bytes of each half per thread-step:
