@@ -1,6 +1,6 @@
 //! layer_norm's backward in the training case (a weight, and the gradients
 //! of the weight and the bias) for f32 and bf16, in explicit SIMD written
-//! once for AVX-512 and AVX2 ([`crate::wide`]), four rows at a time.
+//! once for AVX-512 and AVX2 ([`crate::wide`]), two rows at a time.
 //!
 //! Row by row, the lane loop's write pass loaded five vectors (`x`, `dy`,
 //! `w`, and the block's partial `dw` and `db`) and stored three for each
@@ -11,8 +11,9 @@
 //! `db` store. torch's own backward (which keeps the forward's mean and rstd)
 //! was 1.6x faster on rows in cache and 1.15x on 4096x4096 in memory.
 //!
-//! Here each vector of `w`, `dw` and `db` is loaded and stored once per four
-//! rows, and the next four rows are prefetched as the pass goes. Each value
+//! Here each vector of `w`, `dw` and `db` is loaded and stored once per two
+//! rows (see [`GROUP`] for why not four), and each column's loads come before
+//! its stores (see [`step`]). Each value
 //! is the lane loop's, bit for bit: the rows' moments and gradient means come
 //! from the same function ([`super::row_consts`]), and every element takes
 //! the same operations in the same order (`dw` and `db` still add the rows
@@ -31,17 +32,23 @@
 //! `BENCHMARKS.md`, session 29.
 use super::{lane_sums, row_consts};
 use crate::element::Element;
-use crate::simd::{prefetch_part, reduce_lanes, LANES};
+use crate::simd::{reduce_lanes, LANES};
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
 use half::f16;
 
 /// Rows whose columns are walked together.
-const GROUP: usize = 4;
+///
+/// Four rows, and a prefetch of the next four as the columns went, were
+/// measured faster than the row loop on an AVX-512 Xeon (session 22). On a
+/// Zen 4, whose L1 has 8 ways (the Xeon's 12), rows of 4096 f32 are 16 KiB
+/// apart, so the four rows' `x`, `dy` and `dx` fall in one L1 set at every
+/// column: 12 lines for 8 ways. Two rows, without the software prefetch
+/// (which brought lines into the same sets), measured 1.3-1.6x faster there
+/// (BENCHMARKS.md, session 40).
+const GROUP: usize = 2;
 
-/// Columns between two prefetch calls (each asks for this many columns of
-/// every row of the next group, in `x` and in `dy`); for bf16, also the
-/// columns of each `dx` block rounded at once.
+/// bf16's and f16's columns of each `dx` block rounded at once.
 const PART: usize = 256;
 
 /// The backward over whole rows of `cols`: `x`, `dy` and `dx` of one length,
@@ -72,15 +79,13 @@ impl<T: Element<Acc = f32>> Kernel for Backward<'_, T> {
         let mut r = 0;
         while r < rows {
             let g = if rows - r >= GROUP { GROUP } else { 1 };
-            let next = (r + g) * cols..(r + g + GROUP).min(rows) * cols;
-            let ahead = [&x[next.clone()], &dy[next]];
             let at = r * cols;
             // SAFETY (both): rows `r..r + g` lie inside `x`, `dy` and `dx`,
             // each `cols` long; `w`, `dw` and `db` hold `cols` (asserted).
             if g == GROUP {
-                unsafe { group::<L, T, GROUP>(l, (x, dy, w), (dx, dw, db), at, cols, eps, ahead) };
+                unsafe { group::<L, T, GROUP>(l, (x, dy, w), (dx, dw, db), at, cols, eps) };
             } else {
-                unsafe { group::<L, T, 1>(l, (x, dy, w), (dx, dw, db), at, cols, eps, ahead) };
+                unsafe { group::<L, T, 1>(l, (x, dy, w), (dx, dw, db), at, cols, eps) };
             }
             r += g;
         }
@@ -114,7 +119,6 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     at: usize,
     cols: usize,
     eps: f32,
-    ahead: [&[T]; 2],
 ) {
     // Plain loops, not `array::from_fn`: its closure was left out of line,
     // and so ran the moments' passes without the vector features (perf: a
@@ -161,9 +165,6 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
         };
         walk_columns::<L>(
             len,
-            PART,
-            #[inline(always)]
-            |_| prefetch(ahead, p / PART),
             // SAFETY: `count` columns from `p + i` lie inside every row's
             // `cols` (the caller's bounds), and from `i` inside the blocks.
             #[inline(always)]
@@ -226,18 +227,16 @@ fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w:
     out
 }
 
-/// Part `k` of the next group's rows of `x` and `dy`.
-#[inline(always)]
-fn prefetch<T>(ahead: [&[T]; 2], k: usize) {
-    for a in ahead {
-        prefetch_part::<T, false>(a, k, GROUP * PART);
-    }
-}
-
 /// One vector of columns `i..i + count` (`count <= N`) of every row: `dx =
 /// rstd ((dy w - mg) - xh mgx)` with `xh = ((x - k) - m1) rstd`, then `dw +=
 /// dy xh` and `db += dy` row after row, as the lane loop computes them. Row
 /// `r`'s `dx` goes to `dxs[r]` at `i - o`.
+///
+/// Every row's loads come before the first store: the rows of `x`, `dy` and
+/// `dx` are often a multiple of 4 KiB apart (rows of 1024 f32), so a load of
+/// row `r + 1` after the store of row `r`'s `dx` shares the store's address
+/// bits below 4 KiB and waited for it (Zen 4, 32x4096 f32: 0.70-0.79 ns per
+/// value with the stores in the loop, 0.55-0.62 after it, four rows).
 ///
 /// # Safety
 /// `count` values from `i` are readable at every input pointer and writable
@@ -257,14 +256,17 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
     unsafe {
         let wv = load(l, w, i, count);
         let (mut dwv, mut dbv) = (load(l, dw, i, count), load(l, db, i, count));
+        let mut dxv = [wv; G];
         for r in 0..G {
             let (xv, dyv) = (load(l, xs[r], i, count), load(l, dys[r], i, count));
             let c = c[r];
             let xh = l.mul(l.sub(l.sub(xv, c.k), c.m1), c.rstd);
-            let v = l.mul(c.rstd, l.sub(l.sub(l.mul(dyv, wv), c.mg), l.mul(xh, c.mgx)));
-            store(l, dxs[r], i - o, v, count);
+            dxv[r] = l.mul(c.rstd, l.sub(l.sub(l.mul(dyv, wv), c.mg), l.mul(xh, c.mgx)));
             dwv = l.add(dwv, l.mul(dyv, xh));
             dbv = l.add(dbv, dyv);
+        }
+        for (r, v) in dxv.into_iter().enumerate() {
+            store(l, dxs[r], i - o, v, count);
         }
         store(l, dw, i, dwv, count);
         store(l, db, i, dbv, count);

@@ -1,9 +1,13 @@
 //! rms_norm's f32 backward in the training case (a weight and its
 //! gradient, no `grad_add`), in explicit SIMD written once for AVX-512 and
-//! AVX2 ([`crate::wide`]), four rows at a time, as layer_norm's
-//! (`layer_norm/x86_backward.rs`, which explains the why): the block's
-//! partial `dw` is loaded and stored once per four rows instead of once per
-//! row, and the next four rows are prefetched as the columns go.
+//! AVX2 ([`crate::wide`]), two rows at a time, as layer_norm's
+//! (`layer_norm/x86_backward.rs`, which explains the why, and why two rows
+//! rather than four): the block's partial `dw` is loaded and stored once per
+//! two rows instead of once per row, and each column's loads come before its
+//! stores. Measured against four rows with the next four prefetched (Zen 4,
+//! f32, 2 threads, best of 40-400 calls, four alternations): 32x4096
+//! 0.32-0.35 ns per value against 0.58-0.62, 4096x4096 0.44-0.46 against
+//! 0.57-0.66.
 //! fused_add_rms_norm's backward, which also adds `grad_add` into `dx`, keeps
 //! the row loop: grouped, it measured no faster (4096x4096 f32, AVX-512,
 //! alternated builds: 24.4-27.7 ms against 24.5-26.7). bf16 is not grouped
@@ -20,14 +24,11 @@
 //! contiguous and strided rows.
 use super::{grad_consts, strided_row_and_next};
 use crate::layout::Offsets;
-use crate::simd::prefetch_part;
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 
-/// Rows whose columns are walked together.
-const GROUP: usize = 4;
-
-/// Columns between two prefetch calls.
-const PART: usize = 256;
+/// Rows whose columns are walked together (layer_norm's `GROUP` says why
+/// two).
+const GROUP: usize = 2;
 
 /// The backward over the rows of `dx` (`cols` each): row `k` of `x` at the
 /// `k`-th offset of `ox` (which is stepped past them), of `dy` and `dx`
@@ -58,19 +59,13 @@ impl Kernel for Backward<'_> {
             for x_row in xs.iter_mut().take(g) {
                 *x_row = strided_row_and_next(x, ox, false, cols).0;
             }
-            // The next group's rows of `x`, for the prefetches.
-            let (mut next_x, mut peek): ([&[f32]; GROUP], _) = ([&[]; GROUP], ox.clone());
-            for x_row in next_x.iter_mut().take((rows - r - g).min(GROUP)) {
-                *x_row = strided_row_and_next(x, &mut peek, false, cols).0;
-            }
-            let next_dy = &dy[(r + g) * cols..(r + g + GROUP).min(rows) * cols];
             let rows_at = (&dy[r * cols..(r + g) * cols], &mut dx[r * cols..(r + g) * cols]);
             // SAFETY (both): `xs[..g]` are rows of `cols`, as are the `g`
             // rows of `dy` and `dx` given; `w` and `dw` hold `cols`.
             if g == GROUP {
-                unsafe { group::<L, GROUP>(l, xs, rows_at, (w, dw), cols, eps, (next_x, next_dy)) };
+                unsafe { group::<L, GROUP>(l, xs, rows_at, (w, dw), cols, eps) };
             } else {
-                unsafe { group::<L, 1>(l, xs, rows_at, (w, dw), cols, eps, (next_x, next_dy)) };
+                unsafe { group::<L, 1>(l, xs, rows_at, (w, dw), cols, eps) };
             }
             r += g;
         }
@@ -91,7 +86,6 @@ unsafe fn group<L: Lanes, const G: usize>(
     (w, dw): (&[f32], &mut [f32]),
     cols: usize,
     eps: f32,
-    (next_x, next_dy): ([&[f32]; GROUP], &[f32]),
 ) {
     // Plain loops, not `array::from_fn` (see layer_norm's).
     let zero = l.splat(0.0);
@@ -108,14 +102,6 @@ unsafe fn group<L: Lanes, const G: usize>(
     let (w, dw) = (w.as_ptr(), dw.as_mut_ptr());
     walk_columns::<L>(
         cols,
-        PART,
-        #[inline(always)]
-        |k| {
-            for a in next_x {
-                prefetch_part::<f32, false>(a, k, PART);
-            }
-            prefetch_part::<f32, false>(next_dy, k, GROUP * PART);
-        },
         // SAFETY: `walk_columns` gives `count` columns from `i`, inside the
         // `cols` of every row (the caller's bounds).
         #[inline(always)]
@@ -124,7 +110,8 @@ unsafe fn group<L: Lanes, const G: usize>(
 }
 
 /// One vector of columns `i..i + count` (`count <= N`) of every row: `dx =
-/// (r dy) w - x c`, then `dw += (dy x) r` row after row.
+/// (r dy) w - x c`, then `dw += (dy x) r` row after row. Every row's loads
+/// come before the first store (layer_norm's `step` says why).
 ///
 /// # Safety
 /// `count` values from `i` are readable at every pointer, and writable at
@@ -143,11 +130,15 @@ unsafe fn step<L: Lanes, const G: usize>(
     unsafe {
         let wv = load(l, w, i, count);
         let mut dwv = load(l, dw, i, count);
+        let mut dxv = [wv; G];
         for k in 0..G {
             let (xv, dyv) = (load(l, xs[k], i, count), load(l, dys[k], i, count));
             let (r, ck) = c[k];
-            store(l, dxs[k], i, l.sub(l.mul(l.mul(r, dyv), wv), l.mul(xv, ck)), count);
+            dxv[k] = l.sub(l.mul(l.mul(r, dyv), wv), l.mul(xv, ck));
             dwv = l.add(dwv, l.mul(l.mul(dyv, xv), r));
+        }
+        for (k, v) in dxv.into_iter().enumerate() {
+            store(l, dxs[k], i, v, count);
         }
         store(l, dw, i, dwv, count);
     }

@@ -170,30 +170,19 @@ pub(crate) unsafe fn store_n<L: Lanes>(l: L, p: *mut f32, i: usize, v: L::V, cou
     }
 }
 
-/// Columns `0..cols` in parts of `part`: `prefetch(k)` as part `k` starts,
-/// then `step(i, count)` for each whole vector of the part (`count` = `N`)
-/// and for its last `count < N` values. The column walk of the grouped norm
-/// backwards; pass `#[inline(always)]` closures, so that they are compiled
-/// inside the caller's vector features.
+/// Columns `0..cols`: `step(i, count)` for each whole vector (`count` =
+/// `N`) and for the last `count < N` values. The column walk of the grouped
+/// norm backwards; pass an `#[inline(always)]` closure, so that it is
+/// compiled inside the caller's vector features.
 #[inline(always)]
-pub(crate) fn walk_columns<L: Lanes>(
-    cols: usize,
-    part: usize,
-    mut prefetch: impl FnMut(usize),
-    mut step: impl FnMut(usize, usize),
-) {
+pub(crate) fn walk_columns<L: Lanes>(cols: usize, mut step: impl FnMut(usize, usize)) {
     let mut i = 0;
-    while i < cols {
-        let end = (i + part).min(cols);
-        prefetch(i / part);
-        while i + L::N <= end {
-            step(i, L::N);
-            i += L::N;
-        }
-        if i < end {
-            step(i, end - i);
-            i = end;
-        }
+    while i + L::N <= cols {
+        step(i, L::N);
+        i += L::N;
+    }
+    if i < cols {
+        step(i, cols - i);
     }
 }
 
