@@ -299,14 +299,15 @@ pub(crate) fn backward_unchecked<T: Element>(
                         }
                     }
                     let rows = n / cols;
-                    // f32 with the weight's gradient (training): four rows at a time.
+                    // f32 with the weight's gradient (training): two rows at a time.
                     #[cfg(target_arch = "x86_64")]
-                    if let (true, Some(w), Some(dw), None) = (crate::wide::is::<T, f32>(), weight, &mut dw, add) {
+                    if let (true, Some(w), Some(dw)) = (crate::wide::is::<T, f32>(), weight, &mut dw) {
                         let e = "rms_norm: T is f32";
                         let k = x86_backward::Backward {
                             x: cast::<T, f32>(x),
                             ox: &mut ox,
                             dy: cast::<T, f32>(dy),
+                            add: add.map(cast::<T, f32>),
                             w: cast::<T, f32>(w),
                             dx: cast_mut::<T, f32>(&mut dx).expect(e),
                             dw: cast_mut::<T::Acc, f32>(&mut dw[..]).expect(e),

@@ -31,12 +31,14 @@ use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, L
 const GROUP: usize = 2;
 
 /// The backward over the rows of `dx` (`cols` each): row `k` of `x` at the
-/// `k`-th offset of `ox` (which is stepped past them), of `dy` and `dx`
-/// contiguous; `w` and `dw` of `cols`, `dw` added to. `cols > 0`.
+/// `k`-th offset of `ox` (which is stepped past them), of `dy`, `add` and
+/// `dx` contiguous; `w` and `dw` of `cols`, `dw` added to. `cols > 0`.
 pub(super) struct Backward<'a> {
     pub(super) x: &'a [f32],
     pub(super) ox: &'a mut Offsets,
     pub(super) dy: &'a [f32],
+    /// fused_add_rms_norm's `grad_add`, added to `dx`.
+    pub(super) add: Option<&'a [f32]>,
     pub(super) w: &'a [f32],
     pub(super) dx: &'a mut [f32],
     pub(super) dw: &'a mut [f32],
@@ -48,8 +50,9 @@ impl Kernel for Backward<'_> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let Backward { x, ox, dy, w, dx, dw, cols, eps } = self;
+        let Backward { x, ox, dy, add, w, dx, dw, cols, eps } = self;
         assert!(cols > 0 && dy.len() == dx.len() && dx.len() % cols == 0, "rms_norm x86 backward: rows of dy, dx");
+        assert!(add.is_none_or(|a| a.len() == dx.len()), "rms_norm x86 backward: rows of add");
         assert!(w.len() == cols && dw.len() == cols, "rms_norm x86 backward: w, dw");
         let rows = dx.len() / cols;
         let mut r = 0;
@@ -59,9 +62,10 @@ impl Kernel for Backward<'_> {
             for x_row in xs.iter_mut().take(g) {
                 *x_row = strided_row_and_next(x, ox, false, cols).0;
             }
-            let rows_at = (&dy[r * cols..(r + g) * cols], &mut dx[r * cols..(r + g) * cols]);
+            let span = r * cols..(r + g) * cols;
+            let rows_at = (&dy[span.clone()], add.map(|a| &a[span.clone()]), &mut dx[span]);
             // SAFETY (both): `xs[..g]` are rows of `cols`, as are the `g`
-            // rows of `dy` and `dx` given; `w` and `dw` hold `cols`.
+            // rows of `dy`, `add` and `dx` given; `w` and `dw` hold `cols`.
             if g == GROUP {
                 unsafe { group::<L, GROUP>(l, xs, rows_at, (w, dw), cols, eps) };
             } else {
@@ -76,13 +80,13 @@ impl Kernel for Backward<'_> {
 /// walk over the columns writing their `dx` and adding to `dw`.
 ///
 /// # Safety
-/// `xs[..G]` hold `cols` values each, `dy` and `dx` `G` rows of `cols`, `w`
-/// and `dw` `cols`.
+/// `xs[..G]` hold `cols` values each, `dy`, `add` and `dx` `G` rows of
+/// `cols`, `w` and `dw` `cols`.
 #[inline(always)]
 unsafe fn group<L: Lanes, const G: usize>(
     l: L,
     xs: [&[f32]; GROUP],
-    (dy, dx): (&[f32], &mut [f32]),
+    (dy, add, dx): (&[f32], Option<&[f32]>, &mut [f32]),
     (w, dw): (&[f32], &mut [f32]),
     cols: usize,
     eps: f32,
@@ -91,37 +95,51 @@ unsafe fn group<L: Lanes, const G: usize>(
     let zero = l.splat(0.0);
     let mut c = [(zero, zero); G];
     let (mut xp, mut dyp, mut dxp) = ([dy.as_ptr(); G], [dy.as_ptr(); G], [dx.as_mut_ptr(); G]);
+    let mut addp = [dy.as_ptr(); G];
     for k in 0..G {
         let span = k * cols..(k + 1) * cols;
         let (r, ck) = grad_consts(xs[k], &dy[span.clone()], Some(w), eps);
         c[k] = (l.splat(r), l.splat(ck));
         xp[k] = xs[k].as_ptr();
         dyp[k] = dy[span.clone()].as_ptr();
+        if let Some(a) = add {
+            addp[k] = a[span.clone()].as_ptr();
+        }
         dxp[k] = dx[span].as_mut_ptr();
     }
     let (w, dw) = (w.as_ptr(), dw.as_mut_ptr());
-    walk_columns::<L>(
-        cols,
-        // SAFETY: `walk_columns` gives `count` columns from `i`, inside the
-        // `cols` of every row (the caller's bounds).
-        #[inline(always)]
-        |i, count| unsafe { step::<L, G>(l, &c, (xp, dyp, w), (dxp, dw), i, count) },
-    );
+    let ins = (xp, dyp, addp, w);
+    // SAFETY (both): `walk_columns` gives `count` columns from `i`, inside
+    // the `cols` of every row (the caller's bounds).
+    if add.is_some() {
+        walk_columns::<L>(
+            cols,
+            #[inline(always)]
+            |i, count| unsafe { step::<L, G, true>(l, &c, ins, (dxp, dw), i, count) },
+        );
+    } else {
+        walk_columns::<L>(
+            cols,
+            #[inline(always)]
+            |i, count| unsafe { step::<L, G, false>(l, &c, ins, (dxp, dw), i, count) },
+        );
+    }
 }
 
 /// One vector of columns `i..i + count` (`count <= N`) of every row: `dx =
-/// (r dy) w - x c`, then `dw += (dy x) r` row after row. Every row's loads
-/// come before the first store (layer_norm's `step` says why).
+/// (r dy) w - x c`, plus `add` where `ADD`, then `dw += (dy x) r` row after
+/// row. Every row's loads come before the first store (layer_norm's `step`
+/// says why).
 ///
 /// # Safety
-/// `count` values from `i` are readable at every pointer, and writable at
-/// the `dx` rows and `dw`.
+/// `count` values from `i` are readable at every pointer (`adds` only read
+/// where `ADD`), and writable at the `dx` rows and `dw`.
 #[allow(clippy::type_complexity)]
 #[inline(always)]
-unsafe fn step<L: Lanes, const G: usize>(
+unsafe fn step<L: Lanes, const G: usize, const ADD: bool>(
     l: L,
     c: &[(L::V, L::V); G],
-    (xs, dys, w): ([*const f32; G], [*const f32; G], *const f32),
+    (xs, dys, adds, w): ([*const f32; G], [*const f32; G], [*const f32; G], *const f32),
     (dxs, dw): ([*mut f32; G], *mut f32),
     i: usize,
     count: usize,
@@ -135,6 +153,9 @@ unsafe fn step<L: Lanes, const G: usize>(
             let (xv, dyv) = (load(l, xs[k], i, count), load(l, dys[k], i, count));
             let (r, ck) = c[k];
             dxv[k] = l.sub(l.mul(l.mul(r, dyv), wv), l.mul(xv, ck));
+            if ADD {
+                dxv[k] = l.add(dxv[k], load(l, adds[k], i, count));
+            }
             dwv = l.add(dwv, l.mul(l.mul(dyv, xv), r));
         }
         for (k, v) in dxv.into_iter().enumerate() {
@@ -152,31 +173,37 @@ mod tests {
 
     /// The grouped pass against the lane loop's rows (`backward_row`), bit
     /// for bit: `dx`, and `dw` added to nonzero partials, for 1 to 9 rows
-    /// and widths around the vector and part sizes, on contiguous rows and on
-    /// rows 3 columns apart (a strided view).
+    /// and widths around the vector size, on contiguous rows and on rows 3
+    /// columns apart (a strided view), with and without `add`.
     fn at_width<L: Width>(l: L) {
         for cols in [1usize, 7, 16, 17, 100, 255, 256, 257, 600] {
             for rows in 1..=9 {
-                for gap in [0usize, 3] {
+                for (gap, with_add) in [(0usize, false), (3, false), (0, true), (3, true)] {
                     let stride = cols + gap;
                     let x: Vec<f32> = (0..rows * stride).map(|i| ((i * 37 % 101) as f32 - 50.0) / 13.0).collect();
                     let n = rows * cols;
                     let dy: Vec<f32> = (0..n).map(|i| ((i * 53 % 97) as f32 - 48.0) / 17.0).collect();
+                    let add: Vec<f32> = (0..n).map(|i| ((i * 29 % 89) as f32 - 44.0) / 7.0).collect();
+                    let add = with_add.then_some(&add[..]);
                     let w: Vec<f32> = (0..cols).map(|j| 0.5 + (j % 7) as f32 / 8.0).collect();
                     let start: Vec<f32> = (0..cols).map(|j| j as f32 / 3.0 - 1.0).collect();
                     let layout = RowLayout::new(&[rows], &[stride]).expect("a layout of rows");
                     let (mut dx, mut dw) = (vec![0f32; n], start.clone());
                     let mut ox = layout.offsets_from(0);
-                    let k = Backward { x: &x, ox: &mut ox, dy: &dy, w: &w, dx: &mut dx, dw: &mut dw, cols, eps: 1e-6 };
+                    let (dx_out, dw_out) = (&mut dx, &mut dw);
+                    let k =
+                        Backward { x: &x, ox: &mut ox, dy: &dy, add, w: &w, dx: dx_out, dw: dw_out, cols, eps: 1e-6 };
                     run_with(l, k);
                     let (mut dx_ref, mut dw_ref) = (vec![0f32; n], start);
                     for (r, (dy, dx)) in dy.chunks(cols).zip(dx_ref.chunks_mut(cols)).enumerate() {
                         let x = &x[r * stride..][..cols];
-                        super::super::backward_row(x, dy, None, Some(&w[..]), dx, Some(&mut dw_ref[..]), 1e-6, &[]);
+                        let add = add.map(|a| &a[r * cols..][..cols]);
+                        super::super::backward_row(x, dy, add, Some(&w[..]), dx, Some(&mut dw_ref[..]), 1e-6, &[]);
                     }
                     let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&dx), bits(&dx_ref), "dx rows={rows} cols={cols} gap={gap}");
-                    assert_eq!(bits(&dw), bits(&dw_ref), "dw rows={rows} cols={cols} gap={gap}");
+                    let case = format!("rows={rows} cols={cols} gap={gap} add={with_add}");
+                    assert_eq!(bits(&dx), bits(&dx_ref), "dx {case}");
+                    assert_eq!(bits(&dw), bits(&dw_ref), "dw {case}");
                 }
             }
         }
