@@ -44,8 +44,8 @@ use half::f16;
 /// Zen 4, whose L1 has 8 ways (the Xeon's 12), rows of 4096 f32 are 16 KiB
 /// apart, so the four rows' `x`, `dy` and `dx` fall in one L1 set at every
 /// column: 12 lines for 8 ways. Two rows, without the software prefetch
-/// (which brought lines into the same sets), measured 1.3-1.6x faster there
-/// (BENCHMARKS.md, session 40).
+/// (which brought lines into the same sets), measured 1.1-1.8x faster there
+/// (f32, 32 to 4096 rows; BENCHMARKS.md, session 40).
 const GROUP: usize = 2;
 
 /// bf16's and f16's columns of each `dx` block rounded at once.
@@ -236,7 +236,7 @@ fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w:
 /// `dx` are often a multiple of 4 KiB apart (rows of 1024 f32), so a load of
 /// row `r + 1` after the store of row `r`'s `dx` shares the store's address
 /// bits below 4 KiB and waited for it (Zen 4, 32x4096 f32: 0.70-0.79 ns per
-/// value with the stores in the loop, 0.55-0.62 after it, four rows).
+/// value with the stores in the loop, 0.55-0.68 after it, four rows).
 ///
 /// # Safety
 /// `count` values from `i` are readable at every input pointer and writable
