@@ -172,7 +172,7 @@ pub fn backward<T: Element>(
             let mut db = want_db.then(|| dbs.get(b));
             let at = blocks.rows(b).start * cols;
             let (x, dy) = (&x[at..][..dx.len()], &grad_out[at..][..dx.len()]);
-            // f32, bf16 and f16 with every gradient (training): four rows
+            // f32, bf16 and f16 with every gradient (training): two rows
             // at a time.
             #[cfg(target_arch = "x86_64")]
             if let (true, Some(w), Some(dw), Some(db)) = (cols > 0, weight, &mut dw, &mut db) {

@@ -1,27 +1,28 @@
 //! rms_norm's f32 backward in the training case (a weight and its
-//! gradient, no `grad_add`), in explicit SIMD written once for AVX-512 and
-//! AVX2 ([`crate::wide`]), two rows at a time, as layer_norm's
+//! gradient; with or without fused_add_rms_norm's `grad_add`, added into
+//! `dx`), in explicit SIMD written once for AVX-512 and AVX2
+//! ([`crate::wide`]), two rows at a time, as layer_norm's
 //! (`layer_norm/x86_backward.rs`, which explains the why, and why two rows
 //! rather than four): the block's partial `dw` is loaded and stored once per
 //! two rows instead of once per row, and each column's loads come before its
 //! stores. Measured against four rows with the next four prefetched (Zen 4,
 //! f32, 2 threads, best of 40-400 calls, four alternations): 32x4096
 //! 0.32-0.35 ns per value against 0.58-0.62, 4096x4096 0.44-0.46 against
-//! 0.57-0.66.
-//! fused_add_rms_norm's backward, which also adds `grad_add` into `dx`, keeps
-//! the row loop: grouped, it measured no faster (4096x4096 f32, AVX-512,
-//! alternated builds: 24.4-27.7 ms against 24.5-26.7). bf16 is not grouped
-//! either: the same walk with bf16 loads and `dx` rounded per part (as
-//! layer_norm's bf16, where it paid) measured no faster than the row loop,
-//! with or without `grad_add` (criterion, 4096x4096, alternated: rms_norm
-//! 5.1-7.8 ms against 6.0-7.0, fused_add_rms_norm 7.5-9.7 against 7.2-7.8);
-//! bf16 and f16 now take the explicit row kernel of `x86_rows.rs`.
+//! 0.57-0.66. With `grad_add`, four rows had measured no faster than the row
+//! loop (session 22, AVX-512 Xeon, 4096x4096 f32: 24.4-27.7 ms against
+//! 24.5-26.7); two rows are faster on Zen 4 (criterion, 4096x4096:
+//! 12.3-14.5 ms against the row loop's 15.4-16.6; BENCHMARKS.md, session 40).
+//! bf16 is not grouped: the same walk with bf16 loads and `dx` rounded per
+//! part (as layer_norm's bf16, where it paid) measured no faster than the
+//! row loop, with or without `grad_add` (criterion, 4096x4096, alternated:
+//! rms_norm 5.1-7.8 ms against 6.0-7.0, fused_add_rms_norm 7.5-9.7 against
+//! 7.2-7.8); bf16 and f16 now take the explicit row kernel of `x86_rows.rs`.
 //!
 //! Each value is the lane loop's, bit for bit: the rows' `r` and `c` come
 //! from the same function ([`super::grad_consts`]), and every element takes
 //! the same operations in the same order (`dx = (r dy) w - x c`, then `dw +=
 //! (dy x) r` row after row); the tests compare both at every width, on
-//! contiguous and strided rows.
+//! contiguous and strided rows, with and without `grad_add`.
 use super::{grad_consts, strided_row_and_next};
 use crate::layout::Offsets;
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
