@@ -48,7 +48,8 @@ use half::f16;
 /// (f32, 32 to 4096 rows; BENCHMARKS.md, session 40).
 const GROUP: usize = 2;
 
-/// bf16's and f16's columns of each `dx` block rounded at once.
+/// Columns walked at a time: for bf16 and f16, those of each `dx` block
+/// rounded at once (f32 walks its rows in parts of the same size).
 const PART: usize = 256;
 
 /// The backward over whole rows of `cols`: `x`, `dy` and `dx` of one length,
