@@ -34,9 +34,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def _cpuinfo(field: str) -> str:
     """The first value of `field` in /proc/cpuinfo ("" where there is none)."""
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return ""
@@ -68,7 +69,8 @@ def _simd() -> str:
 
 def _thp() -> str:
     try:
-        return open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().strip()
     except OSError:
         return "unknown"
 

@@ -25,7 +25,7 @@ def test_small_report_runs_and_checks_values(tmp_path):
         plots = False
         cmd.append("--no-plots")
     subprocess.run(cmd, check=True, timeout=600)
-    raw = json.load(open(tmp_path / "raw.json"))
+    raw = json.loads((tmp_path / "raw.json").read_text())
     rows = raw["rows"]
     assert {(r["op"], r["dtype"]) for r in rows} == {
         (op, dt)
