@@ -31,9 +31,6 @@ if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev
 fi
 source scripts/nvcc-env.sh
 export KEEL_REQUIRE_CUDA_EMU=1
-# 1000 random cases a property (tests/*_cpu.rs; their defaults, 40-64, are for
-# a quick local run): about 4 s more in all on the 2-core machine, measured.
-export PROPTEST_CASES=1000
 # Once, not twice: the emulated CUDA tests alone take about 40 s.
 filtered "cargo test" '^$|^running 0 tests' cargo test --workspace --release -q
 

@@ -90,12 +90,3 @@ pub fn in_pool_if<R: Send>(pool: bool, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
 }
-
-/// A proptest config of `default` cases, or of `PROPTEST_CASES` where that is
-/// set: `ProptestConfig::with_cases` alone ignores the variable, so a deep run
-/// (`PROPTEST_CASES=5000 cargo test --release --test softmax_cpu`) could not
-/// ask for more cases without editing the tests.
-pub fn cases(default: u32) -> proptest::test_runner::Config {
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(default);
-    proptest::test_runner::Config::with_cases(cases)
-}
