@@ -74,7 +74,7 @@ fn lse_ref<T: Element>(x: &[T]) -> f64 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
     fn f32_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f32>(rows, cols, &x, &t, ls, g); }

@@ -63,7 +63,7 @@ fn bits<T: Tol>(v: &[T]) -> Vec<u64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
     fn f32_matches_reference(c in case()) { check::<f32>(&c); }

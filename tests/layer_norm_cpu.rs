@@ -57,7 +57,7 @@ fn check<T: Tol>(c: &Case) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
     fn f32_matches_reference(c in case()) { check::<f32>(&c); }

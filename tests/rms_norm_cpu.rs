@@ -114,7 +114,7 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
     fn f32_strided_forward_matches_contiguous((l, cols, x, w) in strided_case()) { check_strided::<f32>(l, cols, &x, &w); }
@@ -150,7 +150,7 @@ fn strided_forward_refuses_a_short_input() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1000))]
+    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
     fn f32_matches_reference((rows, cols, x, w, dy, with_w, eps) in case()) {

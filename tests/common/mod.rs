@@ -90,3 +90,8 @@ pub fn in_pool_if<R: Send>(pool: bool, f: impl FnOnce() -> R + Send) -> R {
         f()
     }
 }
+
+/// Random cases per property of the CPU property tests (`tests/*_cpu.rs`):
+/// about 4 s for all of them on the 2-core CI machine. `PROPTEST_CASES`
+/// overrides it (proptest 1.12 applies the variable over the config).
+pub const CASES: u32 = 1000;
