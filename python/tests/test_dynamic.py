@@ -7,7 +7,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 import keel
-from conftest import assert_close
+from conftest import assert_close, devices
 
 ops = torch.ops.keel
 
@@ -261,6 +261,50 @@ def test_compiled_graphs_call_keel_kernels():
     for op in ("rms_norm", "silu_and_mul", "softmax"):
         assert f"keel._{op}_nograd.default" in fw, (op, fw)
     assert {"keel.rms_norm_backward.default", "keel.softmax_backward.default"} <= bw, bw
+
+
+def _differentiable_ops(x, r, w, b, up, cos, sin, target):
+    """Every differentiable op once, summed into a loss."""
+    h = keel.layer_norm(keel.rms_norm(x, w), w, b)
+    y, s = keel.fused_add_rms_norm(h, r, w)
+    g = y @ up
+    a = keel.silu_and_mul(g) + keel.gelu_and_mul(g, "tanh") + keel.gelu_and_mul(g)
+    q = keel.rotary_embedding(a.view(*a.shape[:2], 2, -1), cos, sin)
+    p = keel.softmax(q.flatten(2), 0.5).flatten(0, 1)
+    return keel.cross_entropy(p, target) + keel.cross_entropy_with_lse(p, target)[0] + s.sum()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compiled_autograd_runs_keels_backwards(device):
+    """Compiled autograd (``torch._dynamo.compiled_autograd``; what
+    ``torch._dynamo.config.compiled_autograd = True`` turns on) traces each op's
+    Python formula with dynamo, fullgraph: its graph holds every Keel backward
+    operator, and the gradients are eager Keel's, bit for bit (the same kernels)."""
+    from torch._dynamo import compiled_autograd
+
+    seen = []
+
+    def capture(gm, example_inputs):
+        seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch.manual_seed(0)
+    shapes = [(2, 3, 16), (2, 3, 16), (16,), (16,), (16, 32), (3, 4), (3, 4)]
+    leaves = [(torch.randn(s) / (4 if s == (16, 32) else 1)).to(device).requires_grad_() for s in shapes]
+    target = torch.randint(0, 16, (6,), device=device)
+    _differentiable_ops(*leaves, target).backward()
+    want = [t.grad for t in leaves]
+    for t in leaves:
+        t.grad = None
+    torch._dynamo.reset()
+    with compiled_autograd._enable(torch.compile(backend=capture, fullgraph=True)):
+        _differentiable_ops(*leaves, target).backward()
+    torch._dynamo.reset()
+    for t, w in zip(leaves, want):
+        torch.testing.assert_close(t.grad, w, atol=0, rtol=0)
+    backwards = {f"keel.{name}_backward" for name in ("rms_norm", "layer_norm", "fused_add_rms_norm", "silu_and_mul")}
+    backwards |= {f"keel.{name}_backward" for name in ("gelu_and_mul", "softmax", "rotary_embedding", "cross_entropy")}
+    assert len(seen) == 1 and backwards <= seen[0], seen
 
 
 def _every_op(x, r, w, up, cos, sin, target):
