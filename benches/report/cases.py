@@ -34,6 +34,9 @@ class Case:
     # the inputs, timings on the inputs themselves, which each call rewrites.
     inplace: bool = False
     seed: int = 1
+    # The typed API's call (`keel.rms_norm` ...), where it differs from `keel`
+    # (a `torch.ops.keel` call): what users call, timed beside it at decode shapes.
+    typed: Callable = None
     _grads: dict = field(default_factory=dict, repr=False)  # upstream gradients, made once
 
     def _upstream(self, i: int, out: torch.Tensor) -> torch.Tensor:
@@ -123,6 +126,16 @@ def _keel_rope_inplace(q, cos, sin):
     return q
 
 
+def _typed_fused_add_rms_norm_inplace(x, r, w):
+    keel.fused_add_rms_norm_(x, r, w, 1e-6)
+    return x, r
+
+
+def _typed_rope_inplace(q, cos, sin):
+    keel.rotary_embedding_(q, cos, sin)
+    return q
+
+
 def _silu_and_mul(h):
     d = h.shape[-1] // 2
     return F.silu(h[..., :d]) * h[..., d:]
@@ -184,27 +197,29 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
     gs = f"{n}x{2 * h}"
     mk = {}
     mk["rms_norm"] = lambda: Case("rms_norm", rs, (x, w), lambda x, w: torch.ops.keel.rms_norm(x, w, 1e-6),
-                                  _rms_norm, 2 * n * h * es)
+                                  _rms_norm, 2 * n * h * es, typed=lambda x, w: keel.rms_norm(x, w, 1e-6))
     mk["layer_norm"] = lambda: Case("layer_norm", rs, (x, w, b),
                                     lambda x, w, b: torch.ops.keel.layer_norm(x, w, b, 1e-5),
-                                    _layer_norm, 2 * n * h * es)
+                                    _layer_norm, 2 * n * h * es, typed=lambda x, w, b: keel.layer_norm(x, w, b, 1e-5))
     mk["fused_add_rms_norm"] = lambda: Case(
         "fused_add_rms_norm", rs, (x, r, w), lambda x, r, w: torch.ops.keel.fused_add_rms_norm(x, r, w, 1e-6),
-        _fused_add_rms_norm, 4 * n * h * es, clone_args=(0, 1))
+        _fused_add_rms_norm, 4 * n * h * es, clone_args=(0, 1),
+        typed=lambda x, r, w: keel.fused_add_rms_norm(x, r, w, 1e-6))
     # Its own copies of x and r: every call rewrites them (r grows by the
     # normalised x each call, which stays finite over any run's calls).
     mk["fused_add_rms_norm_ (in place)"] = lambda: Case(
         "fused_add_rms_norm_ (in place)", rs, (x.clone(), r.clone(), w), _keel_fused_add_rms_norm_inplace,
-        _fused_add_rms_norm_inplace, 4 * n * h * es, clone_args=(0, 1), inplace=True)
+        _fused_add_rms_norm_inplace, 4 * n * h * es, clone_args=(0, 1), inplace=True,
+        typed=_typed_fused_add_rms_norm_inplace)
     mk["silu_and_mul"] = lambda: Case("silu_and_mul", gs, (gu,), torch.ops.keel.silu_and_mul,
-                                      _silu_and_mul, 3 * n * h * es)
+                                      _silu_and_mul, 3 * n * h * es, typed=keel.silu_and_mul)
     mk["gelu_and_mul"] = lambda: Case("gelu_and_mul", gs, (gu,), lambda h: torch.ops.keel.gelu_and_mul(h, "none"),
-                                      _gelu_and_mul, 3 * n * h * es)
+                                      _gelu_and_mul, 3 * n * h * es, typed=lambda h: keel.gelu_and_mul(h, "none"))
     mk["gelu_and_mul tanh"] = lambda: Case(
         "gelu_and_mul tanh", gs, (gu,), lambda h: torch.ops.keel.gelu_and_mul(h, "tanh"),
         _gelu_tanh_and_mul, 3 * n * h * es)
     mk["softmax"] = lambda: Case("softmax", rs, (x,), lambda x: torch.ops.keel.softmax(x, 1.0), _softmax,
-                                 2 * n * h * es)
+                                 2 * n * h * es, typed=lambda x: keel.softmax(x, 1.0))
 
     def ce():
         logits = rnd(n, v)
@@ -224,13 +239,14 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
         cos, sin = ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
         return Case("rotary_embedding", "x".join(map(str, (bq, s, heads, d))), (q, cos, sin),
                     lambda q, c, s: torch.ops.keel.rotary_embedding(q, c, s, False), _rope_neox,
-                    2 * q.numel() * es)
+                    2 * q.numel() * es, typed=keel.rotary_embedding)
 
     mk["rotary_embedding"] = rope
 
     def rope_inplace():
         c = rope()  # its own q: every call rewrites it
         c.name, c.keel, c.torch, c.inplace = "rotary_embedding_ (in place)", _keel_rope_inplace, _rope_neox_inplace, True
+        c.typed = _typed_rope_inplace
         return c
 
     mk["rotary_embedding_ (in place)"] = rope_inplace
@@ -250,7 +266,8 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
         t, heads, d = sh["qk"]
         q = rnd(t, 3 * heads * d)[:, : heads * d].view(t, heads, d)
         return Case("rms_norm (qkv view)", f"{t}x{heads}x{d}", (q, rnd(d)),
-                    lambda q, w: torch.ops.keel.rms_norm(q, w, 1e-6), _rms_norm, 2 * q.numel() * es)
+                    lambda q, w: torch.ops.keel.rms_norm(q, w, 1e-6), _rms_norm, 2 * q.numel() * es,
+                    typed=lambda q, w: keel.rms_norm(q, w, 1e-6))
 
     mk["rms_norm (qkv view)"] = qk_norm
 
@@ -275,6 +292,7 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
     def rope_fb():
         c = rope()
         c.name, c.keel, c.nbytes, c.grad_args = "rotary_embedding fwd+bwd", keel.rotary_embedding, 2 * c.nbytes, (0,)
+        c.typed = None  # `keel` is the typed call already
         return c
 
     mk["rotary_embedding fwd+bwd"] = rope_fb

@@ -114,7 +114,9 @@ def bandwidth(device: str) -> dict:
     return {"bytes": moved, "clone_GBps": moved / t["clone"] / 1e9, "copy_GBps": moved / t["copy"] / 1e9}
 
 
-def time_case(case, device, compile_: bool, budget_s: float) -> dict:
+def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False) -> dict:
+    """Times `case` as Keel, torch eager, torch.compile and a clone of its
+    inputs; also as the typed API (`keel.*`) where `typed` and the case has one."""
     row = {"op": case.name, "shape": case.shape, "nbytes": case.nbytes, "bandwidth_bound": case.bandwidth_bound,
            "backward": case.backward, "inplace": case.inplace}
     ref = case.reference()
@@ -126,6 +128,9 @@ def time_case(case, device, compile_: bool, budget_s: float) -> dict:
         return max_rel_err(case.run(fn, fresh), ref)
 
     errs = {"keel": err(case.keel), "eager": err(case.torch)}
+    if typed and case.typed is not None:
+        fns["typed"] = lambda: case.run(case.typed)
+        errs["typed"] = err(case.typed)
     if compile_:
         try:
             compiled = torch.compile(case.torch, dynamic=False)
@@ -144,18 +149,20 @@ def time_case(case, device, compile_: bool, budget_s: float) -> dict:
     return row
 
 
-def checked_row(case, device, dname: str, compile_: bool, budget_s: float) -> dict:
-    """`time_case`'s row, with its device, dtype, and whether Keel's error is within tolerance.
+def checked_row(case, device, dname: str, compile_: bool, budget_s: float, typed: bool = False) -> dict:
+    """`time_case`'s row, with its device, dtype, and whether Keel's error (and the
+    typed API's, where timed) is within tolerance.
 
     A case that raises becomes a failed row that says why, so that one broken
     op costs its row, not the run."""
     try:
-        row = time_case(case, device, compile_, budget_s)
+        row = time_case(case, device, compile_, budget_s, typed)
     except Exception as e:  # noqa: BLE001 - reported in the row and the exit status
         msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         print(f"measure: {case.name} {device} {dname}: {msg}", file=sys.stderr)
         return {"op": case.name, "shape": case.shape, "device": device, "dtype": dname, "ok": False, "error": msg}
-    row.update(device=device, dtype=dname, ok=row["err"]["keel"] <= tolerance(DTYPES[dname]))
+    worst = max(row["err"]["keel"], row["err"].get("typed", 0.0))
+    row.update(device=device, dtype=dname, ok=worst <= tolerance(DTYPES[dname]))
     return row
 
 
@@ -204,9 +211,10 @@ def main() -> None:
             del cases
             decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
             for case in tqdm(decode, desc=f"{a.label or 'run'} {device} {dname} decode", file=sys.stderr, leave=False):
-                # Decoding runs under no_grad (as Hugging Face's generate() does).
+                # Decoding runs under no_grad (as Hugging Face's generate() does);
+                # the typed API is timed too: it skips the Python autograd kernel there.
                 with torch.no_grad():
-                    out["decode"].append(checked_row(case, device, dname, not a.no_compile, a.budget))
+                    out["decode"].append(checked_row(case, device, dname, not a.no_compile, a.budget, typed=True))
                 save(out, a.out)
             del decode
         # On CUDA a call is launch-bound and steady; fewer calls measure it as well.

@@ -185,24 +185,29 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
              "on `[32, 32, 128]` viewed from a fused qkv. Here a call "
              "moves a few hundred KB, so the time is mostly the call itself, the allocation, and spreading the work "
              "over the threads. Timed as above (interleaved, medians), under `torch.no_grad()`, as a model decodes "
-             "(Hugging Face's `generate()` does so). Keel is called through `torch.ops.keel`, so each call first "
+             "(Hugging Face's `generate()` does so). `Keel µs` is a call through `torch.ops.keel`, which first "
              "passes through Keel's Python autograd kernel: about 2-2.5 µs (see the per-call overhead below), "
-             "4 µs for the in-place ops; the typed `keel.*` and `keel.nn` skip it, and under "
-             "`torch.inference_mode()` no call runs it.", "",
-             "| run | op | dtype | shape | Keel µs | eager µs | compile µs | vs eager | vs compile | err |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "4 µs for the in-place ops; the verdicts are on it. The typed API (`keel.rms_norm` ..., which "
+             "`keel.nn` calls) skips that kernel where no gradient can be needed, as here: its column is what a "
+             "model gets (`vs eager, keel.*`). Under `torch.inference_mode()` neither runs it.", "",
+             "| run | op | dtype | shape | Keel µs | Keel µs (`keel.*`) | eager µs | compile µs | vs eager "
+             "| vs eager, `keel.*` | vs compile | err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):
         for row in run.get("decode", []):
             if row["device"] != device:
                 continue
             if "error" in row:
-                lines.append(_failed_row([title], row, 10))
+                lines.append(_failed_row([title], row, 12))
                 misses.append(f"- {title}, decode: {row['op']} {row['dtype']} raised: {row['error']}")
                 continue
             ms, d = row["ms"], _speedups(row)
             comp, vc = _compile_cells(row, d, _us)
-            lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | "
-                         f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vc} | {row['err']['keel']:.1e} |")
+            # Older runs (and cases without a typed call) have no `typed` time.
+            typed, vt = (_us(ms["typed"]), f"{ms['eager'] / ms['typed']:.2f}x") if "typed" in ms else ("-", "-")
+            err = max(row["err"]["keel"], row["err"].get("typed", 0.0))
+            lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | {typed} | "
+                         f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vt} | {vc} | {err:.1e} |")
             misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}"
                        for w in _speed_misses(row, d)]
     return lines + [""]

@@ -47,8 +47,11 @@ def test_small_report_runs_and_checks_values(tmp_path):
         (op, shape, dt) for op, shape in (("rms_norm", "32x4096"), ("rotary_embedding", "1x32x32x128"))
         for dt in ("float32", "bfloat16")}
     for r in raw["decode"]:
-        assert r["ok"] and r["err"]["compile"] <= 2e-2 and all(r["ms"][k] > 0 for k in ("keel", "eager", "compile")), r
+        assert r["ok"] and r["err"]["compile"] <= 2e-2, r
+        assert all(r["ms"][k] > 0 for k in ("keel", "typed", "eager", "compile")), r
         assert r["err"]["keel"] > 0, r  # positions 0-31: the rotation is not the identity
+        assert r["err"]["typed"] == r["err"]["keel"], r  # the same kernels
+    assert all("typed" not in r["ms"] for r in rows), rows  # timed at decode shapes only
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     text = (tmp_path / "REPORT.md").read_text()
     assert "| rms_norm | bfloat16 | 64x256 |" in text
@@ -101,13 +104,16 @@ def test_decode_rows_are_tabled_in_microseconds_and_judged_against_torch():
     run = _run([_row("op", 1.0, 2.0, 2.0)])
     run["decode"] = [dict(_row("fast", 0.02, 0.05, 0.04), shape="32x4096"),
                      dict(_row("slow", 0.04, 0.03, 0.05), shape="32x4096")]
+    run["decode"][1]["ms"]["typed"] = 0.025  # the typed API's time, where it was timed
+    run["decode"][1]["err"]["typed"] = 2e-3
     text = markdown([run], [])
     table = text.split("## Decode-sized calls (forward)")[1].split("## Per-call overhead")[0]
-    assert "| CPU | fast | float32 | 32x4096 | 20.0 | 50.0 | 40.0 | 2.50x | 2.00x |" in table
-    assert "| CPU | slow | float32 | 32x4096 | 40.0 | 30.0 | 50.0 | 0.75x | 1.25x |" in table
+    assert "| CPU | fast | float32 | 32x4096 | 20.0 | - | 50.0 | 40.0 | 2.50x | - | 2.00x | 0.0e+00 |" in table
+    assert "| CPU | slow | float32 | 32x4096 | 40.0 | 25.0 | 30.0 | 50.0 | 0.75x | 1.20x | 1.25x | 2.0e-03 |" in table
     tail = text.split("## Targets missed in this run")[1]
+    # The verdicts are on the torch.ops.keel call, as before.
     assert "- CPU, decode: slow float32 32x4096: 0.75x torch eager" in tail
-    assert "fast" not in tail and "1.25x" not in tail
+    assert "fast" not in tail and "1.25x" not in tail and "1.20x" not in tail
     # A run without decode rows (older JSON) has no such section.
     assert "Decode-sized" not in markdown([_run([_row("op", 1.0, 2.0, 2.0)])], [])
 
@@ -158,7 +164,7 @@ def test_profile_runs_on_cpu_tensors_and_names_its_cases():
 
 def test_failed_calls_fill_their_tables_columns_and_are_listed_as_misses():
     """A row whose Keel call raised keeps the table's column count (main: 12,
-    decode: 10); a failed torch.compile reads "failed" in its cell; both are
+    decode: 12); a failed torch.compile reads "failed" in its cell; both are
     listed under the misses."""
     broken = {"op": "bad", "shape": "s", "dtype": "float32", "device": "cpu", "error": "boom"}
     no_compile = _row("nocomp", 1.0, 2.0, 2.0)
@@ -169,7 +175,7 @@ def test_failed_calls_fill_their_tables_columns_and_are_listed_as_misses():
     text = markdown([run], [])
     main = text.split("## CPU\n")[1].split("## Decode-sized calls")[0]
     decode = text.split("## Decode-sized calls (forward)")[1].split("## Per-call overhead")[0]
-    for table, columns, lead in ((main, 12, "| bad"), (decode, 10, "| CPU | bad")):
+    for table, columns, lead in ((main, 12, "| bad"), (decode, 12, "| CPU | bad")):
         line = next(ln for ln in table.splitlines() if ln.startswith(lead))
         assert line.count("|") == columns + 1, line
         assert "failed: boom" in line
