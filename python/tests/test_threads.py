@@ -1,4 +1,4 @@
-"""Keel's ops called from several Python threads at once, as a threaded server
+"""Every Keel op called from several Python threads at once, as a threaded server
 calls them (torch lets go of the GIL while an op runs): each call gives what the
 same call gives alone, bit for bit. In a fresh interpreter, so that the threads'
 calls are the process's first (the lazy set-up: torch's thread count, on CUDA
@@ -42,17 +42,27 @@ def in_place(r):
     return torch.cat([h, r])
 
 
+def rotary_in_place():
+    k = q.clone()
+    keel.rotary_embedding_(k, cos, sin)
+    return k
+
+
 CALLS = [
     lambda: keel.rms_norm(x, w),
     lambda: keel.rms_norm(xb, w.bfloat16()),
     lambda: keel.layer_norm(x, w, b),
+    lambda: torch.cat(keel.fused_add_rms_norm(x, x.flip(0), w)),
     lambda: keel.softmax(xb, 0.5),
     lambda: keel.silu_and_mul(gate),
+    lambda: keel.gelu_and_mul(gate),
     lambda: keel.gelu_and_mul(gate, "tanh"),
     lambda: keel.rotary_embedding(q, cos, sin),
     lambda: keel.cross_entropy(logits, target),
+    lambda: torch.cat([t.reshape(-1) for t in keel.cross_entropy_with_lse(logits, target)]),
     rms_norm_grads,
     lambda: in_place(x.flip(0).contiguous()),
+    rotary_in_place,
 ]
 THREADS, ROUNDS = 4, 5
 got = [[None] * len(CALLS) for _ in range(THREADS)]
