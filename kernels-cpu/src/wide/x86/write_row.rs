@@ -1,8 +1,9 @@
 //! One row of f32 results written as `T` from explicit code, shared by the
-//! norms' forwards (layer_norm, rms_norm), whose values differ only in their
-//! [`RowValues`]: bf16 rows rounded in registers where the width can
-//! ([`Lanes::store_bf16_pair`]), the rest through `T::write_acc`'s blocks
-//! (straight into the row for f32), prefetching the next row as it goes.
+//! norms' forwards (layer_norm, rms_norm) and the gated forwards, whose
+//! values differ only in their [`RowValues`]: bf16 rows rounded in
+//! registers where the width can ([`Lanes::store_bf16_pair`]), the rest
+//! through `T::write_acc`'s blocks (straight into the row for f32),
+//! prefetching the next row's inputs as it goes.
 use super::Lanes;
 use crate::element::Element;
 use crate::narrow::BLOCK;
@@ -24,9 +25,15 @@ pub(crate) trait RowValues<L: Lanes>: Copy {
 }
 
 /// Writes the row `f` gives into `y` (as long as `f.len()`), prefetching
-/// `ahead` (the next row's input, or empty) one block at a time.
+/// each of `ahead` (the next row's inputs, or empty slices) one block at a
+/// time: block `k` of `y` prefetches block `k` of each.
 #[inline(always)]
-pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], ahead: &[T]) {
+pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>, const K: usize>(
+    l: L,
+    f: F,
+    y: &mut [T],
+    ahead: [&[T]; K],
+) {
     assert_eq!(f.len(), y.len(), "write_row: the row and its values differ in length");
     // bf16 rows round in registers where the width can; the block path
     // below writes what is left (all of it for other types).
@@ -41,7 +48,7 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
         y,
         #[inline(always)]
         |at, out| {
-            prefetch_part::<T, false>(ahead, (at0 + at) / BLOCK, BLOCK);
+            prefetch_blocks(ahead, (at0 + at) / BLOCK);
             let out = cast_mut::<T::Acc, f32>(out).expect("write_row: T::Acc is f32 for f32, bf16, f16");
             let (len, o, from) = (out.len(), out.as_mut_ptr(), at0 + at);
             let mut i = 0;
@@ -73,7 +80,12 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
 /// 4.66-5.10 -> 4.00-4.09 ms; through torch with THP, 1.22-1.24x -> 1.18x
 /// a clone of `x` (alternated runs).
 #[inline(always)]
-fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ahead: &[T]) -> usize {
+fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T, const K: usize>(
+    l: L,
+    f: F,
+    y: &mut [bf16],
+    ahead: [&[T]; K],
+) -> usize {
     if !L::ROUNDS_BF16 {
         return 0;
     }
@@ -82,22 +94,43 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
     let mut i = 0;
     while i < whole {
         if i % BLOCK == 0 {
-            prefetch_part::<T, false>(ahead, i / BLOCK, BLOCK);
+            prefetch_blocks(ahead, i / BLOCK);
         }
         // SAFETY: `i + 2 N <= len = f.len()` (`write_row` asserts it);
         // `y[i..i + 2 N]` is writable.
         unsafe {
             let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
-            if !l.store_bf16_pair(y.as_mut_ptr().add(i), lo, hi) {
-                let mut t = [0f32; 64];
-                l.store(t.as_mut_ptr(), lo);
-                l.store(t.as_mut_ptr().add(L::N), hi);
-                for (y, &t) in y[i..i + n].iter_mut().zip(&t) {
-                    *y = bf16::from_acc(t);
-                }
-            }
+            store_bf16_pair_rounded(l, &mut y[i..i + n], lo, hi);
         }
         i += n;
     }
     whole
+}
+
+/// Prefetches block `k` (of [`BLOCK`] values) of each of `ahead`.
+#[inline(always)]
+fn prefetch_blocks<T, const K: usize>(ahead: [&[T]; K], k: usize) {
+    for a in ahead {
+        prefetch_part::<T, false>(a, k, BLOCK);
+    }
+}
+
+/// `lo` then `hi` rounded to bf16 into `y` (`2 N` long): by
+/// [`Lanes::store_bf16_pair`], or, where a lane is an f32 subnormal, in
+/// software, as [`Element::from_acc`] does. For a width with
+/// `ROUNDS_BF16` only (else every pair goes the software way).
+#[inline(always)]
+pub(crate) fn store_bf16_pair_rounded<L: Lanes>(l: L, y: &mut [bf16], lo: L::V, hi: L::V) {
+    assert_eq!(y.len(), 2 * L::N, "store_bf16_pair_rounded: y is not two vectors long");
+    // SAFETY: `y` holds the `2 N` values both calls write.
+    unsafe {
+        if !l.store_bf16_pair(y.as_mut_ptr(), lo, hi) {
+            let mut t = [0f32; 64];
+            l.store(t.as_mut_ptr(), lo);
+            l.store(t.as_mut_ptr().add(L::N), hi);
+            for (y, &t) in y.iter_mut().zip(&t) {
+                *y = bf16::from_acc(t);
+            }
+        }
+    }
 }
