@@ -105,26 +105,29 @@ impl WideAct for GeluTanh {
     fn consts<L: Lanes>(l: L) -> Exp<L::V> {
         Exp::new(l)
     }
-    /// `a / (1 + e^-v)`, `v = 2 sqrt(2/pi) (a + c a a a)` multiplied left
-    /// to right.
+    /// `a / (1 + e^-v)`, `-v = a (-k - k c a a)` as the scalar `minus_v`.
     #[inline(always)]
     fn f<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> L::V {
-        let cube = l.mul(l.mul(l.mul(l.splat(GELU_C as f32), a), a), a);
-        let v = l.mul(l.splat(SQRT_8_PI as f32), l.add(a, cube));
-        l.div(a, l.add(l.splat(1.0), e.eval(l, l.sub(l.splat(0.0), v))))
+        l.div(a, l.add(l.splat(1.0), e.eval(l, minus_v(l, a))))
     }
-    /// `s = 1 / (1 + e^-v)`, `v' = k (1 + 3 c a a)` with `a` clamped to
+    /// `s = 1 / (1 + e^-v)`, `v' = k + 3 k c a a` with `a` clamped to
     /// `GELU_TANH_SATURATED` (as the scalar one): `(a s, s + a s (1 - s) v')`.
     #[inline(always)]
     fn f_df<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> (L::V, L::V) {
-        let (one, k, c) = (l.splat(1.0), l.splat(SQRT_8_PI as f32), l.splat(GELU_C as f32));
-        let v = l.mul(k, l.add(a, l.mul(l.mul(l.mul(c, a), a), a)));
-        let s = l.div(one, l.add(one, e.eval(l, l.sub(l.splat(0.0), v))));
+        let (one, k) = (l.splat(1.0), l.splat(SQRT_8_PI as f32));
+        let s = l.div(one, l.add(one, e.eval(l, minus_v(l, a))));
         let lim = GELU_TANH_SATURATED as f32;
         let ac = l.min(l.max(a, l.splat(-lim)), l.splat(lim));
-        let dv = l.mul(k, l.add(one, l.mul(l.mul(l.mul(l.splat(3.0), c), ac), ac)));
+        let dv = l.fmadd(l.mul(ac, ac), l.splat((3.0 * SQRT_8_PI * GELU_C) as f32), k);
         (l.mul(a, s), l.add(s, l.mul(l.mul(l.mul(a, s), l.sub(one, s)), dv)))
     }
+}
+
+/// gelu_tanh's `-v = a (-k - k c a a)`, as the scalar `minus_v`.
+#[inline(always)]
+fn minus_v<L: Lanes>(l: L, a: L::V) -> L::V {
+    let (nkc, nk) = ((-SQRT_8_PI * GELU_C) as f32, -SQRT_8_PI as f32);
+    l.mul(a, l.fmadd(l.mul(a, a), l.splat(nkc), l.splat(nk)))
 }
 
 /// `act(a) * g` over rows of `2d` inputs (`a` then `g`) into rows of `d`
