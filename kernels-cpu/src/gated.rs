@@ -114,9 +114,10 @@ const SQRT_8_PI: f64 = 1.595_769_121_605_730_8;
 const GELU_C: f64 = 0.044715;
 /// Where gelu_tanh's sigmoid `s` is exactly 0 or 1 in f32 and in f64 (from
 /// about |x| = 20), so that the derivative's term `x s (1 - s) v'` is 0. Its
-/// `v' = k (1 + 3 c x^2)` (`k + 3 k c x^2`, one fused multiply-add) takes `x` clamped to this: unclamped, `x^2`
-/// overflows from |x| = 1.8e19 in f32 and `0 * inf` gave NaN where the
-/// derivative is 1 (torch's CPU backward has the same NaN from 3e19).
+/// `v' = k (1 + 3 c x^2)` (`k + 3 k c x^2`, one fused multiply-add) takes
+/// `x` clamped to this: unclamped, `x^2` overflows from |x| = 1.8e19 in f32
+/// and `0 * inf` gave NaN where the derivative is 1 (torch's CPU backward
+/// has the same NaN from 3e19).
 const GELU_TANH_SATURATED: f64 = 1e9;
 
 impl Act for Gelu {

@@ -116,10 +116,17 @@ pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usiz
 #[inline(always)]
 pub(crate) fn prefetching<T, U>(out: &mut [T], ahead: &[&[U]], mut f: impl FnMut(usize, &mut [T])) {
     for (i, part) in out.chunks_mut(PREFETCH_PART).enumerate() {
-        for a in ahead {
-            prefetch_part::<U, false>(a, i, PREFETCH_PART);
-        }
+        prefetch_each(ahead, i, PREFETCH_PART);
         f(i * PREFETCH_PART, part);
+    }
+}
+
+/// [`prefetch_part`] (for reading) of part `i` of each slice of `ahead`:
+/// the next row's inputs, where a row has several.
+#[inline(always)]
+pub(crate) fn prefetch_each<T>(ahead: &[&[T]], i: usize, n: usize) {
+    for a in ahead {
+        prefetch_part::<T, false>(a, i, n);
     }
 }
 

@@ -156,7 +156,7 @@ impl<T: Element, A: WideAct> Kernel for GatedMul<'_, T, A> {
             let (a, g) = row.split_at(d);
             let (a_next, g_next) = next.split_at(next.len().min(d));
             let row = GatedRow::<T, A, L::V> { a: a.as_ptr(), g: g.as_ptr(), c: &c, len: d, act: PhantomData };
-            write_row(l, row, y, [a_next, g_next]);
+            write_row(l, row, y, &[a_next, g_next]);
         }
     }
 }

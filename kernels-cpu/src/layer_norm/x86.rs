@@ -140,7 +140,7 @@ fn write_row<L: Lanes, T: Element>(
     let len = y.len();
     assert!(x.len() >= len && w.is_none_or(|w| w.len() >= len) && b.is_none_or(|b| b.len() >= len));
     let row = Row { c, x: x.as_ptr(), w: w.map(<[T]>::as_ptr), b: b.map(<[T]>::as_ptr), len };
-    write_row::write_row(l, row, y, [ahead]);
+    write_row::write_row(l, row, y, &[ahead]);
 }
 
 /// One row's inputs and constants: its [`RowValues`] are the lane loops'.

@@ -48,7 +48,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
             let ss = SumSq(xr).run(l);
             let rs = super::inv_rms(ss, cols, eps);
             let row = Row { x: xr.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: cols };
-            write_row(l, row, y, [ahead]);
+            write_row(l, row, y, &[ahead]);
         }
     }
 }
@@ -72,7 +72,7 @@ pub(crate) fn write_normed<L: Lanes, T: Element>(l: L, x: &[T], w: Option<&[T]>,
         assert_eq!(w.len(), x.len(), "rms_norm x86: the weight is not one row long");
     }
     let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
-    write_row(l, row, y, [ahead]);
+    write_row(l, row, y, &[ahead]);
 }
 
 impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {

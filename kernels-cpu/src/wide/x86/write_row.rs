@@ -7,7 +7,7 @@
 use super::Lanes;
 use crate::element::Element;
 use crate::narrow::BLOCK;
-use crate::simd::prefetch_part;
+use crate::simd::prefetch_each;
 use crate::wide::cast_mut;
 use half::bf16;
 
@@ -28,12 +28,7 @@ pub(crate) trait RowValues<L: Lanes>: Copy {
 /// each of `ahead` (the next row's inputs, or empty slices) one block at a
 /// time: block `k` of `y` prefetches block `k` of each.
 #[inline(always)]
-pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>, const K: usize>(
-    l: L,
-    f: F,
-    y: &mut [T],
-    ahead: [&[T]; K],
-) {
+pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], ahead: &[&[T]]) {
     assert_eq!(f.len(), y.len(), "write_row: the row and its values differ in length");
     // bf16 rows round in registers where the width can; the block path
     // below writes what is left (all of it for other types).
@@ -48,7 +43,7 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>, const K: usize>(
         y,
         #[inline(always)]
         |at, out| {
-            prefetch_blocks(ahead, (at0 + at) / BLOCK);
+            prefetch_each(ahead, (at0 + at) / BLOCK, BLOCK);
             let out = cast_mut::<T::Acc, f32>(out).expect("write_row: T::Acc is f32 for f32, bf16, f16");
             let (len, o, from) = (out.len(), out.as_mut_ptr(), at0 + at);
             let mut i = 0;
@@ -80,12 +75,7 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>, const K: usize>(
 /// 4.66-5.10 -> 4.00-4.09 ms; through torch with THP, 1.22-1.24x -> 1.18x
 /// a clone of `x` (alternated runs).
 #[inline(always)]
-fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T, const K: usize>(
-    l: L,
-    f: F,
-    y: &mut [bf16],
-    ahead: [&[T]; K],
-) -> usize {
+fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ahead: &[&[T]]) -> usize {
     if !L::ROUNDS_BF16 {
         return 0;
     }
@@ -94,7 +84,7 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T, const K: usize>(
     let mut i = 0;
     while i < whole {
         if i % BLOCK == 0 {
-            prefetch_blocks(ahead, i / BLOCK);
+            prefetch_each(ahead, i / BLOCK, BLOCK);
         }
         // SAFETY: `i + 2 N <= len = f.len()` (`write_row` asserts it);
         // `y[i..i + 2 N]` is writable.
@@ -105,14 +95,6 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T, const K: usize>(
         i += n;
     }
     whole
-}
-
-/// Prefetches block `k` (of [`BLOCK`] values) of each of `ahead`.
-#[inline(always)]
-fn prefetch_blocks<T, const K: usize>(ahead: [&[T]; K], k: usize) {
-    for a in ahead {
-        prefetch_part::<T, false>(a, k, BLOCK);
-    }
 }
 
 /// `lo` then `hi` rounded to bf16 into `y` (`2 N` long): by
