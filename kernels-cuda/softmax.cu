@@ -19,7 +19,7 @@ using namespace keel;
 // registers: their max, then exp(x - max) once per element and its sum, then
 // the store. 16-bit rows are held as loaded, and each exp is computed again
 // for the store: half the registers of their f32 values (16 against 32), and
-// 1.09-1.10x for a bf16 4096x4096 forward on an H100 (docs/GPU.md, 14). Longer
+// 1.09-1.10x for a bf16 4096x4096 forward on an H100 (docs/GPU.md, 13). Longer
 // rows take the online pass and re-read the row for the store, with a second
 // exp per element.
 template <typename T>
