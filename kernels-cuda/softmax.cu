@@ -4,8 +4,9 @@
 // One block per row (grid-stride over rows). A row of up to four 16-byte
 // vectors a thread is held in registers (max, then one exp per element and
 // its sum, then the store; 16-bit rows as loaded, their exp computed again
-// for the store); a longer one takes the max and the sum of exp in one pass (online softmax, common.cuh), then the store, the row re-read from
-// L1/L2. 16-byte loads when the row length is a multiple of 16 bytes and the
+// for the store); a longer one takes the max and the sum of exp in one pass
+// (online softmax, common.cuh), then the store, the row re-read from L1/L2.
+// 16-byte loads when the row length is a multiple of 16 bytes and the
 // pointers are aligned. f32 math; exp is expf for f32 and __expf for f16 and
 // bf16 (common.cuh's FastMath: the forward of a bf16 row was bound by
 // instructions on an H200).
