@@ -70,22 +70,25 @@ __device__ __forceinline__ void softmax_fwd(const T* __restrict__ x, T* __restri
       Pack<T> held[ROW_PACKS];
       each_pack(packs, true, [&](int i, int p) { held[p] = load_pack(xr + i * N); });
       float m = -INFINITY;
+      // Value k of pack p times scale, and its exp(x - m): one expression for
+      // the sum and the store, so that the two agree.
+      auto scaled = [&](int p, int k) { return mul_rn(to_f32(held[p].v[k]), scale); };
+      auto ex = [&](int p, int k) { return exp_<FastMath<T>::value>(scaled(p, k) - m); };
       each_pack(packs, true, [&](int, int p) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) m = fmaxf(m, mul_rn(to_f32(held[p].v[k]), scale));
+        for (int k = 0; k < N; ++k) m = fmaxf(m, scaled(p, k));
       });
       m = block_max(m, scratch);
       float sum = 0.f;
       each_pack(packs, true, [&](int, int p) {
 #pragma unroll
-        for (int k = 0; k < N; ++k) sum += exp_<FastMath<T>::value>(mul_rn(to_f32(held[p].v[k]), scale) - m);
+        for (int k = 0; k < N; ++k) sum += ex(p, k);
       });
       const float inv = 1.f / block_sum(sum, scratch);
       each_pack(packs, true, [&](int i, int p) {
         Pack<T> o;
 #pragma unroll
-        for (int k = 0; k < N; ++k)
-          o.v[k] = from_f32<T>(exp_<FastMath<T>::value>(mul_rn(to_f32(held[p].v[k]), scale) - m) * inv);
+        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(ex(p, k) * inv);
         store_pack(yr + i * N, o);
       });
     } else {
