@@ -103,13 +103,41 @@ template <typename T>
 __device__ __forceinline__ void softmax_bwd(const T* __restrict__ dy, const T* __restrict__ y, T* __restrict__ dx,
                                             int64_t rows, int cols, float scale) {
   __shared__ float scratch[32];
-  const bool vec = cols % Pack<T>::N == 0 && aligned16(dy) && aligned16(y) && aligned16(dx);
+  constexpr int N = Pack<T>::N;
+  const bool vec = cols % N == 0 && aligned16(dy) && aligned16(y) && aligned16(dx);
+  const int packs = cols / N;
+  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T *gr = dy + row * cols, *yr = y + row * cols;
+    T* xr = dx + row * cols;
     float dot = 0.f;
-    row_each2(gr, yr, cols, vec, [&](int, float g, float v) { dot += g * v; });
-    dot = block_sum(dot, scratch);
-    row_map2(gr, yr, dx + row * cols, cols, vec, [&](int, float g, float v) { return scale * v * (g - dot); });
+    if (regs) {
+      // The row's dy and y held as loaded, so that the store reads neither
+      // again; the dot in row_each2's order (the same bits).
+      Pack<T> hg[ROW_PACKS], hy[ROW_PACKS];
+      each_pack(packs, true, [&](int i, int p) {
+        hg[p] = load_pack(gr + i * N);
+        hy[p] = load_pack(yr + i * N);
+      });
+      each_pack(packs, true, [&](int, int p) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) dot += to_f32(hg[p].v[k]) * to_f32(hy[p].v[k]);
+      });
+      dot = block_sum(dot, scratch);
+      each_pack(packs, true, [&](int i, int p) {
+        Pack<T> o;
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          const float g = to_f32(hg[p].v[k]), v = to_f32(hy[p].v[k]);
+          o.v[k] = from_f32<T>(scale * v * (g - dot));
+        }
+        store_pack(xr + i * N, o);
+      });
+    } else {
+      row_each2(gr, yr, cols, vec, [&](int, float g, float v) { dot += g * v; });
+      dot = block_sum(dot, scratch);
+      row_map2(gr, yr, xr, cols, vec, [&](int, float g, float v) { return scale * v * (g - dot); });
+    }
   }
 }
 
