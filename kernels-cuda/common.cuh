@@ -165,14 +165,14 @@ __device__ __forceinline__ float4 block_sum4(float4 v, float* scratch) {
 constexpr int ROW_PACKS = 4;
 
 // Calls f(i, p) for the 16-byte vectors i = threadIdx.x + p blockDim.x of a
-// row that this thread owns. With `unrolled` (at most ROW_PACKS of them)
-// the loop is unrolled: every load is in flight at once, and p is a constant,
+// row that this thread owns. With `unrolled` (at most P of them, ROW_PACKS
+// unless given) the loop is unrolled: every load is in flight at once, and p is a constant,
 // so f may keep sums per vector in registers indexed by p. Otherwise a plain
 // loop, with p = -1.
-template <typename F> __device__ __forceinline__ void each_pack(int packs, bool unrolled, F f) {
+template <int P = ROW_PACKS, typename F> __device__ __forceinline__ void each_pack(int packs, bool unrolled, F f) {
   if (unrolled) {
 #pragma unroll
-    for (int p = 0; p < ROW_PACKS; ++p) {
+    for (int p = 0; p < P; ++p) {
       const int i = threadIdx.x + p * blockDim.x;
       if (i < packs) f(i, p);
     }

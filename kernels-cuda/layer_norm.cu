@@ -164,7 +164,7 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
 // spread. Then a second read writes dx. Moments and sums took two reads and
 // three block reductions before (row_moments, then the sums about its mean);
 // the forward keeps row_moments, which needs fewer registers.
-template <typename T>
+template <int P, typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                const T* __restrict__ w, T* __restrict__ dx,
                                                float* __restrict__ dw_partial, float* __restrict__ db_partial,
@@ -174,10 +174,10 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(dy) && aligned16(dx) &&
                    (w == nullptr || aligned16(w));
   const int packs = cols / N;
-  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
+  const bool regs = vec && packs <= P * (int)blockDim.x;
   float* pw_ = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
   float* pb_ = db_partial ? db_partial + (int64_t)blockIdx.x * cols : nullptr;
-  float acc_w[ROW_PACKS][N] = {}, acc_b[ROW_PACKS][N] = {};
+  float acc_w[P][N] = {}, acc_b[P][N] = {};
   if (!regs) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
       if (pw_) pw_[j] = 0.f;
@@ -201,7 +201,7 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
         sgk = fmaf(g, d, sgk);
       };
       if (vec) {
-        each_pack(packs, regs, [&](int i, int) {
+        each_pack<P>(packs, regs, [&](int i, int) {
           Pack<T> px = load_pack(xr + i * N), pg = load_pack(gr + i * N), pw;
           if (w) pw = load_pack(w + i * N);
 #pragma unroll
@@ -236,7 +236,7 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       store_pack(dxr + i * N, o);
     };
     if (vec) {
-      each_pack(packs, regs, [&](int i, int p) {
+      each_pack<P>(packs, regs, [&](int i, int p) {
         if (p >= 0) {
           pack(i, acc_w[p], acc_b[p]);
         } else {
@@ -253,7 +253,7 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
     }
   }
   if (regs) {
-    each_pack(packs, true, [&](int i, int p) {
+    each_pack<P>(packs, true, [&](int i, int p) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         if (pw_) pw_[i * N + k] = acc_w[p][k];
@@ -271,7 +271,12 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   extern "C" __global__ void __launch_bounds__(512, 1)                                             \
       layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,       \
                               float* db_partial, int64_t rows, int cols, float eps) {              \
-    layer_norm_bwd<T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);                      \
+    layer_norm_bwd<ROW_PACKS, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);           \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                             \
+      layer_norm_bwd2_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,      \
+                               float* db_partial, int64_t rows, int cols, float eps) {             \
+    layer_norm_bwd<2, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);                   \
   }                                                                                                \
   extern "C" __global__ void layer_norm_bwd_sum_##SUFFIX(const float* partial, T* out, int parts,  \
                                                          int cols) {                               \

@@ -171,7 +171,7 @@ __device__ __forceinline__ float rms_dx(float r, float g, float w, float x, floa
   return add_rn(add_rn(mul_rn(mul_rn(r, g), w), -mul_rn(x, c)), a);
 }
 
-template <typename T>
+template <int P, typename T>
 __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ add,
                                              const T* __restrict__ x, const T* __restrict__ w,
                                              T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
@@ -182,9 +182,9 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   const bool vec = cols % N == 0 && s0 % N == 0 && s1 % N == 0 && s2 % N == 0 && aligned16(x) && aligned16(dy) &&
                    aligned16(dx) && (w == nullptr || aligned16(w)) && (add == nullptr || aligned16(add));
   const int packs = cols / N;
-  const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
+  const bool regs = vec && packs <= P * (int)blockDim.x;
   float* part = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
-  float acc[ROW_PACKS][N] = {};
+  float acc[P][N] = {};
   if (part && !regs) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
     __syncthreads();  // the vector loop below maps columns to threads differently
@@ -206,7 +206,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
       }
     };
     if (vec) {
-      each_pack(packs, regs, [&](int i, int) { sum_pack(i); });
+      each_pack<P>(packs, regs, [&](int i, int) { sum_pack(i); });
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]);
@@ -231,7 +231,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
       store_pack(dxr + i * N, o);
     };
     if (vec) {
-      each_pack(packs, regs, [&](int i, int p) { pack(i, p >= 0 ? acc[p] : part ? part + i * N : nullptr); });
+      each_pack<P>(packs, regs, [&](int i, int p) { pack(i, p >= 0 ? acc[p] : part ? part + i * N : nullptr); });
     } else {
       scalar_cols<T>(cols, [&](int i) {
         const float fx = to_f32(xr[i]), fg = to_f32(gr[i]);
@@ -241,7 +241,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     }
   }
   if (part && regs) {
-    each_pack(packs, true, [&](int i, int p) {
+    each_pack<P>(packs, true, [&](int i, int p) {
 #pragma unroll
       for (int k = 0; k < N; ++k) part[i * N + k] = acc[p][k];
     });
@@ -264,7 +264,13 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
       rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,             \
                             float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,     \
                             int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                     \
-    rms_norm_bwd<T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);          \
+    rms_norm_bwd<ROW_PACKS, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2); \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                            \
+      rms_norm_bwd2_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,            \
+                             float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,    \
+                             int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                    \
+    rms_norm_bwd<2, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);       \
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_dw_##SUFFIX(const float* partial, T* dw, int parts,     \
                                                       int cols) {                                \

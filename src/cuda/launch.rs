@@ -113,8 +113,19 @@ pub(crate) unsafe fn launch_rows(
 
 /// One block per row (grid-stride), about four 16-byte vectors per thread.
 pub(crate) fn rows_config(rows: usize, cols: usize, elem_bytes: usize, max_blocks: u32) -> LaunchConfig {
+    rows_config_packs(rows, cols, elem_bytes, max_blocks, 4)
+}
+
+/// [`rows_config`] with about `packs` 16-byte vectors per thread.
+pub(crate) fn rows_config_packs(
+    rows: usize,
+    cols: usize,
+    elem_bytes: usize,
+    max_blocks: u32,
+    packs: usize,
+) -> LaunchConfig {
     let vecs = cols.div_ceil(16 / elem_bytes);
-    let threads = (vecs.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
+    let threads = (vecs.div_ceil(packs).div_ceil(32) * 32).clamp(32, 1024) as u32;
     let blocks = (rows as u64).clamp(1, max_blocks as u64) as u32;
     LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }

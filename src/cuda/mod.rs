@@ -16,7 +16,7 @@ mod launch;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use device::{device_count, gpu, is_available, Gpu};
 pub use dtype::{CudaElement, DType};
-pub(crate) use launch::{launch_rows, rows_config, Arg, Module, Stream, Target};
+pub(crate) use launch::{launch_rows, rows_config, rows_config_packs, Arg, Module, Stream, Target};
 
 #[cfg(test)]
 pub(crate) mod emu;

@@ -10,7 +10,7 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight and bias gradients per block in f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks: deterministic.
-use super::{check_cols, reduce_config, reduce_parts, sum_parts};
+use super::{check_cols, norm_backward_config, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::Result;
@@ -183,7 +183,7 @@ pub(crate) unsafe fn backward_on(
     eps: f64,
 ) -> Result<()> {
     check_dims(rows, cols, eps)?;
-    let (cfg, parts) = reduce_config(t.sm_count(), rows, cols, dtype.size());
+    let (cfg, parts, two) = norm_backward_config(t.sm_count(), rows, cols, dtype.size());
     let s = dtype.suffix();
     let pw = if grad_weight != 0 { scratch_w } else { 0 };
     let pb = if grad_bias != 0 { scratch_b } else { 0 };
@@ -199,8 +199,9 @@ pub(crate) unsafe fn backward_on(
             Arg::I32(cols as i32),
             Arg::F32(eps as f32),
         ];
+        let name = if two { "layer_norm_bwd2" } else { "layer_norm_bwd" };
         // SAFETY: matches layer_norm_bwd_*; pointers per our contract.
-        unsafe { t.launch(MODULE, &format!("layer_norm_bwd_{s}"), cfg, &args)? };
+        unsafe { t.launch(MODULE, &format!("{name}_{s}"), cfg, &args)? };
     }
     if cols > 0 {
         let kernel = format!("layer_norm_bwd_sum_{s}");

@@ -12,7 +12,7 @@ pub mod softmax;
 #[cfg(test)]
 mod emu_tests;
 
-use crate::cuda::{rows_config, Arg, Module, Target};
+use crate::cuda::{rows_config, rows_config_packs, Arg, Module, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -65,6 +65,53 @@ pub(crate) fn reduce_config(sm_count: u32, rows: usize, cols: usize, elem_bytes:
     (cfg, parts)
 }
 
+/// Most 16-byte vectors in a row that the two-vector backward kernels
+/// (`layer_norm_bwd2_*`, `rms_norm_bwd2_*`) take: 256 threads of two (their
+/// `__launch_bounds__`).
+pub(crate) const TWO_PACK_VECS: usize = 512;
+
+/// The launch of a norm's backward that sums a parameter gradient over rows:
+/// its config, its number of parts, and whether it is the two-vector kernel
+/// (`*_bwd2_*`, rows of at most [`TWO_PACK_VECS`] vectors, through
+/// [`reduce_config_two_packs`]) rather than the four-vector one
+/// ([`reduce_config`]). On an H100 the two-vector kernels took bf16
+/// 4096x4096 in 81.0 us (layer_norm) and 54.9 (rms_norm), against 92.8 and
+/// 57.7 (docs/GPU.md, run 17).
+pub(crate) fn norm_backward_config(
+    sm_count: u32,
+    rows: usize,
+    cols: usize,
+    elem_bytes: usize,
+) -> (LaunchConfig, usize, bool) {
+    if cols.div_ceil(16 / elem_bytes) <= TWO_PACK_VECS {
+        let (cfg, parts) = reduce_config_two_packs(sm_count, rows, cols, elem_bytes);
+        (cfg, parts, true)
+    } else {
+        let (cfg, parts) = reduce_config(sm_count, rows, cols, elem_bytes);
+        (cfg, parts, false)
+    }
+}
+
+/// The launch of a two-vector backward kernel (`layer_norm_bwd2_*`, rows of at
+/// most [`TWO_PACK_VECS`] vectors), and its number of parts: about two
+/// vectors a thread, so half the partial sums a thread of [`reduce_config`]'s
+/// holds, and three blocks of 256 an SM (768 threads, 512 in
+/// [`reduce_config`]); at most [`REDUCE_BLOCKS_PER_SM`] an SM, which the
+/// scratch of [`reduce_parts`] holds.
+pub(crate) fn reduce_config_two_packs(
+    sm_count: u32,
+    rows: usize,
+    cols: usize,
+    elem_bytes: usize,
+) -> (LaunchConfig, usize) {
+    let mut cfg = rows_config_packs(rows, cols, elem_bytes, 1, 2);
+    cfg.block_dim.0 = cfg.block_dim.0.min(256);
+    let per_sm = (768 / cfg.block_dim.0).clamp(1, REDUCE_BLOCKS_PER_SM);
+    let parts = rows.min((sm_count * per_sm) as usize);
+    cfg.grid_dim.0 = parts.max(1) as u32;
+    (cfg, parts)
+}
+
 /// Launches the `sum_parts` kernel `kernel` of `module`:
 /// `out[j] = sum_p partial[p * cols + j]`.
 ///
@@ -89,7 +136,57 @@ pub(crate) unsafe fn sum_parts(
 
 #[cfg(test)]
 mod tests {
-    use super::{reduce_config, reduce_parts, REDUCE_THREADS};
+    use super::{
+        norm_backward_config, reduce_config, reduce_config_two_packs, reduce_parts, REDUCE_THREADS, TWO_PACK_VECS,
+    };
+
+    /// The norms' backward takes the two-vector kernel up to
+    /// [`TWO_PACK_VECS`] vectors a row and the four-vector one beyond: bf16
+    /// rows of 4096 and f32 rows of 2048 are two-vector, f32 4096 is not.
+    #[test]
+    fn norm_backward_config_picks_by_row_vectors() {
+        for elem in [2usize, 4] {
+            let per = 16 / elem;
+            for (cols, two) in [(1, true), (TWO_PACK_VECS * per, true), (TWO_PACK_VECS * per + 1, false)] {
+                let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem);
+                assert_eq!(got, two, "{cols} cols of {elem} bytes");
+                let want = if two {
+                    reduce_config_two_packs(132, 4096, cols, elem)
+                } else {
+                    reduce_config(132, 4096, cols, elem)
+                };
+                assert_eq!((cfg.block_dim, cfg.grid_dim, parts), (want.0.block_dim, want.0.grid_dim, want.1));
+            }
+        }
+        assert!(norm_backward_config(132, 8, 4096, 2).2);
+        assert!(norm_backward_config(132, 8, 2048, 4).2);
+        assert!(!norm_backward_config(132, 8, 4096, 4).2);
+    }
+
+    /// The two-vector launch stays within its kernels' `__launch_bounds__(256,
+    /// 3)` and the scratch, and gives each thread at most two vectors of
+    /// every row it takes ([`TWO_PACK_VECS`]), so that the kernel keeps its
+    /// partial sums in registers.
+    #[test]
+    fn reduce_config_two_packs_fits_its_bounds_and_scratch() {
+        for sm in [1u32, 8, 132] {
+            for rows in [0usize, 1, 7, 100, 4096, 1 << 20] {
+                for elem in [2usize, 4] {
+                    for vecs in [1usize, 31, 64, 300, TWO_PACK_VECS] {
+                        let cols = vecs * (16 / elem);
+                        let (cfg, parts) = reduce_config_two_packs(sm, rows, cols, elem);
+                        let threads = cfg.block_dim.0 as usize;
+                        assert!(threads <= 256 && threads.is_multiple_of(32), "{threads} threads");
+                        assert!(vecs <= 2 * threads, "{vecs} vectors over {threads} threads");
+                        assert!(parts <= reduce_parts(sm, rows) && parts <= rows, "{parts} parts");
+                        assert_eq!(cfg.grid_dim.0 as usize, parts.max(1));
+                        let per_sm = parts.div_ceil(sm as usize);
+                        assert!(per_sm * threads <= 768 || per_sm == 1, "{per_sm} blocks of {threads}");
+                    }
+                }
+            }
+        }
+    }
 
     /// The backward launch stays within its kernels' `__launch_bounds__`, its
     /// parts within the scratch that `reduce_parts` sizes, and its blocks

@@ -13,7 +13,7 @@
 //! - CUDA: one block per row, 128-bit loads, warp-shuffle sums; the backward
 //!   sums the weight gradient per block into an f32 scratch
 //!   ([`backward_scratch_len`]) and then over blocks, so it is deterministic.
-use super::{reduce_config, reduce_parts, sum_parts};
+use super::{norm_backward_config, reduce_parts, sum_parts};
 use crate::cpu::{Element, Par, RowLayout};
 use crate::cuda::{gpu, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
@@ -300,7 +300,7 @@ pub(crate) unsafe fn backward_add_on(
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
-    let (cfg, parts) = reduce_config(t.sm_count(), rows, cols, dtype.size());
+    let (cfg, parts, two) = norm_backward_config(t.sm_count(), rows, cols, dtype.size());
     let partial = if grad_weight != 0 { scratch } else { 0 };
     let s = dtype.suffix();
     if rows > 0 {
@@ -321,8 +321,9 @@ pub(crate) unsafe fn backward_add_on(
             Arg::I64(s1 as i64),
             Arg::I64(s2 as i64),
         ];
+        let name = if two { "rms_norm_bwd2" } else { "rms_norm_bwd" };
         // SAFETY: matches rms_norm_bwd_*; pointers per our contract.
-        unsafe { t.launch(MODULE, &format!("rms_norm_bwd_{s}"), cfg, &args)? };
+        unsafe { t.launch(MODULE, &format!("{name}_{s}"), cfg, &args)? };
     }
     if grad_weight != 0 && cols > 0 {
         // SAFETY: `partial` holds parts * cols f32s, `grad_weight` cols elements.
