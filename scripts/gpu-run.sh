@@ -9,7 +9,8 @@
 #           op's CUDA kernels against the CPU kernels); the rms_norm example;
 #           the Python tests with the wheel (CPU and CUDA cases).
 #   report  benches/report/report.py: Keel against torch eager and
-#           torch.compile, CPU and CUDA, into OUT_DIR/report/.
+#           torch.compile, CPU and CUDA, into OUT_DIR/report/; on CUDA each
+#           row also has each contender's GPU kernel time per call.
 #   bench   the criterion CUDA benches (device-synchronised), short runs.
 #   all     the three, in that order (the default).
 #   profile benches/report/profile_cuda.py: wall time against GPU kernel time
@@ -30,7 +31,9 @@
 #           on spaces; KEEL_AB_OPS its --ops, kept whole: case names such as
 #           "rms_norm fwd+bwd,softmax fwd+bwd"),
 #           then benches/report/ab.py into OUT_DIR/ab/NAME/AB.md: each row's
-#           new / base, and whether torch's time moved between them; and
+#           new / base, and whether torch's time moved between them, for the
+#           wall time and for the GPU kernel time (the one to read where the
+#           row is bound by the CPU); and
 #           profile_cuda.py with each wheel (OUT_DIR/ab/NAME/profile-base.log,
 #           OUT_DIR/ab/profile-new.log: each kernel's time per call). Answers
 #           "did this change make its row slower?" (a baseline before it) or
@@ -121,7 +124,8 @@ fi
 if wants report; then
   log="$out/report.log"; : > "$log"
   # shellcheck disable=SC2086  # KEEL_REPORT_ARGS: extra words for report.py, e.g. "--devices cuda" or "--ops softmax"
-  step "$log" 360 "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
+  # 540 s: since session 45 each CUDA row also takes its kernel times (torch.profiler).
+  step "$log" 540 "$py" benches/report/report.py --out "$out/report" ${KEEL_REPORT_ARGS:-}
 fi
 if wants bench; then
   log="$out/bench.log"; : > "$log"

@@ -15,7 +15,9 @@ shown (a kernel variant must stay as accurate). The torch eager time of the
 same row is shown for both sides too: torch did not change between the runs,
 so where its ratio is far from 1 the machine moved, and the row's Keel ratio
 is marked as unsure. The
-per-call overhead rows compare the same way (`torch.ops.keel` column).
+per-call overhead rows compare the same way (`torch.ops.keel` column), and so
+do the GPU kernel times of CUDA rows where the runs recorded them
+(`kernel_us`: a CPU-bound row's wall time hides its kernel's).
 """
 import argparse
 import json
@@ -62,6 +64,11 @@ def _err(r: dict) -> Optional[float]:
     return None if "error" in r else r["err"]["keel"]
 
 
+def _kernel(who: str):
+    """Reads contender `who`'s GPU kernel µs per call of a row (None where not recorded)."""
+    return lambda r: None if "error" in r else r.get("kernel_us", {}).get(who)
+
+
 def _overhead_key(o: dict) -> tuple:
     return (o["device"], o["name"], o.get("mode", "grad mode"))
 
@@ -103,6 +110,12 @@ def errors(base: List[dict], new: List[dict]) -> Dict[tuple, Tuple[float, float]
     return {k: (b[k], n[k]) for k in n if k in b}
 
 
+def compare_kernels(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
+    """As `compare`, for the rows' GPU kernel time per call (µs), where both
+    sides recorded it; torch eager's kernel time is the control."""
+    return _side_by_side(base, new, "rows", _row_key, _kernel("keel"), _kernel("eager"), threshold)
+
+
 def compare_overhead(base: List[dict], new: List[dict], threshold: float) -> List[Tuple[tuple, float, float, float, str]]:
     """As `compare`, for the per-call overhead entries (µs)."""
     return _side_by_side(base, new, "overhead", _overhead_key, lambda o: o["keel_us"], lambda o: o["torch_us"],
@@ -127,6 +140,14 @@ def markdown(base: List[dict], new: List[dict], base_label: str, new_label: str,
         cs = f"{c:.3f}" if c is not None else "-"
         eb, en = (f"{e:.1e}" for e in errs[k]) if k in errs else ("-", "-")
         lines.append(f"| {dev} | {op} | {dt} | {shape} | {b:.4f} | {n:.4f} | {n / b:.3f} | {cs} | {v} | {eb} | {en} |")
+    kern = compare_kernels(base, new, threshold)
+    if kern:
+        lines += ["", "## GPU kernel time per call (torch.profiler)", "",
+                  f"| device | op | dtype | shape | {base_label} µs | {new_label} µs | new / base | torch new / base | |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for (dev, op, dt, shape), b, n, c, v in kern:
+            cs = f"{c:.3f}" if c is not None else "-"
+            lines.append(f"| {dev} | {op} | {dt} | {shape} | {b:.1f} | {n:.1f} | {n / b:.3f} | {cs} | {v} |")
     over = compare_overhead(base, new, threshold)
     if over:
         lines += ["", "## Per-call overhead (`torch.ops.keel`)", "",

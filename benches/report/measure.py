@@ -18,7 +18,7 @@ import torch
 
 import keel
 from cases import DECODE_OPS, OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
-from timing import interleaved, per_call
+from timing import interleaved, kernel_us, per_call
 
 try:
     from tqdm import tqdm
@@ -114,9 +114,15 @@ def bandwidth(device: str) -> dict:
     return {"bytes": moved, "clone_GBps": moved / t["clone"] / 1e9, "copy_GBps": moved / t["copy"] / 1e9}
 
 
-def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False) -> dict:
+# The contenders whose GPU kernel time a CUDA row records beside its wall time.
+KERNEL_TIMED = ("keel", "eager", "compile")
+
+
+def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False, kernels: bool = True) -> dict:
     """Times `case` as Keel, torch eager, torch.compile and a clone of its
-    inputs; also as the typed API (`keel.*`) where `typed` and the case has one."""
+    inputs; also as the typed API (`keel.*`) where `typed` and the case has one.
+    On CUDA with `kernels`, also the GPU kernel time per call of Keel, eager
+    and compile (`kernel_us`), which a wall time bound by the CPU hides."""
     row = {"op": case.name, "shape": case.shape, "nbytes": case.nbytes, "bandwidth_bound": case.bandwidth_bound,
            "backward": case.backward, "inplace": case.inplace}
     ref = case.reference()
@@ -146,17 +152,23 @@ def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False
     t = interleaved(fns, device, budget_s=budget_s)
     row["ms"] = {k: v * 1e3 for k, v in t.items()}
     row["err"] = errs
+    if device == "cuda" and kernels:
+        try:
+            row["kernel_us"] = {k: kernel_us(fns[k]) for k in KERNEL_TIMED if k in fns}
+        except Exception as e:  # noqa: BLE001 - the profiler's failure costs the column, not the row
+            row["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     return row
 
 
-def checked_row(case, device, dname: str, compile_: bool, budget_s: float, typed: bool = False) -> dict:
+def checked_row(case, device, dname: str, compile_: bool, budget_s: float, typed: bool = False,
+                kernels: bool = True) -> dict:
     """`time_case`'s row, with its device, dtype, and whether Keel's error (and the
     typed API's, where timed) is within tolerance.
 
     A case that raises becomes a failed row that says why, so that one broken
     op costs its row, not the run."""
     try:
-        row = time_case(case, device, compile_, budget_s, typed)
+        row = time_case(case, device, compile_, budget_s, typed, kernels)
     except Exception as e:  # noqa: BLE001 - reported in the row and the exit status
         msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
         print(f"measure: {case.name} {device} {dname}: {msg}", file=sys.stderr)
@@ -188,6 +200,8 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
     ap.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead of tiny calls")
+    ap.add_argument("--no-kernel-times", action="store_true",
+                    help="CUDA: skip each row's GPU kernel times (torch.profiler, about a second a row)")
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
@@ -206,7 +220,8 @@ def main() -> None:
             dtype = DTYPES[dname]
             cases = make_cases(device, dtype, a.size, names)
             for case in tqdm(cases, desc=f"{a.label or 'run'} {device} {dname}", file=sys.stderr, leave=False):
-                out["rows"].append(checked_row(case, device, dname, not a.no_compile, a.budget))
+                out["rows"].append(checked_row(case, device, dname, not a.no_compile, a.budget,
+                                               kernels=not a.no_kernel_times))
                 save(out, a.out)
             del cases
             decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
@@ -214,7 +229,8 @@ def main() -> None:
                 # Decoding runs under no_grad (as Hugging Face's generate() does);
                 # the typed API is timed too: it skips the Python autograd kernel there.
                 with torch.no_grad():
-                    out["decode"].append(checked_row(case, device, dname, not a.no_compile, a.budget, typed=True))
+                    out["decode"].append(checked_row(case, device, dname, not a.no_compile, a.budget, typed=True,
+                                                     kernels=not a.no_kernel_times))
                 save(out, a.out)
             del decode
         # On CUDA a call is launch-bound and steady; fewer calls measure it as well.

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from cases import make_cases
 from measure import DTYPES
-from timing import per_call
+from timing import device_kernels, per_call
 
 
 def _sync(device: str) -> None:
@@ -44,14 +44,10 @@ def kernels_us(fn, iters: int, device: str) -> tuple:
         for _ in range(iters):
             fn()
         _sync(device)
-    per = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / iters
-    rows = sorted(per.items(), key=lambda kv: -kv[1])
+    rows = device_kernels(prof, iters)
     cpu = [(a.key, a.self_cpu_time_total / iters, a.count / iters) for a in prof.key_averages()]
     cpu.sort(key=lambda r: -r[1])
-    return sum(per.values()), rows, cpu
+    return sum(us for _, us in rows), rows, cpu
 
 
 def phases_us(case, op, device: str, iters: int) -> tuple:

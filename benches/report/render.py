@@ -3,10 +3,15 @@ table per run, the per-call overhead, the list of missed targets, and two PNG
 plots (speedup per op; achieved GB/s against the bandwidth lines).
 """
 import os
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 BW_TARGET = {"cpu": 0.80, "cuda": 0.85}  # fraction of the bandwidth line a bandwidth-bound op must reach
 BW_LINE = {"cpu": "clone_GBps", "cuda": "copy_GBps"}  # CPU: fresh outputs pay page faults as clone does
+KERNEL_NOTE = ("The `kernel` columns are the GPU's time per call in each contender's kernels (torch.profiler, the "
+               "sum of its device events over 10 calls), and `kernel of bandwidth` Keel's GB/s over that time. A "
+               "call also costs the CPU time of Python, the dispatcher and the launch; where that outlasts the "
+               "kernel, the GPU waits, and the wall time (`Keel ms`) is the CPU's. The verdicts below are on the "
+               "wall time; a bandwidth miss also gives the kernels' fraction.")
 
 
 def _runs_by_device(runs: List[dict]):
@@ -53,6 +58,24 @@ def _derived(row: dict, bw: dict, device: str) -> dict:
     return d
 
 
+def _kernel_frac(row: dict, bw: dict, device: str) -> Optional[float]:
+    """Keel's GB/s over its GPU kernel time (`kernel_us`), as a fraction of
+    the row's bandwidth line; None where the run recorded no kernel time."""
+    us = row.get("kernel_us", {}).get("keel")
+    return row["nbytes"] / us / 1e3 / _line_gbps(row, bw, device) if us else None
+
+
+def _kernel_cells(row: dict, bw: dict, device: str) -> List[str]:
+    """The kernel-time cells of a CUDA row: Keel's, eager's and compile's
+    kernel µs per call, and Keel's kernel fraction of the bandwidth ("-" for
+    what was not recorded)."""
+    ku = row.get("kernel_us", {})
+    cells = [f"{ku[k]:.1f}" if ku.get(k) else "-" for k in ("keel", "eager", "compile")]
+    kf = _kernel_frac(row, bw, device)
+    frac = "-" if kf is None else f"{100 * kf:.0f}%" if row["bandwidth_bound"] else f"({100 * kf:.0f}%)"
+    return cells + [frac]
+
+
 def _speed_misses(row: dict, d: dict) -> List[str]:
     """A row's error over tolerance, and its being slower than eager or compile."""
     m = []
@@ -65,10 +88,12 @@ def _speed_misses(row: dict, d: dict) -> List[str]:
     return m
 
 
-def _misses(row: dict, d: dict, device: str) -> List[str]:
+def _misses(row: dict, d: dict, device: str, bw: dict) -> List[str]:
     m = _speed_misses(row, d)
     if row["bandwidth_bound"] and d["frac"] < BW_TARGET[device]:
-        m.append(f"{100 * d['frac']:.0f}% of bandwidth (target {100 * BW_TARGET[device]:.0f}%)")
+        kf = _kernel_frac(row, bw, device)
+        kernel = f"; its kernels {100 * kf:.0f}%" if kf is not None else ""
+        m.append(f"{100 * d['frac']:.0f}% of bandwidth (target {100 * BW_TARGET[device]:.0f}%{kernel})")
     return m
 
 
@@ -110,27 +135,40 @@ def markdown(runs: List[dict], images: List[str]) -> str:
     misses = []
     for title, run, device in _runs_by_device(runs):
         bw = run["bandwidth"][device]
-        lines += [f"## {title}", "",
-                  "| op | dtype | shape | Keel ms | eager ms | compile ms | vs eager | vs compile | Keel GB/s "
-                  "| of bandwidth | Keel / clone | err |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        kernels = any("kernel_us" in r for r in run["rows"] if r["device"] == device)
+        head = ("| op | dtype | shape | Keel ms | eager ms | compile ms | vs eager | vs compile | Keel GB/s "
+                "| of bandwidth | Keel / clone | err |")
+        if kernels:
+            head += " Keel kernel µs | eager kernel µs | compile kernel µs | kernel of bandwidth |"
+            lines += [f"## {title}", "", KERNEL_NOTE, ""]
+        else:
+            lines += [f"## {title}", ""]
+        columns = 16 if kernels else 12
+        lines += [head, "|" + "---|" * columns]
         for row in run["rows"]:
             if row["device"] != device:
                 continue
             if "error" in row:
-                lines.append(_failed_row([], row, 12))
+                lines.append(_failed_row([], row, columns))
                 misses.append(f"- {title}: {row['op']} {row['dtype']} raised: {row['error']}")
                 continue
             d = _derived(row, bw, device)
             ms = row["ms"]
             comp, vc = _compile_cells(row, d, _ms)
             frac = f"{100 * d['frac']:.0f}%" if row["bandwidth_bound"] else f"({100 * d['frac']:.0f}%)"
-            lines.append(f"| {row['op']} | {row['dtype']} | {row['shape']} | {_ms(ms['keel'])} | {_ms(ms['eager'])} | "
-                         f"{comp} | {d['vs_eager']:.2f}x | {vc} | {d['gbps']:.1f} | {frac} | {d['floor']:.2f} | "
-                         f"{row['err']['keel']:.1e} |")
-            for why in _misses(row, d, device):
+            line = (f"| {row['op']} | {row['dtype']} | {row['shape']} | {_ms(ms['keel'])} | {_ms(ms['eager'])} | "
+                    f"{comp} | {d['vs_eager']:.2f}x | {vc} | {d['gbps']:.1f} | {frac} | {d['floor']:.2f} | "
+                    f"{row['err']['keel']:.1e} |")
+            if kernels:
+                line += " " + " | ".join(_kernel_cells(row, bw, device)) + " |"
+            lines.append(line)
+            for why in _misses(row, d, device, bw):
                 misses.append(f"- {title}: {row['op']} {row['dtype']}: {why}")
             if "compile_error" in row:
                 misses.append(f"- {title}: torch.compile of {row['op']} {row['dtype']} failed: {row['compile_error']}")
+            if "kernel_error" in row:
+                misses.append(f"- {title}: the kernel times of {row['op']} {row['dtype']} were not recorded: "
+                              f"{row['kernel_error']}")
         lines.append("")
     lines += ["Bracketed fractions are for ops bound by compute, not memory (cross_entropy runs two `exp` per logit); "
               "they have no bandwidth target.", ""]
@@ -191,14 +229,20 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
              "`keel.nn` calls) skips that kernel where no gradient can be needed, as here: its column is what a "
              "model gets (`vs eager, keel.*`). Under `torch.inference_mode()` neither runs it.", "",
              "| run | op | dtype | shape | Keel µs | Keel µs (`keel.*`) | eager µs | compile µs | vs eager "
-             "| vs eager, `keel.*` | vs compile | err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs eager, `keel.*` | vs compile | err |"]
+    kernels = any("kernel_us" in r for run in runs for r in run.get("decode", []))
+    if kernels:
+        lines[-1] += " Keel kernel µs | eager kernel µs |"
+        lines[2] += (" On CUDA, `kernel µs` is the GPU's time per call in Keel's and in torch eager's kernels "
+                     "(torch.profiler), against which the rest of a call's time is the CPU's.")
+    columns = 14 if kernels else 12
+    lines.append("|" + "---|" * columns)
     for title, run, device in _runs_by_device(runs):
         for row in run.get("decode", []):
             if row["device"] != device:
                 continue
             if "error" in row:
-                lines.append(_failed_row([title], row, 12))
+                lines.append(_failed_row([title], row, columns))
                 misses.append(f"- {title}, decode: {row['op']} {row['dtype']} raised: {row['error']}")
                 continue
             ms, d = row["ms"], _speedups(row)
@@ -206,8 +250,12 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
             # Older runs (and cases without a typed call) have no `typed` time.
             typed, vt = (_us(ms["typed"]), f"{ms['eager'] / ms['typed']:.2f}x") if "typed" in ms else ("-", "-")
             err = max(row["err"]["keel"], row["err"].get("typed", 0.0))
-            lines.append(f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | {typed} | "
-                         f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vt} | {vc} | {err:.1e} |")
+            line = (f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | {typed} | "
+                    f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vt} | {vc} | {err:.1e} |")
+            if kernels:
+                ku = row.get("kernel_us", {})
+                line += " " + " | ".join(f"{ku[k]:.1f}" if ku.get(k) else "-" for k in ("keel", "eager")) + " |"
+            lines.append(line)
             misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}"
                        for w in _speed_misses(row, d)]
     return lines + [""]

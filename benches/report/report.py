@@ -35,6 +35,8 @@ def main() -> None:
                          "THP_MEM_ALLOC_ENABLE=1 run, a CPU one, only where cpu is among them")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
+    ap.add_argument("--no-kernel-times", action="store_true",
+                    help="CUDA: skip each row's GPU kernel times (torch.profiler)")
     ap.add_argument("--decode-ops", default=None,
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
@@ -49,6 +51,7 @@ def main() -> None:
         cmd += ["--ops", a.ops] if a.ops else []
         cmd += ["--dtypes", a.dtypes] if a.dtypes else []
         cmd += ["--no-compile"] if a.no_compile else []
+        cmd += ["--no-kernel-times"] if a.no_kernel_times else []
         cmd += ["--decode-ops", a.decode_ops] if a.decode_ops is not None else []
         cmd += ["--devices", devices] if devices else []
         cmd += ["--budget", str(a.budget)]

@@ -6,7 +6,7 @@ synchronisation does not dominate short kernels.
 """
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Tuple
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -56,3 +56,33 @@ def per_call(fn: Callable, device: str = "cpu", calls: int = 20000, rounds: int 
     for _ in range(200):
         fn()
     return min(_once(fn, sync, calls) for _ in range(rounds))
+
+
+def device_kernels(prof, iters: int) -> List[Tuple[str, float]]:
+    """[(kernel, µs per call)] of the device events (kernels, memsets, copies)
+    in a torch.profiler trace of `iters` calls, longest first."""
+    import torch
+
+    per: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name] = per.get(e.name, 0.0) + e.time_range.elapsed_us() / iters
+    return sorted(per.items(), key=lambda kv: -kv[1])
+
+
+def kernel_us(fn: Callable, iters: int = 10) -> float:
+    """µs per call that `fn` keeps the GPU busy: the sum of its device events
+    under torch.profiler, over `iters` calls after one untimed call. Unlike a
+    wall time, it leaves out the CPU's part of a call (Python, the
+    dispatcher, the launch), which the GPU hides only where a kernel outlasts
+    the next call's CPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(us for _, us in device_kernels(prof, iters))

@@ -130,6 +130,52 @@ def test_cuda_rows_are_held_against_the_copy_line_at_85_percent():
     tail = text.split("## Targets missed in this run")[1]
     assert "- CUDA: slow float32: 80% of bandwidth (target 85%)" in tail  # 8 GB/s of the 10 GB/s copy
     assert "fast" not in tail
+    assert "kernel µs" not in text  # a run without kernel times (older JSON) has no such columns
+
+
+def test_cuda_rows_give_kernel_times_and_their_bandwidth_beside_the_wall_time():
+    """`kernel_us` (measure.py on CUDA): each contender's GPU kernel µs per
+    call in four more columns, Keel's as a fraction of the copy line; a
+    bandwidth miss on the wall time also gives the kernels' fraction; rows
+    without it (a profiler that failed) show "-", and the failure is listed."""
+    slow = dict(_row("slow", 1.25, 2.0, 2.0), device="cuda", kernel_us={"keel": 1100.0, "eager": 1800.0, "compile": 1500.0})
+    unrecorded = dict(_row("bare", 1.0, 2.0, 2.0), device="cuda", kernel_error="RuntimeError: no CUPTI")
+    ce = dict(_row("ce", 1.0, 2.0, 2.0, bound=False), device="cuda", kernel_us={"keel": 500.0, "eager": 900.0})
+    run = _run([slow, unrecorded, ce])
+    run["bandwidth"] = {"cuda": {"bytes": 1, "clone_GBps": 5.0, "copy_GBps": 10.0}}
+    run["machine"].update(gpu="G", gpu_memory_gib=80.0, driver="D", cuda="C")
+    run["decode"] = [dict(_row("dec", 0.02, 0.03, 0.05), device="cuda", shape="32x4096",
+                          kernel_us={"keel": 2.5, "eager": 3.5})]
+    text = markdown([run], [])
+    table = text.split("## CUDA")[1].split("Bracketed fractions")[0]
+    assert "| Keel kernel µs | eager kernel µs | compile kernel µs | kernel of bandwidth |" in table
+    # 10 MB in 1100 µs = 9.1 GB/s, 91% of the 10 GB/s copy.
+    assert "| slow | float32 | s | 1.25 | 2 | 2 | 1.60x | 1.60x | 8.0 | 80% | 1.25 | 0.0e+00 | 1100.0 | 1800.0 | 1500.0 | 91% |" in table
+    assert "| 0.0e+00 | - | - | - | - |" in table  # the bare row
+    assert "| 500.0 | 900.0 | - | (200%) |" in table  # no compile kernel time; compute-bound: bracketed
+    tail = text.split("## Targets missed in this run")[1]
+    assert "- CUDA: slow float32: 80% of bandwidth (target 85%; its kernels 91%)" in tail
+    assert "- CUDA: the kernel times of bare float32 were not recorded: RuntimeError: no CUPTI" in tail
+    decode = text.split("## Decode-sized calls (forward)")[1].split("## Per-call overhead")[0]
+    assert "| CUDA | dec | float32 | 32x4096 | 20.0 | - | 30.0 | 50.0 | 1.50x | - | 2.50x | 0.0e+00 | 2.5 | 3.5 |" in decode
+
+
+def test_device_kernels_sums_each_device_event_per_call():
+    """timing.device_kernels, which the report's and profile_cuda.py's kernel
+    times come from, on a made-up trace: device events summed per name over
+    the calls, longest first; CPU events left out."""
+    from types import SimpleNamespace
+
+    import torch
+    from timing import device_kernels
+
+    def ev(name, us, dev):
+        return SimpleNamespace(name=name, device_type=dev, time_range=SimpleNamespace(elapsed_us=lambda: us))
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    prof = SimpleNamespace(events=lambda: [ev("a", 10.0, cuda), ev("b", 30.0, cuda), ev("a", 10.0, cuda),
+                                           ev("launch", 99.0, cpu)])
+    assert device_kernels(prof, 2) == [("b", 15.0), ("a", 10.0)]
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where torch finds no GPU")
@@ -218,6 +264,25 @@ def test_ab_takes_each_sides_least_time_and_marks_rows_where_torch_moved():
     assert "| cpu | tiny | no_grad | 5.00 | 4.00 | 0.800 | 1.010 | faster |" in text
     assert "| cpu | c | float32 | s | 1.0000 | 1.0100 | 1.010 | 1.000 | same | 0.0e+00 | 2.0e-07 |" in text
     assert "gone" not in text and "added" not in text
+    assert "GPU kernel time" not in text  # no run recorded kernel times
+
+
+def test_ab_compares_kernel_times_where_both_sides_recorded_them():
+    """benches/report/ab.py on CUDA rows with `kernel_us`: Keel's least kernel
+    time per side, new / base, torch eager's kernel time as the control."""
+    import ab
+
+    def k(op, keel, eager, wall=1.0):
+        return dict(_row(op, wall, 1.0, 1.0), device="cuda", kernel_us={"keel": keel, "eager": eager})
+
+    base = [_ab_run([k("bwd", 48.0, 60.0), k("same", 10.0, 20.0), _row("wall only", 1.0, 1.0, 1.0)]),
+            _ab_run([k("bwd", 49.0, 61.0), k("same", 10.1, 20.0)])]
+    new = [_ab_run([k("bwd", 35.1, 60.5, wall=1.2), k("same", 10.1, 20.0), _row("wall only", 1.0, 1.0, 1.0)])]
+    got = {key[1]: (b, n, v) for key, b, n, _, v in ab.compare_kernels(base, new, 0.03)}
+    assert got == {"bwd": (48.0, 35.1, "faster"), "same": (10.0, 10.1, "same")}
+    text = ab.markdown(base, new, "main", "exp", 0.03)
+    assert "## GPU kernel time per call (torch.profiler)" in text
+    assert "| cuda | bwd | float32 | s | 48.0 | 35.1 | 0.731 | 1.008 | faster |" in text
 
 
 def test_demo_runs_and_checks_every_op():
