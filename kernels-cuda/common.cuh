@@ -166,9 +166,9 @@ constexpr int ROW_PACKS = 4;
 
 // Calls f(i, p) for the 16-byte vectors i = threadIdx.x + p blockDim.x of a
 // row that this thread owns. With `unrolled` (at most P of them, ROW_PACKS
-// unless given) the loop is unrolled: every load is in flight at once, and p is a constant,
-// so f may keep sums per vector in registers indexed by p. Otherwise a plain
-// loop, with p = -1.
+// unless given) the loop is unrolled: every load is in flight at once, and p
+// is a constant, so f may keep sums per vector in registers indexed by p.
+// Otherwise a plain loop, with p = -1.
 template <int P = ROW_PACKS, typename F> __device__ __forceinline__ void each_pack(int packs, bool unrolled, F f) {
   if (unrolled) {
 #pragma unroll

@@ -12,7 +12,7 @@ pub mod softmax;
 #[cfg(test)]
 mod emu_tests;
 
-use crate::cuda::{rows_config, rows_config_packs, Arg, Module, Target};
+use crate::cuda::{rows_config_packs, Arg, Module, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -50,16 +50,33 @@ pub(crate) fn reduce_parts(sm_count: u32, rows: usize) -> usize {
 const REDUCE_THREADS: u32 = 512;
 
 /// The launch of a backward that sums a parameter gradient over rows, and its
-/// number of parts (blocks, and rows of f32 partial sums): [`rows_config`]'s
-/// block, at most [`REDUCE_THREADS`] threads, and as many blocks as stay
-/// resident together (512 threads' worth an SM, at most
-/// [`REDUCE_BLOCKS_PER_SM`]), so that each
+/// number of parts (blocks, and rows of f32 partial sums):
+/// [`rows_config`](crate::cuda::rows_config)'s block, at most
+/// [`REDUCE_THREADS`] threads, and as many blocks as stay resident together
+/// (512 threads' worth an SM, at most [`REDUCE_BLOCKS_PER_SM`]), so that each
 /// keeps its partial sums in registers through all its rows. The parts are
 /// at most [`reduce_parts`], which sizes the scratch.
-pub(crate) fn reduce_config(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
-    let mut cfg = rows_config(rows, cols, elem_bytes, 1);
-    cfg.block_dim.0 = cfg.block_dim.0.min(REDUCE_THREADS);
-    let per_sm = (REDUCE_THREADS / cfg.block_dim.0).clamp(1, REDUCE_BLOCKS_PER_SM);
+fn reduce_config(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
+    reduce_launch(sm_count, rows, cols, elem_bytes, 4, REDUCE_THREADS, REDUCE_THREADS)
+}
+
+/// The launch of a backward kernel that keeps its partial sums across its
+/// rows, and its number of parts: about `packs` 16-byte vectors a thread, at
+/// most `block_threads` threads a block, and as many blocks as `sm_threads`
+/// threads an SM hold (at most [`REDUCE_BLOCKS_PER_SM`], which the scratch
+/// of [`reduce_parts`] holds), so that every block is resident at once.
+fn reduce_launch(
+    sm_count: u32,
+    rows: usize,
+    cols: usize,
+    elem_bytes: usize,
+    packs: usize,
+    block_threads: u32,
+    sm_threads: u32,
+) -> (LaunchConfig, usize) {
+    let mut cfg = rows_config_packs(rows, cols, elem_bytes, 1, packs);
+    cfg.block_dim.0 = cfg.block_dim.0.min(block_threads);
+    let per_sm = (sm_threads / cfg.block_dim.0).clamp(1, REDUCE_BLOCKS_PER_SM);
     let parts = rows.min((sm_count * per_sm) as usize);
     cfg.grid_dim.0 = parts.max(1) as u32;
     (cfg, parts)
@@ -68,7 +85,7 @@ pub(crate) fn reduce_config(sm_count: u32, rows: usize, cols: usize, elem_bytes:
 /// Most 16-byte vectors in a row that the two-vector backward kernels
 /// (`layer_norm_bwd2_*`, `rms_norm_bwd2_*`) take: 256 threads of two (their
 /// `__launch_bounds__`).
-pub(crate) const TWO_PACK_VECS: usize = 512;
+const TWO_PACK_VECS: usize = 512;
 
 /// The launch of a norm's backward that sums a parameter gradient over rows:
 /// its config, its number of parts, and whether it is the two-vector kernel
@@ -98,18 +115,8 @@ pub(crate) fn norm_backward_config(
 /// holds, and three blocks of 256 an SM (768 threads, 512 in
 /// [`reduce_config`]); at most [`REDUCE_BLOCKS_PER_SM`] an SM, which the
 /// scratch of [`reduce_parts`] holds.
-pub(crate) fn reduce_config_two_packs(
-    sm_count: u32,
-    rows: usize,
-    cols: usize,
-    elem_bytes: usize,
-) -> (LaunchConfig, usize) {
-    let mut cfg = rows_config_packs(rows, cols, elem_bytes, 1, 2);
-    cfg.block_dim.0 = cfg.block_dim.0.min(256);
-    let per_sm = (768 / cfg.block_dim.0).clamp(1, REDUCE_BLOCKS_PER_SM);
-    let parts = rows.min((sm_count * per_sm) as usize);
-    cfg.grid_dim.0 = parts.max(1) as u32;
-    (cfg, parts)
+fn reduce_config_two_packs(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
+    reduce_launch(sm_count, rows, cols, elem_bytes, 2, 256, 768)
 }
 
 /// Launches the `sum_parts` kernel `kernel` of `module`:
