@@ -65,12 +65,17 @@ def _kernel_frac(row: dict, bw: dict, device: str) -> Optional[float]:
     return row["nbytes"] / us / 1e3 / _line_gbps(row, bw, device) if us else None
 
 
+def _kernel_us_cells(row: dict, who) -> List[str]:
+    """The kernel µs per call of each contender in `who` ("-" where not recorded)."""
+    ku = row.get("kernel_us", {})
+    return [f"{ku[k]:.1f}" if ku.get(k) else "-" for k in who]
+
+
 def _kernel_cells(row: dict, bw: dict, device: str) -> List[str]:
     """The kernel-time cells of a CUDA row: Keel's, eager's and compile's
     kernel µs per call, and Keel's kernel fraction of the bandwidth ("-" for
     what was not recorded)."""
-    ku = row.get("kernel_us", {})
-    cells = [f"{ku[k]:.1f}" if ku.get(k) else "-" for k in ("keel", "eager", "compile")]
+    cells = _kernel_us_cells(row, ("keel", "eager", "compile"))
     kf = _kernel_frac(row, bw, device)
     frac = "-" if kf is None else f"{100 * kf:.0f}%" if row["bandwidth_bound"] else f"({100 * kf:.0f}%)"
     return cells + [frac]
@@ -253,8 +258,7 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
             line = (f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | {typed} | "
                     f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vt} | {vc} | {err:.1e} |")
             if kernels:
-                ku = row.get("kernel_us", {})
-                line += " " + " | ".join(f"{ku[k]:.1f}" if ku.get(k) else "-" for k in ("keel", "eager")) + " |"
+                line += " " + " | ".join(_kernel_us_cells(row, ("keel", "eager"))) + " |"
             lines.append(line)
             misses += [f"- {title}, decode: {row['op']} {row['dtype']} {row['shape']}: {w}"
                        for w in _speed_misses(row, d)]
