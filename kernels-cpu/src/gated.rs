@@ -231,12 +231,13 @@ fn forward_with<F: Act, T: Element>(input: &[T], out: &mut [T], rows: usize, d: 
     let blocks = Blocks::new(&par, rows, 2 * d);
     let ys = Split::new(out, blocks.per * d);
     par.for_each(blocks.count, &|b| {
-        let mut y = ys.get(b);
+        let (mut y, order) = ys.get_ordered(b);
         let x = &input[blocks.rows(b).start * 2 * d..][..2 * y.len()];
         #[cfg(target_arch = "x86_64")]
-        if x86::forward::<F, T>(x, &mut y, d) {
+        if x86::forward::<F, T>(x, &mut y, d, order) {
             return;
         }
+        let _ = order; // the lane loop goes in ascending order
         dispatch(
             #[inline(always)]
             || {

@@ -110,15 +110,16 @@ pub fn forward<T: Element>(
     let blocks = Blocks::new(&par, rows, cols);
     let ys = Split::new(out, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
-        let mut y = ys.get(b);
+        let (mut y, order) = ys.get_ordered(b);
         let x = &x[blocks.rows(b).start * cols..][..y.len()];
         #[cfg(target_arch = "x86_64")]
         if crate::wide::has_lanes::<T>() {
-            let k = x86::Forward { x, w: weight, b: bias, y: &mut y, cols, eps: eps.to_f64() as f32 };
+            let k = x86::Forward { x, w: weight, b: bias, y: &mut y, cols, eps: eps.to_f64() as f32, order };
             if crate::wide::x86::run(k).is_some() {
                 return;
             }
         }
+        let _ = order; // the lane loop goes in ascending order
         dispatch(
             #[inline(always)]
             || {

@@ -154,6 +154,30 @@ impl Offsets {
             }
         }
     }
+
+    /// The offsets from `k` rows further on.
+    pub(crate) fn skip(&self, k: usize) -> Offsets {
+        let n = self.layout.sizes;
+        self.layout.offsets_from((self.idx[0] * n[1] + self.idx[1]) * n[2] + self.idx[2] + k)
+    }
+
+    /// Moves to the row before; panics at the first row.
+    #[inline(always)]
+    pub(crate) fn retreat(&mut self) {
+        let (n, s) = (self.layout.sizes, self.layout.strides);
+        if self.idx[2] > 0 {
+            self.idx[2] -= 1;
+        } else {
+            self.idx[2] = n[2] - 1;
+            if self.idx[1] > 0 {
+                self.idx[1] -= 1;
+            } else {
+                self.idx[1] = n[1] - 1;
+                self.idx[0] = self.idx[0].checked_sub(1).expect("Offsets::retreat: before the first row");
+            }
+        }
+        self.off = self.idx[0] * s[0] + self.idx[1] * s[1] + self.idx[2] * s[2];
+    }
 }
 
 #[cfg(test)]
@@ -205,6 +229,14 @@ mod tests {
                 for w in &want[start..] {
                     assert_eq!(o.get(), *w);
                     o.advance();
+                }
+                // Back down from the last row, as a descending kernel walks.
+                let mut o = l.offsets_from(start).skip(l.rows() - 1 - start);
+                for (i, w) in want[start..].iter().enumerate().rev() {
+                    assert_eq!(o.get(), *w, "{sizes:?} {strides:?} start {start} row {i}");
+                    if i > 0 {
+                        o.retreat();
+                    }
                 }
             }
             assert_eq!(l.span(4), Some(want.iter().max().unwrap() + 4));

@@ -26,6 +26,15 @@
 //! (one page is faulted in, and its neighbour checked) and left alone. So is
 //! memory that is already there, such as a reused output buffer.
 //!
+//! [`prefault`] also says what it found ([`Pages`]), so that a kernel can
+//! write a block on fresh huge pages from its last row down
+//! ([`Order::Descending`](crate::rows::Order)): Linux zeroes each huge page
+//! at its first store, leaving the lines it zeroed last in cache, and a
+//! kernel that stores into those first finds more of them there. Where the
+//! caller writes that way, the huge-page probe faults the top page of the
+//! block's last whole 2 MiB frame, so that the top of the frame is zeroed
+//! last (Linux 6.x zeroes a huge page about the faulting address last).
+//!
 //! It changes no byte of memory: a page that is already there is left as it
 //! is, and a new page is zeroed, which is what the first store would have
 //! found. Only pages wholly inside the slice are touched. Where the call is
@@ -48,17 +57,35 @@ pub(crate) fn fresh<T>(s: &[T]) -> bool {
     bytes >= MIN_BYTES && imp::fresh(s.as_ptr().cast::<u8>(), bytes)
 }
 
-/// Populates the pages that lie wholly inside `s`, if `s` is large enough.
+/// What [`prefault`] found of a slice's pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pages {
+    /// Already in memory, or not looked at: the slice is too small, or
+    /// populating is not supported.
+    Present,
+    /// Some were missing; all are in memory now.
+    Populated,
+    /// Some were missing, on transparent huge pages: the probe faulted one
+    /// in, and the others fault as the kernel first stores to each.
+    Huge,
+}
+
+/// Populates the pages that lie wholly inside `s`, if `s` is large enough,
+/// and says what it found. With `top_first` (the caller writes `s` from its
+/// end down) the huge-page probe faults in the top of the last whole 2 MiB
+/// frame instead of the bottom of the first one (see the module doc).
 #[inline]
-pub(crate) fn prefault<T>(s: &mut [T]) {
+pub(crate) fn prefault<T>(s: &mut [T], top_first: bool) -> Pages {
     let bytes = std::mem::size_of_val(s);
-    if bytes >= MIN_BYTES {
-        imp::populate(s.as_mut_ptr().cast::<u8>(), bytes);
+    if bytes < MIN_BYTES {
+        return Pages::Present;
     }
+    imp::populate(s.as_mut_ptr().cast::<u8>(), bytes, top_first)
 }
 
 #[cfg(target_os = "linux")]
 mod imp {
+    use super::Pages;
     use std::sync::atomic::{AtomicBool, Ordering};
 
     /// Cleared once the kernel refuses `MADV_POPULATE_WRITE` as unknown.
@@ -111,27 +138,33 @@ mod imp {
         has_missing(start, end, page)
     }
 
-    pub(super) fn populate(ptr: *mut u8, bytes: usize) {
+    pub(super) fn populate(ptr: *mut u8, bytes: usize, top_first: bool) -> Pages {
         let (start, end, page) = pages(ptr as usize, bytes);
         if !has_missing(start, end, page) {
             // Too small, or already there (a reused buffer): populating pages
             // that exist costs a page-table walk each (about 80 ns per page,
             // measured) and saves nothing.
-            return;
+            return Pages::Present;
         }
         // Fault in one page, and see whether its neighbour came with it: then
         // the memory has huge pages, which already fault once per 2 MiB, and
         // zeroing them all ahead of the stores would only push the zeroed
         // lines out of cache (measured: 2-13% slower with huge pages). The
-        // probe is the first whole 2 MiB frame inside the range: only such a
-        // frame can hold a huge page that no neighbouring slice has touched.
-        let frame = start.next_multiple_of(HUGE);
-        if frame + HUGE <= end
-            && (resident(frame + page, page) || (advise(frame, page) && resident(frame + page, page)))
-        {
-            return;
+        // probe is a whole 2 MiB frame inside the range (only such a frame
+        // can hold a huge page that no neighbouring slice has touched): the
+        // bottom page of the first, or with `top_first` the top page of the
+        // last, whose neighbour is then the page below it.
+        let (lo, hi) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
+        let frame = if top_first { hi.checked_sub(HUGE) } else { Some(lo) };
+        if let Some(frame) = frame.filter(|&f| f >= start && f + HUGE <= end) {
+            let (probe, neighbour) =
+                if top_first { (frame + HUGE - page, frame + HUGE - 2 * page) } else { (frame, frame + page) };
+            if resident(neighbour, page) || (advise(probe, page) && resident(neighbour, page)) {
+                return Pages::Huge;
+            }
         }
         advise(start, end - start);
+        Pages::Populated
     }
 
     /// `madvise(MADV_POPULATE_WRITE)` on `[at, at + len)`; false if refused.
@@ -169,7 +202,9 @@ mod imp {
     pub(super) fn fresh(_ptr: *const u8, _bytes: usize) -> bool {
         false
     }
-    pub(super) fn populate(_ptr: *mut u8, _bytes: usize) {}
+    pub(super) fn populate(_ptr: *mut u8, _bytes: usize, _top_first: bool) -> super::Pages {
+        super::Pages::Present
+    }
 }
 
 #[cfg(test)]
@@ -182,15 +217,15 @@ mod tests {
         // written: every byte must keep its value.
         let mut v: Vec<u8> = (0..(MIN_BYTES * 3 + 123)).map(|i| (i % 251) as u8).collect();
         let want = v.clone();
-        prefault(&mut v[17..MIN_BYTES * 3 + 100]);
+        prefault(&mut v[17..MIN_BYTES * 3 + 100], false);
         assert_eq!(v, want);
         // Fresh, never-written memory reads as zero afterwards.
         let mut z = vec![0f32; MIN_BYTES];
-        prefault(&mut z);
+        prefault(&mut z, true);
         assert!(z.iter().all(|&x| x == 0.0));
         // Small and empty slices are no-ops.
-        prefault::<f64>(&mut []);
-        prefault(&mut [1u8; 10]);
+        assert_eq!(prefault::<f64>(&mut [], true), Pages::Present);
+        assert_eq!(prefault(&mut [1u8; 10], true), Pages::Present);
     }
 
     /// A private anonymous mapping of `.1` bytes at `.0`, unmapped on drop.
@@ -232,15 +267,60 @@ mod tests {
         };
         // SAFETY: pages 1..=62 plus a few bytes on each side, inside the mapping.
         let s = unsafe { std::slice::from_raw_parts_mut(base.cast::<u8>().add(page - 5), 62 * page + 10) };
-        prefault(s);
+        let found = prefault(s, false);
+        assert_ne!(found, Pages::Present, "fresh memory reported present");
         let got: Vec<bool> = (0..64).map(resident).collect();
         let huge = got[0] || got[63];
         if !huge {
             // Pages 1..=62 lie wholly inside; 0 and 63 only in part.
             assert!(got[1..63].iter().all(|&r| r), "pages left out: {got:?}");
             assert!(!got[0] && !got[63], "a page partly outside the slice was faulted in: {got:?}");
+            assert_eq!(found, Pages::Populated);
+            // Every whole page is there now.
+            assert_eq!(prefault(s, true), Pages::Present, "populated memory reported missing");
         }
         assert!(s.iter().all(|&b| b == 0));
+    }
+
+    /// With huge pages advised, the probe of a fresh range faults in one 2
+    /// MiB frame, the last whole one inside the range with `top_first`, the
+    /// first without, and says `Huge`; where the system gives 4 KiB pages
+    /// instead, the range is populated whole.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn probe_faults_the_frame_at_the_chosen_end() {
+        let (page, huge) = (4096usize, 2usize << 20);
+        for top_first in [false, true] {
+            let map = Mapping::new(6 * huge);
+            // SAFETY: the whole mapping, which this test owns.
+            if unsafe { libc::madvise(map.0, map.1, libc::MADV_HUGEPAGE) } != 0 {
+                eprintln!("skipped: MADV_HUGEPAGE refused");
+                return;
+            }
+            let frame0 = (map.0 as usize + page).next_multiple_of(huge);
+            // Two whole frames and a page on each side.
+            let (from, to) = (frame0 - page, frame0 + 2 * huge + page);
+            // SAFETY: `[from, to)` lies inside the mapping: `from` is at least its start, and
+            // `to` at most 3 frames and 2 pages past it.
+            let s = unsafe { std::slice::from_raw_parts_mut(from as *mut u8, to - from) };
+            let found = prefault(s, top_first);
+            let resident = |p: usize| {
+                let mut v = 0u8;
+                // SAFETY: `p` is a page inside the mapping.
+                assert_eq!(unsafe { libc::mincore(p as *mut libc::c_void, page, &mut v) }, 0);
+                v & 1 == 1
+            };
+            let (first, last) = (resident(frame0 + page), resident(frame0 + huge + page));
+            if first && last {
+                // 4 KiB pages (no THP here): the whole range was populated.
+                assert_eq!(found, Pages::Populated);
+                assert_eq!(prefault(s, top_first), Pages::Present);
+                continue;
+            }
+            assert_eq!(found, Pages::Huge);
+            assert_eq!((first, last), (!top_first, top_first), "top_first = {top_first}");
+            assert!(s.iter().all(|&b| b == 0));
+        }
     }
 
     /// `fresh` says yes while any whole page of a slice of up to
@@ -274,35 +354,91 @@ mod tests {
 
     /// A kernel writing into fresh memory (plain and, where the system
     /// allows, with huge pages advised) gives the same bytes as into a
-    /// buffer already in use: prefaulting changes where faults happen, not
-    /// what is written.
+    /// buffer already in use: prefaulting changes where faults happen, and
+    /// the kernels that write fresh blocks from the top down
+    /// ([`crate::rows::Order`]) the order of their stores, not what is
+    /// written. The reference outputs go into memory written before, so
+    /// they are stored in ascending order.
     #[cfg(target_os = "linux")]
     #[test]
     fn kernel_output_into_fresh_memory_is_unchanged() {
         use crate::par::Par;
+        use half::bf16;
         // 4.4 MB: the output holds a whole 2 MiB frame, so the huge-page probe runs.
         let (rows, cols) = (1100, 1000);
         let n = rows * cols;
         let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0).collect();
-        let mut want = vec![0f32; n];
-        crate::softmax::forward(&x, &mut want, cols, 1.0, Par::Seq).unwrap();
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let w: Vec<f32> = (0..cols).map(|j| 0.5 + (j % 7) as f32 / 8.0).collect();
+        let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
+        // Each kernel (and, for bf16, how many values it writes) into `out`.
+        type Kernel<'k, T> = &'k dyn Fn(&mut [T], Par<'_>);
+        let kernels: [(&str, Kernel<f32>); 3] = [
+            ("softmax", &|out, par| crate::softmax::forward(&x, out, cols, 1.0, par).unwrap()),
+            ("rms_norm", &|out, par| crate::rms_norm::forward(&x, Some(&w), out, cols, 1e-6, par).unwrap()),
+            ("layer_norm", &|out, par| crate::layer_norm::forward(&x, Some(&w), None, out, cols, 1e-5, par).unwrap()),
+        ];
+        let kernels_bf16: [(&str, usize, Kernel<bf16>); 3] = [
+            ("rms_norm bf16", n, &|out, par| crate::rms_norm::forward(&xb, Some(&wb), out, cols, 1e-6, par).unwrap()),
+            ("layer_norm bf16", n, &|out, par| {
+                crate::layer_norm::forward(&xb, Some(&wb), None, out, cols, 1e-5, par).unwrap()
+            }),
+            ("silu_and_mul bf16", n / 2, &|out, par| {
+                crate::gated::forward(crate::gated::Activation::Silu, &xb, &mut out[..n / 2], cols / 2, par).unwrap()
+            }),
+        ];
         for advice in [None, Some(libc::MADV_HUGEPAGE)] {
             // Room for 4 MiB of alignment, so that a 2 MiB frame lies wholly inside.
             let len = n * 4 + (4 << 20);
-            let map = Mapping::new(len);
-            let base = map.0;
-            if let Some(a) = advice {
-                // SAFETY: the whole mapping; a refusal (no THP) changes nothing.
-                unsafe { libc::madvise(base, len, a) };
+            for (name, k) in kernels {
+                let mut want = vec![f32::NAN; n];
+                k(&mut want, Par::Seq);
+                for par in [Par::Seq, Par::Rayon] {
+                    let map = fresh_mapping(len, advice);
+                    // SAFETY: `n` f32 from 100 values past a 2 MiB boundary, inside the mapping.
+                    let out = unsafe { std::slice::from_raw_parts_mut(map.aligned(100 * 4) as *mut f32, n) };
+                    k(out, par);
+                    assert!(
+                        out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name} {advice:?} {par:?}"
+                    );
+                }
             }
-            let at = (base as usize).next_multiple_of(2 << 20) + 100 * 4;
-            for par in [Par::Seq, Par::Rayon] {
-                // SAFETY: `n` f32 from `at`, inside the mapping and aligned.
-                let out = unsafe { std::slice::from_raw_parts_mut(at as *mut f32, n) };
-                crate::softmax::forward(&x, out, cols, 1.0, par).unwrap();
-                assert!(out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{advice:?} {par:?}");
-                out.fill(f32::NAN);
+            for (name, written, k) in kernels_bf16 {
+                let mut want = vec![bf16::NAN; n];
+                k(&mut want, Par::Seq);
+                want.truncate(written);
+                for par in [Par::Seq, Par::Rayon] {
+                    let map = fresh_mapping(len, advice);
+                    // SAFETY: `n` bf16 from 100 values past a 2 MiB boundary, inside the mapping.
+                    let out = unsafe { std::slice::from_raw_parts_mut(map.aligned(100 * 2) as *mut bf16, n) };
+                    k(out, par);
+                    assert!(
+                        out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{name} {advice:?} {par:?}"
+                    );
+                }
             }
+        }
+    }
+
+    /// A fresh mapping of `len` bytes with `advice` given (a refusal, where
+    /// the system has no THP, changes nothing).
+    #[cfg(target_os = "linux")]
+    fn fresh_mapping(len: usize, advice: Option<i32>) -> Mapping {
+        let map = Mapping::new(len);
+        if let Some(a) = advice {
+            // SAFETY: the whole mapping.
+            unsafe { libc::madvise(map.0, len, a) };
+        }
+        map
+    }
+
+    #[cfg(target_os = "linux")]
+    impl Mapping {
+        /// The address `offset` bytes past the mapping's first 2 MiB boundary.
+        fn aligned(&self, offset: usize) -> usize {
+            (self.0 as usize).next_multiple_of(2 << 20) + offset
         }
     }
 }

@@ -19,7 +19,7 @@ use crate::error::{check_len, check_rows, Error, Result};
 use crate::layout::{Offsets, RowLayout};
 use crate::narrow::BLOCK;
 use crate::par::Par;
-use crate::rows::{row_and_next, sum_partials, Blocks, Split};
+use crate::rows::{row_and_next, sum_partials, Blocks, Order, Split};
 use crate::simd::{dispatch, prefetch_part, prefetching, sums3};
 use crate::wide::{cast, cast_mut};
 use half::f16;
@@ -92,10 +92,10 @@ pub fn forward<T: Element>(
     let blocks = Blocks::new(&par, rows, cols);
     let ys = Split::new(out, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
-        let mut y = ys.get(b);
+        let (mut y, order) = ys.get_ordered(b);
         let x = &x[blocks.rows(b).start * cols..][..y.len()];
         let at = RowLayout::contiguous(y.len() / cols, cols).offsets_from(0);
-        if forward_explicit(x, at, weight, &mut y, cols, eps) {
+        if forward_explicit(x, at, weight, &mut y, cols, eps, order) {
             return;
         }
         dispatch(
@@ -136,9 +136,9 @@ pub fn forward_strided<T: Element>(
     let blocks = Blocks::new(&par, rows, cols);
     let ys = Split::new(out, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
-        let mut y = ys.get(b);
+        let (mut y, order) = ys.get_ordered(b);
         let mut at = layout.offsets_from(blocks.rows(b).start);
-        if forward_explicit(x, at.clone(), weight, &mut y, cols, eps) {
+        if forward_explicit(x, at.clone(), weight, &mut y, cols, eps, order) {
             return;
         }
         dispatch(
@@ -166,13 +166,14 @@ fn forward_explicit<T: Element>(
     y: &mut [T],
     cols: usize,
     eps: T::Acc,
+    order: Order,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if crate::wide::has_lanes::<T>() {
-        let k = x86::Forward { x, at, w: weight, y, cols, eps: eps.to_f64() as f32 };
+        let k = x86::Forward { x, at, w: weight, y, cols, eps: eps.to_f64() as f32, order };
         return crate::wide::x86::run(k).is_some();
     }
-    let _ = (x, at, weight, y, cols, eps);
+    let _ = (x, at, weight, y, cols, eps, order);
     false
 }
 

@@ -17,6 +17,7 @@
 use crate::element::Element;
 use crate::rms_norm::inv_rms;
 use crate::rms_norm::x86::write_normed;
+use crate::rows::Order;
 use crate::sum_squares::x86::SumSq;
 use crate::wide::is;
 use crate::wide::x86::write_row::{write_row, RowValues};
@@ -49,7 +50,13 @@ impl<T: Element> Kernel for Forward<'_, T> {
             let (ahead_x, ahead_r): (&[T], &[T]) =
                 if row + 1 < rows { (&x[span.end..][..cols], &r[span.end..][..cols]) } else { (&[], &[]) };
             let sr = &mut s[span.clone()];
-            write_row(l, Add { x: x[span.clone()].as_ptr(), r: r[span.clone()].as_ptr(), len: cols }, sr, &[ahead_x]);
+            write_row(
+                l,
+                Add { x: x[span.clone()].as_ptr(), r: r[span.clone()].as_ptr(), len: cols },
+                sr,
+                &[ahead_x],
+                Order::Ascending,
+            );
             let rs = inv_rms(SumSq(&*sr).run(l), cols, eps);
             write_normed(l, sr, w, rs, &mut y[span], ahead_r);
         }
@@ -86,7 +93,7 @@ impl<T: Element> Kernel for ForwardInplace<'_, T> {
                 super::add_into(xr, rr);
             } else {
                 copy.copy_from_slice(rr);
-                write_row(l, Add { x: xr.as_ptr(), r: copy.as_ptr(), len: cols }, rr, &[]);
+                write_row(l, Add { x: xr.as_ptr(), r: copy.as_ptr(), len: cols }, rr, &[], Order::Ascending);
             }
             let rs = inv_rms(SumSq(&*rr).run(l), cols, eps);
             let ahead = if x_rest.is_empty() { &[][..] } else { &x_rest[..cols] };

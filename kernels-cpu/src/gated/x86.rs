@@ -21,7 +21,7 @@ use super::{
 };
 use crate::element::{Acc, Element};
 use crate::narrow::BLOCK;
-use crate::rows::row_and_next;
+use crate::rows::{row_and_after, Order};
 use crate::wide::x86::math::{Erf, Exp};
 use crate::wide::x86::write_row::{store_bf16_pair_rounded, write_row, RowValues};
 use crate::wide::x86::{load_n, run, Kernel, Lanes};
@@ -30,17 +30,17 @@ use half::bf16;
 use std::marker::PhantomData;
 
 /// Runs the explicit forward of `A` over `x` into `y` (whole rows of `2d`
-/// and `d`); false (without running) where there is none: `T` not f32,
-/// bf16 or f16, or a CPU without AVX2 (with FMA and F16C).
+/// and `d`), storing in `order`; false (without running) where there is
+/// none: `T` not f32, bf16 or f16, or a CPU without AVX2 (with FMA and F16C).
 #[inline(always)]
-pub(super) fn forward<A: Act, T: Element>(x: &[T], y: &mut [T], d: usize) -> bool {
+pub(super) fn forward<A: Act, T: Element>(x: &[T], y: &mut [T], d: usize, order: Order) -> bool {
     if !crate::wide::has_lanes::<T>() {
         return false;
     }
     match A::KIND {
-        Activation::Silu => run(GatedMul::<T, Silu> { x, y, d, act: PhantomData }).is_some(),
-        Activation::Gelu => run(GatedMul::<T, Gelu> { x, y, d, act: PhantomData }).is_some(),
-        Activation::GeluTanh => run(GatedMul::<T, GeluTanh> { x, y, d, act: PhantomData }).is_some(),
+        Activation::Silu => run(GatedMul::<T, Silu> { x, y, d, order, act: PhantomData }).is_some(),
+        Activation::Gelu => run(GatedMul::<T, Gelu> { x, y, d, order, act: PhantomData }).is_some(),
+        Activation::GeluTanh => run(GatedMul::<T, GeluTanh> { x, y, d, order, act: PhantomData }).is_some(),
     }
 }
 
@@ -142,6 +142,8 @@ struct GatedMul<'a, T, A> {
     x: &'a [T],
     y: &'a mut [T],
     d: usize,
+    /// The order of the rows, and of each row's stores.
+    order: Order,
     act: PhantomData<A>,
 }
 
@@ -149,15 +151,19 @@ impl<T: Element, A: WideAct> Kernel for GatedMul<'_, T, A> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let GatedMul { x, y, d, .. } = self;
+        let GatedMul { x, y, d, order, .. } = self;
         let c = A::consts(l);
-        for (r, y) in y.chunks_exact_mut(d).enumerate() {
-            let (row, next) = row_and_next(x, r, 2 * d);
-            let (a, g) = row.split_at(d);
-            let (a_next, g_next) = next.split_at(next.len().min(d));
-            let row = GatedRow::<T, A, L::V> { a: a.as_ptr(), g: g.as_ptr(), c: &c, len: d, act: PhantomData };
-            write_row(l, row, y, &[a_next, g_next]);
-        }
+        order.each(
+            y.len() / d.max(1),
+            #[inline(always)]
+            |r| {
+                let (row, next) = row_and_after(x, r, 2 * d, order);
+                let (a, g) = row.split_at(d);
+                let (a_next, g_next) = next.split_at(next.len().min(d));
+                let row = GatedRow::<T, A, L::V> { a: a.as_ptr(), g: g.as_ptr(), c: &c, len: d, act: PhantomData };
+                write_row(l, row, &mut y[r * d..][..d], &[a_next, g_next], order);
+            },
+        );
     }
 }
 
@@ -343,6 +349,7 @@ mod tests {
     use super::{GatedMul, GatedMulBack, WideAct};
     use crate::element::Element;
     use crate::gated::{Act, Gelu, GeluTanh, Silu};
+    use crate::rows::ORDERS;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
     use std::marker::PhantomData;
@@ -373,15 +380,22 @@ mod tests {
         for d in [1, 7, 8, 16, 19, 33, 130, 300, 2000] {
             let row: Vec<T> = inputs(d).into_iter().map(T::from_acc).collect();
             let x = [row.clone(), row].concat();
-            let mut y = vec![T::from_acc(-7.0); 2 * d];
-            run_with(l, GatedMul::<T, A> { x: &x, y: &mut y, d, act: PhantomData });
-            for (i, y) in y.iter().enumerate() {
-                let r = &x[(i / d) * 2 * d..];
-                let want = T::from_acc(<A as Act>::f(r[i % d].to_acc()) * r[d + i % d].to_acc());
-                let (got, want) = (y.to_acc(), want.to_acc());
-                let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-                let name = A::KIND.name();
-                assert!(same, "{name} {} d={d} i={i}: a={} got {got} want {want}", T::NAME, r[i % d].to_acc());
+            for order in ORDERS {
+                let mut y = vec![T::from_acc(-7.0); 2 * d];
+                run_with(l, GatedMul::<T, A> { x: &x, y: &mut y, d, order, act: PhantomData });
+                for (i, y) in y.iter().enumerate() {
+                    let r = &x[(i / d) * 2 * d..];
+                    let want = T::from_acc(<A as Act>::f(r[i % d].to_acc()) * r[d + i % d].to_acc());
+                    let (got, want) = (y.to_acc(), want.to_acc());
+                    let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+                    let name = A::KIND.name();
+                    assert!(
+                        same,
+                        "{name} {} d={d} i={i} {order:?}: a={} got {got} want {want}",
+                        T::NAME,
+                        r[i % d].to_acc()
+                    );
+                }
             }
         }
     }

@@ -21,14 +21,14 @@
 //! last, then a tree over the lanes), within f32 accumulation error.
 use super::{shift, Moments};
 use crate::element::{Acc, Element};
-use crate::rows::row_and_next;
+use crate::rows::{row_and_after, Order};
 use crate::simd::sum_pairs;
 use crate::wide::x86::write_row::{self, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
 
 /// The forward over whole rows of `cols`: `x` and `y` of one length, `w` and
-/// `b` (when given) of `cols`. For `T` in f32, bf16, f16 only (the callers
-/// check [`crate::wide::has_lanes`]).
+/// `b` (when given) of `cols`, stored in `order`. For `T` in f32, bf16, f16
+/// only (the callers check [`crate::wide::has_lanes`]).
 pub(super) struct Forward<'a, T> {
     pub(super) x: &'a [T],
     pub(super) w: Option<&'a [T]>,
@@ -36,18 +36,23 @@ pub(super) struct Forward<'a, T> {
     pub(super) y: &'a mut [T],
     pub(super) cols: usize,
     pub(super) eps: f32,
+    pub(super) order: Order,
 }
 
 impl<T: Element> Kernel for Forward<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let Forward { x, w, b, y, cols, eps } = self;
-        for (r, y) in y.chunks_exact_mut(cols).enumerate() {
-            let (xr, ahead) = row_and_next(x, r, cols);
-            let m = moments(l, xr, eps);
-            write_row(l, xr, w, b, y, m, ahead);
-        }
+        let Forward { x, w, b, y, cols, eps, order } = self;
+        order.each(
+            y.len() / cols,
+            #[inline(always)]
+            |r| {
+                let (xr, ahead) = row_and_after(x, r, cols, order);
+                let m = moments(l, xr, eps);
+                write_row(l, xr, w, b, &mut y[r * cols..][..cols], m, ahead, order);
+            },
+        );
     }
 }
 
@@ -124,8 +129,9 @@ fn reduce4<L: Lanes>(l: L, a: [L::V; 4]) -> f32 {
 }
 
 /// `y = xh * w + b` (each parameter when given), through
-/// [`write_row`]: bf16 rounded in registers where the width can, else
-/// block by block.
+/// [`write_row`] in `order`: bf16 rounded in registers where the width
+/// can, else block by block.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn write_row<L: Lanes, T: Element>(
     l: L,
@@ -135,12 +141,13 @@ fn write_row<L: Lanes, T: Element>(
     y: &mut [T],
     m: Moments<f32>,
     ahead: &[T],
+    order: Order,
 ) {
     let c = Consts { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), nb: l.splat(0.0 - m.m1 * m.rstd) };
     let len = y.len();
     assert!(x.len() >= len && w.is_none_or(|w| w.len() >= len) && b.is_none_or(|b| b.len() >= len));
     let row = Row { c, x: x.as_ptr(), w: w.map(<[T]>::as_ptr), b: b.map(<[T]>::as_ptr), len };
-    write_row::write_row(l, row, y, &[ahead]);
+    write_row::write_row(l, row, y, &[ahead], order);
 }
 
 /// One row's inputs and constants: its [`RowValues`] are the lane loops'.
@@ -182,6 +189,7 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
 mod tests {
     use super::Forward;
     use crate::element::Element;
+    use crate::rows::{Order, ORDERS};
     use crate::wide::x86::{every_width, run_with, Width};
     use half::bf16;
 
@@ -206,16 +214,20 @@ mod tests {
                 let b: Vec<bf16> = (0..cols).map(|j| bf16::from_acc((j % 5) as f32 / 4.0 - 0.5)).collect();
                 let tiny: Vec<bf16> = (0..cols).map(|j| bf16::from_bits(0x0080 + (j % 3) as u16)).collect();
                 let wide = |v: &[bf16]| v.iter().map(|v| v.to_acc()).collect::<Vec<f32>>();
-                for (w, b) in [(Some(&w[..]), Some(&b[..])), (Some(&tiny[..]), None), (None, None)] {
+                // Each order of the bf16 rows against the other order of the
+                // f32 rows: the order of the stores changes no value.
+                let params = [(Some(&w[..]), Some(&b[..])), (Some(&tiny[..]), None), (None, None)];
+                for ((w, b), order) in params.into_iter().flat_map(|p| ORDERS.map(|o| (p, o))) {
                     let mut y = vec![bf16::ZERO; n];
-                    run_with(l, Forward { x: &x, w, b, y: &mut y, cols, eps: 1e-5 });
+                    run_with(l, Forward { x: &x, w, b, y: &mut y, cols, eps: 1e-5, order });
                     let (x32, w32, b32) = (wide(&x), w.map(wide), b.map(wide));
                     let mut y32 = vec![0f32; n];
-                    let k = Forward { x: &x32, w: w32.as_deref(), b: b32.as_deref(), y: &mut y32, cols, eps: 1e-5 };
-                    run_with(l, k);
+                    let other = if order == Order::Ascending { Order::Descending } else { Order::Ascending };
+                    let (w32, b32) = (w32.as_deref(), b32.as_deref());
+                    run_with(l, Forward { x: &x32, w: w32, b: b32, y: &mut y32, cols, eps: 1e-5, order: other });
                     let want: Vec<u16> = y32.iter().map(|&v| bf16::from_acc(v).to_bits()).collect();
                     let got: Vec<u16> = y.iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(got, want, "cols={cols} weight={} bias={}", w.is_some(), b.is_some());
+                    assert_eq!(got, want, "cols={cols} weight={} bias={} {order:?}", w.is_some(), b.is_some());
                 }
             }
         }

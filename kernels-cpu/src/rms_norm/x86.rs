@@ -16,13 +16,15 @@
 //! w` for each value.
 use crate::element::Element;
 use crate::layout::Offsets;
+use crate::rows::Order;
 use crate::sum_squares::x86::SumSq;
 use crate::wide::x86::write_row::{write_row, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
 
 /// The forward over the rows `at` places in `x` (each `cols` long), into
-/// `y` (whole rows), with `w` of `cols` when given. For `T` in f32, bf16,
-/// f16 only (the callers check [`crate::wide::has_lanes`]).
+/// `y` (whole rows), with `w` of `cols` when given, storing in `order`.
+/// For `T` in f32, bf16, f16 only (the callers check
+/// [`crate::wide::has_lanes`]).
 pub(super) struct Forward<'a, T> {
     pub(super) x: &'a [T],
     pub(super) at: Offsets,
@@ -30,27 +32,48 @@ pub(super) struct Forward<'a, T> {
     pub(super) y: &'a mut [T],
     pub(super) cols: usize,
     pub(super) eps: f32,
+    pub(super) order: Order,
 }
 
 impl<T: Element> Kernel for Forward<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let Forward { x, mut at, w, y, cols, eps } = self;
+        let Forward { x, mut at, w, y, cols, eps, order } = self;
         let rows = y.len() / cols;
         if let Some(w) = w {
             assert_eq!(w.len(), cols, "rms_norm x86: the weight is not one row long");
         }
-        for (r, y) in y.chunks_exact_mut(cols).enumerate() {
-            let xr = &x[at.get()..][..cols];
-            at.advance();
-            let ahead = if r + 1 < rows { &x[at.get()..][..cols] } else { &[] };
-            let ss = SumSq(xr).run(l);
-            let rs = super::inv_rms(ss, cols, eps);
-            let row = Row { x: xr.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: cols };
-            write_row(l, row, y, &[ahead]);
+        match order {
+            Order::Ascending => {
+                for (r, y) in y.chunks_exact_mut(cols).enumerate() {
+                    let xr = &x[at.get()..][..cols];
+                    at.advance();
+                    norm_row(l, xr, if r + 1 < rows { &x[at.get()..][..cols] } else { &[] }, w, y, eps, order);
+                }
+            }
+            Order::Descending if rows > 0 => {
+                let mut at = at.skip(rows - 1);
+                for (r, y) in y.chunks_exact_mut(cols).enumerate().rev() {
+                    let xr = &x[at.get()..][..cols];
+                    if r > 0 {
+                        at.retreat();
+                    }
+                    norm_row(l, xr, if r > 0 { &x[at.get()..][..cols] } else { &[] }, w, y, eps, order);
+                }
+            }
+            Order::Descending => {}
         }
     }
+}
+
+/// One row of [`Forward`]: `x` normalised, times `w`, into `y` in `order`,
+/// prefetching `ahead` (the row to come, or empty).
+#[inline(always)]
+fn norm_row<L: Lanes, T: Element>(l: L, x: &[T], ahead: &[T], w: Option<&[T]>, y: &mut [T], eps: f32, order: Order) {
+    let rs = super::inv_rms(SumSq(x).run(l), x.len(), eps);
+    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
+    write_row(l, row, y, &[ahead], order);
 }
 
 /// One row's input, the weight and `1 / rms`.
@@ -72,7 +95,7 @@ pub(crate) fn write_normed<L: Lanes, T: Element>(l: L, x: &[T], w: Option<&[T]>,
         assert_eq!(w.len(), x.len(), "rms_norm x86: the weight is not one row long");
     }
     let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
-    write_row(l, row, y, &[ahead]);
+    write_row(l, row, y, &[ahead], Order::Ascending);
 }
 
 impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
@@ -100,6 +123,7 @@ mod tests {
     use super::Forward;
     use crate::element::Element;
     use crate::layout::RowLayout;
+    use crate::rows::ORDERS;
     use crate::sum_squares::x86::SumSq;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
@@ -118,9 +142,10 @@ mod tests {
                     (0..rows * stride + cols).map(|i| T::from_f64(((i * 37 % 101) as f64 - 50.0) / 13.0)).collect();
                 let w: Vec<T> = (0..cols).map(|j| T::from_f64(0.5 + (j % 7) as f64 / 8.0)).collect();
                 let tiny: Vec<T> = (0..cols).map(|j| T::from_f64(1e-38 * (1 + j % 3) as f64)).collect();
-                for w in [Some(&w[..]), Some(&tiny[..]), None] {
+                for (w, order) in [Some(&w[..]), Some(&tiny[..]), None].into_iter().flat_map(|w| ORDERS.map(|o| (w, o)))
+                {
                     let mut y = vec![T::default(); rows * cols];
-                    let k = Forward { x: &x, at: layout.offsets_from(0), w, y: &mut y, cols, eps: 1e-6 };
+                    let k = Forward { x: &x, at: layout.offsets_from(0), w, y: &mut y, cols, eps: 1e-6, order };
                     run_with(l, k);
                     // The lane loop's formulas in scalar code, with the sum
                     // of squares of this width (the lane loop takes the
@@ -135,7 +160,13 @@ mod tests {
                         }
                     }
                     let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
-                    assert_eq!(bits(&y), bits(&want), "{} cols={cols} sizes={sizes:?} w={}", T::NAME, w.is_some());
+                    assert_eq!(
+                        bits(&y),
+                        bits(&want),
+                        "{} cols={cols} sizes={sizes:?} w={} {order:?}",
+                        T::NAME,
+                        w.is_some()
+                    );
                 }
             }
         }

@@ -7,6 +7,7 @@
 use super::Lanes;
 use crate::element::Element;
 use crate::narrow::BLOCK;
+use crate::rows::Order;
 use crate::simd::prefetch_each;
 use crate::wide::cast_mut;
 use half::bf16;
@@ -24,12 +25,16 @@ pub(crate) trait RowValues<L: Lanes>: Copy {
     unsafe fn value(self, l: L, i: usize, count: usize) -> L::V;
 }
 
-/// Writes the row `f` gives into `y` (as long as `f.len()`), prefetching
-/// each of `ahead` (the next row's inputs, or empty slices) one block at a
-/// time: block `k` of `y` prefetches block `k` of each.
+/// Writes the row `f` gives into `y` (as long as `f.len()`), in `order`,
+/// prefetching each of `ahead` (the next row's inputs, or empty slices) one
+/// block at a time: block `k` of `y` prefetches block `k` of each.
 #[inline(always)]
-pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], ahead: &[&[T]]) {
+pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], ahead: &[&[T]], order: Order) {
     assert_eq!(f.len(), y.len(), "write_row: the row and its values differ in length");
+    if order == Order::Descending {
+        write_row_down(l, f, y, ahead);
+        return;
+    }
     // bf16 rows round in registers where the width can; the block path
     // below writes what is left (all of it for other types).
     let (y, at0) = match cast_mut::<T, bf16>(y) {
@@ -61,6 +66,69 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
             }
         },
     );
+}
+
+/// [`write_row`] from the row's last value down: the same values, the same
+/// vectors (each at the same place in the row), stored in the opposite
+/// order. bf16 where the width rounds in registers: the values past the
+/// last whole group of `2 N` first, then the groups from the last; the rest
+/// (f32, f16, and bf16 on AVX2) block by block from the last block, each
+/// block's vectors from the last.
+#[inline(always)]
+fn write_row_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], ahead: &[&[T]]) {
+    let n = 2 * L::N;
+    let whole = if L::ROUNDS_BF16 && cast_mut::<T, bf16>(y).is_some() { y.len() / n * n } else { 0 };
+    let (groups, rest) = y.split_at_mut(whole);
+    write_blocks_down(l, f, rest, whole, ahead);
+    if let Some(yb) = cast_mut::<T, bf16>(groups).filter(|_| whole > 0) {
+        let mut i = whole;
+        while i > 0 {
+            i -= n;
+            if i % BLOCK == 0 {
+                prefetch_each(ahead, i / BLOCK, BLOCK);
+            }
+            // SAFETY: `i + 2 N <= whole <= f.len()`; `yb[i..i + 2 N]` is writable.
+            unsafe {
+                let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
+                store_bf16_pair_rounded(l, &mut yb[i..i + n], lo, hi);
+            }
+        }
+    }
+}
+
+/// Values `at0..at0 + y.len()` of `f` into `y`, a [`BLOCK`] (counted from
+/// the row's start) at a time from the last, each block's vectors from the
+/// last; prefetches block `k` of `ahead` before writing block `k`.
+#[inline(always)]
+fn write_blocks_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], at0: usize, ahead: &[&[T]]) {
+    let mut end = y.len();
+    while end > 0 {
+        // The block of the row that holds `at0 + end - 1`, clipped to `y`.
+        let start = ((at0 + end - 1) / BLOCK * BLOCK).max(at0) - at0;
+        prefetch_each(ahead, (at0 + start) / BLOCK, BLOCK);
+        T::write_acc(
+            &mut y[start..end],
+            #[inline(always)]
+            |at, out| {
+                let out = cast_mut::<T::Acc, f32>(out).expect("write_row: T::Acc is f32 for f32, bf16, f16");
+                let (len, o, from) = (out.len(), out.as_mut_ptr(), at0 + start + at);
+                let mut i = len / L::N * L::N;
+                // SAFETY: the part vector past the whole ones, then whole
+                // vectors down to 0, all inside `out`; `from + len <=
+                // f.len()` (the block lies in the row).
+                unsafe {
+                    if i < len {
+                        l.store_part(o.add(i), f.value(l, from + i, len - i), len - i);
+                    }
+                    while i > 0 {
+                        i -= L::N;
+                        l.store(o.add(i), f.value(l, from + i, L::N));
+                    }
+                }
+            },
+        );
+        end = start;
+    }
 }
 
 /// bf16 rows rounded in registers ([`Lanes::store_bf16_pair`]): `y`'s
