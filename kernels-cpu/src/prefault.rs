@@ -362,7 +362,6 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn kernel_output_into_fresh_memory_is_unchanged() {
-        use crate::par::Par;
         use half::bf16;
         // 4.4 MB: the output holds a whole 2 MiB frame, so the huge-page probe runs.
         let (rows, cols) = (1100, 1000);
@@ -372,7 +371,6 @@ mod tests {
         let w: Vec<f32> = (0..cols).map(|j| 0.5 + (j % 7) as f32 / 8.0).collect();
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
         // Each kernel (and, for bf16, how many values it writes) into `out`.
-        type Kernel<'k, T> = &'k dyn Fn(&mut [T], Par<'_>);
         let kernels: [(&str, Kernel<f32>); 3] = [
             ("softmax", &|out, par| crate::softmax::forward(&x, out, cols, 1.0, par).unwrap()),
             ("rms_norm", &|out, par| crate::rms_norm::forward(&x, Some(&w), out, cols, 1e-6, par).unwrap()),
@@ -388,39 +386,39 @@ mod tests {
             }),
         ];
         for advice in [None, Some(libc::MADV_HUGEPAGE)] {
-            // Room for 4 MiB of alignment, so that a 2 MiB frame lies wholly inside.
-            let len = n * 4 + (4 << 20);
             for (name, k) in kernels {
-                let mut want = vec![f32::NAN; n];
-                k(&mut want, Par::Seq);
-                for par in [Par::Seq, Par::Rayon] {
-                    let map = fresh_mapping(len, advice);
-                    // SAFETY: `n` f32 from 100 values past a 2 MiB boundary, inside the mapping.
-                    let out = unsafe { std::slice::from_raw_parts_mut(map.aligned(100 * 4) as *mut f32, n) };
-                    k(out, par);
-                    assert!(
-                        out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{name} {advice:?} {par:?}"
-                    );
-                }
+                same_into_fresh(name, n, n, advice, k);
             }
             for (name, written, k) in kernels_bf16 {
-                let mut want = vec![bf16::NAN; n];
-                k(&mut want, Par::Seq);
-                want.truncate(written);
-                for par in [Par::Seq, Par::Rayon] {
-                    let map = fresh_mapping(len, advice);
-                    // SAFETY: `n` bf16 from 100 values past a 2 MiB boundary, inside the mapping.
-                    let out = unsafe { std::slice::from_raw_parts_mut(map.aligned(100 * 2) as *mut bf16, n) };
-                    k(out, par);
-                    assert!(
-                        out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{name} {advice:?} {par:?}"
-                    );
-                }
+                same_into_fresh(name, n, written, advice, k);
             }
         }
     }
+
+    /// A kernel writing into `n` values of fresh memory (with `advice`)
+    /// gives the bits it gives into memory written before (compared over
+    /// the first `written`), on one thread and over rayon's pool.
+    #[cfg(target_os = "linux")]
+    fn same_into_fresh<T: crate::Element>(name: &str, n: usize, written: usize, advice: Option<i32>, k: Kernel<T>) {
+        use crate::par::Par;
+        let mut want = vec![T::from_f64(f64::NAN); n];
+        k(&mut want, Par::Seq);
+        want.truncate(written);
+        let size = std::mem::size_of::<T>();
+        for par in [Par::Seq, Par::Rayon] {
+            // Room for 4 MiB of alignment, so that a 2 MiB frame lies wholly inside.
+            let map = fresh_mapping(n * size + (4 << 20), advice);
+            // SAFETY: `n` values of `T` from 100 values past a 2 MiB boundary, inside the mapping.
+            let out = unsafe { std::slice::from_raw_parts_mut(map.aligned(100 * size) as *mut T, n) };
+            k(out, par);
+            let bits = |v: &T| v.to_f64().to_bits();
+            assert!(out.iter().zip(&want).all(|(a, b)| bits(a) == bits(b)), "{name} {advice:?} {par:?}");
+        }
+    }
+
+    /// A kernel writing into the slice it is given, on the given threads.
+    #[cfg(target_os = "linux")]
+    type Kernel<'k, T> = &'k dyn Fn(&mut [T], crate::par::Par<'_>);
 
     /// A fresh mapping of `len` bytes with `advice` given (a refusal, where
     /// the system has no THP, changes nothing).
