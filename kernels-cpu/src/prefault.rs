@@ -376,7 +376,8 @@ mod tests {
             ("rms_norm", &|out, par| crate::rms_norm::forward(&x, Some(&w), out, cols, 1e-6, par).unwrap()),
             ("layer_norm", &|out, par| crate::layer_norm::forward(&x, Some(&w), None, out, cols, 1e-5, par).unwrap()),
         ];
-        let kernels_bf16: [(&str, usize, Kernel<bf16>); 3] = [
+        let kernels_bf16: [(&str, usize, Kernel<bf16>); 4] = [
+            ("softmax bf16", n, &|out, par| crate::softmax::forward(&xb, out, cols, 1.0, par).unwrap()),
             ("rms_norm bf16", n, &|out, par| crate::rms_norm::forward(&xb, Some(&wb), out, cols, 1e-6, par).unwrap()),
             ("layer_norm bf16", n, &|out, par| {
                 crate::layer_norm::forward(&xb, Some(&wb), None, out, cols, 1e-5, par).unwrap()
