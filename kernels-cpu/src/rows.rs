@@ -112,9 +112,9 @@ impl<'a, T> Split<'a, T> {
 /// most likely still in cache: written from the bottom up, the stores meet
 /// the lines zeroed first; from the top down, those zeroed last. In a plain
 /// loop on the 2-core Zen 4 VM (Linux 6.18), `y = x * c` over 64 MiB of
-/// fresh huge pages from two threads took 5.6-6.8 ms upwards and 4.3-5.1
-/// ms downwards, as fast as glibc's `memcpy` there (which copies downwards
-/// when source and destination share page offsets).
+/// fresh huge pages from two threads took 5.5-6.8 ms upwards and 3.8-5.1
+/// ms downwards, as fast as glibc's `memcpy` there (3.7-5.3 ms; it copies
+/// downwards when source and destination share page offsets).
 ///
 /// Through torch with `THP_MEM_ALLOC_ENABLE=1`, both orders in one process,
 /// interleaved (4096 rows, two rounds, time descending over ascending):

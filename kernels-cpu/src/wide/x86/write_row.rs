@@ -84,14 +84,7 @@ fn write_row_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T]
         let mut i = whole;
         while i > 0 {
             i -= n;
-            if i % BLOCK == 0 {
-                prefetch_each(ahead, i / BLOCK, BLOCK);
-            }
-            // SAFETY: `i + 2 N <= whole <= f.len()`; `yb[i..i + 2 N]` is writable.
-            unsafe {
-                let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
-                store_bf16_pair_rounded(l, &mut yb[i..i + n], lo, hi);
-            }
+            bf16_pair_at(l, f, yb, i, ahead);
         }
     }
 }
@@ -151,18 +144,30 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
     let whole = len / n * n;
     let mut i = 0;
     while i < whole {
-        if i % BLOCK == 0 {
-            prefetch_each(ahead, i / BLOCK, BLOCK);
-        }
-        // SAFETY: `i + 2 N <= len = f.len()` (`write_row` asserts it);
-        // `y[i..i + 2 N]` is writable.
-        unsafe {
-            let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
-            store_bf16_pair_rounded(l, &mut y[i..i + n], lo, hi);
-        }
+        bf16_pair_at(l, f, y, i, ahead);
         i += n;
     }
     whole
+}
+
+/// The group of `2 N` values of `f` at `i` rounded into `y[i..i + 2 N]`,
+/// prefetching block `i / BLOCK` of `ahead` where the group starts a block:
+/// one step of [`write_bf16_pairs`] and of [`write_row_down`]'s groups.
+/// Panics where `y` does not hold the group; `y` must be no longer than
+/// `f` (as [`write_row`] asserts of the whole row).
+#[inline(always)]
+fn bf16_pair_at<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], i: usize, ahead: &[&[T]]) {
+    let n = 2 * L::N;
+    if i.is_multiple_of(BLOCK) {
+        prefetch_each(ahead, i / BLOCK, BLOCK);
+    }
+    let y = &mut y[i..i + n];
+    // SAFETY: `y` holds values `i..i + 2 N` (the slice above), and `f` at
+    // least as many values as the row `y` lies in.
+    unsafe {
+        let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
+        store_bf16_pair_rounded(l, y, lo, hi);
+    }
 }
 
 /// `lo` then `hi` rounded to bf16 into `y` (`2 N` long): by
