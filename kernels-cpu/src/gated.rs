@@ -273,14 +273,15 @@ fn backward_with<F: Act, T: Element>(
     let blocks = Blocks::new(&par, rows, 2 * d);
     let dxs = Split::new(grad_input, blocks.per * 2 * d);
     par.for_each(blocks.count, &|b| {
-        let mut dx = dxs.get(b);
+        let (mut dx, order) = dxs.get_ordered(b);
         let start = blocks.rows(b).start;
         let x = &input[start * 2 * d..][..dx.len()];
         let dy = &grad_out[start * d..][..dx.len() / 2];
         #[cfg(target_arch = "x86_64")]
-        if x86::backward::<F, T>(x, dy, &mut dx, d) {
+        if x86::backward::<F, T>(x, dy, &mut dx, d, order) {
             return;
         }
+        let _ = order; // the lane loop goes in ascending order
         dispatch(
             #[inline(always)]
             || {

@@ -200,29 +200,32 @@ impl<L: Lanes, T: 'static, A: WideAct> RowValues<L> for GatedRow<'_, T, A, L::V>
 }
 
 /// Runs the explicit backward of `A`: `x` and `dx` whole rows of `2d`, `dy`
-/// rows of `d`; false (without running) where there is none, as [`forward`].
+/// rows of `d`, storing in `order`; false (without running) where there is
+/// none, as [`forward`].
 #[inline(always)]
-pub(super) fn backward<A: Act, T: Element>(x: &[T], dy: &[T], dx: &mut [T], d: usize) -> bool {
+pub(super) fn backward<A: Act, T: Element>(x: &[T], dy: &[T], dx: &mut [T], d: usize, order: Order) -> bool {
     if !crate::wide::has_lanes::<T>() {
         return false;
     }
     match A::KIND {
-        Activation::Silu => run(GatedMulBack::<T, Silu> { x, dy, dx, d, act: PhantomData }).is_some(),
-        Activation::Gelu => run(GatedMulBack::<T, Gelu> { x, dy, dx, d, act: PhantomData }).is_some(),
-        Activation::GeluTanh => run(GatedMulBack::<T, GeluTanh> { x, dy, dx, d, act: PhantomData }).is_some(),
+        Activation::Silu => run(GatedMulBack::<T, Silu> { x, dy, dx, d, order, act: PhantomData }).is_some(),
+        Activation::Gelu => run(GatedMulBack::<T, Gelu> { x, dy, dx, d, order, act: PhantomData }).is_some(),
+        Activation::GeluTanh => run(GatedMulBack::<T, GeluTanh> { x, dy, dx, d, order, act: PhantomData }).is_some(),
     }
 }
 
 /// The backward over rows: `da = dy g act'(a)` and `dg = dy act(a)`, each
 /// multiplied left to right as in `backward_row`. f32 is stored in place;
-/// bf16 is rounded in registers where the width can ([`back_bf16_pairs`]);
+/// bf16 is rounded in registers where the width can ([`back_bf16_pair`]);
 /// the rest of a bf16 row, and f16, go through a block of f32 and
-/// [`Element::from_acc_slice`].
+/// [`Element::from_acc_slice`] ([`back_span`]).
 struct GatedMulBack<'a, T, A> {
     x: &'a [T],
     dy: &'a [T],
     dx: &'a mut [T],
     d: usize,
+    /// The order of the rows, and of each row's stores.
+    order: Order,
     act: PhantomData<A>,
 }
 
@@ -230,78 +233,105 @@ impl<T: Element, A: WideAct> Kernel for GatedMulBack<'_, T, A> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let GatedMulBack { x, dy, dx, d, .. } = self;
+        let GatedMulBack { x, dy, dx, d, order, .. } = self;
         let c = A::consts(l);
         let mut bufs = [[T::Acc::ZERO; BLOCK]; 2];
-        for ((x, dy), dx) in x.chunks_exact(2 * d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(2 * d)) {
-            let (a, g) = x.split_at(d);
-            let (da, dg) = dx.split_at_mut(d);
-            let mut at = match (cast_mut::<T, bf16>(da), cast_mut::<T, bf16>(dg)) {
-                (Some(da), Some(dg)) => back_bf16_pairs::<L, A, T>(l, &c, [a, g, dy], da, dg),
-                _ => 0,
-            };
-            while at < d {
-                let len = BLOCK.min(d - at);
-                let (a, g, dy) = (a[at..][..len].as_ptr(), g[at..][..len].as_ptr(), dy[at..][..len].as_ptr());
-                let (da, dg) = (&mut da[at..][..len], &mut dg[at..][..len]);
-                if is::<T, f32>() {
-                    // SAFETY: `T` is f32; `a`, `g`, `dy` hold `len` values,
-                    // as do the outputs.
-                    unsafe {
-                        back_block::<L, A, T>(l, &c, [a, g, dy], [da.as_mut_ptr().cast(), dg.as_mut_ptr().cast()], len)
-                    };
-                } else {
-                    let [ta, tg] = &mut bufs;
-                    let e = "gated x86: T::Acc is f32 for f32, bf16, f16";
-                    let oa = cast_mut::<T::Acc, f32>(&mut ta[..len]).expect(e).as_mut_ptr();
-                    let og = cast_mut::<T::Acc, f32>(&mut tg[..len]).expect(e).as_mut_ptr();
-                    // SAFETY: as above, into the blocks (`BLOCK >= len`).
-                    unsafe { back_block::<L, A, T>(l, &c, [a, g, dy], [oa, og], len) };
-                    T::from_acc_slice(&ta[..len], da);
-                    T::from_acc_slice(&tg[..len], dg);
+        let n = 2 * L::N;
+        order.each(
+            dy.len() / d.max(1),
+            #[inline(always)]
+            |r| {
+                let (a, g) = x[r * 2 * d..][..2 * d].split_at(d);
+                let (da, dg) = dx[r * 2 * d..][..2 * d].split_at_mut(d);
+                let src = [a, g, &dy[r * d..][..d]];
+                // bf16 rounds its whole groups of `2 N` in registers where
+                // the width can; blocks of f32 take the rest.
+                let whole = if L::ROUNDS_BF16 && is::<T, bf16>() { d / n * n } else { 0 };
+                match order {
+                    Order::Ascending => {
+                        if let (Some(da), Some(dg)) = (cast_mut::<T, bf16>(da), cast_mut::<T, bf16>(dg)) {
+                            for i in (0..whole).step_by(n) {
+                                back_bf16_pair::<L, A, T>(l, &c, src, da, dg, i);
+                            }
+                        }
+                        for at in (whole..d).step_by(BLOCK) {
+                            back_span::<L, A, T>(l, &c, src, [&mut *da, &mut *dg], at..(at + BLOCK).min(d), &mut bufs);
+                        }
+                    }
+                    Order::Descending => {
+                        for at in (whole..d).step_by(BLOCK).rev() {
+                            back_span::<L, A, T>(l, &c, src, [&mut *da, &mut *dg], at..(at + BLOCK).min(d), &mut bufs);
+                        }
+                        if let (Some(da), Some(dg)) = (cast_mut::<T, bf16>(da), cast_mut::<T, bf16>(dg)) {
+                            for i in (0..whole).step_by(n).rev() {
+                                back_bf16_pair::<L, A, T>(l, &c, src, da, dg, i);
+                            }
+                        }
+                    }
                 }
-                at += len;
-            }
-        }
+            },
+        );
     }
 }
 
-/// The first whole groups of `2 N` values of a bf16 row's `da` and `dg`
-/// (as long as each other, `a`, `g` and `dy` at least as long), rounded in
-/// registers ([`store_bf16_pair_rounded`]); returns how many values of each
-/// it wrote (0 where the width has no bf16 conversion: AVX2). Through the
-/// f32 blocks instead, each value is stored, loaded and stored again.
+/// Values `at` of one row's `da` and `dg` from `[a, g, dy]` (each holding
+/// the row): f32 stored in place, other types through `bufs` and
+/// [`Element::from_acc_slice`].
 #[inline(always)]
-fn back_bf16_pairs<L: Lanes, A: WideAct, T: 'static>(
+fn back_span<L: Lanes, A: WideAct, T: Element>(
+    l: L,
+    c: &A::C<L::V>,
+    [a, g, dy]: [&[T]; 3],
+    [da, dg]: [&mut [T]; 2],
+    at: std::ops::Range<usize>,
+    bufs: &mut [[T::Acc; BLOCK]; 2],
+) {
+    let len = at.len();
+    assert!(len <= BLOCK, "gated x86: a span is longer than a block");
+    let (a, g, dy) = (a[at.clone()].as_ptr(), g[at.clone()].as_ptr(), dy[at.clone()].as_ptr());
+    let (da, dg) = (&mut da[at.clone()], &mut dg[at]);
+    if is::<T, f32>() {
+        // SAFETY: `T` is f32; `a`, `g`, `dy` hold `len` values, as do the
+        // outputs.
+        unsafe { back_block::<L, A, T>(l, c, [a, g, dy], [da.as_mut_ptr().cast(), dg.as_mut_ptr().cast()], len) };
+    } else {
+        let [ta, tg] = bufs;
+        let e = "gated x86: T::Acc is f32 for f32, bf16, f16";
+        let oa = cast_mut::<T::Acc, f32>(&mut ta[..len]).expect(e).as_mut_ptr();
+        let og = cast_mut::<T::Acc, f32>(&mut tg[..len]).expect(e).as_mut_ptr();
+        // SAFETY: as above, into the blocks (`BLOCK >= len`).
+        unsafe { back_block::<L, A, T>(l, c, [a, g, dy], [oa, og], len) };
+        T::from_acc_slice(&ta[..len], da);
+        T::from_acc_slice(&tg[..len], dg);
+    }
+}
+
+/// The group of `2 N` values of a bf16 row's `da` and `dg` at `i`, rounded
+/// in registers ([`store_bf16_pair_rounded`]; a width with `ROUNDS_BF16`
+/// only). Through the f32 blocks instead, each value is stored, loaded and
+/// stored again. Panics where a row does not hold the group.
+#[inline(always)]
+fn back_bf16_pair<L: Lanes, A: WideAct, T: 'static>(
     l: L,
     c: &A::C<L::V>,
     [a, g, dy]: [&[T]; 3],
     da: &mut [bf16],
     dg: &mut [bf16],
-) -> usize {
-    if !L::ROUNDS_BF16 {
-        return 0;
-    }
-    let (n, len) = (2 * L::N, da.len());
-    assert!(dg.len() == len && a.len() >= len && g.len() >= len && dy.len() >= len, "gated x86: row lengths differ");
-    let whole = len / n * n;
+    i: usize,
+) {
+    let n = 2 * L::N;
+    let (a, g, dy) = (&a[i..i + n], &g[i..i + n], &dy[i..i + n]);
     let (a, g, dy) = (a.as_ptr(), g.as_ptr(), dy.as_ptr());
-    let mut i = 0;
-    while i < whole {
-        // SAFETY: `i + 2 N <= len`, and `a`, `g`, `dy` hold `len` values of
-        // `T` (bf16: the caller cast the outputs to it).
-        let (lo, hi) = unsafe {
-            let j = i + L::N;
-            (
-                back_step::<L, A>(l, c, l.load(a.add(i)), l.load(g.add(i)), l.load(dy.add(i))),
-                back_step::<L, A>(l, c, l.load(a.add(j)), l.load(g.add(j)), l.load(dy.add(j))),
-            )
-        };
-        store_bf16_pair_rounded(l, &mut da[i..i + n], lo.0, hi.0);
-        store_bf16_pair_rounded(l, &mut dg[i..i + n], lo.1, hi.1);
-        i += n;
-    }
-    whole
+    // SAFETY: `a`, `g`, `dy` hold the `2 N` values of `T` (bf16: the
+    // caller cast the outputs to it) the slices above checked.
+    let (lo, hi) = unsafe {
+        (
+            back_step::<L, A>(l, c, l.load(a), l.load(g), l.load(dy)),
+            back_step::<L, A>(l, c, l.load(a.add(L::N)), l.load(g.add(L::N)), l.load(dy.add(L::N))),
+        )
+    };
+    store_bf16_pair_rounded(l, &mut da[i..i + n], lo.0, hi.0);
+    store_bf16_pair_rounded(l, &mut dg[i..i + n], lo.1, hi.1);
 }
 
 /// `len` values of `da` and `dg` from `[a, g, dy]`.
@@ -408,18 +438,20 @@ mod tests {
             let row: Vec<T> = inputs(d).into_iter().map(T::from_acc).collect();
             let x = [row.clone(), row].concat();
             let dy: Vec<T> = (0..2 * d).map(|i| T::from_acc(0.75 - (i % 11) as f32 * 0.25)).collect();
-            let mut dx = vec![T::from_acc(-7.0); 4 * d];
-            run_with(l, GatedMulBack::<T, A> { x: &x, dy: &dy, dx: &mut dx, d, act: PhantomData });
-            for (i, got) in dx.iter().enumerate() {
-                let (r, j) = (i / (2 * d), i % (2 * d));
-                let (a, g, dy) =
-                    (x[r * 2 * d + j % d].to_acc(), x[r * 2 * d + d + j % d].to_acc(), dy[r * d + j % d].to_acc());
-                let (f, df) = <A as Act>::f_df(a);
-                let want = T::from_acc(if j < d { dy * g * df } else { dy * f });
-                let (got, want) = (got.to_acc(), want.to_acc());
-                let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
-                let name = A::KIND.name();
-                assert!(same, "{name} backward {} d={d} i={i}: a={a} got {got} want {want}", T::NAME);
+            for order in ORDERS {
+                let mut dx = vec![T::from_acc(-7.0); 4 * d];
+                run_with(l, GatedMulBack::<T, A> { x: &x, dy: &dy, dx: &mut dx, d, order, act: PhantomData });
+                for (i, got) in dx.iter().enumerate() {
+                    let (r, j) = (i / (2 * d), i % (2 * d));
+                    let (a, g, dy) =
+                        (x[r * 2 * d + j % d].to_acc(), x[r * 2 * d + d + j % d].to_acc(), dy[r * d + j % d].to_acc());
+                    let (f, df) = <A as Act>::f_df(a);
+                    let want = T::from_acc(if j < d { dy * g * df } else { dy * f });
+                    let (got, want) = (got.to_acc(), want.to_acc());
+                    let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+                    let name = A::KIND.name();
+                    assert!(same, "{name} backward {} d={d} i={i} {order:?}: a={a} got {got} want {want}", T::NAME);
+                }
             }
         }
     }
