@@ -157,8 +157,14 @@ impl Offsets {
 
     /// The offsets from `k` rows further on.
     pub(crate) fn skip(&self, k: usize) -> Offsets {
+        self.layout.offsets_from(self.row() + k)
+    }
+
+    /// The current row's index.
+    #[inline(always)]
+    pub(crate) fn row(&self) -> usize {
         let n = self.layout.sizes;
-        self.layout.offsets_from((self.idx[0] * n[1] + self.idx[1]) * n[2] + self.idx[2] + k)
+        (self.idx[0] * n[1] + self.idx[1]) * n[2] + self.idx[2]
     }
 
     /// Moves to the row before; panics at the first row.
