@@ -386,7 +386,13 @@ mod tests {
             ("layer_norm", &|out, par| crate::layer_norm::forward(&x, Some(&w), None, out, cols, 1e-5, par).unwrap()),
         ];
         let silu = crate::gated::Activation::Silu;
-        let kernels_bf16: [(&str, Kernel<bf16>); 5] = [
+        // Rotary on a q laid out [1, heads, seq, head_dim], passed
+        // transposed (the tiled walk): 1100 x 20 heads of 100.
+        let (seq, heads, hd) = (rows, 20, 100);
+        let shape = crate::rotary::Shape { batch: 1, seq, heads, head_dim: hd, rotary_dim: hd };
+        let strides = crate::rotary::Strides { batch: nb, seq: hd, heads: seq * hd };
+        let angles: Vec<bf16> = input(seq * hd / 2).map(bf16::from_f32).collect();
+        let kernels_bf16: [(&str, Kernel<bf16>); 6] = [
             ("softmax bf16", &|out, par| crate::softmax::forward(&xb, out, cols, 1.0, par).unwrap()),
             ("rms_norm bf16", &|out, par| crate::rms_norm::forward(&xb, Some(&wb), out, cols, 1e-6, par).unwrap()),
             ("layer_norm bf16", &|out, par| {
@@ -395,6 +401,10 @@ mod tests {
             ("silu_and_mul bf16", &|out, par| crate::gated::forward(silu, &xg, out, cols, par).unwrap()),
             ("silu_and_mul backward bf16", &|out, par| {
                 crate::gated::backward(silu, &dyb, &xb, out, cols / 2, par).unwrap()
+            }),
+            ("rotary_embedding (x.T) bf16", &|out, par| {
+                crate::rotary::apply_strided(&xb, strides, &angles, &dyb[..seq * hd / 2], out, shape, false, false, par)
+                    .unwrap()
             }),
         ];
         for advice in [None, Some(libc::MADV_HUGEPAGE)] {
