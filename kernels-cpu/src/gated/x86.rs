@@ -301,8 +301,14 @@ fn back_span<L: Lanes, A: WideAct, T: Element>(
         let og = cast_mut::<T::Acc, f32>(&mut tg[..len]).expect(e).as_mut_ptr();
         // SAFETY: as above, into the blocks (`BLOCK >= len`).
         unsafe { back_block::<L, A, T>(l, c, [a, g, dy], [oa, og], len) };
-        T::from_acc_slice(&ta[..len], da);
-        T::from_acc_slice(&tg[..len], dg);
+        // A whole block narrows with its length known, which LLVM unrolls.
+        if len == BLOCK {
+            T::from_acc_slice(&ta[..], &mut da[..BLOCK]);
+            T::from_acc_slice(&tg[..], &mut dg[..BLOCK]);
+        } else {
+            T::from_acc_slice(&ta[..len], da);
+            T::from_acc_slice(&tg[..len], dg);
+        }
     }
 }
 
