@@ -8,7 +8,7 @@
 // and its two gradient sums from one read and one block reduction (its own
 // way: see layer_norm_bwd), dx from a second, and sums dw/db per block into
 // f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
-// Kernel symbols: layer_norm_{fwd,bwd,bwd_sum}_{f32,f16,bf16}.
+// Kernel symbols: layer_norm_{fwd,bwd,bwd2,bwd2h,bwd_sum}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
@@ -163,8 +163,76 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
 // now known to a few bits, as the shift, so that m1 is tiny against the
 // spread. Then a second read writes dx. Moments and sums took two reads and
 // three block reductions before (row_moments, then the sums about its mean);
-// the forward keeps row_moments, which needs fewer registers.
+// the forward keeps row_moments, which needs fewer registers. With HOLD
+// (layer_norm_bwd2h_*, two blocks of 256 an SM, not yet timed on a GPU:
+// docs/GPU.md), a row held in registers is read once
+// (layer_norm_bwd_held_row).
+// A backward row's moments and gradient means from the block's sums s =
+// [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))] of pass `pass`: true
+// with m, mg = mean(g) and mgx = mean(g xh) filled in; false where the
+// shift was poor on the first pass, m.k then moved by the shifted mean for
+// a second pass.
+__device__ __forceinline__ bool ln_sums(float4 s, int pass, int cols, float eps, LnMoments& m, float& mg,
+                                        float& mgx) {
+  const float m1 = s.x / cols, m2 = s.y / cols, m1m1 = mul_rn(m1, m1);
+  if (pass == 0 && !shift_good(m1m1, m2)) {
+    m.k = add_rn(m.k, m1);
+    return false;
+  }
+  m.m1 = m1;
+  m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
+  mg = s.z / cols;
+  mgx = mul_rn(m.rstd, add_rn(s.w, -mul_rn(m1, s.z))) / cols;
+  return true;
+}
+
+// One row of layer_norm_bwd with HOLD: x and dy held as loaded (every load
+// issued before the shift's), so that neither the moments' second pass nor
+// the write of dx reads them again; w's packs `hw` (where `has_w`) held by
+// the caller for all its rows. The same terms in the same order as
+// layer_norm_bwd's loops: the same bits.
 template <int P, typename T>
+__device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr, const T* __restrict__ gr,
+                                                        T* __restrict__ dxr, const Pack<T> (&hw)[P], bool has_w,
+                                                        bool sum_w, bool sum_b, float (&acc_w)[P][Pack<T>::N],
+                                                        float (&acc_b)[P][Pack<T>::N], int packs, int cols,
+                                                        float eps, float* scratch) {
+  constexpr int N = Pack<T>::N;
+  Pack<T> hx[P], hg[P];
+  each_pack<P>(packs, true, [&](int i, int p) {
+    hx[p] = load_pack(xr + i * N);
+    hg[p] = load_pack(gr + i * N);
+  });
+  LnMoments m{row_shift(xr, cols), 0.f, 0.f};
+  float mg, mgx;
+  for (int pass = 0;; ++pass) {
+    float s1 = 0.f, s2 = 0.f, sg = 0.f, sgk = 0.f;
+    each_pack<P>(packs, true, [&](int, int p) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) {
+        const float d = to_f32(hx[p].v[j]) - m.k, g = mul_rn(to_f32(hg[p].v[j]), has_w ? to_f32(hw[p].v[j]) : 1.f);
+        s1 = add_rn(s1, d);
+        s2 = fmaf(d, d, s2);
+        sg = add_rn(sg, g);
+        sgk = fmaf(g, d, sgk);
+      }
+    });
+    if (ln_sums(block_sum4(make_float4(s1, s2, sg, sgk), scratch), pass, cols, eps, m, mg, mgx)) break;
+  }
+  each_pack<P>(packs, true, [&](int i, int p) {
+    Pack<T> o;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      const float xh = ln_xh(to_f32(hx[p].v[j]), m), fg = to_f32(hg[p].v[j]);
+      o.v[j] = from_f32<T>(ln_dx(m.rstd, fg, has_w ? to_f32(hw[p].v[j]) : 1.f, mg, xh, mgx));
+      if (sum_w) acc_w[p][j] = fmaf(fg, xh, acc_w[p][j]);
+      if (sum_b) acc_b[p][j] += fg;
+    }
+    store_pack(dxr + i * N, o);
+  });
+}
+
+template <int P, bool HOLD, typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                const T* __restrict__ w, T* __restrict__ dx,
                                                float* __restrict__ dw_partial, float* __restrict__ db_partial,
@@ -185,10 +253,18 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
     }
     __syncthreads();  // the vector loop below maps columns to threads differently
   }
+  // HOLD: w's packs, the same for every row of this thread, loaded once.
+  Pack<T> hw[P];
+  if (HOLD && regs && w) each_pack<P>(packs, true, [&](int i, int p) { hw[p] = load_pack(w + i * N); });
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
     const T* gr = dy + row * cols;
     T* dxr = dx + row * cols;
+    if (HOLD && regs) {
+      layer_norm_bwd_held_row<P>(xr, gr, dxr, hw, w != nullptr, pw_ != nullptr, pb_ != nullptr, acc_w, acc_b, packs,
+                                 cols, eps, scratch);
+      continue;
+    }
     LnMoments m{row_shift(xr, cols), 0.f, 0.f};
     float mg, mgx;
     for (int pass = 0;; ++pass) {
@@ -210,17 +286,7 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
       } else {
         scalar_cols<T>(cols, [&](int i) { add(to_f32(xr[i]), to_f32(gr[i]), w ? to_f32(w[i]) : 1.f); });
       }
-      const float4 s = block_sum4(make_float4(s1, s2, sg, sgk), scratch);
-      const float m1 = s.x / cols, m2 = s.y / cols, m1m1 = mul_rn(m1, m1);
-      if (pass == 0 && !shift_good(m1m1, m2)) {
-        m.k = add_rn(m.k, m1);
-        continue;
-      }
-      m.m1 = m1;
-      m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
-      mg = s.z / cols;
-      mgx = mul_rn(m.rstd, add_rn(s.w, -mul_rn(m1, s.z))) / cols;
-      break;
+      if (ln_sums(block_sum4(make_float4(s1, s2, sg, sgk), scratch), pass, cols, eps, m, mg, mgx)) break;
     }
     // Pack i of the row: its dx, and its dw and db terms added to aw and ab.
     auto pack = [&](int i, float* aw, float* ab) {
@@ -271,12 +337,17 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   extern "C" __global__ void __launch_bounds__(512, 1)                                             \
       layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,       \
                               float* db_partial, int64_t rows, int cols, float eps) {              \
-    layer_norm_bwd<ROW_PACKS, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);           \
+    layer_norm_bwd<ROW_PACKS, false, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);    \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(256, 3)                                             \
       layer_norm_bwd2_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,      \
                                float* db_partial, int64_t rows, int cols, float eps) {             \
-    layer_norm_bwd<2, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);                   \
+    layer_norm_bwd<2, false, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);            \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(256, 2)                                             \
+      layer_norm_bwd2h_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,     \
+                                float* db_partial, int64_t rows, int cols, float eps) {            \
+    layer_norm_bwd<2, true, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);             \
   }                                                                                                \
   extern "C" __global__ void layer_norm_bwd_sum_##SUFFIX(const float* partial, T* out, int parts,  \
                                                          int cols) {                               \

@@ -32,17 +32,20 @@ struct Lib {
 /// The emulated device: its SM count sizes the grids, as a GPU's does;
 /// `reverse` runs each block's threads in the opposite order between barriers;
 /// `capturing` plays a stream being captured into a CUDA graph, on which a
-/// read back fails as the driver's would.
+/// read back fails as the driver's would; `held_norm_backward` is
+/// [`Target::held_norm_backward`]'s choice (the environment's on a GPU).
 pub(crate) struct Emu {
     pub(crate) sm_count: u32,
     pub(crate) reverse: bool,
     pub(crate) capturing: bool,
+    pub(crate) held_norm_backward: bool,
 }
 
 impl Emu {
-    /// A device of `sm_count` SMs, threads in order, not capturing.
+    /// A device of `sm_count` SMs, threads in order, not capturing, the
+    /// norms' default backward kernels.
     pub(crate) fn new(sm_count: u32) -> Self {
-        Emu { sm_count, reverse: false, capturing: false }
+        Emu { sm_count, reverse: false, capturing: false, held_norm_backward: false }
     }
 }
 
@@ -198,6 +201,10 @@ fn emu_error(kernel: &str, msg: impl Into<String>) -> Error {
 impl Target for Emu {
     fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    fn held_norm_backward(&self, _op: &'static str) -> Result<bool> {
+        Ok(self.held_norm_backward)
     }
 
     unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {

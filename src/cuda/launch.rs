@@ -46,6 +46,14 @@ pub(crate) trait Target {
     /// # Safety
     /// `src` must hold `dst.len()` i32s on this target.
     unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()>;
+
+    /// Whether the norms' backward runs its held kernels (`*_bwd2h_*`, not
+    /// yet timed on a GPU): on a GPU, the `KEEL_NORM_BWD` environment
+    /// variable ([`choice`](super::choice)); `op` names the caller in an
+    /// error. The tests' emulation sets it per target.
+    fn held_norm_backward(&self, op: &'static str) -> Result<bool> {
+        super::choice::held_norm_backward(op)
+    }
 }
 
 /// A GPU and one of its streams: what the public `*_cuda_raw` entry points

@@ -9,6 +9,7 @@
 //! Inside the crate, each op's launch code runs on a `Target`: a GPU and a
 //! stream for the public entry points, or in tests a CPU emulation of the
 //! kernels (`emu`, see the README's "Testing the CUDA path without a GPU").
+mod choice;
 mod device;
 mod dtype;
 mod launch;

@@ -7,7 +7,9 @@
 //!
 //! These do not run the PTX or touch a GPU; `tests/ops_cuda.rs` does that
 //! where there is one.
-use super::{cross_entropy, fused_add_rms_norm, gated, layer_norm, reduce_parts, rms_norm, rotary, softmax};
+use super::{
+    cross_entropy, fused_add_rms_norm, gated, layer_norm, norm_backward_config, reduce_parts, rms_norm, rotary, softmax,
+};
 use crate::cpu::{bf16, f16, Acc, Element, Par, RowLayout};
 use crate::cuda::emu::{unavailable, Buf, Emu};
 use crate::cuda::{CudaElement, Target};
@@ -116,10 +118,47 @@ fn bits<T: Element>(v: &[T]) -> Vec<u64> {
 /// Runs `f` on an emulated GPU of `sm` SMs, with each block's threads in one
 /// order and then the other; returns the outputs, which must be identical.
 fn both<T: Element>(sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
-    let a = f(&Emu::new(sm));
-    let b = f(&Emu { reverse: true, ..Emu::new(sm) });
+    orders(false, sm, what, f)
+}
+
+/// `f` on `sm` SMs with the threads of each block in both orders, as
+/// [`both`], with the norms' held backward kernels where `held`.
+fn orders<T: Element>(held: bool, sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
+    let a = f(&Emu { held_norm_backward: held, ..Emu::new(sm) });
+    let b = f(&Emu { reverse: true, held_norm_backward: held, ..Emu::new(sm) });
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(bits(x), bits(y), "{what} {}: depends on the order of threads between barriers", T::NAME);
+    }
+    a
+}
+
+/// Where a norm's backward (over `rows` rows of `cols`) writes its sums over
+/// rows, for [`both_kernels`]: the outputs that hold them (`at`), and their
+/// tolerance against the default kernels' sums (`tol`).
+struct Sums<'a> {
+    at: &'a [usize],
+    tol: f64,
+    rows: usize,
+    cols: usize,
+}
+
+/// [`both`], and again with the norms' held backward kernels (`*_bwd2h_*`,
+/// which a GPU run picks with `KEEL_NORM_BWD=held`): the same bits as the
+/// default ones, except for the sums over rows (`sums`) where the held
+/// launch cuts the rows into fewer parts (two blocks an SM, not three), which
+/// sums them in another order: those within `sums.tol` of the default's.
+fn both_kernels<T: Element>(sm: u32, what: &str, sums: Sums, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
+    let a = orders(false, sm, what, &f);
+    let h = orders(true, sm, what, &f);
+    let parts = |held| norm_backward_config(sm, sums.rows, sums.cols, std::mem::size_of::<T>(), held).1;
+    let same_parts = parts(false) == parts(true);
+    for (i, (x, y)) in a.iter().zip(&h).enumerate() {
+        if sums.at.contains(&i) && !same_parts {
+            close(y, x, sums.tol, &format!("{what}: output {i} of the held backward kernels"));
+            continue;
+        }
+        let at = bits(x).iter().zip(bits(y)).position(|(p, q)| *p != q);
+        assert!(at.is_none(), "{what} {}: output {i} of the held backward kernels differs at {at:?}", T::NAME);
     }
     a
 }
@@ -152,7 +191,8 @@ fn norms<T: Dt>(c: Case) {
     for weighted in [true, false] {
         let what = format!("rms_norm weighted={weighted} {c:?}");
         let wt = weighted.then_some(&w[..]);
-        let got = both::<T>(sm, &what, |t| {
+        let sums = Sums { at: &[2], tol: sum_tol, rows, cols };
+        let got = both_kernels::<T>(sm, &what, sums, |t| {
             let (xd, wd, yd) = (up(&x), up(&w), z(n));
             let pw = if weighted { wd.addr() } else { 0 };
             let layout = RowLayout::contiguous(rows, cols);
@@ -204,7 +244,8 @@ fn norms<T: Dt>(c: Case) {
         let storage = data::<T>(layout.span(cols).unwrap(), 13);
         let m = layout.rows() * cols;
         let dy2 = data::<T>(m, 29);
-        let got = both::<T>(sm, &what, |t| {
+        let sums = Sums { at: &[2], tol: 4.0 * tol * (m as f64 / cols as f64).sqrt(), rows: m / cols, cols };
+        let got = both_kernels::<T>(sm, &what, sums, |t| {
             let (xd, wd, yd) = (up(&storage), up(&w), z(m));
             unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, wd.addr(), yd.addr(), cols, 1e-6) }.unwrap();
             let (dyd, dxd, dwd) = (up(&dy2), z(m), z(cols));
@@ -241,7 +282,7 @@ fn norms<T: Dt>(c: Case) {
 
     // layer_norm
     let what = format!("layer_norm {c:?}");
-    let got = both::<T>(sm, &what, |t| {
+    let got = both_kernels::<T>(sm, &what, Sums { at: &[2, 3], tol: sum_tol, rows, cols }, |t| {
         let (xd, wd, bd, yd) = (up(&x), up(&w), up(&b), z(n));
         unsafe { layer_norm::forward_on(t, dt, xd.addr(), wd.addr(), bd.addr(), yd.addr(), rows, cols, 1e-5) }.unwrap();
         let (dyd, dxd, dwd, dbd) = (up(&dy), z(n), z(cols), z(cols));
@@ -289,7 +330,7 @@ fn norms<T: Dt>(c: Case) {
 
     // fused_add_rms_norm: forward, then its backward (rms_norm's with the addend)
     let what = format!("fused_add_rms_norm {c:?}");
-    let got = both::<T>(sm, &what, |t| {
+    let got = both_kernels::<T>(sm, &what, Sums { at: &[3], tol: sum_tol, rows, cols }, |t| {
         let (xd, rd, wd, yd, sd) = (up(&x), up(&r), up(&w), z(n), z(n));
         unsafe {
             fused_add_rms_norm::forward_on(
@@ -718,7 +759,8 @@ proptest! {
 /// The norms and rotary on a row whose layout rules out 16-byte vectors (a
 /// start off a 16-byte boundary, rows padded by one element) read it element by
 /// element, each thread taking the columns the vector loops give it: the same
-/// bits as the aligned, contiguous row. The emulation is built without FMA
+/// bits as the aligned, contiguous row; and so do the norms' held backward
+/// kernels (layer_norm's second pass included). The emulation is built without FMA
 /// contraction; `scripts/check-contraction.sh` checks that nvcc and ptxas
 /// contract nothing in these kernels either, so the same holds on a GPU.
 fn same_bits_without_vectors<T: Dt>() {
@@ -731,8 +773,8 @@ fn same_bits_without_vectors<T: Dt>() {
     for v in &mut x[(rows - 1) * cols..][..16] {
         *v = T::from_f64(v.to_f64() + 40.0);
     }
-    let run = |shift: usize| {
-        let t = Emu::new(sm);
+    let run = |shift: usize, held: bool| {
+        let t = Emu { held_norm_backward: held, ..Emu::new(sm) };
         let up = |v: &[T]| Buf::shifted(v, shift);
         let z = |n: usize| garbage::<T>(n, shift);
         let scratch = || garbage::<f32>(reduce_parts(sm, rows) * cols + 1, 0);
@@ -771,7 +813,7 @@ fn same_bits_without_vectors<T: Dt>() {
         let [neox, gptj] = rot;
         [y, dx, dw, fy, fs, fx, fr, neox, gptj, ly, ldx, ldw, ldb].map(|b| bits(&b.to_vec()))
     };
-    let (aligned, shifted) = (run(0), run(1));
+    let (aligned, shifted, held) = (run(0, false), run(1, false), run(0, true));
     let names = [
         "rms_norm",
         "rms_norm grad_input",
@@ -787,6 +829,7 @@ fn same_bits_without_vectors<T: Dt>() {
     for (i, (a, s)) in aligned.iter().zip(&shifted).enumerate() {
         let name = names.get(i).copied().unwrap_or("layer_norm gradients");
         assert_eq!(a, s, "{name} {}: bits depend on the alignment", T::NAME);
+        assert_eq!(a, &held[i], "{name} {}: the held backward kernels give other bits", T::NAME);
     }
     // A view with rows padded by one element against the same rows contiguous.
     let padded = RowLayout::new(&[rows], &[cols + 1]).unwrap();

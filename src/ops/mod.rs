@@ -87,26 +87,67 @@ fn reduce_launch(
 /// `__launch_bounds__`).
 const TWO_PACK_VECS: usize = 512;
 
+/// Which kernel runs a norm's backward that sums a parameter gradient over
+/// rows (`{op}_{stem}_{dtype}`, the stem from [`NormBackward::stem`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NormBackward {
+    /// `*_bwd_*`: about four vectors a thread, up to 512 threads a block.
+    Four,
+    /// `*_bwd2_*`: rows of at most [`TWO_PACK_VECS`] vectors, about two a
+    /// thread, three blocks of 256 an SM; each row read twice (the sums,
+    /// then the write of dx).
+    Two,
+    /// `*_bwd2h_*`: as [`NormBackward::Two`], each row held in registers as
+    /// loaded and read once, `w` loaded once a block; 118-128 registers a
+    /// thread, so two blocks of 256 an SM. Not yet timed on a GPU: only where
+    /// [`Target::held_norm_backward`] asks for it (docs/GPU.md).
+    TwoHeld,
+}
+
+impl NormBackward {
+    /// The kernel's name between the op's and the dtype's: `bwd`, `bwd2`, `bwd2h`.
+    pub(crate) fn stem(self) -> &'static str {
+        match self {
+            NormBackward::Four => "bwd",
+            NormBackward::Two => "bwd2",
+            NormBackward::TwoHeld => "bwd2h",
+        }
+    }
+}
+
 /// The launch of a norm's backward that sums a parameter gradient over rows:
-/// its config, its number of parts, and whether it is the two-vector kernel
-/// (`*_bwd2_*`, rows of at most [`TWO_PACK_VECS`] vectors, through
-/// [`reduce_config_two_packs`]) rather than the four-vector one
-/// ([`reduce_config`]). On an H100 the two-vector kernels took bf16
-/// 4096x4096 in 81.0 us (layer_norm) and 54.9 (rms_norm), against 92.8 and
-/// 57.7 (docs/GPU.md, run 17).
+/// its config, its number of parts, and its kernel: the two-vector one for
+/// rows of at most [`TWO_PACK_VECS`] vectors (through
+/// [`reduce_config_two_packs`]; held where `held`, through
+/// [`reduce_config_held`]), else the four-vector one ([`reduce_config`]). On
+/// an H100 the two-vector kernels took bf16 4096x4096 in 81.0 us
+/// (layer_norm) and 54.9 (rms_norm), against 92.8 and 57.7 (docs/GPU.md,
+/// run 17).
 pub(crate) fn norm_backward_config(
     sm_count: u32,
     rows: usize,
     cols: usize,
     elem_bytes: usize,
-) -> (LaunchConfig, usize, bool) {
-    if cols.div_ceil(16 / elem_bytes) <= TWO_PACK_VECS {
-        let (cfg, parts) = reduce_config_two_packs(sm_count, rows, cols, elem_bytes);
-        (cfg, parts, true)
-    } else {
+    held: bool,
+) -> (LaunchConfig, usize, NormBackward) {
+    if cols.div_ceil(16 / elem_bytes) > TWO_PACK_VECS {
         let (cfg, parts) = reduce_config(sm_count, rows, cols, elem_bytes);
-        (cfg, parts, false)
+        (cfg, parts, NormBackward::Four)
+    } else if held {
+        let (cfg, parts) = reduce_config_held(sm_count, rows, cols, elem_bytes);
+        (cfg, parts, NormBackward::TwoHeld)
+    } else {
+        let (cfg, parts) = reduce_config_two_packs(sm_count, rows, cols, elem_bytes);
+        (cfg, parts, NormBackward::Two)
     }
+}
+
+/// The launch of a held two-vector backward kernel (`*_bwd2h_*`), and its
+/// number of parts: as [`reduce_config_two_packs`], two blocks of 256 an SM
+/// (512 threads: their `__launch_bounds__(256, 2)`), so that every block is
+/// resident at once.
+fn reduce_config_held(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
+    reduce_launch(sm_count, rows, cols, elem_bytes, 2, 256, 512)
 }
 
 /// The launch of a two-vector backward kernel (`layer_norm_bwd2_*`, rows of at
@@ -144,30 +185,61 @@ pub(crate) unsafe fn sum_parts(
 #[cfg(test)]
 mod tests {
     use super::{
-        norm_backward_config, reduce_config, reduce_config_two_packs, reduce_parts, REDUCE_THREADS, TWO_PACK_VECS,
+        norm_backward_config, reduce_config, reduce_config_held, reduce_config_two_packs, reduce_parts, NormBackward,
+        REDUCE_THREADS, TWO_PACK_VECS,
     };
 
     /// The norms' backward takes the two-vector kernel up to
-    /// [`TWO_PACK_VECS`] vectors a row and the four-vector one beyond: bf16
-    /// rows of 4096 and f32 rows of 2048 are two-vector, f32 4096 is not.
+    /// [`TWO_PACK_VECS`] vectors a row (held where asked) and the four-vector
+    /// one beyond: bf16 rows of 4096 and f32 rows of 2048 are two-vector, f32
+    /// 4096 is not.
     #[test]
     fn norm_backward_config_picks_by_row_vectors() {
         for elem in [2usize, 4] {
             let per = 16 / elem;
             for (cols, two) in [(1, true), (TWO_PACK_VECS * per, true), (TWO_PACK_VECS * per + 1, false)] {
-                let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem);
-                assert_eq!(got, two, "{cols} cols of {elem} bytes");
-                let want = if two {
-                    reduce_config_two_packs(132, 4096, cols, elem)
-                } else {
-                    reduce_config(132, 4096, cols, elem)
-                };
-                assert_eq!((cfg.block_dim, cfg.grid_dim, parts), (want.0.block_dim, want.0.grid_dim, want.1));
+                for held in [false, true] {
+                    let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem, held);
+                    let (kernel, want) = match (two, held) {
+                        (false, _) => (NormBackward::Four, reduce_config(132, 4096, cols, elem)),
+                        (true, false) => (NormBackward::Two, reduce_config_two_packs(132, 4096, cols, elem)),
+                        (true, true) => (NormBackward::TwoHeld, reduce_config_held(132, 4096, cols, elem)),
+                    };
+                    assert_eq!(got, kernel, "{cols} cols of {elem} bytes, held {held}");
+                    assert_eq!((cfg.block_dim, cfg.grid_dim, parts), (want.0.block_dim, want.0.grid_dim, want.1));
+                }
             }
         }
-        assert!(norm_backward_config(132, 8, 4096, 2).2);
-        assert!(norm_backward_config(132, 8, 2048, 4).2);
-        assert!(!norm_backward_config(132, 8, 4096, 4).2);
+        assert_eq!(norm_backward_config(132, 8, 4096, 2, false).2, NormBackward::Two);
+        assert_eq!(norm_backward_config(132, 8, 2048, 4, true).2, NormBackward::TwoHeld);
+        assert_eq!(norm_backward_config(132, 8, 4096, 4, true).2, NormBackward::Four);
+        let stems = [NormBackward::Four, NormBackward::Two, NormBackward::TwoHeld].map(NormBackward::stem);
+        assert_eq!(stems, ["bwd", "bwd2", "bwd2h"]);
+    }
+
+    /// The held launch: the two-vector kernel's blocks, two of them an SM
+    /// (its `__launch_bounds__(256, 2)`), within the scratch, each thread
+    /// holding at most two vectors of a row.
+    #[test]
+    fn reduce_config_held_fits_its_bounds_and_scratch() {
+        for sm in [1u32, 8, 132] {
+            for rows in [0usize, 1, 7, 100, 4096, 1 << 20] {
+                for elem in [2usize, 4] {
+                    for vecs in [1usize, 31, 64, 300, TWO_PACK_VECS] {
+                        let cols = vecs * (16 / elem);
+                        let (cfg, parts) = reduce_config_held(sm, rows, cols, elem);
+                        let two = reduce_config_two_packs(sm, rows, cols, elem).0;
+                        let threads = cfg.block_dim.0 as usize;
+                        assert_eq!(cfg.block_dim, two.block_dim);
+                        assert!(vecs <= 2 * threads, "{vecs} vectors over {threads} threads");
+                        assert!(parts <= reduce_parts(sm, rows) && parts <= rows, "{parts} parts");
+                        assert_eq!(cfg.grid_dim.0 as usize, parts.max(1));
+                        let per_sm = parts.div_ceil(sm as usize);
+                        assert!(per_sm * threads <= 512 || per_sm == 1, "{per_sm} blocks of {threads}");
+                    }
+                }
+            }
+        }
     }
 
     /// The two-vector launch stays within its kernels' `__launch_bounds__(256,

@@ -300,7 +300,8 @@ pub(crate) unsafe fn backward_add_on(
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
-    let (cfg, parts, two) = norm_backward_config(t.sm_count(), rows, cols, dtype.size());
+    let held = t.held_norm_backward(OP)?;
+    let (cfg, parts, kernel) = norm_backward_config(t.sm_count(), rows, cols, dtype.size(), held);
     let partial = if grad_weight != 0 { scratch } else { 0 };
     let s = dtype.suffix();
     if rows > 0 {
@@ -321,9 +322,8 @@ pub(crate) unsafe fn backward_add_on(
             Arg::I64(s1 as i64),
             Arg::I64(s2 as i64),
         ];
-        let name = if two { "rms_norm_bwd2" } else { "rms_norm_bwd" };
-        // SAFETY: matches rms_norm_bwd_*; pointers per our contract.
-        unsafe { t.launch(MODULE, &format!("{name}_{s}"), cfg, &args)? };
+        // SAFETY: matches rms_norm_bwd{,2,2h}_*; pointers per our contract.
+        unsafe { t.launch(MODULE, &format!("rms_norm_{}_{s}", kernel.stem()), cfg, &args)? };
     }
     if grad_weight != 0 && cols > 0 {
         // SAFETY: `partial` holds parts * cols f32s, `grad_weight` cols elements.
