@@ -164,6 +164,26 @@ __device__ __forceinline__ float4 block_sum4(float4 v, float* scratch) {
 // about four.
 constexpr int ROW_PACKS = 4;
 
+// How a norm's backward keeps a row that its threads hold (two vectors a
+// thread at most): RELOAD reads it again for the write of dx (the default);
+// HELD keeps it in registers as loaded, with the parameter gradient's sums in
+// registers too; HELD_SMEM keeps the row in registers and the sums in shared
+// memory (smem_sums), which leaves room for more blocks an SM.
+enum Keep : int { RELOAD, HELD, HELD_SMEM };
+
+// Columns of the two-vector backward's rows at most: 512 vectors (256
+// threads of two) of 8 16-bit or 4 f32 values.
+constexpr int SMEM_SUM_COLS = 4096;
+
+// A block's ARRAYS arrays of SMEM_SUM_COLS f32 column sums in shared memory
+// (HELD_SMEM), not initialised. Value k of vector i of a row of `packs`
+// vectors sits at k * packs + i: the threads of a warp, on consecutive
+// vectors, touch consecutive words (no bank conflicts).
+template <int ARRAYS> __device__ __forceinline__ float* smem_sums() {
+  __shared__ float sums[ARRAYS * SMEM_SUM_COLS];
+  return sums;
+}
+
 // Calls f(i, p) for the 16-byte vectors i = threadIdx.x + p blockDim.x of a
 // row that this thread owns. With `unrolled` (at most P of them, ROW_PACKS
 // unless given) the loop is unrolled: every load is in flight at once, and p

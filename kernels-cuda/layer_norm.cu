@@ -8,7 +8,7 @@
 // and its two gradient sums from one read and one block reduction (its own
 // way: see layer_norm_bwd), dx from a second, and sums dw/db per block into
 // f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
-// Kernel symbols: layer_norm_{fwd,bwd,bwd2,bwd2h,bwd_sum}_{f32,f16,bf16}.
+// Kernel symbols: layer_norm_{fwd,bwd,bwd2,bwd2h,bwd2s,bwd_sum}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
@@ -149,24 +149,6 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
   }
 }
 
-// With xh = (x - mean) * rstd, g = dy * w:
-// dx = rstd * (g - mean(g) - xh * mean(g * xh)); block b sums dy * xh and dy
-// over its rows into row b of dw_partial / db_partial (when given): in
-// registers until its last row where each thread owns at most ROW_PACKS
-// vectors of a row, else in the partial rows themselves.
-//
-// A row's moments and gradient means come as the CPU's row_consts gets them
-// for bf16 and f16: one read of x and dy and one block reduction of
-// [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))], with sum(g xh) =
-// rstd (sum(g (x - k)) - m1 sum(g)), which loses at most about a bit where the
-// shift is good (shift_good); elsewhere the same again with k + m1, the mean
-// now known to a few bits, as the shift, so that m1 is tiny against the
-// spread. Then a second read writes dx. Moments and sums took two reads and
-// three block reductions before (row_moments, then the sums about its mean);
-// the forward keeps row_moments, which needs fewer registers. With HOLD
-// (layer_norm_bwd2h_*, two blocks of 256 an SM, not yet timed on a GPU:
-// docs/GPU.md), a row held in registers is read once
-// (layer_norm_bwd_held_row).
 // A backward row's moments and gradient means from the block's sums s =
 // [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))] of pass `pass`: true
 // with m, mg = mean(g) and mgx = mean(g xh) filled in; false where the
@@ -186,17 +168,18 @@ __device__ __forceinline__ bool ln_sums(float4 s, int pass, int cols, float eps,
   return true;
 }
 
-// One row of layer_norm_bwd with HOLD: x and dy held as loaded (every load
-// issued before the shift's), so that neither the moments' second pass nor
-// the write of dx reads them again; w's packs `hw` (where `has_w`) held by
-// the caller for all its rows. The same terms in the same order as
-// layer_norm_bwd's loops: the same bits.
-template <int P, typename T>
+// One row of layer_norm_bwd held in registers (HELD, HELD_SMEM): x and dy
+// held as loaded (every load issued before the shift's), so that neither the
+// moments' second pass nor the write of dx reads them again; wp(i, p) gives
+// w's vector i (where `has_w`), held by the caller for all its rows or
+// loaded again; sums(i, p, j, g, xh)
+// adds value j of vector i (the thread's p-th) to the parameter gradients'
+// sums. The same terms in the same order as layer_norm_bwd's loops: the same
+// bits.
+template <int P, typename T, typename W, typename Sums>
 __device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr, const T* __restrict__ gr,
-                                                        T* __restrict__ dxr, const Pack<T> (&hw)[P], bool has_w,
-                                                        bool sum_w, bool sum_b, float (&acc_w)[P][Pack<T>::N],
-                                                        float (&acc_b)[P][Pack<T>::N], int packs, int cols,
-                                                        float eps, float* scratch) {
+                                                        T* __restrict__ dxr, W wp, bool has_w, Sums sums, int packs,
+                                                        int cols, float eps, float* scratch) {
   constexpr int N = Pack<T>::N;
   Pack<T> hx[P], hg[P];
   each_pack<P>(packs, true, [&](int i, int p) {
@@ -207,10 +190,12 @@ __device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr
   float mg, mgx;
   for (int pass = 0;; ++pass) {
     float s1 = 0.f, s2 = 0.f, sg = 0.f, sgk = 0.f;
-    each_pack<P>(packs, true, [&](int, int p) {
+    each_pack<P>(packs, true, [&](int i, int p) {
+      Pack<T> pw;
+      if (has_w) pw = wp(i, p);
 #pragma unroll
       for (int j = 0; j < N; ++j) {
-        const float d = to_f32(hx[p].v[j]) - m.k, g = mul_rn(to_f32(hg[p].v[j]), has_w ? to_f32(hw[p].v[j]) : 1.f);
+        const float d = to_f32(hx[p].v[j]) - m.k, g = mul_rn(to_f32(hg[p].v[j]), has_w ? to_f32(pw.v[j]) : 1.f);
         s1 = add_rn(s1, d);
         s2 = fmaf(d, d, s2);
         sg = add_rn(sg, g);
@@ -220,19 +205,38 @@ __device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr
     if (ln_sums(block_sum4(make_float4(s1, s2, sg, sgk), scratch), pass, cols, eps, m, mg, mgx)) break;
   }
   each_pack<P>(packs, true, [&](int i, int p) {
-    Pack<T> o;
+    Pack<T> o, pw;
+    if (has_w) pw = wp(i, p);
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float xh = ln_xh(to_f32(hx[p].v[j]), m), fg = to_f32(hg[p].v[j]);
-      o.v[j] = from_f32<T>(ln_dx(m.rstd, fg, has_w ? to_f32(hw[p].v[j]) : 1.f, mg, xh, mgx));
-      if (sum_w) acc_w[p][j] = fmaf(fg, xh, acc_w[p][j]);
-      if (sum_b) acc_b[p][j] += fg;
+      o.v[j] = from_f32<T>(ln_dx(m.rstd, fg, has_w ? to_f32(pw.v[j]) : 1.f, mg, xh, mgx));
+      sums(i, p, j, fg, xh);
     }
     store_pack(dxr + i * N, o);
   });
 }
 
-template <int P, bool HOLD, typename T>
+// With xh = (x - mean) * rstd, g = dy * w:
+// dx = rstd * (g - mean(g) - xh * mean(g * xh)); block b sums dy * xh and dy
+// over its rows into row b of dw_partial / db_partial (when given): in
+// registers until its last row where each thread owns at most ROW_PACKS
+// vectors of a row, else in the partial rows themselves.
+//
+// A row's moments and gradient means come as the CPU's row_consts gets them
+// for bf16 and f16: one read of x and dy and one block reduction of
+// [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))], with sum(g xh) =
+// rstd (sum(g (x - k)) - m1 sum(g)), which loses at most about a bit where the
+// shift is good (shift_good); elsewhere the same again with k + m1, the mean
+// now known to a few bits, as the shift, so that m1 is tiny against the
+// spread. Then a second read writes dx. Moments and sums took two reads and
+// three block reductions before (row_moments, then the sums about its mean);
+// the forward keeps row_moments, which needs fewer registers. Rows held in
+// registers (layer_norm_bwd_held_row) are read once: with HELD
+// (layer_norm_bwd2h_*, two blocks of 256 an SM) the dw/db sums stay in
+// registers, with HELD_SMEM (layer_norm_bwd2s_*, four blocks) in shared
+// memory. Neither has been timed on a GPU yet (docs/GPU.md).
+template <int P, Keep KEEP, typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                const T* __restrict__ w, T* __restrict__ dx,
                                                float* __restrict__ dw_partial, float* __restrict__ db_partial,
@@ -246,6 +250,16 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   float* pw_ = dw_partial ? dw_partial + (int64_t)blockIdx.x * cols : nullptr;
   float* pb_ = db_partial ? db_partial + (int64_t)blockIdx.x * cols : nullptr;
   float acc_w[P][N] = {}, acc_b[P][N] = {};
+  // HELD_SMEM: dw's sums, then db's, in shared memory, each thread's own
+  // (no barrier: no thread reads another's).
+  float* const sw = KEEP == HELD_SMEM ? smem_sums<2>() : nullptr;
+  float* const sb = KEEP == HELD_SMEM ? sw + SMEM_SUM_COLS : nullptr;
+  if (KEEP == HELD_SMEM && regs) {
+    each_pack<P>(packs, true, [&](int i, int) {
+#pragma unroll
+      for (int j = 0; j < N; ++j) sw[j * packs + i] = sb[j * packs + i] = 0.f;
+    });
+  }
   if (!regs) {
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
       if (pw_) pw_[j] = 0.f;
@@ -253,16 +267,24 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
     }
     __syncthreads();  // the vector loop below maps columns to threads differently
   }
-  // HOLD: w's packs, the same for every row of this thread, loaded once.
+  // HELD: w's packs, the same for every row of this thread, loaded once
+  // (HELD_SMEM loads them where used, to stay within 80 registers).
   Pack<T> hw[P];
-  if (HOLD && regs && w) each_pack<P>(packs, true, [&](int i, int p) { hw[p] = load_pack(w + i * N); });
+  if (KEEP == HELD && regs && w) each_pack<P>(packs, true, [&](int i, int p) { hw[p] = load_pack(w + i * N); });
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
     const T* gr = dy + row * cols;
     T* dxr = dx + row * cols;
-    if (HOLD && regs) {
-      layer_norm_bwd_held_row<P>(xr, gr, dxr, hw, w != nullptr, pw_ != nullptr, pb_ != nullptr, acc_w, acc_b, packs,
-                                 cols, eps, scratch);
+    if (KEEP != RELOAD && regs) {
+      layer_norm_bwd_held_row<P>(
+          xr, gr, dxr, [&](int i, int p) { return KEEP == HELD ? hw[p] : load_pack(w + i * N); }, w != nullptr,
+          [&](int i, int p, int j, float fg, float xh) {
+            float& aw = KEEP == HELD_SMEM ? sw[j * packs + i] : acc_w[p][j];
+            float& ab = KEEP == HELD_SMEM ? sb[j * packs + i] : acc_b[p][j];
+            if (pw_) aw = fmaf(fg, xh, aw);
+            if (pb_) ab += fg;
+          },
+          packs, cols, eps, scratch);
       continue;
     }
     LnMoments m{row_shift(xr, cols), 0.f, 0.f};
@@ -322,8 +344,8 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
     each_pack<P>(packs, true, [&](int i, int p) {
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        if (pw_) pw_[i * N + k] = acc_w[p][k];
-        if (pb_) pb_[i * N + k] = acc_b[p][k];
+        if (pw_) pw_[i * N + k] = KEEP == HELD_SMEM ? sw[k * packs + i] : acc_w[p][k];
+        if (pb_) pb_[i * N + k] = KEEP == HELD_SMEM ? sb[k * packs + i] : acc_b[p][k];
       }
     });
   }
@@ -337,17 +359,22 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   extern "C" __global__ void __launch_bounds__(512, 1)                                             \
       layer_norm_bwd_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,       \
                               float* db_partial, int64_t rows, int cols, float eps) {              \
-    layer_norm_bwd<ROW_PACKS, false, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);    \
+    layer_norm_bwd<ROW_PACKS, RELOAD, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);   \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(256, 3)                                             \
       layer_norm_bwd2_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,      \
                                float* db_partial, int64_t rows, int cols, float eps) {             \
-    layer_norm_bwd<2, false, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);            \
+    layer_norm_bwd<2, RELOAD, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);           \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(256, 2)                                             \
       layer_norm_bwd2h_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,     \
                                 float* db_partial, int64_t rows, int cols, float eps) {            \
-    layer_norm_bwd<2, true, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);             \
+    layer_norm_bwd<2, HELD, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);             \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                             \
+      layer_norm_bwd2s_##SUFFIX(const T* dy, const T* x, const T* w, T* dx, float* dw_partial,     \
+                                float* db_partial, int64_t rows, int cols, float eps) {            \
+    layer_norm_bwd<2, HELD_SMEM, T>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);        \
   }                                                                                                \
   extern "C" __global__ void layer_norm_bwd_sum_##SUFFIX(const float* partial, T* out, int parts,  \
                                                          int cols) {                               \

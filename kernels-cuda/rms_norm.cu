@@ -8,7 +8,7 @@
 // (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
 // i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); the
 // other tensors are contiguous.
-// Kernel symbols: rms_norm_{fwd,fwd_warp_rows,bwd,bwd2,bwd2h,bwd_dw}_{f32,f16,bf16}.
+// Kernel symbols: rms_norm_{fwd,fwd_warp_rows,bwd,bwd2,bwd2h,bwd2s,bwd_dw}_{f32,f16,bf16}.
 #include "common.cuh"
 
 using namespace keel;
@@ -165,16 +165,17 @@ __device__ __forceinline__ void rms_norm_fwd_teams(const T* __restrict__ x, cons
 // thread owns at most ROW_PACKS vectors of a row (every row of up to
 // 4 * 1024 vectors, as rows_config sizes the block), those sums stay in
 // registers until the block's last row; otherwise they accumulate in
-// dw_partial itself. With HOLD (rms_norm_bwd2h_*, two blocks of 256 an SM,
-// not yet timed on a GPU: docs/GPU.md), a row held in registers is read
+// dw_partial itself. With HELD (rms_norm_bwd2h_*, two blocks of 256 an SM)
+// and HELD_SMEM (rms_norm_bwd2s_*, four blocks, dw's sums in shared memory),
+// neither timed on a GPU yet (docs/GPU.md), a row held in registers is read
 // once: x, dy and add kept as loaded for the write of dx, and w's packs
-// loaded once for all the block's rows; the same bits as without.
+// loaded once for all the block's rows; the same bits as RELOAD.
 // r g w - x c + a for one element, each rounding spelled out (mul_rn).
 __device__ __forceinline__ float rms_dx(float r, float g, float w, float x, float c, float a) {
   return add_rn(add_rn(mul_rn(mul_rn(r, g), w), -mul_rn(x, c)), a);
 }
 
-template <int P, bool HOLD, typename T>
+template <int P, Keep KEEP, typename T>
 __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* __restrict__ add,
                                              const T* __restrict__ x, const T* __restrict__ w,
                                              T* __restrict__ dx, float* __restrict__ dw_partial, int64_t rows,
@@ -192,16 +193,27 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
     for (int j = threadIdx.x; j < cols; j += blockDim.x) part[j] = 0.f;
     __syncthreads();  // the vector loop below maps columns to threads differently
   }
-  // HOLD: w's packs, the same for every row of this thread, loaded once.
+  // HELD_SMEM: dw's sums in shared memory, each thread's own (no barrier:
+  // no thread reads another's).
+  float* const sd = KEEP == HELD_SMEM ? smem_sums<1>() : nullptr;
+  if (KEEP == HELD_SMEM && regs && part) {
+    each_pack<P>(packs, true, [&](int i, int) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) sd[k * packs + i] = 0.f;
+    });
+  }
+  // HELD: w's packs, the same for every row of this thread, loaded once
+  // (HELD_SMEM loads them where used, to stay within 80 registers).
   Pack<T> hw[P];
-  if (HOLD && regs && w) each_pack<P>(packs, true, [&](int i, int p) { hw[p] = load_pack(w + i * N); });
+  if (KEEP == HELD && regs && w) each_pack<P>(packs, true, [&](int i, int p) { hw[p] = load_pack(w + i * N); });
+  auto wp = [&](int i, int p) { return KEEP == HELD ? hw[p] : load_pack(w + i * N); };
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row_offset(row, rows, n1, n2, s0, s1, s2);
     const T* gr = dy + row * cols;
     const T* ar = add ? add + row * cols : nullptr;
     T* dxr = dx + row * cols;
     float ss = 0.f, gx = 0.f;
-    if (HOLD && regs) {
+    if (KEEP != RELOAD && regs) {
       // The row's x, dy (and add) held as loaded, every load issued before
       // the block's sum, so that the write of dx reads none of them again;
       // the same terms in the same order as the loops below (the same bits).
@@ -211,24 +223,28 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
         hg[p] = load_pack(gr + i * N);
         if (ar) ha[p] = load_pack(ar + i * N);
       });
-      each_pack<P>(packs, true, [&](int, int p) {
+      each_pack<P>(packs, true, [&](int i, int p) {
+        Pack<T> pw;
+        if (w) pw = wp(i, p);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           const float fx = to_f32(hx[p].v[k]);
           ss = fmaf(fx, fx, ss);
-          gx = fmaf(mul_rn(to_f32(hg[p].v[k]), w ? to_f32(hw[p].v[k]) : 1.f), fx, gx);
+          gx = fmaf(mul_rn(to_f32(hg[p].v[k]), w ? to_f32(pw.v[k]) : 1.f), fx, gx);
         }
       });
       const float2 sums = block_sum2(make_float2(ss, gx), scratch);
       const float r = rsqrtf(sums.x / cols + eps);
       const float c = r * r * r * sums.y / cols;
       each_pack<P>(packs, true, [&](int i, int p) {
-        Pack<T> o;
+        Pack<T> o, pw;
+        if (w) pw = wp(i, p);
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           const float fx = to_f32(hx[p].v[k]), fg = to_f32(hg[p].v[k]);
-          o.v[k] = from_f32<T>(rms_dx(r, fg, w ? to_f32(hw[p].v[k]) : 1.f, fx, c, ar ? to_f32(ha[p].v[k]) : 0.f));
-          if (part) acc[p][k] = fmaf(mul_rn(fg, fx), r, acc[p][k]);
+          o.v[k] = from_f32<T>(rms_dx(r, fg, w ? to_f32(pw.v[k]) : 1.f, fx, c, ar ? to_f32(ha[p].v[k]) : 0.f));
+          float& a = KEEP == HELD_SMEM ? sd[k * packs + i] : acc[p][k];
+          if (part) a = fmaf(mul_rn(fg, fx), r, a);
         }
         store_pack(dxr + i * N, o);
       });
@@ -282,7 +298,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   if (part && regs) {
     each_pack<P>(packs, true, [&](int i, int p) {
 #pragma unroll
-      for (int k = 0; k < N; ++k) part[i * N + k] = acc[p][k];
+      for (int k = 0; k < N; ++k) part[i * N + k] = KEEP == HELD_SMEM ? sd[k * packs + i] : acc[p][k];
     });
   }
 }
@@ -303,20 +319,27 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
       rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,             \
                             float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,     \
                             int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                     \
-    rms_norm_bwd<ROW_PACKS, false, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, \
-                                      s2);                                                        \
+    rms_norm_bwd<ROW_PACKS, RELOAD, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, \
+                                       s2);                                                       \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(256, 3)                                            \
       rms_norm_bwd2_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,            \
                              float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,    \
                              int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                    \
-    rms_norm_bwd<2, false, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2); \
+    rms_norm_bwd<2, RELOAD, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2); \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(256, 2)                                            \
       rms_norm_bwd2h_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,           \
                               float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,   \
                               int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                   \
-    rms_norm_bwd<2, true, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);  \
+    rms_norm_bwd<2, HELD, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);  \
+  }                                                                                               \
+  extern "C" __global__ void __launch_bounds__(256, 3)                                            \
+      rms_norm_bwd2s_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,           \
+                              float* dw_partial, int64_t rows, int cols, float eps, int64_t n1,   \
+                              int64_t n2, int64_t s0, int64_t s1, int64_t s2) {                   \
+    rms_norm_bwd<2, HELD_SMEM, T>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, \
+                                  s2);                                                            \
   }                                                                                               \
   extern "C" __global__ void rms_norm_bwd_dw_##SUFFIX(const float* partial, T* dw, int parts,     \
                                                       int cols) {                                \

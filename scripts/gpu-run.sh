@@ -6,8 +6,8 @@
 #   bash scripts/gpu-run.sh [checks|report|bench|all|profile|verify|ab] [OUT_DIR]
 #
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
-#           op's CUDA kernels against the CPU kernels, and again with the
-#           norms' held backward kernels); the rms_norm example;
+#           op's CUDA kernels against the CPU kernels, and again with each of
+#           the norms' held backward kernels); the rms_norm example;
 #           the Python tests with the wheel (CPU and CUDA cases).
 #   report  benches/report/report.py: Keel against torch eager and
 #           torch.compile, CPU and CUDA, into OUT_DIR/report/; on CUDA each
@@ -17,8 +17,9 @@
 #   profile benches/report/profile_cuda.py: wall time against GPU kernel time
 #           per call of the training cases, Keel and torch, and where their
 #           CPU time goes (not in all); then the norms' fwd+bwd cases again
-#           with their held backward kernels (KEEL_NORM_BWD=held, into
-#           profile-held.log): the A/B that docs/GPU.md asks for.
+#           with each of their held backward kernels (KEEL_NORM_BWD=held and
+#           smem, into profile-held.log and profile-smem.log): the A/B that
+#           docs/GPU.md asks for.
 #   verify  what a short lease needs after kernel changes: checks of the CUDA
 #           cases alone (KEEL_PYTEST_ARGS defaults to "-k cuda"), the CUDA
 #           report (KEEL_REPORT_ARGS defaults to "--devices cuda --budget
@@ -49,7 +50,7 @@
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
 # bench.log, report.log, report/ (8 files in all), profile.log,
-# profile-held.log. KEEL_REPORT_ARGS adds words to report.py's command line
+# profile-{held,smem}.log. KEEL_REPORT_ARGS adds words to report.py's command line
 # (e.g. "--devices cuda": the CUDA rows alone, where time is short).
 # KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
 # test that would skip for want of a GPU into a failure; KEEL_REQUIRE_GPU=0
@@ -116,9 +117,11 @@ if wants checks; then
   step "$log" 60 "$py" -c "import torch, keel; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, 'keel', keel.LIBRARY_PATH)"
   step "$log" 60 .gpu/rms_norm_cuda --nocapture
   step "$log" 120 .gpu/ops_cuda --nocapture
-  # The norms' held backward kernels (KEEL_NORM_BWD=held; off by default until timed).
-  step "$log" 60 env KEEL_NORM_BWD=held .gpu/rms_norm_cuda
-  step "$log" 120 env KEEL_NORM_BWD=held .gpu/ops_cuda cuda_matches_cpu
+  # The norms' held backward kernels (KEEL_NORM_BWD=held, smem; off by default until timed).
+  for keep in held smem; do
+    step "$log" 60 env KEEL_NORM_BWD=$keep .gpu/rms_norm_cuda
+    step "$log" 120 env KEEL_NORM_BWD=$keep .gpu/ops_cuda cuda_matches_cpu
+  done
   step "$log" 30 .gpu/rms_norm
   # pytest-xdist, where the machine has it, spreads the tests over 8 workers.
   par=()
@@ -141,11 +144,13 @@ fi
 if wants profile; then
   log="$out/profile.log"; : > "$log"
   step "$log" 120 "$py" benches/report/profile_cuda.py
-  # The norms' backward with its held kernels (*_bwd2h_*), the same cases:
-  # their kernel times against the default's just above.
-  log="$out/profile-held.log"; : > "$log"
-  step "$log" 90 env KEEL_NORM_BWD=held "$py" benches/report/profile_cuda.py \
-    --ops "rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd" --dtypes bfloat16,float32
+  # The norms' backward with each of its held kernels (*_bwd2h_*, *_bwd2s_*),
+  # the same cases: their kernel times against the default's just above.
+  for keep in held smem; do
+    log="$out/profile-$keep.log"; : > "$log"
+    step "$log" 90 env KEEL_NORM_BWD=$keep "$py" benches/report/profile_cuda.py \
+      --ops "rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd" --dtypes bfloat16,float32
+  done
 fi
 if wants ab; then
   log="$out/ab.log"; : > "$log"

@@ -9,43 +9,57 @@
 use crate::error::{Error, Result};
 use std::sync::OnceLock;
 
-/// The environment variable that picks the norms' backward kernel:
-/// `held` for the `*_bwd2h_*` kernels, `reload` (or unset) for the default.
+/// The environment variable that picks the norms' backward kernel
+/// ([`NormKeep`]): `reload` (or unset), `held` or `smem`.
 pub(crate) const NORM_BWD_VAR: &str = "KEEL_NORM_BWD";
 
-/// Whether the norms' backward runs its held kernels (`rms_norm_bwd2h_*`,
-/// `layer_norm_bwd2h_*`) where a row fits two vectors a thread: the
-/// [`NORM_BWD_VAR`] environment variable, read at the first launch. An `Err`
-/// naming `op` and the variable where it holds anything else.
-pub(crate) fn held_norm_backward(op: &'static str) -> Result<bool> {
-    static CHOICE: OnceLock<std::result::Result<bool, String>> = OnceLock::new();
-    let choice = CHOICE.get_or_init(|| parse_norm_bwd(std::env::var_os(NORM_BWD_VAR).as_deref()));
+/// How the norms' two-vector backward kernels keep a row (the kernels'
+/// `Keep` in kernels-cuda/common.cuh).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NormKeep {
+    /// `*_bwd2_*`, the default: each row read twice (the sums, then dx).
+    Reload,
+    /// `*_bwd2h_*`: each row held in registers as loaded and read once, `w`
+    /// loaded once a block, the parameter gradients' sums in registers.
+    Held,
+    /// `*_bwd2s_*`: each row held as loaded, the sums in shared memory, at
+    /// the default kernels' occupancy.
+    HeldShared,
+}
+
+/// How the norms' backward keeps its rows: the [`NORM_BWD_VAR`] environment
+/// variable, read at the first launch. An `Err` naming `op` and the variable
+/// where it holds anything but `reload`, `held` or `smem`.
+pub(crate) fn norm_keep(op: &'static str) -> Result<NormKeep> {
+    static CHOICE: OnceLock<std::result::Result<NormKeep, String>> = OnceLock::new();
+    let choice = CHOICE.get_or_init(|| parse_norm_keep(std::env::var_os(NORM_BWD_VAR).as_deref()));
     choice.clone().map_err(|msg| Error::Invalid { op, arg: NORM_BWD_VAR, msg })
 }
 
-/// [`held_norm_backward`]'s reading of the variable's value.
-fn parse_norm_bwd(value: Option<&std::ffi::OsStr>) -> std::result::Result<bool, String> {
+/// [`norm_keep`]'s reading of the variable's value.
+fn parse_norm_keep(value: Option<&std::ffi::OsStr>) -> std::result::Result<NormKeep, String> {
     match value.map(|v| v.to_str()) {
-        None => Ok(false),
-        Some(Some("reload")) => Ok(false),
-        Some(Some("held")) => Ok(true),
-        Some(v) => Err(format!("must be \"held\" or \"reload\", got {v:?}")),
+        None | Some(Some("reload")) => Ok(NormKeep::Reload),
+        Some(Some("held")) => Ok(NormKeep::Held),
+        Some(Some("smem")) => Ok(NormKeep::HeldShared),
+        Some(v) => Err(format!("must be \"reload\", \"held\" or \"smem\", got {v:?}")),
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_norm_bwd;
+    use super::{parse_norm_keep, NormKeep};
     use std::ffi::OsStr;
 
     #[test]
-    fn norm_bwd_takes_held_or_reload_and_refuses_anything_else() {
-        assert_eq!(parse_norm_bwd(None), Ok(false));
-        assert_eq!(parse_norm_bwd(Some(OsStr::new("reload"))), Ok(false));
-        assert_eq!(parse_norm_bwd(Some(OsStr::new("held"))), Ok(true));
-        for bad in ["", "HELD", "held "] {
-            let err = parse_norm_bwd(Some(OsStr::new(bad))).unwrap_err();
-            assert!(err.contains("\"held\" or \"reload\""), "{bad:?}: {err}");
+    fn norm_bwd_takes_reload_held_or_smem_and_refuses_anything_else() {
+        assert_eq!(parse_norm_keep(None), Ok(NormKeep::Reload));
+        assert_eq!(parse_norm_keep(Some(OsStr::new("reload"))), Ok(NormKeep::Reload));
+        assert_eq!(parse_norm_keep(Some(OsStr::new("held"))), Ok(NormKeep::Held));
+        assert_eq!(parse_norm_keep(Some(OsStr::new("smem"))), Ok(NormKeep::HeldShared));
+        for bad in ["", "HELD", "held ", "shared"] {
+            let err = parse_norm_keep(Some(OsStr::new(bad))).unwrap_err();
+            assert!(err.contains("\"reload\", \"held\" or \"smem\""), "{bad:?}: {err}");
         }
     }
 }

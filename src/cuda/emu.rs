@@ -10,7 +10,7 @@
 //!
 //! This runs the kernels' source, not the PTX that nvcc makes from it, and
 //! no CUDA driver, stream or memory: it is not a test on a GPU.
-use super::{Arg, Module, Target};
+use super::{Arg, Module, NormKeep, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::LaunchConfig;
 use std::collections::HashMap;
@@ -32,20 +32,20 @@ struct Lib {
 /// The emulated device: its SM count sizes the grids, as a GPU's does;
 /// `reverse` runs each block's threads in the opposite order between barriers;
 /// `capturing` plays a stream being captured into a CUDA graph, on which a
-/// read back fails as the driver's would; `held_norm_backward` is
-/// [`Target::held_norm_backward`]'s choice (the environment's on a GPU).
+/// read back fails as the driver's would; `norm_keep` is
+/// [`Target::norm_keep`]'s choice (the environment's on a GPU).
 pub(crate) struct Emu {
     pub(crate) sm_count: u32,
     pub(crate) reverse: bool,
     pub(crate) capturing: bool,
-    pub(crate) held_norm_backward: bool,
+    pub(crate) norm_keep: NormKeep,
 }
 
 impl Emu {
     /// A device of `sm_count` SMs, threads in order, not capturing, the
     /// norms' default backward kernels.
     pub(crate) fn new(sm_count: u32) -> Self {
-        Emu { sm_count, reverse: false, capturing: false, held_norm_backward: false }
+        Emu { sm_count, reverse: false, capturing: false, norm_keep: NormKeep::Reload }
     }
 }
 
@@ -203,8 +203,8 @@ impl Target for Emu {
         self.sm_count
     }
 
-    fn held_norm_backward(&self, _op: &'static str) -> Result<bool> {
-        Ok(self.held_norm_backward)
+    fn norm_keep(&self, _op: &'static str) -> Result<NormKeep> {
+        Ok(self.norm_keep)
     }
 
     unsafe fn launch(&self, module: Module, kernel: &str, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {

@@ -1,6 +1,6 @@
 //! The one place kernels are launched: where launches go ([`Target`]), NVTX
 //! ranges (feature `nvtx`), argument packing, and the error mapping.
-use super::{DType, Gpu};
+use super::{DType, Gpu, NormKeep};
 use crate::error::{driver, Result};
 use cudarc::driver::sys::CUstreamCaptureStatus;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
@@ -47,12 +47,12 @@ pub(crate) trait Target {
     /// `src` must hold `dst.len()` i32s on this target.
     unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()>;
 
-    /// Whether the norms' backward runs its held kernels (`*_bwd2h_*`, not
-    /// yet timed on a GPU): on a GPU, the `KEEL_NORM_BWD` environment
-    /// variable ([`choice`](super::choice)); `op` names the caller in an
-    /// error. The tests' emulation sets it per target.
-    fn held_norm_backward(&self, op: &'static str) -> Result<bool> {
-        super::choice::held_norm_backward(op)
+    /// How the norms' two-vector backward kernels keep a row (the held
+    /// ones not yet timed on a GPU): on a GPU, the `KEEL_NORM_BWD`
+    /// environment variable ([`norm_keep`](super::choice::norm_keep)); `op`
+    /// names the caller in an error. The tests' emulation sets it per target.
+    fn norm_keep(&self, op: &'static str) -> Result<NormKeep> {
+        super::choice::norm_keep(op)
     }
 }
 

@@ -14,6 +14,7 @@ mod device;
 mod dtype;
 mod launch;
 
+pub(crate) use choice::NormKeep;
 pub use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 pub use device::{device_count, gpu, is_available, Gpu};
 pub use dtype::{CudaElement, DType};

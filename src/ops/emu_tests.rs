@@ -12,7 +12,7 @@ use super::{
 };
 use crate::cpu::{bf16, f16, Acc, Element, Par, RowLayout};
 use crate::cuda::emu::{unavailable, Buf, Emu};
-use crate::cuda::{CudaElement, Target};
+use crate::cuda::{CudaElement, NormKeep, Target};
 use proptest::prelude::*;
 
 /// The CUDA element types, with the tolerance of `close` for each.
@@ -118,14 +118,14 @@ fn bits<T: Element>(v: &[T]) -> Vec<u64> {
 /// Runs `f` on an emulated GPU of `sm` SMs, with each block's threads in one
 /// order and then the other; returns the outputs, which must be identical.
 fn both<T: Element>(sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
-    orders(false, sm, what, f)
+    orders(NormKeep::Reload, sm, what, f)
 }
 
 /// `f` on `sm` SMs with the threads of each block in both orders, as
-/// [`both`], with the norms' held backward kernels where `held`.
-fn orders<T: Element>(held: bool, sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
-    let a = f(&Emu { held_norm_backward: held, ..Emu::new(sm) });
-    let b = f(&Emu { reverse: true, held_norm_backward: held, ..Emu::new(sm) });
+/// [`both`], the norms' backward kernels keeping rows as `keep` says.
+fn orders<T: Element>(keep: NormKeep, sm: u32, what: &str, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
+    let a = f(&Emu { norm_keep: keep, ..Emu::new(sm) });
+    let b = f(&Emu { reverse: true, norm_keep: keep, ..Emu::new(sm) });
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(bits(x), bits(y), "{what} {}: depends on the order of threads between barriers", T::NAME);
     }
@@ -142,23 +142,26 @@ struct Sums<'a> {
     cols: usize,
 }
 
-/// [`both`], and again with the norms' held backward kernels (`*_bwd2h_*`,
-/// which a GPU run picks with `KEEL_NORM_BWD=held`): the same bits as the
-/// default ones, except for the sums over rows (`sums`) where the held
-/// launch cuts the rows into fewer parts (two blocks an SM, not three), which
-/// sums them in another order: those within `sums.tol` of the default's.
+/// [`both`], and again with each of the norms' held backward kernels
+/// (`*_bwd2h_*`, `*_bwd2s_*`, which a GPU run picks with `KEEL_NORM_BWD`):
+/// the same bits as the default ones, except for the sums over rows (`sums`)
+/// where a held launch cuts the rows into fewer parts (`bwd2h`: two blocks an
+/// SM, not three), which sums them in another order: those within `sums.tol`
+/// of the default's.
 fn both_kernels<T: Element>(sm: u32, what: &str, sums: Sums, f: impl Fn(&dyn Target) -> Vec<Vec<T>>) -> Vec<Vec<T>> {
-    let a = orders(false, sm, what, &f);
-    let h = orders(true, sm, what, &f);
-    let parts = |held| norm_backward_config(sm, sums.rows, sums.cols, std::mem::size_of::<T>(), held).1;
-    let same_parts = parts(false) == parts(true);
-    for (i, (x, y)) in a.iter().zip(&h).enumerate() {
-        if sums.at.contains(&i) && !same_parts {
-            close(y, x, sums.tol, &format!("{what}: output {i} of the held backward kernels"));
-            continue;
+    let a = orders(NormKeep::Reload, sm, what, &f);
+    let parts = |keep| norm_backward_config(sm, sums.rows, sums.cols, std::mem::size_of::<T>(), keep).1;
+    for keep in [NormKeep::Held, NormKeep::HeldShared] {
+        let h = orders(keep, sm, what, &f);
+        let same_parts = parts(NormKeep::Reload) == parts(keep);
+        for (i, (x, y)) in a.iter().zip(&h).enumerate() {
+            if sums.at.contains(&i) && !same_parts {
+                close(y, x, sums.tol, &format!("{what}: output {i} of the {keep:?} backward kernels"));
+                continue;
+            }
+            let at = bits(x).iter().zip(bits(y)).position(|(p, q)| *p != q);
+            assert!(at.is_none(), "{what} {}: output {i} of the {keep:?} backward kernels differs at {at:?}", T::NAME);
         }
-        let at = bits(x).iter().zip(bits(y)).position(|(p, q)| *p != q);
-        assert!(at.is_none(), "{what} {}: output {i} of the held backward kernels differs at {at:?}", T::NAME);
     }
     a
 }
@@ -773,8 +776,8 @@ fn same_bits_without_vectors<T: Dt>() {
     for v in &mut x[(rows - 1) * cols..][..16] {
         *v = T::from_f64(v.to_f64() + 40.0);
     }
-    let run = |shift: usize, held: bool| {
-        let t = Emu { held_norm_backward: held, ..Emu::new(sm) };
+    let run = |shift: usize, keep: NormKeep| {
+        let t = Emu { norm_keep: keep, ..Emu::new(sm) };
         let up = |v: &[T]| Buf::shifted(v, shift);
         let z = |n: usize| garbage::<T>(n, shift);
         let scratch = || garbage::<f32>(reduce_parts(sm, rows) * cols + 1, 0);
@@ -813,7 +816,8 @@ fn same_bits_without_vectors<T: Dt>() {
         let [neox, gptj] = rot;
         [y, dx, dw, fy, fs, fx, fr, neox, gptj, ly, ldx, ldw, ldb].map(|b| bits(&b.to_vec()))
     };
-    let (aligned, shifted, held) = (run(0, false), run(1, false), run(0, true));
+    let (aligned, shifted) = (run(0, NormKeep::Reload), run(1, NormKeep::Reload));
+    let held = [NormKeep::Held, NormKeep::HeldShared].map(|keep| run(0, keep));
     let names = [
         "rms_norm",
         "rms_norm grad_input",
@@ -829,7 +833,9 @@ fn same_bits_without_vectors<T: Dt>() {
     for (i, (a, s)) in aligned.iter().zip(&shifted).enumerate() {
         let name = names.get(i).copied().unwrap_or("layer_norm gradients");
         assert_eq!(a, s, "{name} {}: bits depend on the alignment", T::NAME);
-        assert_eq!(a, &held[i], "{name} {}: the held backward kernels give other bits", T::NAME);
+        for (keep, h) in [NormKeep::Held, NormKeep::HeldShared].iter().zip(&held) {
+            assert_eq!(a, &h[i], "{name} {}: the {keep:?} backward kernels give other bits", T::NAME);
+        }
     }
     // A view with rows padded by one element against the same rows contiguous.
     let padded = RowLayout::new(&[rows], &[cols + 1]).unwrap();

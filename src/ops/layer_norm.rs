@@ -183,8 +183,8 @@ pub(crate) unsafe fn backward_on(
     eps: f64,
 ) -> Result<()> {
     check_dims(rows, cols, eps)?;
-    let held = t.held_norm_backward(OP)?;
-    let (cfg, parts, kernel) = norm_backward_config(t.sm_count(), rows, cols, dtype.size(), held);
+    let keep = t.norm_keep(OP)?;
+    let (cfg, parts, kernel) = norm_backward_config(t.sm_count(), rows, cols, dtype.size(), keep);
     let s = dtype.suffix();
     let pw = if grad_weight != 0 { scratch_w } else { 0 };
     let pb = if grad_bias != 0 { scratch_b } else { 0 };
@@ -200,7 +200,7 @@ pub(crate) unsafe fn backward_on(
             Arg::I32(cols as i32),
             Arg::F32(eps as f32),
         ];
-        // SAFETY: matches layer_norm_bwd{,2,2h}_*; pointers per our contract.
+        // SAFETY: matches layer_norm_bwd{,2,2h,2s}_*; pointers per our contract.
         unsafe { t.launch(MODULE, &format!("layer_norm_{}_{s}", kernel.stem()), cfg, &args)? };
     }
     if cols > 0 {

@@ -12,7 +12,7 @@ pub mod softmax;
 #[cfg(test)]
 mod emu_tests;
 
-use crate::cuda::{rows_config_packs, Arg, Module, Target};
+use crate::cuda::{rows_config_packs, Arg, Module, NormKeep, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -100,8 +100,13 @@ pub(crate) enum NormBackward {
     /// `*_bwd2h_*`: as [`NormBackward::Two`], each row held in registers as
     /// loaded and read once, `w` loaded once a block; 118-128 registers a
     /// thread, so two blocks of 256 an SM. Not yet timed on a GPU: only where
-    /// [`Target::held_norm_backward`] asks for it (docs/GPU.md).
+    /// [`Target::norm_keep`] asks for it (docs/GPU.md).
     TwoHeld,
+    /// `*_bwd2s_*`: each row held as loaded, the parameter gradients' sums in
+    /// shared memory (16 KB a block for rms_norm, 32 KB for layer_norm), `w`
+    /// read where used: 72-80 registers, three blocks of 256 an SM as
+    /// [`NormBackward::Two`]. Not yet timed on a GPU either.
+    TwoHeldShared,
 }
 
 impl NormBackward {
@@ -111,15 +116,16 @@ impl NormBackward {
             NormBackward::Four => "bwd",
             NormBackward::Two => "bwd2",
             NormBackward::TwoHeld => "bwd2h",
+            NormBackward::TwoHeldShared => "bwd2s",
         }
     }
 }
 
 /// The launch of a norm's backward that sums a parameter gradient over rows:
 /// its config, its number of parts, and its kernel: the two-vector one for
-/// rows of at most [`TWO_PACK_VECS`] vectors (through
-/// [`reduce_config_two_packs`]; held where `held`, through
-/// [`reduce_config_held`]), else the four-vector one ([`reduce_config`]). On
+/// rows of at most [`TWO_PACK_VECS`] vectors, keeping them as `keep` says
+/// (through [`reduce_config_two_packs`], or [`reduce_config_held`] for
+/// [`NormKeep::Held`]), else the four-vector one ([`reduce_config`]). On
 /// an H100 the two-vector kernels took bf16 4096x4096 in 81.0 us
 /// (layer_norm) and 54.9 (rms_norm), against 92.8 and 57.7 (docs/GPU.md,
 /// run 17).
@@ -128,18 +134,22 @@ pub(crate) fn norm_backward_config(
     rows: usize,
     cols: usize,
     elem_bytes: usize,
-    held: bool,
+    keep: NormKeep,
 ) -> (LaunchConfig, usize, NormBackward) {
     if cols.div_ceil(16 / elem_bytes) > TWO_PACK_VECS {
         let (cfg, parts) = reduce_config(sm_count, rows, cols, elem_bytes);
-        (cfg, parts, NormBackward::Four)
-    } else if held {
-        let (cfg, parts) = reduce_config_held(sm_count, rows, cols, elem_bytes);
-        (cfg, parts, NormBackward::TwoHeld)
-    } else {
-        let (cfg, parts) = reduce_config_two_packs(sm_count, rows, cols, elem_bytes);
-        (cfg, parts, NormBackward::Two)
+        return (cfg, parts, NormBackward::Four);
     }
+    let (cfg, parts) = match keep {
+        NormKeep::Held => reduce_config_held(sm_count, rows, cols, elem_bytes),
+        NormKeep::Reload | NormKeep::HeldShared => reduce_config_two_packs(sm_count, rows, cols, elem_bytes),
+    };
+    let kernel = match keep {
+        NormKeep::Reload => NormBackward::Two,
+        NormKeep::Held => NormBackward::TwoHeld,
+        NormKeep::HeldShared => NormBackward::TwoHeldShared,
+    };
+    (cfg, parts, kernel)
 }
 
 /// The launch of a held two-vector backward kernel (`*_bwd2h_*`), and its
@@ -186,11 +196,11 @@ pub(crate) unsafe fn sum_parts(
 mod tests {
     use super::{
         norm_backward_config, reduce_config, reduce_config_held, reduce_config_two_packs, reduce_parts, NormBackward,
-        REDUCE_THREADS, TWO_PACK_VECS,
+        NormKeep, REDUCE_THREADS, TWO_PACK_VECS,
     };
 
     /// The norms' backward takes the two-vector kernel up to
-    /// [`TWO_PACK_VECS`] vectors a row (held where asked) and the four-vector
+    /// [`TWO_PACK_VECS`] vectors a row (keeping rows as asked) and the four-vector
     /// one beyond: bf16 rows of 4096 and f32 rows of 2048 are two-vector, f32
     /// 4096 is not.
     #[test]
@@ -198,23 +208,26 @@ mod tests {
         for elem in [2usize, 4] {
             let per = 16 / elem;
             for (cols, two) in [(1, true), (TWO_PACK_VECS * per, true), (TWO_PACK_VECS * per + 1, false)] {
-                for held in [false, true] {
-                    let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem, held);
-                    let (kernel, want) = match (two, held) {
+                for keep in [NormKeep::Reload, NormKeep::Held, NormKeep::HeldShared] {
+                    let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem, keep);
+                    let (kernel, want) = match (two, keep) {
                         (false, _) => (NormBackward::Four, reduce_config(132, 4096, cols, elem)),
-                        (true, false) => (NormBackward::Two, reduce_config_two_packs(132, 4096, cols, elem)),
-                        (true, true) => (NormBackward::TwoHeld, reduce_config_held(132, 4096, cols, elem)),
+                        (true, NormKeep::Reload) => (NormBackward::Two, reduce_config_two_packs(132, 4096, cols, elem)),
+                        (true, NormKeep::Held) => (NormBackward::TwoHeld, reduce_config_held(132, 4096, cols, elem)),
+                        (true, NormKeep::HeldShared) => {
+                            (NormBackward::TwoHeldShared, reduce_config_two_packs(132, 4096, cols, elem))
+                        }
                     };
-                    assert_eq!(got, kernel, "{cols} cols of {elem} bytes, held {held}");
+                    assert_eq!(got, kernel, "{cols} cols of {elem} bytes, {keep:?}");
                     assert_eq!((cfg.block_dim, cfg.grid_dim, parts), (want.0.block_dim, want.0.grid_dim, want.1));
                 }
             }
         }
-        assert_eq!(norm_backward_config(132, 8, 4096, 2, false).2, NormBackward::Two);
-        assert_eq!(norm_backward_config(132, 8, 2048, 4, true).2, NormBackward::TwoHeld);
-        assert_eq!(norm_backward_config(132, 8, 4096, 4, true).2, NormBackward::Four);
-        let stems = [NormBackward::Four, NormBackward::Two, NormBackward::TwoHeld].map(NormBackward::stem);
-        assert_eq!(stems, ["bwd", "bwd2", "bwd2h"]);
+        assert_eq!(norm_backward_config(132, 8, 4096, 2, NormKeep::Reload).2, NormBackward::Two);
+        assert_eq!(norm_backward_config(132, 8, 2048, 4, NormKeep::Held).2, NormBackward::TwoHeld);
+        assert_eq!(norm_backward_config(132, 8, 4096, 4, NormKeep::HeldShared).2, NormBackward::Four);
+        let kernels = [NormBackward::Four, NormBackward::Two, NormBackward::TwoHeld, NormBackward::TwoHeldShared];
+        assert_eq!(kernels.map(NormBackward::stem), ["bwd", "bwd2", "bwd2h", "bwd2s"]);
     }
 
     /// The held launch: the two-vector kernel's blocks, two of them an SM

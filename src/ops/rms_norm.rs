@@ -300,8 +300,8 @@ pub(crate) unsafe fn backward_add_on(
     if grad_weight != 0 && weight == 0 {
         return Err(Error::Invalid { op: OP, arg: "grad_weight", msg: "given but weight is None".into() });
     }
-    let held = t.held_norm_backward(OP)?;
-    let (cfg, parts, kernel) = norm_backward_config(t.sm_count(), rows, cols, dtype.size(), held);
+    let keep = t.norm_keep(OP)?;
+    let (cfg, parts, kernel) = norm_backward_config(t.sm_count(), rows, cols, dtype.size(), keep);
     let partial = if grad_weight != 0 { scratch } else { 0 };
     let s = dtype.suffix();
     if rows > 0 {
@@ -322,7 +322,7 @@ pub(crate) unsafe fn backward_add_on(
             Arg::I64(s1 as i64),
             Arg::I64(s2 as i64),
         ];
-        // SAFETY: matches rms_norm_bwd{,2,2h}_*; pointers per our contract.
+        // SAFETY: matches rms_norm_bwd{,2,2h,2s}_*; pointers per our contract.
         unsafe { t.launch(MODULE, &format!("rms_norm_{}_{s}", kernel.stem()), cfg, &args)? };
     }
     if grad_weight != 0 && cols > 0 {
