@@ -8,7 +8,8 @@
 // and its two gradient sums from one read and one block reduction (its own
 // way: see layer_norm_bwd), dx from a second, and sums dw/db per block into
 // f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
-// Kernel symbols: layer_norm_{fwd,bwd,bwd2,bwd2h,bwd2s,bwd_sum}_{f32,f16,bf16}.
+// Kernel symbols: layer_norm_{fwd,bwd,bwd2,bwd2h,bwd2s,bwd_sum}_{f32,f16,bf16},
+// layer_norm_bwd4h_f32.
 #include "common.cuh"
 
 using namespace keel;
@@ -384,3 +385,11 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
 KEEL_LAYER_NORM(f32, float)
 KEEL_LAYER_NORM(f16, __half)
 KEEL_LAYER_NORM(bf16, __nv_bfloat16)
+
+// The four-vector backward with HELD rows, for f32 alone: 127 registers
+// (16-bit rows of four vectors a thread, eight values each, spill at 128).
+extern "C" __global__ void __launch_bounds__(256, 2)
+    layer_norm_bwd4h_f32(const float* dy, const float* x, const float* w, float* dx, float* dw_partial,
+                         float* db_partial, int64_t rows, int cols, float eps) {
+  layer_norm_bwd<ROW_PACKS, HELD, float>(dy, x, w, dx, dw_partial, db_partial, rows, cols, eps);
+}

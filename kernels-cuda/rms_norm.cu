@@ -8,7 +8,8 @@
 // (i0, i1, i2) of leading dims of sizes (-, n1, n2), starts at
 // i0 s0 + i1 s1 + i2 s2 (a contiguous x: n1 = 1, n2 = rows, s2 = cols); the
 // other tensors are contiguous.
-// Kernel symbols: rms_norm_{fwd,fwd_warp_rows,bwd,bwd2,bwd2h,bwd2s,bwd_dw}_{f32,f16,bf16}.
+// Kernel symbols: rms_norm_{fwd,fwd_warp_rows,bwd,bwd2,bwd2h,bwd2s,bwd_dw}_{f32,f16,bf16},
+// rms_norm_bwd4h_f32.
 #include "common.cuh"
 
 using namespace keel;
@@ -349,3 +350,12 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
 KEEL_RMS_NORM(f32, float)
 KEEL_RMS_NORM(f16, __half)
 KEEL_RMS_NORM(bf16, __nv_bfloat16)
+
+// The four-vector backward with HELD rows, for f32 alone: 122-125 registers
+// (16-bit rows of four vectors a thread, eight values each, spill at 128).
+extern "C" __global__ void __launch_bounds__(256, 2)
+    rms_norm_bwd4h_f32(const float* dy, const float* add, const float* x, const float* w, float* dx,
+                       float* dw_partial, int64_t rows, int cols, float eps, int64_t n1, int64_t n2, int64_t s0,
+                       int64_t s1, int64_t s2) {
+  rms_norm_bwd<ROW_PACKS, HELD, float>(dy, add, x, w, dx, dw_partial, rows, cols, eps, n1, n2, s0, s1, s2);
+}

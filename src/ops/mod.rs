@@ -82,6 +82,10 @@ fn reduce_launch(
     (cfg, parts)
 }
 
+/// Most 16-byte vectors in a row that the four-vector held backward kernels
+/// (`*_bwd4h_f32`) take: 256 threads of four (their `__launch_bounds__(256, 2)`).
+const FOUR_HELD_VECS: usize = 1024;
+
 /// Most 16-byte vectors in a row that the two-vector backward kernels
 /// (`layer_norm_bwd2_*`, `rms_norm_bwd2_*`) take: 256 threads of two (their
 /// `__launch_bounds__`).
@@ -107,6 +111,11 @@ pub(crate) enum NormBackward {
     /// read where used: 72-80 registers, three blocks of 256 an SM as
     /// [`NormBackward::Two`]. Not yet timed on a GPU either.
     TwoHeldShared,
+    /// `*_bwd4h_f32`, f32 alone: as [`NormBackward::TwoHeld`] with up to four
+    /// vectors a thread (rows of at most [`FOUR_HELD_VECS`] vectors: 4096
+    /// f32), 122-127 registers, at most 256 threads a block and 512 an SM.
+    /// Not yet timed on a GPU.
+    FourHeld,
 }
 
 impl NormBackward {
@@ -117,6 +126,7 @@ impl NormBackward {
             NormBackward::Two => "bwd2",
             NormBackward::TwoHeld => "bwd2h",
             NormBackward::TwoHeldShared => "bwd2s",
+            NormBackward::FourHeld => "bwd4h",
         }
     }
 }
@@ -125,7 +135,9 @@ impl NormBackward {
 /// its config, its number of parts, and its kernel: the two-vector one for
 /// rows of at most [`TWO_PACK_VECS`] vectors, keeping them as `keep` says
 /// (through [`reduce_config_two_packs`], or [`reduce_config_held`] for
-/// [`NormKeep::Held`]), else the four-vector one ([`reduce_config`]). On
+/// [`NormKeep::Held`]), else the four-vector one ([`reduce_config`]; for
+/// [`NormKeep::Held`], f32 rows of at most [`FOUR_HELD_VECS`] vectors take
+/// [`NormBackward::FourHeld`], two or more blocks an SM). On
 /// an H100 the two-vector kernels took bf16 4096x4096 in 81.0 us
 /// (layer_norm) and 54.9 (rms_norm), against 92.8 and 57.7 (docs/GPU.md,
 /// run 17).
@@ -136,7 +148,12 @@ pub(crate) fn norm_backward_config(
     elem_bytes: usize,
     keep: NormKeep,
 ) -> (LaunchConfig, usize, NormBackward) {
-    if cols.div_ceil(16 / elem_bytes) > TWO_PACK_VECS {
+    let vecs = cols.div_ceil(16 / elem_bytes);
+    if vecs > TWO_PACK_VECS {
+        if keep == NormKeep::Held && elem_bytes == 4 && vecs <= FOUR_HELD_VECS {
+            let (cfg, parts) = reduce_launch(sm_count, rows, cols, elem_bytes, 4, 256, 512);
+            return (cfg, parts, NormBackward::FourHeld);
+        }
         let (cfg, parts) = reduce_config(sm_count, rows, cols, elem_bytes);
         return (cfg, parts, NormBackward::Four);
     }
@@ -195,8 +212,8 @@ pub(crate) unsafe fn sum_parts(
 #[cfg(test)]
 mod tests {
     use super::{
-        norm_backward_config, reduce_config, reduce_config_held, reduce_config_two_packs, reduce_parts, NormBackward,
-        NormKeep, REDUCE_THREADS, TWO_PACK_VECS,
+        norm_backward_config, reduce_config, reduce_config_held, reduce_config_two_packs, reduce_launch, reduce_parts,
+        NormBackward, NormKeep, FOUR_HELD_VECS, REDUCE_THREADS, TWO_PACK_VECS,
     };
 
     /// The norms' backward takes the two-vector kernel up to
@@ -211,6 +228,9 @@ mod tests {
                 for keep in [NormKeep::Reload, NormKeep::Held, NormKeep::HeldShared] {
                     let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem, keep);
                     let (kernel, want) = match (two, keep) {
+                        (false, NormKeep::Held) if elem == 4 => {
+                            (NormBackward::FourHeld, reduce_launch(132, 4096, cols, elem, 4, 256, 512))
+                        }
                         (false, _) => (NormBackward::Four, reduce_config(132, 4096, cols, elem)),
                         (true, NormKeep::Reload) => (NormBackward::Two, reduce_config_two_packs(132, 4096, cols, elem)),
                         (true, NormKeep::Held) => (NormBackward::TwoHeld, reduce_config_held(132, 4096, cols, elem)),
@@ -226,8 +246,42 @@ mod tests {
         assert_eq!(norm_backward_config(132, 8, 4096, 2, NormKeep::Reload).2, NormBackward::Two);
         assert_eq!(norm_backward_config(132, 8, 2048, 4, NormKeep::Held).2, NormBackward::TwoHeld);
         assert_eq!(norm_backward_config(132, 8, 4096, 4, NormKeep::HeldShared).2, NormBackward::Four);
-        let kernels = [NormBackward::Four, NormBackward::Two, NormBackward::TwoHeld, NormBackward::TwoHeldShared];
-        assert_eq!(kernels.map(NormBackward::stem), ["bwd", "bwd2", "bwd2h", "bwd2s"]);
+        // The four-vector held kernel: f32 rows of 513 to 1024 vectors, and no 16-bit ones.
+        assert_eq!(norm_backward_config(132, 8, 4096, 4, NormKeep::Held).2, NormBackward::FourHeld);
+        assert_eq!(norm_backward_config(132, 8, 4100, 4, NormKeep::Held).2, NormBackward::Four);
+        assert_eq!(norm_backward_config(132, 8, 8192, 2, NormKeep::Held).2, NormBackward::Four);
+        let kernels = [
+            NormBackward::Four,
+            NormBackward::Two,
+            NormBackward::TwoHeld,
+            NormBackward::TwoHeldShared,
+            NormBackward::FourHeld,
+        ];
+        assert_eq!(kernels.map(NormBackward::stem), ["bwd", "bwd2", "bwd2h", "bwd2s", "bwd4h"]);
+    }
+
+    /// The four-vector held launch (f32 rows of more than [`TWO_PACK_VECS`]
+    /// and at most [`FOUR_HELD_VECS`] vectors) stays within its kernels'
+    /// `__launch_bounds__(256, 2)` (at most 512 threads an SM, so that every
+    /// block is resident) and the scratch, each thread holding at most four
+    /// vectors of a row.
+    #[test]
+    fn four_held_launch_fits_its_bounds_and_scratch() {
+        for sm in [1u32, 8, 132] {
+            for rows in [0usize, 1, 7, 100, 4096, 1 << 20] {
+                for vecs in [TWO_PACK_VECS + 1, 600, 640, 1000, FOUR_HELD_VECS] {
+                    let (cfg, parts, kernel) = norm_backward_config(sm, rows, vecs * 4, 4, NormKeep::Held);
+                    assert_eq!(kernel, NormBackward::FourHeld);
+                    let threads = cfg.block_dim.0 as usize;
+                    assert!(threads <= 256 && threads.is_multiple_of(32), "{threads} threads");
+                    assert!(vecs <= 4 * threads, "{vecs} vectors over {threads} threads");
+                    assert!(parts <= reduce_parts(sm, rows) && parts <= rows, "{parts} parts");
+                    assert_eq!(cfg.grid_dim.0 as usize, parts.max(1));
+                    let per_sm = parts.div_ceil(sm as usize);
+                    assert!(per_sm * threads <= 512 || per_sm == 1, "{per_sm} blocks of {threads}");
+                }
+            }
+        }
     }
 
     /// The held launch: the two-vector kernel's blocks, two of them an SM
