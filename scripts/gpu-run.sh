@@ -3,7 +3,7 @@
 # but no Rust toolchain, from the repo root, with the .gpu/ folder that
 # scripts/gpu-bundle.sh built elsewhere (the wheel and the CUDA binaries).
 #
-#   bash scripts/gpu-run.sh [checks|report|bench|all|profile|verify|ab] [OUT_DIR]
+#   bash scripts/gpu-run.sh [checks|report|bench|all|profile|verify|ab|abenv] [OUT_DIR]
 #
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
 #           op's CUDA kernels against the CPU kernels, and again with each of
@@ -25,6 +25,12 @@
 #           report (KEEL_REPORT_ARGS defaults to "--devices cuda --budget
 #           0.5"), and profile; about 3 minutes on the H200 of docs/GPU.md.
 #           Then ab, where the bundle has a baseline.
+#   abenv   this tree's wheel against itself under each assignment of
+#           KEEL_AB_ENV (default "KEEL_NORM_BWD=held KEEL_NORM_BWD=smem": the
+#           norms' held backward kernels), on measure.py's CUDA rows of
+#           KEEL_AB_OPS (default the norms' fwd+bwd cases), alternated as in
+#           ab, into OUT_DIR/ab/NAME/AB.md (NAME: the assignment, = made -):
+#           the A/B of a launch choice that main keeps off by default.
 #   ab      Keel at each baseline of the bundle (gpu-bundle.sh with
 #           KEEL_BASELINE="REV ..."; KEEL_AB_ONLY="NAME ..." picks some)
 #           against this tree's, on this GPU: measure.py's CUDA rows (no
@@ -150,6 +156,34 @@ if wants profile; then
     log="$out/profile-$keep.log"; : > "$log"
     step "$log" 90 env KEEL_NORM_BWD=$keep "$py" benches/report/profile_cuda.py \
       --ops "rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd" --dtypes bfloat16,float32
+  done
+fi
+if wants abenv; then
+  # This tree's wheel against itself under each of KEEL_AB_ENV's assignments
+  # (default: the norms' held backward kernels), on the norms' training
+  # cases unless KEEL_AB_OPS says otherwise: the A/B of a launch choice.
+  log="$out/abenv.log"; : > "$log"
+  new_rev="$(cat .gpu/REV 2>/dev/null || echo new)"
+  devices=cuda; [ "$KEEL_REQUIRE_GPU" = 1 ] || devices=cpu
+  ops="${KEEL_AB_OPS:-rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd}"
+  for assign in ${KEEL_AB_ENV:-KEEL_NORM_BWD=held KEEL_NORM_BWD=smem}; do
+    dir="$out/ab/${assign//=/-}"; mkdir -p "$dir"
+    base_runs=() new_runs=()
+    for round in $(seq "${KEEL_AB_ROUNDS:-2}"); do
+      for side in base new; do
+        json="$dir/$side-$round.json"
+        set_env=(); [ "$side" = new ] && set_env=("$assign")
+        # shellcheck disable=SC2086  # KEEL_AB_ARGS: extra words for measure.py
+        step "$log" 240 env "${set_env[@]}" "$py" benches/report/measure.py --out "$json" \
+          --devices "$devices" --no-compile --decode-ops "" --no-overhead --budget "${KEEL_AB_BUDGET:-0.3}" \
+          --label "$side" --ops "$ops" ${KEEL_AB_ARGS:-}
+        if [ -f "$json" ]; then
+          if [ "$side" = base ]; then base_runs+=("$json"); else new_runs+=("$json"); fi
+        fi
+      done
+    done
+    step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
+      --base-label "$new_rev" --new-label "$new_rev $assign" --out "$dir/AB.md"
   done
 fi
 if wants ab; then
