@@ -235,7 +235,7 @@ __device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr
 // the forward keeps row_moments, which needs fewer registers. Rows held in
 // registers (layer_norm_bwd_held_row) are read once: with HELD
 // (layer_norm_bwd2h_*, two blocks of 256 an SM) the dw/db sums stay in
-// registers, with HELD_SMEM (layer_norm_bwd2s_*, four blocks) in shared
+// registers, with HELD_SMEM (layer_norm_bwd2s_*, three blocks) in shared
 // memory. Neither has been timed on a GPU yet (docs/GPU.md).
 template <int P, Keep KEEP, typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,

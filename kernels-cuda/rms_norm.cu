@@ -166,11 +166,12 @@ __device__ __forceinline__ void rms_norm_fwd_teams(const T* __restrict__ x, cons
 // thread owns at most ROW_PACKS vectors of a row (every row of up to
 // 4 * 1024 vectors, as rows_config sizes the block), those sums stay in
 // registers until the block's last row; otherwise they accumulate in
-// dw_partial itself. With HELD (rms_norm_bwd2h_*, two blocks of 256 an SM)
-// and HELD_SMEM (rms_norm_bwd2s_*, four blocks, dw's sums in shared memory),
+// dw_partial itself. With HELD (rms_norm_bwd2h_*, rms_norm_bwd4h_f32: two
+// blocks of 256 an SM, w's packs loaded once for all the block's rows) and
+// HELD_SMEM (rms_norm_bwd2s_*: three blocks, dw's sums in shared memory),
 // neither timed on a GPU yet (docs/GPU.md), a row held in registers is read
-// once: x, dy and add kept as loaded for the write of dx, and w's packs
-// loaded once for all the block's rows; the same bits as RELOAD.
+// once: x, dy and add kept as loaded for the write of dx; the same bits as
+// RELOAD.
 // r g w - x c + a for one element, each rounding spelled out (mul_rn).
 __device__ __forceinline__ float rms_dx(float r, float g, float w, float x, float c, float a) {
   return add_rn(add_rn(mul_rn(mul_rn(r, g), w), -mul_rn(x, c)), a);
