@@ -13,14 +13,16 @@ use std::sync::OnceLock;
 /// ([`NormKeep`]): `reload` (or unset), `held` or `smem`.
 pub(crate) const NORM_BWD_VAR: &str = "KEEL_NORM_BWD";
 
-/// How the norms' two-vector backward kernels keep a row (the kernels'
-/// `Keep` in kernels-cuda/common.cuh).
+/// How the norms' backward kernels keep a row that their threads hold (the
+/// kernels' `Keep` in kernels-cuda/common.cuh); rows of other sizes take the
+/// default kernels under every choice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NormKeep {
     /// `*_bwd2_*`, the default: each row read twice (the sums, then dx).
     Reload,
-    /// `*_bwd2h_*`: each row held in registers as loaded and read once, `w`
-    /// loaded once a block, the parameter gradients' sums in registers.
+    /// `*_bwd2h_*` (and `*_bwd4h_f32` for f32 rows of up to 1024 vectors):
+    /// each row held in registers as loaded and read once, `w` loaded once a
+    /// block, the parameter gradients' sums in registers.
     Held,
     /// `*_bwd2s_*`: each row held as loaded, the sums in shared memory, at
     /// the default kernels' occupancy.

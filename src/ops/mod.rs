@@ -119,7 +119,8 @@ pub(crate) enum NormBackward {
 }
 
 impl NormBackward {
-    /// The kernel's name between the op's and the dtype's: `bwd`, `bwd2`, `bwd2h`.
+    /// The kernel's name between the op's and the dtype's: `bwd`, `bwd2`,
+    /// `bwd2h`, `bwd2s`, `bwd4h`.
     pub(crate) fn stem(self) -> &'static str {
         match self {
             NormBackward::Four => "bwd",
@@ -151,22 +152,28 @@ pub(crate) fn norm_backward_config(
     let vecs = cols.div_ceil(16 / elem_bytes);
     if vecs > TWO_PACK_VECS {
         if keep == NormKeep::Held && elem_bytes == 4 && vecs <= FOUR_HELD_VECS {
-            let (cfg, parts) = reduce_launch(sm_count, rows, cols, elem_bytes, 4, 256, 512);
+            let (cfg, parts) = reduce_config_four_held(sm_count, rows, cols, elem_bytes);
             return (cfg, parts, NormBackward::FourHeld);
         }
         let (cfg, parts) = reduce_config(sm_count, rows, cols, elem_bytes);
         return (cfg, parts, NormBackward::Four);
     }
-    let (cfg, parts) = match keep {
-        NormKeep::Held => reduce_config_held(sm_count, rows, cols, elem_bytes),
-        NormKeep::Reload | NormKeep::HeldShared => reduce_config_two_packs(sm_count, rows, cols, elem_bytes),
-    };
-    let kernel = match keep {
-        NormKeep::Reload => NormBackward::Two,
-        NormKeep::Held => NormBackward::TwoHeld,
-        NormKeep::HeldShared => NormBackward::TwoHeldShared,
+    let ((cfg, parts), kernel) = match keep {
+        NormKeep::Reload => (reduce_config_two_packs(sm_count, rows, cols, elem_bytes), NormBackward::Two),
+        NormKeep::Held => (reduce_config_held(sm_count, rows, cols, elem_bytes), NormBackward::TwoHeld),
+        NormKeep::HeldShared => {
+            (reduce_config_two_packs(sm_count, rows, cols, elem_bytes), NormBackward::TwoHeldShared)
+        }
     };
     (cfg, parts, kernel)
+}
+
+/// The launch of a held four-vector backward kernel (`*_bwd4h_f32`), and its
+/// number of parts: about four vectors a thread, at most 256 threads a block
+/// and 512 an SM (their `__launch_bounds__(256, 2)`), so that every block is
+/// resident at once.
+fn reduce_config_four_held(sm_count: u32, rows: usize, cols: usize, elem_bytes: usize) -> (LaunchConfig, usize) {
+    reduce_launch(sm_count, rows, cols, elem_bytes, 4, 256, 512)
 }
 
 /// The launch of a held two-vector backward kernel (`*_bwd2h_*`), and its
@@ -212,8 +219,8 @@ pub(crate) unsafe fn sum_parts(
 #[cfg(test)]
 mod tests {
     use super::{
-        norm_backward_config, reduce_config, reduce_config_held, reduce_config_two_packs, reduce_launch, reduce_parts,
-        NormBackward, NormKeep, FOUR_HELD_VECS, REDUCE_THREADS, TWO_PACK_VECS,
+        norm_backward_config, reduce_config, reduce_config_four_held, reduce_config_held, reduce_config_two_packs,
+        reduce_parts, NormBackward, NormKeep, FOUR_HELD_VECS, REDUCE_THREADS, TWO_PACK_VECS,
     };
 
     /// The norms' backward takes the two-vector kernel up to
@@ -229,7 +236,7 @@ mod tests {
                     let (cfg, parts, got) = norm_backward_config(132, 4096, cols, elem, keep);
                     let (kernel, want) = match (two, keep) {
                         (false, NormKeep::Held) if elem == 4 => {
-                            (NormBackward::FourHeld, reduce_launch(132, 4096, cols, elem, 4, 256, 512))
+                            (NormBackward::FourHeld, reduce_config_four_held(132, 4096, cols, elem))
                         }
                         (false, _) => (NormBackward::Four, reduce_config(132, 4096, cols, elem)),
                         (true, NormKeep::Reload) => (NormBackward::Two, reduce_config_two_packs(132, 4096, cols, elem)),
