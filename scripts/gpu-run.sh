@@ -113,6 +113,34 @@ install() {
   "$py" -m pip install -q --no-index --no-deps --disable-pip-version-check --target "$site" "$1" >&2 || return 1
   echo "$site"
 }
+# ab_rounds DIR BASE_ENV NEW_ENV BASE_LABEL NEW_LABEL [MEASURE_ARGS...]: measure.py's
+# rows on $devices with each side's environment (VAR=value words, handed to
+# env; none of them holds a space) in KEEL_AB_ROUNDS alternated rounds, into
+# DIR/{base,new}-ROUND.json, then ab.py's comparison into DIR/AB.md; logs to $log.
+ab_rounds() {
+  local dir="$1" base_env="$2" new_env="$3" base_label="$4" new_label="$5"
+  shift 5
+  local base_runs=() new_runs=() round side side_env json
+  mkdir -p "$dir"
+  for round in $(seq "${KEEL_AB_ROUNDS:-2}"); do
+    for side in base new; do
+      json="$dir/$side-$round.json"
+      side_env="$base_env"; [ "$side" = new ] && side_env="$new_env"
+      # shellcheck disable=SC2086  # side_env: VAR=value words for env
+      step "$log" 240 env $side_env "$py" benches/report/measure.py --out "$json" --devices "$devices" \
+        --no-compile --decode-ops "" --budget "${KEEL_AB_BUDGET:-0.3}" --label "$side" "$@"
+      if [ -f "$json" ]; then
+        if [ "$side" = base ]; then base_runs+=("$json"); else new_runs+=("$json"); fi
+      fi
+    done
+  done
+  step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
+    --base-label "$base_label" --new-label "$new_label" --out "$dir/AB.md"
+}
+# KEEL_AB_ARGS: extra words for measure.py, split on spaces.
+# shellcheck disable=SC2206
+ab_args=(${KEEL_AB_ARGS:-})
+
 path0="${PYTHONPATH:-}"
 site="$(install .gpu/keel-*.whl)" || exit 2
 export PYTHONPATH="$site${path0:+:$path0}"
@@ -167,23 +195,8 @@ if wants abenv; then
   devices=cuda; [ "$KEEL_REQUIRE_GPU" = 1 ] || devices=cpu
   ops="${KEEL_AB_OPS:-rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd}"
   for assign in ${KEEL_AB_ENV:-KEEL_NORM_BWD=held KEEL_NORM_BWD=smem}; do
-    dir="$out/ab/${assign//=/-}"; mkdir -p "$dir"
-    base_runs=() new_runs=()
-    for round in $(seq "${KEEL_AB_ROUNDS:-2}"); do
-      for side in base new; do
-        json="$dir/$side-$round.json"
-        set_env=(); [ "$side" = new ] && set_env=("$assign")
-        # shellcheck disable=SC2086  # KEEL_AB_ARGS: extra words for measure.py
-        step "$log" 240 env "${set_env[@]}" "$py" benches/report/measure.py --out "$json" \
-          --devices "$devices" --no-compile --decode-ops "" --no-overhead --budget "${KEEL_AB_BUDGET:-0.3}" \
-          --label "$side" --ops "$ops" ${KEEL_AB_ARGS:-}
-        if [ -f "$json" ]; then
-          if [ "$side" = base ]; then base_runs+=("$json"); else new_runs+=("$json"); fi
-        fi
-      done
-    done
-    step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
-      --base-label "$new_rev" --new-label "$new_rev $assign" --out "$dir/AB.md"
+    ab_rounds "$out/ab/${assign//=/-}" "" "$assign" "$new_rev" "$new_rev $assign" \
+      --no-overhead --ops "$ops" "${ab_args[@]}"
   done
 fi
 if wants ab; then
@@ -213,22 +226,8 @@ if wants ab; then
       continue
     fi
     base_site="$(install "$base_whl")" || exit 2
-    base_runs=() new_runs=()
-    for round in $(seq "${KEEL_AB_ROUNDS:-2}"); do
-      for side in base new; do
-        where="$site"; [ "$side" = base ] && where="$base_site"
-        json="$dir/$side-$round.json"
-        # shellcheck disable=SC2086  # KEEL_AB_ARGS: extra words for measure.py
-        step "$log" 240 env PYTHONPATH="$where${path0:+:$path0}" "$py" benches/report/measure.py --out "$json" \
-          --devices "$devices" --no-compile --decode-ops "" --budget "${KEEL_AB_BUDGET:-0.3}" --label "$side" \
-          ${KEEL_AB_ARGS:-} ${KEEL_AB_OPS:+--ops "$KEEL_AB_OPS"}
-        if [ -f "$json" ]; then
-          if [ "$side" = base ]; then base_runs+=("$json"); else new_runs+=("$json"); fi
-        fi
-      done
-    done
-    step "$log" 60 "$py" benches/report/ab.py --base "${base_runs[@]}" --new "${new_runs[@]}" \
-      --base-label "$(cat .gpu/baseline/"$name"/REV)" --new-label "$new_rev" --out "$dir/AB.md"
+    ab_rounds "$dir" "PYTHONPATH=$base_site${path0:+:$path0}" "PYTHONPATH=$site${path0:+:$path0}" \
+      "$(cat .gpu/baseline/"$name"/REV)" "$new_rev" "${ab_args[@]}" ${KEEL_AB_OPS:+--ops "$KEEL_AB_OPS"}
     step "$dir/profile-base.log" 120 env PYTHONPATH="$base_site${path0:+:$path0}" "$py" \
       benches/report/profile_cuda.py "${profile[@]}"
   done
