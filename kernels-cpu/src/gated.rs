@@ -7,6 +7,14 @@
 //!   (torch rounds `act(a)` first, then the product). f32 uses the
 //!   vectorised `exp`/`erf` of `math` (within 5e-7 absolute), the tanh
 //!   gelu in its sigmoid form, `x sigmoid(2u)` (one division, not two).
+//!   bf16 and f16 results take an `exp` within 3.2e-6, relative
+//!   (`narrow`; `erf` is the same): 1/600 of bf16's rounding step, as
+//!   torch's CPU kernels do for outputs "downcasted to FP16 / BF16"
+//!   (`fexp_u20`). With THP a bf16 forward of `[4096, 8192]` is bound by
+//!   this arithmetic on two AVX-512 cores (Zen 4); the narrow `exp` made
+//!   silu's 1.11x and gelu tanh's 1.14x faster there, their forward and
+//!   backward 1.08x and 1.12x (same process, alternated), and moved
+//!   0.02% of the outputs by one unit in the last place.
 //! - Backward: `grad_a = dy * b * act'(a)`, `grad_b = dy * act(a)`.
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
@@ -81,12 +89,35 @@ impl Activation {
 }
 
 /// One activation, monomorphised so each compiles to its own vector loop.
+///
+/// `narrow` (a constant where the kernels call these: [`narrow`] of the
+/// element type) takes the `exp` for results rounded to 16 bits.
 pub(crate) trait Act {
     /// Which activation this is (each has explicit SIMD in `gated/x86.rs`).
     const KIND: Activation;
-    fn f<A: Acc>(x: A) -> A;
+    fn f<A: Acc>(x: A, narrow: bool) -> A;
     /// `(f(x), f'(x))`.
-    fn f_df<A: Acc>(x: A) -> (A, A);
+    fn f_df<A: Acc>(x: A, narrow: bool) -> (A, A);
+}
+
+/// Whether `T`'s results are rounded to 16 bits (bf16, f16): there the
+/// activations take [`Acc::exp_narrow`] and [`Acc::exp_nonpos_narrow`]
+/// (within 3.2e-6, relative), four and two vector instructions fewer per 16
+/// values than the f32-accurate ones, in kernels bound by that arithmetic
+/// on 16-bit data.
+#[inline(always)]
+pub(crate) fn narrow<T>() -> bool {
+    std::mem::size_of::<T>() == 2
+}
+
+/// `e^x` for a sigmoid's `1 + e^x`: [`Acc::exp_narrow`] where `narrow`.
+#[inline(always)]
+fn exp_for<A: Acc>(x: A, narrow: bool) -> A {
+    if narrow {
+        x.exp_narrow()
+    } else {
+        x.exp()
+    }
 }
 
 pub(crate) struct Silu;
@@ -96,12 +127,12 @@ pub(crate) struct GeluTanh;
 impl Act for Silu {
     const KIND: Activation = Activation::Silu;
     #[inline(always)]
-    fn f<A: Acc>(x: A) -> A {
-        x / (A::ONE + (A::ZERO - x).exp())
+    fn f<A: Acc>(x: A, narrow: bool) -> A {
+        x / (A::ONE + exp_for(A::ZERO - x, narrow))
     }
     #[inline(always)]
-    fn f_df<A: Acc>(x: A) -> (A, A) {
-        let s = A::ONE / (A::ONE + (A::ZERO - x).exp());
+    fn f_df<A: Acc>(x: A, narrow: bool) -> (A, A) {
+        let s = A::ONE / (A::ONE + exp_for(A::ZERO - x, narrow));
         (x * s, s * (A::ONE + x * (A::ONE - s)))
     }
 }
@@ -123,15 +154,22 @@ const GELU_TANH_SATURATED: f64 = 1e9;
 impl Act for Gelu {
     const KIND: Activation = Activation::Gelu;
     #[inline(always)]
-    fn f<A: Acc>(x: A) -> A {
-        let half = A::from_f64(0.5);
-        half * x * (A::ONE + (x * A::from_f64(FRAC_1_SQRT_2)).erf())
+    /// `h + h erf(x / sqrt 2)` with `h = x / 2`, one fused multiply-add
+    /// (exactly 0 where erf is -1).
+    fn f<A: Acc>(x: A, _narrow: bool) -> A {
+        let h = A::from_f64(0.5) * x;
+        h.mul_add((x * A::from_f64(FRAC_1_SQRT_2)).erf(), h)
     }
+    /// `cdf = 0.5 + 0.5 erf(x / sqrt 2)` (one fused multiply-add). The
+    /// pdf's `e^(-x^2 / 2)` has an argument `<= 0` (or NaN): where
+    /// `narrow`, [`Acc::exp_nonpos_narrow`], 0 where `exp` gives 0.
     #[inline(always)]
-    fn f_df<A: Acc>(x: A) -> (A, A) {
+    fn f_df<A: Acc>(x: A, narrow: bool) -> (A, A) {
         let half = A::from_f64(0.5);
-        let cdf = half * (A::ONE + (x * A::from_f64(FRAC_1_SQRT_2)).erf());
-        let pdf = (A::ZERO - half * x * x).exp() * A::from_f64(FRAC_1_SQRT_2PI);
+        let cdf = half.mul_add((x * A::from_f64(FRAC_1_SQRT_2)).erf(), half);
+        let arg = A::ZERO - half * x * x;
+        let e = if narrow { arg.exp_nonpos_narrow() } else { arg.exp() };
+        let pdf = e * A::from_f64(FRAC_1_SQRT_2PI);
         (x * cdf, cdf + x * pdf)
     }
 }
@@ -144,13 +182,13 @@ impl Act for Gelu {
 impl Act for GeluTanh {
     const KIND: Activation = Activation::GeluTanh;
     #[inline(always)]
-    fn f<A: Acc>(x: A) -> A {
-        x / (A::ONE + minus_v(x).exp())
+    fn f<A: Acc>(x: A, narrow: bool) -> A {
+        x / (A::ONE + exp_for(minus_v(x), narrow))
     }
     #[inline(always)]
-    fn f_df<A: Acc>(x: A) -> (A, A) {
+    fn f_df<A: Acc>(x: A, narrow: bool) -> (A, A) {
         let k = A::from_f64(SQRT_8_PI);
-        let s = A::ONE / (A::ONE + minus_v(x).exp());
+        let s = A::ONE / (A::ONE + exp_for(minus_v(x), narrow));
         let lim = A::from_f64(GELU_TANH_SATURATED);
         let xc = if x > lim {
             lim
@@ -249,7 +287,7 @@ fn forward_with<F: Act, T: Element>(input: &[T], out: &mut [T], rows: usize, d: 
                         |at, y| {
                             let (a, g) = (&a[at..][..y.len()], &g[at..][..y.len()]);
                             for ((y, a), g) in y.iter_mut().zip(a).zip(g) {
-                                *y = F::f(a.to_acc()) * g.to_acc();
+                                *y = F::f(a.to_acc(), narrow::<T>()) * g.to_acc();
                             }
                         },
                     );
@@ -307,7 +345,7 @@ fn backward_row<F: Act, T: Element>(a: &[T], g: &[T], dy: &[T], da: &mut [T], dg
         let (mut ta, mut tg) = ([T::Acc::ZERO; CHUNK], [T::Acc::ZERO; CHUNK]);
         let (a, g, dy) = (&a[start..start + len], &g[start..start + len], &dy[start..start + len]);
         for (((ta, tg), (a, g)), dy) in ta.iter_mut().zip(tg.iter_mut()).zip(a.iter().zip(g)).zip(dy) {
-            let (f, df) = F::f_df(a.to_acc());
+            let (f, df) = F::f_df(a.to_acc(), narrow::<T>());
             let dy = dy.to_acc();
             *ta = dy * g.to_acc() * df;
             *tg = dy * f;

@@ -17,12 +17,14 @@
 //! tests compare every activation, dtype and direction at every width the
 //! CPU has).
 use super::{
-    Act, Activation, Gelu, GeluTanh, Silu, FRAC_1_SQRT_2, FRAC_1_SQRT_2PI, GELU_C, GELU_TANH_SATURATED, SQRT_8_PI,
+    narrow, Act, Activation, Gelu, GeluTanh, Silu, FRAC_1_SQRT_2, FRAC_1_SQRT_2PI, GELU_C, GELU_TANH_SATURATED,
+    SQRT_8_PI,
 };
 use crate::element::{Acc, Element};
+use crate::math::NORMAL_CUTOFF;
 use crate::narrow::BLOCK;
 use crate::rows::{row_and_after, Order};
-use crate::wide::x86::math::{Erf, Exp};
+use crate::wide::x86::math::{Erf, Exp, ExpNarrow, ExpNonposFn, ExpNonposNarrow};
 use crate::wide::x86::write_row::{store_bf16_pair_rounded, write_row, RowValues};
 use crate::wide::x86::{load_n, run, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
@@ -45,77 +47,107 @@ pub(super) fn forward<A: Act, T: Element>(x: &[T], y: &mut [T], d: usize, order:
 }
 
 /// An activation on [`Lanes`] vectors, with the constants it broadcasts.
+///
+/// `narrow` is the scalar `Act`'s: [`narrow`] of the element type, a
+/// constant wherever these are inlined, so each kernel keeps one `exp`
+/// (and broadcasts only its constants).
 trait WideAct {
     /// The broadcast constants.
     type C<V: Copy>;
     /// Broadcasts them (once per block of rows).
     fn consts<L: Lanes>(l: L) -> Self::C<L::V>;
     /// The activation of each lane, as the scalar `Act::f` computes it.
-    fn f<L: Lanes>(l: L, c: &Self::C<L::V>, a: L::V) -> L::V;
+    fn f<L: Lanes>(l: L, c: &Self::C<L::V>, a: L::V, narrow: bool) -> L::V;
     /// The activation and its derivative, as the scalar `Act::f_df`.
-    fn f_df<L: Lanes>(l: L, c: &Self::C<L::V>, a: L::V) -> (L::V, L::V);
+    fn f_df<L: Lanes>(l: L, c: &Self::C<L::V>, a: L::V, narrow: bool) -> (L::V, L::V);
+}
+
+/// The `exp` of a sigmoid's `1 + e^x`, f32-accurate and narrow, as the
+/// scalar `exp_for`.
+struct SigmoidExp<V> {
+    full: Exp<V>,
+    narrow: ExpNarrow<V>,
+}
+
+impl<V: Copy> SigmoidExp<V> {
+    #[inline(always)]
+    fn new<L: Lanes<V = V>>(l: L) -> Self {
+        SigmoidExp { full: Exp::new(l), narrow: ExpNarrow::new(l) }
+    }
+    /// `1 + e^x`.
+    #[inline(always)]
+    fn one_plus<L: Lanes<V = V>>(&self, l: L, x: V, narrow: bool) -> V {
+        let e = if narrow { self.narrow.eval(l, x) } else { self.full.eval(l, x) };
+        l.add(l.splat(1.0), e)
+    }
 }
 
 impl WideAct for Silu {
-    type C<V: Copy> = Exp<V>;
+    type C<V: Copy> = SigmoidExp<V>;
     #[inline(always)]
-    fn consts<L: Lanes>(l: L) -> Exp<L::V> {
-        Exp::new(l)
+    fn consts<L: Lanes>(l: L) -> SigmoidExp<L::V> {
+        SigmoidExp::new(l)
     }
     /// `a / (1 + e^-a)`.
     #[inline(always)]
-    fn f<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> L::V {
-        l.div(a, l.add(l.splat(1.0), e.eval(l, l.sub(l.splat(0.0), a))))
+    fn f<L: Lanes>(l: L, e: &SigmoidExp<L::V>, a: L::V, narrow: bool) -> L::V {
+        l.div(a, e.one_plus(l, l.sub(l.splat(0.0), a), narrow))
     }
     /// `s = 1 / (1 + e^-a)`: `(a s, s (1 + a (1 - s)))`.
     #[inline(always)]
-    fn f_df<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> (L::V, L::V) {
+    fn f_df<L: Lanes>(l: L, e: &SigmoidExp<L::V>, a: L::V, narrow: bool) -> (L::V, L::V) {
         let one = l.splat(1.0);
-        let s = l.div(one, l.add(one, e.eval(l, l.sub(l.splat(0.0), a))));
+        let s = l.div(one, e.one_plus(l, l.sub(l.splat(0.0), a), narrow));
         (l.mul(a, s), l.mul(s, l.add(one, l.mul(a, l.sub(one, s)))))
     }
 }
 
+/// Gelu's constants: `erf`, and the pdf's `exp`, f32-accurate and narrow.
+type GeluC<V> = (Erf<V>, Exp<V>, ExpNonposNarrow<V>);
+
 impl WideAct for Gelu {
-    type C<V: Copy> = (Erf<V>, Exp<V>);
+    type C<V: Copy> = GeluC<V>;
     #[inline(always)]
-    fn consts<L: Lanes>(l: L) -> (Erf<L::V>, Exp<L::V>) {
-        (Erf::new(l), Exp::new(l))
+    fn consts<L: Lanes>(l: L) -> GeluC<L::V> {
+        (Erf::new(l), Exp::new(l), ExpNonposNarrow::with_cutoff(l, NORMAL_CUTOFF))
     }
-    /// `0.5 a (1 + erf(a / sqrt 2))`, multiplied left to right.
+    /// `h + h erf(a / sqrt 2)`, `h = 0.5 a`.
     #[inline(always)]
-    fn f<L: Lanes>(l: L, (e, _): &(Erf<L::V>, Exp<L::V>), a: L::V) -> L::V {
+    fn f<L: Lanes>(l: L, (e, _, _): &GeluC<L::V>, a: L::V, _narrow: bool) -> L::V {
         let erf = e.eval(l, l.mul(a, l.splat(FRAC_1_SQRT_2 as f32)));
-        l.mul(l.mul(l.splat(0.5), a), l.add(l.splat(1.0), erf))
+        let h = l.mul(l.splat(0.5), a);
+        l.fmadd(h, erf, h)
     }
-    /// `cdf = 0.5 (1 + erf(a / sqrt 2))`, `pdf = e^(-0.5 a a) / sqrt(2 pi)`:
+    /// `cdf = 0.5 + 0.5 erf(a / sqrt 2)`, `pdf = e^(-0.5 a a) / sqrt(2 pi)`:
     /// `(a cdf, cdf + a pdf)`.
     #[inline(always)]
-    fn f_df<L: Lanes>(l: L, (e, x): &(Erf<L::V>, Exp<L::V>), a: L::V) -> (L::V, L::V) {
+    fn f_df<L: Lanes>(l: L, (e, x, xn): &GeluC<L::V>, a: L::V, narrow: bool) -> (L::V, L::V) {
         let half = l.splat(0.5);
-        let cdf = l.mul(half, l.add(l.splat(1.0), e.eval(l, l.mul(a, l.splat(FRAC_1_SQRT_2 as f32)))));
-        let pdf = l.mul(x.eval(l, l.sub(l.splat(0.0), l.mul(l.mul(half, a), a))), l.splat(FRAC_1_SQRT_2PI as f32));
+        let cdf = l.fmadd(half, e.eval(l, l.mul(a, l.splat(FRAC_1_SQRT_2 as f32))), half);
+        let arg = l.sub(l.splat(0.0), l.mul(l.mul(half, a), a));
+        let ex = if narrow { xn.eval(l, arg) } else { x.eval(l, arg) };
+        let pdf = l.mul(ex, l.splat(FRAC_1_SQRT_2PI as f32));
         (l.mul(a, cdf), l.add(cdf, l.mul(a, pdf)))
     }
 }
 
 impl WideAct for GeluTanh {
-    type C<V: Copy> = Exp<V>;
+    type C<V: Copy> = SigmoidExp<V>;
     #[inline(always)]
-    fn consts<L: Lanes>(l: L) -> Exp<L::V> {
-        Exp::new(l)
+    fn consts<L: Lanes>(l: L) -> SigmoidExp<L::V> {
+        SigmoidExp::new(l)
     }
     /// `a / (1 + e^-v)`, `-v = a (-k - k c a a)` as the scalar `minus_v`.
     #[inline(always)]
-    fn f<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> L::V {
-        l.div(a, l.add(l.splat(1.0), e.eval(l, minus_v(l, a))))
+    fn f<L: Lanes>(l: L, e: &SigmoidExp<L::V>, a: L::V, narrow: bool) -> L::V {
+        l.div(a, e.one_plus(l, minus_v(l, a), narrow))
     }
     /// `s = 1 / (1 + e^-v)`, `v' = k + 3 k c a a` with `a` clamped to
     /// `GELU_TANH_SATURATED` (as the scalar one): `(a s, s + a s (1 - s) v')`.
     #[inline(always)]
-    fn f_df<L: Lanes>(l: L, e: &Exp<L::V>, a: L::V) -> (L::V, L::V) {
+    fn f_df<L: Lanes>(l: L, e: &SigmoidExp<L::V>, a: L::V, narrow: bool) -> (L::V, L::V) {
         let (one, k) = (l.splat(1.0), l.splat(SQRT_8_PI as f32));
-        let s = l.div(one, l.add(one, e.eval(l, minus_v(l, a))));
+        let s = l.div(one, e.one_plus(l, minus_v(l, a), narrow));
         let lim = GELU_TANH_SATURATED as f32;
         let ac = l.min(l.max(a, l.splat(-lim)), l.splat(lim));
         let dv = l.fmadd(l.mul(ac, ac), l.splat((3.0 * SQRT_8_PI * GELU_C) as f32), k);
@@ -195,7 +227,7 @@ impl<L: Lanes, T: 'static, A: WideAct> RowValues<L> for GatedRow<'_, T, A, L::V>
     unsafe fn value(self, l: L, i: usize, count: usize) -> L::V {
         // SAFETY: `i + count <= len` (the caller's), and `a`, `g` hold `len`
         // values; `T` is f32, bf16 or f16 (checked by `forward`).
-        unsafe { l.mul(A::f(l, self.c, load_n(l, self.a, i, count)), load_n(l, self.g, i, count)) }
+        unsafe { l.mul(A::f(l, self.c, load_n(l, self.a, i, count), narrow::<T>()), load_n(l, self.g, i, count)) }
     }
 }
 
@@ -332,8 +364,8 @@ fn back_bf16_pair<L: Lanes, A: WideAct, T: 'static>(
     // caller cast the outputs to it) the slices above checked.
     let (lo, hi) = unsafe {
         (
-            back_step::<L, A>(l, c, l.load(a), l.load(g), l.load(dy)),
-            back_step::<L, A>(l, c, l.load(a.add(L::N)), l.load(g.add(L::N)), l.load(dy.add(L::N))),
+            back_step::<L, A, T>(l, c, l.load(a), l.load(g), l.load(dy)),
+            back_step::<L, A, T>(l, c, l.load(a.add(L::N)), l.load(g.add(L::N)), l.load(dy.add(L::N))),
         )
     };
     store_bf16_pair_rounded(l, &mut da[i..i + n], lo.0, hi.0);
@@ -357,26 +389,31 @@ unsafe fn back_block<L: Lanes, A: WideAct, T: 'static>(
     // SAFETY: whole vectors while they fit, then the `len - i < N` left.
     unsafe {
         while i + L::N <= len {
-            let (va, vg) = back_step::<L, A>(l, c, l.load(a.add(i)), l.load(g.add(i)), l.load(dy.add(i)));
+            let (va, vg) = back_step::<L, A, T>(l, c, l.load(a.add(i)), l.load(g.add(i)), l.load(dy.add(i)));
             l.store(oa.add(i), va);
             l.store(og.add(i), vg);
             i += L::N;
         }
         if i < len {
             let n = len - i;
-            let (va, vg) =
-                back_step::<L, A>(l, c, l.load_part(a.add(i), n), l.load_part(g.add(i), n), l.load_part(dy.add(i), n));
+            let (va, vg) = back_step::<L, A, T>(
+                l,
+                c,
+                l.load_part(a.add(i), n),
+                l.load_part(g.add(i), n),
+                l.load_part(dy.add(i), n),
+            );
             l.store_part(oa.add(i), va, n);
             l.store_part(og.add(i), vg, n);
         }
     }
 }
 
-/// `(dy g act'(a), dy act(a))`. A function, not a closure: a closure left
-/// out of line runs without the vector features.
+/// `(dy g act'(a), dy act(a))` for elements `T`. A function, not a
+/// closure: a closure left out of line runs without the vector features.
 #[inline(always)]
-fn back_step<L: Lanes, A: WideAct>(l: L, c: &A::C<L::V>, a: L::V, g: L::V, dy: L::V) -> (L::V, L::V) {
-    let (f, df) = A::f_df(l, c, a);
+fn back_step<L: Lanes, A: WideAct, T>(l: L, c: &A::C<L::V>, a: L::V, g: L::V, dy: L::V) -> (L::V, L::V) {
+    let (f, df) = A::f_df(l, c, a, narrow::<T>());
     (l.mul(l.mul(dy, g), df), l.mul(dy, f))
 }
 
@@ -384,7 +421,7 @@ fn back_step<L: Lanes, A: WideAct>(l: L, c: &A::C<L::V>, a: L::V, g: L::V, dy: L
 mod tests {
     use super::{GatedMul, GatedMulBack, WideAct};
     use crate::element::Element;
-    use crate::gated::{Act, Gelu, GeluTanh, Silu};
+    use crate::gated::{narrow, Act, Gelu, GeluTanh, Silu};
     use crate::rows::ORDERS;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
@@ -398,7 +435,7 @@ mod tests {
     fn inputs(d: usize) -> Vec<f32> {
         let special = [
             0.0, -0.0, 1e-40, -1e-40, 1e-38, -1e-38, 2e-39, -2e-39, 87.2, -87.2, 87.4, -87.4, 88.5, -88.5, 89.5, -89.5,
-            200.0, -200.0,
+            200.0, -200.0, 88.37, -88.37, 88.38, -88.38,
         ];
         let erf = [5.543, -5.543, 5.544, -5.544, 5.657, -5.657, 5.66, -5.66, 44.3, -44.3];
         let special = special.into_iter().chain(erf).chain([f32::INFINITY, f32::NEG_INFINITY, f32::NAN, f32::MAX]);
@@ -421,7 +458,7 @@ mod tests {
                 run_with(l, GatedMul::<T, A> { x: &x, y: &mut y, d, order, act: PhantomData });
                 for (i, y) in y.iter().enumerate() {
                     let r = &x[(i / d) * 2 * d..];
-                    let want = T::from_acc(<A as Act>::f(r[i % d].to_acc()) * r[d + i % d].to_acc());
+                    let want = T::from_acc(<A as Act>::f(r[i % d].to_acc(), narrow::<T>()) * r[d + i % d].to_acc());
                     let (got, want) = (y.to_acc(), want.to_acc());
                     let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
                     let name = A::KIND.name();
@@ -451,7 +488,7 @@ mod tests {
                     let (r, j) = (i / (2 * d), i % (2 * d));
                     let (a, g, dy) =
                         (x[r * 2 * d + j % d].to_acc(), x[r * 2 * d + d + j % d].to_acc(), dy[r * d + j % d].to_acc());
-                    let (f, df) = <A as Act>::f_df(a);
+                    let (f, df) = <A as Act>::f_df(a, narrow::<T>());
                     let want = T::from_acc(if j < d { dy * g * df } else { dy * f });
                     let (got, want) = (got.to_acc(), want.to_acc());
                     let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());

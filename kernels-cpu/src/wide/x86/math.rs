@@ -168,10 +168,53 @@ impl<L: Lanes> ExpNonposFn<L> for ExpNonposNarrow<L::V> {
     }
 }
 
-/// [`crate::math::erf_f32`].
-pub(crate) struct Erf<V> {
+/// [`crate::math::exp_narrow_f32`].
+pub(crate) struct ExpNarrow<V> {
     lo: V,
     hi: V,
+    log2e: V,
+    magic: V,
+    ln2: V,
+    c: [V; 4],
+    one: V,
+}
+
+impl<V: Copy> ExpNarrow<V> {
+    /// The constants, broadcast.
+    #[inline(always)]
+    pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
+        Self {
+            lo: l.splat(NORMAL_CUTOFF),
+            hi: l.splat(EXP_HI),
+            log2e: l.splat(LOG2E),
+            magic: l.splat(ROUND_MAGIC_BIASED),
+            ln2: l.splat(std::f32::consts::LN_2),
+            c: EXP4_C.map(|c| l.splat(c)),
+            one: l.splat(1.0),
+        }
+    }
+
+    /// `exp_narrow_f32` on every lane.
+    #[inline(always)]
+    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x0: V) -> V {
+        // The clamp as in `Exp::eval`: a NaN comes through.
+        let x = l.min(self.hi, l.max(self.lo, x0));
+        let k = l.fmadd(x, self.log2e, self.magic);
+        let s = l.shl23(k);
+        let n = l.sub(k, self.magic);
+        let t = l.fnmadd(n, self.ln2, x);
+        let mut p = l.fmadd(self.c[3], t, self.c[2]);
+        p = l.fmadd(p, t, self.c[1]);
+        p = l.fmadd(p, t, self.c[0]);
+        // A multiply by `2^n`, not `mul_pow2`: at `n = 128` (from 88.38)
+        // `s` is `+inf` at every width, where AVX-512's `vscalefps` would
+        // give finite values up to 88.72.
+        l.mul(l.fmadd(t, p, self.one), s)
+    }
+}
+
+/// [`crate::math::erf_f32`].
+pub(crate) struct Erf<V> {
     big: V,
     one: V,
     p: [V; 7],
@@ -183,8 +226,6 @@ impl<V: Copy> Erf<V> {
     #[inline(always)]
     pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
         Self {
-            lo: l.splat(-4.0),
-            hi: l.splat(4.0),
             big: l.splat(crate::math::ERF_ONE_FROM),
             one: l.splat(1.0),
             p: ERF_P.map(|c| l.splat(c)),
@@ -195,8 +236,9 @@ impl<V: Copy> Erf<V> {
     /// `erf_f32` on every lane.
     #[inline(always)]
     pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x0: V) -> V {
-        // The clamp as in `Exp::eval`: a NaN comes through.
-        let x = l.min(self.hi, l.max(self.lo, x0));
+        // Unclamped, as the scalar one: past 3.92 the select below
+        // replaces whatever the rational function gave (NaN included).
+        let x = x0;
         let x2 = l.mul(x, x);
         let mut p = self.p[0];
         for &c in &self.p[1..] {
@@ -214,8 +256,8 @@ impl<V: Copy> Erf<V> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Erf, Exp, ExpNonpos, ExpNonposFn, ExpNonposNarrow};
-    use crate::math::{erf_f32, exp_f32, exp_nonpos_f32, exp_nonpos_narrow_f32};
+    use super::{Erf, Exp, ExpNarrow, ExpNonpos, ExpNonposFn, ExpNonposNarrow};
+    use crate::math::{erf_f32, exp_f32, exp_narrow_f32, exp_nonpos_f32, exp_nonpos_narrow_f32};
     use crate::wide::x86::{every_width, run_with, Kernel, Lanes, Width};
 
     /// Which function [`All`] evaluates.
@@ -224,6 +266,7 @@ mod tests {
         Exp,
         ExpNonpos,
         ExpNonposNarrow,
+        ExpNarrow,
         Erf,
     }
 
@@ -234,7 +277,7 @@ mod tests {
         #[inline(always)]
         fn run<L: Lanes>(self, l: L) {
             let (e, n, r) = (Exp::new(l), ExpNonpos::new(l), Erf::new(l));
-            let nn = ExpNonposNarrow::new(l);
+            let (nn, en) = (ExpNonposNarrow::new(l), ExpNarrow::new(l));
             for (x, y) in self.1.chunks_exact(L::N).zip(self.2.chunks_exact_mut(L::N)) {
                 // SAFETY: `N` values each.
                 unsafe {
@@ -243,6 +286,7 @@ mod tests {
                         F::Exp => e.eval(l, x),
                         F::ExpNonpos => n.eval(l, x),
                         F::ExpNonposNarrow => nn.eval(l, x),
+                        F::ExpNarrow => en.eval(l, x),
                         F::Erf => r.eval(l, x),
                     };
                     l.store(y.as_mut_ptr(), v);
@@ -255,6 +299,7 @@ mod tests {
     fn inputs() -> Vec<f32> {
         let mut x = vec![0.0, -0.0, 1e-40, -1e-40, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -f32::NAN];
         x.extend([f32::MAX, f32::MIN, 87.2, -87.2, 87.4, -87.4, 88.5, -88.5, 89.5, -89.5, 200.0, -200.0]);
+        x.extend([88.37, 88.375, 88.376, 88.38, 88.72, 88.73, 89.0, -89.0]);
         x.extend([3.919_999_8, -3.919_999_8, 3.92, -3.92, 3.99, 4.0, -4.0, 4.01, -4.01, -87.336_54, -87.34]);
         x.extend((0..8192).map(|i| -100.0 + i as f32 * 0.025));
         x.extend((0..4096).map(|i| (i as f32 * 0.7331).sin() * 5.0));
@@ -265,10 +310,11 @@ mod tests {
     fn each<L: Width>(l: L) {
         let x = inputs();
         type Scalar = fn(f32) -> f32;
-        let scalar: [(F, Scalar); 4] = [
+        let scalar: [(F, Scalar); 5] = [
             (F::Exp, exp_f32),
             (F::ExpNonpos, exp_nonpos_f32),
             (F::ExpNonposNarrow, exp_nonpos_narrow_f32),
+            (F::ExpNarrow, exp_narrow_f32),
             (F::Erf, erf_f32),
         ];
         for (f, want) in scalar {
