@@ -4,7 +4,9 @@
 //!
 //! - Shapes: `input`, `grad_input` hold `rows * 2d` elements; `out`,
 //!   `grad_out` hold `rows * d`.
-//! - Numerics: f32 math (f64 for f64), one rounding to the output type.
+//! - Numerics: f32 math (f64 for f64), one rounding to the output type. On
+//!   the CPU, bf16 and f16 take an `exp` within 3.2e-6 (relative) in the
+//!   sigmoids and gelu's pdf: within one unit in the last place.
 //! - CUDA: element-wise grid-stride loop, 128-bit loads of each half.
 pub use keel_cpu::gated::Activation;
 
