@@ -149,8 +149,11 @@ def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False
     args = [case.args[i] for i in case.clone_args]
     fns["clone"] = lambda: [a.clone() for a in args]
     row["clone_nbytes"] = 2 * sum(a.numel() * a.element_size() for a in args)  # read and written
-    t = interleaved(fns, device, budget_s=budget_s)
+    faults = {}
+    t = interleaved(fns, device, budget_s=budget_s, faults=faults)
     row["ms"] = {k: v * 1e3 for k, v in t.items()}
+    if device == "cpu":
+        row["faults"] = faults  # minor page faults a call (median): fresh outputs, or reused memory
     row["err"] = errs
     if device == "cuda" and kernels:
         try:

@@ -31,15 +31,39 @@ def _gbps(row: dict, who: str) -> float:
     return row["nbytes"] / row["ms"][who] / 1e6 if who in row["ms"] else 0.0
 
 
+# Minor page faults a call from which its outputs count as fresh memory: a
+# large output faults in every page (512 a 2 MiB of 4 KiB pages, one a huge
+# page), memory reused from an earlier free none.
+FRESH_FAULTS = 8
+
+
+def _regime_switch(row: dict) -> Optional[str]:
+    """Where the clone of a CPU row and Keel's call did not both get fresh
+    memory, or both reused memory (page faults a call, recorded since session
+    49): `"clone"` where Keel's outputs were fresh and the clone's memory was
+    not, `"copy"` the other way round; None where they match or nothing was
+    recorded."""
+    f = row.get("faults")
+    if not f or "keel" not in f or "clone" not in f or row.get("inplace"):
+        return None
+    keel, clone = f["keel"] >= FRESH_FAULTS, f["clone"] >= FRESH_FAULTS
+    return None if keel == clone else "clone" if keel else "copy"
+
+
 def _line_gbps(row: dict, bw: dict, device: str) -> float:
     """The bandwidth an op's GB/s is held against. CPU: the clone timed beside
     the op in this row (same minutes, same sizes: this machine's bandwidth
     drifts up to 2x within a run, and a line measured once at the start does
-    not say what the op had); CUDA, or rows from before `clone_nbytes` was
-    recorded: the run's bandwidth line."""
+    not say what the op had), unless the two did not pay the same page faults
+    ([`_regime_switch`]): then the run's line of Keel's kind, the fresh clone
+    or the copy into an existing tensor. CUDA, or rows from before
+    `clone_nbytes` was recorded: the run's bandwidth line."""
     if row.get("inplace"):
         # No fresh output, no page faults: held against a copy into an existing tensor.
         return bw["copy_GBps"]
+    switch = _regime_switch(row) if device == "cpu" else None
+    if switch is not None:
+        return bw[f"{switch}_GBps"]
     if device == "cpu" and row.get("clone_nbytes") and row["ms"].get("clone"):
         return row["clone_nbytes"] / row["ms"]["clone"] / 1e6
     return bw[BW_LINE[device]]
@@ -122,8 +146,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "bandwidth an op is held against (`of bandwidth`) is, on CPU, that of the fresh `clone` timed beside "
               "it in the same row (outputs are fresh allocations there, and pay the same page faults; the clone "
               "line of the table below is measured once, at the start, and this machine's bandwidth drifts during a "
-              "run; where a row's clone got memory still mapped from an earlier free, it ran at copy speed, and "
-              "that row's fraction reads low: compare its `Keel / clone` with the rows around it), and on CUDA "
+              "run; where a row's clone and Keel's call did not pay the same page faults, one writing fresh pages and "
+              "the other reusing memory freed before, the row is held against the run's line of Keel's kind instead, "
+              "and marked: see below the tables), and on CUDA "
               "a copy into an existing tensor. `err` is the largest error against float64, "
               "relative to the output's scale. Two rows take strided views, which Keel reads in place and torch "
               "gets the same: `rotary_embedding (x.T)` (a `[batch, heads, seq, head_dim]` q passed transposed, as "
@@ -161,6 +186,8 @@ def markdown(runs: List[dict], images: List[str]) -> str:
             ms = row["ms"]
             comp, vc = _compile_cells(row, d, _ms)
             frac = f"{100 * d['frac']:.0f}%" if row["bandwidth_bound"] else f"({100 * d['frac']:.0f}%)"
+            switch = _regime_switch(row) if device == "cpu" else None
+            frac += {None: "", "clone": " ᶜ", "copy": " ʳ"}[switch]
             line = (f"| {row['op']} | {row['dtype']} | {row['shape']} | {_ms(ms['keel'])} | {_ms(ms['eager'])} | "
                     f"{comp} | {d['vs_eager']:.2f}x | {vc} | {d['gbps']:.1f} | {frac} | {d['floor']:.2f} | "
                     f"{row['err']['keel']:.1e} |")
@@ -177,6 +204,13 @@ def markdown(runs: List[dict], images: List[str]) -> str:
         lines.append("")
     lines += ["Bracketed fractions are for ops bound by compute, not memory (cross_entropy runs two `exp` per logit); "
               "they have no bandwidth target.", ""]
+    if any(_regime_switch(r) for run in runs for r in run["rows"] if r.get("device") == "cpu" and "error" not in r):
+        lines += ["Page faults decide the CPU rows marked ᶜ and ʳ (each call's minor page faults are recorded, "
+                  "`faults` in raw.json). The clone beside an op is its reference only where both paid the same "
+                  "faults: both wrote fresh pages, or both reused memory freed before. ᶜ: Keel's outputs were "
+                  "fresh and the clone reused memory (it ran at copy speed), so the row is held against the run's "
+                  "fresh-clone line; ʳ: Keel reused memory and the clone did not, so the row is held against the "
+                  "run's copy into an existing tensor. `Keel / clone` is still the row's own ratio.", ""]
     lines += _decode(runs, misses)
     lines += ["## Per-call overhead (tiny float32 tensors)", "",
               "The target is judged on the `torch.ops.keel` column (issue 5); the typed API (`keel.softmax` ...), "

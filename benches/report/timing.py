@@ -4,9 +4,10 @@ like under the same machine load. On CUDA each sample is a batch of calls
 between two synchronisations, sized to last at least a millisecond, so the
 synchronisation does not dominate short kernels.
 """
+import resource
 import statistics
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 def _sync(device: str) -> Callable[[], None]:
@@ -26,12 +27,21 @@ def _once(fn: Callable, sync: Callable, inner: int) -> float:
     return (time.perf_counter() - t) / inner
 
 
+def _minor_faults() -> int:
+    """This process's minor page faults so far (all threads): one per fresh
+    page a store touches first (4 KiB, or 2 MiB on a huge page)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
-                min_reps: int = 5, max_reps: int = 41) -> Dict[str, float]:
+                min_reps: int = 5, max_reps: int = 41, faults: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """Median seconds per call of each function, timed in interleaved rounds.
 
     The number of rounds fits `budget_s` (within [min_reps, max_reps]); each
-    function is called once first (warm-up, lazy compilation).
+    function is called once first (warm-up, lazy compilation). Given `faults`
+    (a dict), also the median minor page faults per call of each, into it:
+    whether a call's outputs were fresh memory or memory reused from an
+    earlier free, which sets what its time can be on a CPU.
     """
     sync = _sync(device)
     est = {}
@@ -44,9 +54,14 @@ def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float =
     per_round = sum(est[k] * inner[k] for k in fns)
     reps = int(min(max_reps, max(min_reps, budget_s / max(per_round, 1e-9))))
     times = {k: [] for k in fns}
+    flt = {k: [] for k in fns}
     for _ in range(reps):
         for k, f in fns.items():
+            before = _minor_faults()
             times[k].append(_once(f, sync, inner[k]))
+            flt[k].append((_minor_faults() - before) / inner[k])
+    if faults is not None:
+        faults.update({k: statistics.median(v) for k, v in flt.items()})
     return {k: statistics.median(v) for k, v in times.items()}
 
 

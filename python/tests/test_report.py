@@ -36,6 +36,7 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["ok"], r
         assert r["err"]["eager"] <= 2e-2, r
         assert all(r["ms"][k] > 0 for k in ("keel", "eager", "clone")), r
+        assert set(r["faults"]) == set(r["ms"]) and all(v >= 0 for v in r["faults"].values()), r
         if r["inplace"] and "compile_error" in r:
             # Inductor's CPP backend cannot compile the in-place torch expression
             # (KeyError 'bufN', pytorch/pytorch#196570): reported, not hidden.
@@ -116,6 +117,26 @@ def test_decode_rows_are_tabled_in_microseconds_and_judged_against_torch():
     assert "fast" not in tail and "1.25x" not in tail and "1.20x" not in tail
     # A run without decode rows (older JSON) has no such section.
     assert "Decode-sized" not in markdown([_run([_row("op", 1.0, 2.0, 2.0)])], [])
+
+
+@pytest.mark.parametrize("keel_faults, clone_faults, frac, mark", [
+    (8192, 8192, "50%", ""),     # both fresh: the row's clone (4 GB/s: 2e7 bytes in 5 ms)
+    (0, 0, "50%", ""),           # both reused memory: the row's clone
+    (8192, 0.5, "20%", " ᶜ"),    # Keel fresh, the clone reused memory: the run's fresh clone line (10 GB/s)
+    (1, 512, "5%", " ʳ"),        # Keel reused memory, the clone fresh: the run's copy line (40 GB/s)
+])
+def test_cpu_rows_are_held_against_a_reference_that_paid_the_same_page_faults(keel_faults, clone_faults, frac, mark):
+    row = dict(_row("op", 5.0, 10.0, 10.0), clone_nbytes=2 * 10**7)
+    row["ms"]["clone"] = 5.0
+    row["faults"] = {"keel": keel_faults, "eager": 0, "compile": 0, "clone": clone_faults}
+    text = markdown([_run([row])], [])
+    assert f"| 2.0 | {frac}{mark} | 1.00 |" in text, text
+    assert ("Page faults decide the CPU rows marked" in text) == bool(mark)
+    tail = text.split("## Targets missed in this run")[1]
+    assert f"op float32: {frac} of bandwidth (target 80%)" in tail, tail
+    # An in-place row is held against the copy line whatever its faults.
+    inplace = dict(row, inplace=True)
+    assert "| 2.0 | 5% | 1.00 |" in markdown([_run([inplace])], [])
 
 
 def test_cuda_rows_are_held_against_the_copy_line_at_85_percent():
