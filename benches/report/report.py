@@ -9,6 +9,15 @@ per-call overhead, written as markdown and PNG plots.
 Each configuration runs in its own process: once as torch allocates by
 default, and once with `THP_MEM_ALLOC_ENABLE=1` (torch's huge-page
 allocation) on CPU. CUDA is measured in the first.
+
+Both run with glibc's `MALLOC_MMAP_THRESHOLD_` fixed at 1 MiB (unless it is
+set already), so that every output of 1 MiB or more is fresh memory, as the
+report's floor (a clone into fresh memory) assumes, for every contender
+alike. glibc's default threshold moves with what was freed: in session 49's
+runs a contender's output was at times memory freed before (no page faults,
+copy speed) and at times fresh, whichever the heap held then (torch.compile's
+rotary (x.T) bf16 output 0 faults a call, Keel's beside it 8193: "0.28x
+torch.compile"). Small outputs (decode shapes) come from the heap either way.
 """
 import argparse
 import json
@@ -20,6 +29,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from render import markdown, plots  # noqa: E402
+
+# glibc's mmap threshold for the measuring processes (see above): outputs of
+# 1 MiB or more are fresh mappings.
+MMAP_THRESHOLD = 1 << 20
 
 
 def main() -> None:
@@ -41,12 +54,13 @@ def main() -> None:
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    configs = [("", {}, a.devices)]
+    malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))}
+    configs = [("", malloc, a.devices)]
     if not a.no_thp and (a.devices is None or "cpu" in a.devices.split(",")):
-        configs.append(("THP_MEM_ALLOC_ENABLE=1", {"THP_MEM_ALLOC_ENABLE": "1"}, "cpu"))
+        configs.append(("THP_MEM_ALLOC_ENABLE=1", {**malloc, "THP_MEM_ALLOC_ENABLE": "1"}, "cpu"))
     runs, failed = [], False
     for label, env, devices in configs:
-        path = os.path.join(a.out, f"raw{'-thp' if env else ''}.json")
+        path = os.path.join(a.out, f"raw{'-thp' if label else ''}.json")
         cmd = [sys.executable, os.path.join(HERE, "measure.py"), "--out", path, "--size", a.size, "--label", label]
         cmd += ["--ops", a.ops] if a.ops else []
         cmd += ["--dtypes", a.dtypes] if a.dtypes else []

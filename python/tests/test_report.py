@@ -54,6 +54,8 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["err"]["typed"] == r["err"]["keel"], r  # the same kernels
     assert all("typed" not in r["ms"] for r in rows), rows  # timed at decode shapes only
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
+    # Every contender's outputs of 1 MiB or more are fresh memory (report.py).
+    assert raw["machine"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
     text = (tmp_path / "REPORT.md").read_text()
     assert "| rms_norm | bfloat16 | 64x256 |" in text
     assert "## Per-call overhead" in text
