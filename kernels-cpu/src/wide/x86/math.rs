@@ -117,13 +117,46 @@ impl<L: Lanes> ExpNonposFn<L> for ExpNonpos<L::V> {
     }
 }
 
-/// [`crate::math::exp_nonpos_narrow_f32`].
-pub(crate) struct ExpNonposNarrow<V> {
+/// The degree-4 `e^x` that [`ExpNonposNarrow`] and [`ExpNarrow`] share:
+/// `x = n ln 2 + t` with one constant, `e^t ~ 1 + t p(t)`.
+struct Exp4<V> {
     log2e: V,
     magic: V,
     ln2: V,
     c: [V; 4],
     one: V,
+}
+
+impl<V: Copy> Exp4<V> {
+    #[inline(always)]
+    fn new<L: Lanes<V = V>>(l: L) -> Self {
+        Self {
+            log2e: l.splat(LOG2E),
+            magic: l.splat(ROUND_MAGIC_BIASED),
+            ln2: l.splat(std::f32::consts::LN_2),
+            c: EXP4_C.map(|c| l.splat(c)),
+            one: l.splat(1.0),
+        }
+    }
+
+    /// `(1 + t p(t), n, 2^n)` for `x`, the parts of the scalar `exp4`; `2^n`
+    /// from the bits of `n + 127` (`+inf` at `n = 128`).
+    #[inline(always)]
+    fn parts<L: Lanes<V = V>>(&self, l: L, x: V) -> (V, V, V) {
+        let k = l.fmadd(x, self.log2e, self.magic);
+        let s = l.shl23(k);
+        let n = l.sub(k, self.magic);
+        let t = l.fnmadd(n, self.ln2, x);
+        let mut p = l.fmadd(self.c[3], t, self.c[2]);
+        p = l.fmadd(p, t, self.c[1]);
+        p = l.fmadd(p, t, self.c[0]);
+        (l.fmadd(t, p, self.one), n, s)
+    }
+}
+
+/// [`crate::math::exp_nonpos_narrow_f32`].
+pub(crate) struct ExpNonposNarrow<V> {
+    e: Exp4<V>,
     cutoff: V,
 }
 
@@ -133,14 +166,7 @@ impl<V: Copy> ExpNonposNarrow<V> {
     #[inline(always)]
     pub(crate) fn with_cutoff<L: Lanes<V = V>>(l: L, cutoff: f32) -> Self {
         debug_assert!(cutoff >= NORMAL_CUTOFF);
-        Self {
-            log2e: l.splat(LOG2E),
-            magic: l.splat(ROUND_MAGIC_BIASED),
-            ln2: l.splat(std::f32::consts::LN_2),
-            c: EXP4_C.map(|c| l.splat(c)),
-            one: l.splat(1.0),
-            cutoff: l.splat(cutoff),
-        }
+        Self { e: Exp4::new(l), cutoff: l.splat(cutoff) }
     }
 
     /// The constants, broadcast: `exp_nonpos_narrow_f32` itself (the
@@ -156,42 +182,25 @@ impl<V: Copy> ExpNonposNarrow<V> {
 impl<L: Lanes> ExpNonposFn<L> for ExpNonposNarrow<L::V> {
     #[inline(always)]
     fn eval(&self, l: L, x: L::V) -> L::V {
-        let k = l.fmadd(x, self.log2e, self.magic);
-        let s = l.shl23(k);
-        let n = l.sub(k, self.magic);
-        let t = l.fnmadd(n, self.ln2, x);
-        let mut p = l.fmadd(self.c[3], t, self.c[2]);
-        p = l.fmadd(p, t, self.c[1]);
-        p = l.fmadd(p, t, self.c[0]);
-        let v = l.mul_pow2(l.fmadd(t, p, self.one), n, s);
+        let (y, n, s) = self.e.parts(l, x);
+        let v = l.mul_pow2(y, n, s);
+        // 0 below the cutoff; NaN compares "not less" and stays NaN.
         l.zero_below(x, self.cutoff, v)
     }
 }
 
 /// [`crate::math::exp_narrow_f32`].
 pub(crate) struct ExpNarrow<V> {
+    e: Exp4<V>,
     lo: V,
     hi: V,
-    log2e: V,
-    magic: V,
-    ln2: V,
-    c: [V; 4],
-    one: V,
 }
 
 impl<V: Copy> ExpNarrow<V> {
     /// The constants, broadcast.
     #[inline(always)]
     pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
-        Self {
-            lo: l.splat(NORMAL_CUTOFF),
-            hi: l.splat(EXP_HI),
-            log2e: l.splat(LOG2E),
-            magic: l.splat(ROUND_MAGIC_BIASED),
-            ln2: l.splat(std::f32::consts::LN_2),
-            c: EXP4_C.map(|c| l.splat(c)),
-            one: l.splat(1.0),
-        }
+        Self { e: Exp4::new(l), lo: l.splat(NORMAL_CUTOFF), hi: l.splat(EXP_HI) }
     }
 
     /// `exp_narrow_f32` on every lane.
@@ -199,17 +208,11 @@ impl<V: Copy> ExpNarrow<V> {
     pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x0: V) -> V {
         // The clamp as in `Exp::eval`: a NaN comes through.
         let x = l.min(self.hi, l.max(self.lo, x0));
-        let k = l.fmadd(x, self.log2e, self.magic);
-        let s = l.shl23(k);
-        let n = l.sub(k, self.magic);
-        let t = l.fnmadd(n, self.ln2, x);
-        let mut p = l.fmadd(self.c[3], t, self.c[2]);
-        p = l.fmadd(p, t, self.c[1]);
-        p = l.fmadd(p, t, self.c[0]);
+        let (y, _, s) = self.e.parts(l, x);
         // A multiply by `2^n`, not `mul_pow2`: at `n = 128` (from 88.38)
         // `s` is `+inf` at every width, where AVX-512's `vscalefps` would
         // give finite values up to 88.72.
-        l.mul(l.fmadd(t, p, self.one), s)
+        l.mul(y, s)
     }
 }
 
