@@ -37,14 +37,14 @@ def _gbps(row: dict, who: str) -> float:
 FRESH_FAULTS = 8
 
 
-def _regime_switch(row: dict) -> Optional[str]:
+def _regime_switch(row: dict, device: str) -> Optional[str]:
     """Where the clone of a CPU row and Keel's call did not both get fresh
     memory, or both reused memory (page faults a call, recorded since session
     49): `"clone"` where Keel's outputs were fresh and the clone's memory was
-    not, `"copy"` the other way round; None where they match or nothing was
-    recorded."""
+    not, `"copy"` the other way round; None where they match, on CUDA, or
+    where nothing was recorded."""
     f = row.get("faults")
-    if not f or "keel" not in f or "clone" not in f or row.get("inplace"):
+    if device != "cpu" or not f or "keel" not in f or "clone" not in f or row.get("inplace"):
         return None
     keel, clone = f["keel"] >= FRESH_FAULTS, f["clone"] >= FRESH_FAULTS
     return None if keel == clone else "clone" if keel else "copy"
@@ -61,7 +61,7 @@ def _line_gbps(row: dict, bw: dict, device: str) -> float:
     if row.get("inplace"):
         # No fresh output, no page faults: held against a copy into an existing tensor.
         return bw["copy_GBps"]
-    switch = _regime_switch(row) if device == "cpu" else None
+    switch = _regime_switch(row, device)
     if switch is not None:
         return bw[f"{switch}_GBps"]
     if device == "cpu" and row.get("clone_nbytes") and row["ms"].get("clone"):
@@ -191,8 +191,7 @@ def markdown(runs: List[dict], images: List[str]) -> str:
             ms = row["ms"]
             comp, vc = _compile_cells(row, d, _ms)
             frac = f"{100 * d['frac']:.0f}%" if row["bandwidth_bound"] else f"({100 * d['frac']:.0f}%)"
-            switch = _regime_switch(row) if device == "cpu" else None
-            frac += {None: "", "clone": " ᶜ", "copy": " ʳ"}[switch]
+            frac += {None: "", "clone": " ᶜ", "copy": " ʳ"}[_regime_switch(row, device)]
             line = (f"| {row['op']} | {row['dtype']} | {row['shape']} | {_ms(ms['keel'])} | {_ms(ms['eager'])} | "
                     f"{comp} | {d['vs_eager']:.2f}x | {vc} | {d['gbps']:.1f} | {frac} | {d['floor']:.2f} | "
                     f"{row['err']['keel']:.1e} |")
@@ -209,7 +208,7 @@ def markdown(runs: List[dict], images: List[str]) -> str:
         lines.append("")
     lines += ["Bracketed fractions are for ops bound by compute, not memory (cross_entropy runs two `exp` per logit); "
               "they have no bandwidth target.", ""]
-    if any(_regime_switch(r) for run in runs for r in run["rows"] if r.get("device") == "cpu" and "error" not in r):
+    if any(_regime_switch(r, r.get("device")) for run in runs for r in run["rows"] if "error" not in r):
         lines += ["Page faults decide the CPU rows marked ᶜ and ʳ (each call's minor page faults are recorded, "
                   "`faults` in raw.json). The clone beside an op is its reference only where both paid the same "
                   "faults: both wrote fresh pages, or both reused memory freed before. ᶜ: Keel's outputs were "

@@ -121,8 +121,9 @@ pub(crate) const EXP4_C: [f32; 4] = [0.999_966_86, 0.500_030_16, 0.167_874_75, 0
 /// kernels make the same trade (`Vectorized<float>::fexp_u20`, "for cases
 /// where outputs will be downcasted to FP16 / BF16").
 ///
-/// The explicit code (`wide::x86::math::ExpNonposNarrow`) is the one that
-/// runs; this is its definition, which the tests hold it to bit for bit.
+/// On x86 softmax runs the explicit code (`wide::x86::math::ExpNonposNarrow`),
+/// which the tests hold to this bit for bit; the gated ops' lane loop calls
+/// this itself (gelu's backward pdf, through `Acc::exp_nonpos_narrow`).
 #[inline(always)]
 pub(crate) fn exp_nonpos_narrow_f32(x: f32) -> f32 {
     let v = exp4(x);
