@@ -6,26 +6,38 @@ clone of the inputs, and per-call overhead. Writes JSON.
     python benches/report/measure.py --out run.json [--devices cpu,cuda] [--size large|small]
 """
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
+import types
 import warnings
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 import keel
 from cases import DECODE_OPS, OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
-from timing import interleaved, kernel_us, per_call
+from timing import interleaved, kernel_us, per_call, rounds
 
 try:
     from tqdm import tqdm
 except ImportError:  # the report installs tqdm; smoke tests may run without it
 
-    def tqdm(it, **_):
-        return it
+    class tqdm:  # noqa: N801 - tqdm's name, for the calls made of it here
+        def __init__(self, *_, **__):
+            pass
+
+        def update(self, _):
+            pass
+
+        def close(self):
+            pass
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,11 +131,41 @@ def bandwidth(device: str) -> dict:
 KERNEL_TIMED = ("keel", "eager", "compile")
 
 
-def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False, kernels: bool = True) -> dict:
-    """Times `case` as Keel, torch eager, torch.compile and a clone of its
-    inputs; also as the typed API (`keel.*`) where `typed` and the case has one.
-    On CUDA with `kernels`, also the GPU kernel time per call of Keel, eager
-    and compile (`kernel_us`), which a wall time bound by the CPU hides."""
+def own_code(fn: Callable) -> Callable:
+    """A copy of `fn` with a code object of its own.
+
+    torch.compile (Dynamo) keeps its compiled variants on the code object it
+    compiles, and after `recompile_limit` (8) of them runs that code eager
+    from then on, with a logged warning only. The report's torch expressions
+    serve several cases each (`_rms_norm` ten a process: three large cases
+    and two decode ones, in each dtype), so until session 50 the last two
+    cases' "torch.compile" was torch eager behind Dynamo's frame hook. Each
+    case now compiles its own copy: one variant each, none shared."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return fn
+    g = types.FunctionType(code.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    g.__kwdefaults__, g.__qualname__, g.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
+    g.__dict__.update(fn.__dict__)
+    return g
+
+
+def _graphs() -> Optional[int]:
+    """The graphs Dynamo has captured in this process so far (None where this
+    torch does not count them)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001 - a private counter; without it the check is skipped
+        return None
+
+
+def contenders(case, compile_: bool, typed: bool = False) -> Tuple[dict, Dict[str, Callable]]:
+    """The row of `case` so far (what it is, each contender's error against
+    float64) and the calls to time: Keel, torch eager, torch.compile of the
+    eager expression, a clone of the inputs (the floor), and the typed API
+    (`keel.*`) where `typed` and the case has one."""
     row = {"op": case.name, "shape": case.shape, "nbytes": case.nbytes, "bandwidth_bound": case.bandwidth_bound,
            "backward": case.backward, "inplace": case.inplace}
     ref = case.reference()
@@ -140,46 +182,94 @@ def time_case(case, device, compile_: bool, budget_s: float, typed: bool = False
         errs["typed"] = err(case.typed)
     if compile_:
         try:
-            compiled = torch.compile(case.torch, dynamic=False)
-            fns["compile"] = lambda: case.run(compiled)
+            compiled = torch.compile(own_code(case.torch), dynamic=False)
+            before = _graphs()
             errs["compile"] = err(compiled)
+            if before is not None and _graphs() == before:
+                raise RuntimeError("Dynamo captured no graph: the call ran eager")
+            fns["compile"] = lambda: case.run(compiled)
         except Exception as e:  # noqa: BLE001 - reported, not hidden
             row["compile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            fns.pop("compile", None)
-    del ref
+            errs.pop("compile", None)
     args = [case.args[i] for i in case.clone_args]
     fns["clone"] = lambda: [a.clone() for a in args]
     row["clone_nbytes"] = 2 * sum(a.numel() * a.element_size() for a in args)  # read and written
-    faults = {}
-    t = interleaved(fns, device, budget_s=budget_s, faults=faults)
-    row["ms"] = {k: v * 1e3 for k, v in t.items()}
-    if device == "cpu":
-        row["faults"] = faults  # minor page faults a call (median): fresh outputs, or reused memory
     row["err"] = errs
-    if device == "cuda" and kernels:
-        try:
-            row["kernel_us"] = {k: kernel_us(fns[k]) for k in KERNEL_TIMED if k in fns}
-        except Exception as e:  # noqa: BLE001 - the profiler's failure costs the column, not the row
-            row["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    return row
+    return row, fns
 
 
-def checked_row(case, device, dname: str, compile_: bool, budget_s: float, typed: bool = False,
-                kernels: bool = True) -> dict:
-    """`time_case`'s row, with its device, dtype, and whether Keel's error (and the
-    typed API's, where timed) is within tolerance.
+def _failed(case, device: str, dname: str, e: Exception) -> dict:
+    """The row of a case that raised: it says why, so that one broken op
+    costs its row, not the run."""
+    msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+    print(f"measure: {case.name} {device} {dname}: {msg}", file=sys.stderr)
+    return {"op": case.name, "shape": case.shape, "device": device, "dtype": dname, "ok": False, "error": msg}
 
-    A case that raises becomes a failed row that says why, so that one broken
-    op costs its row, not the run."""
-    try:
-        row = time_case(case, device, compile_, budget_s, typed, kernels)
-    except Exception as e:  # noqa: BLE001 - reported in the row and the exit status
-        msg = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
-        print(f"measure: {case.name} {device} {dname}: {msg}", file=sys.stderr)
-        return {"op": case.name, "shape": case.shape, "device": device, "dtype": dname, "ok": False, "error": msg}
+
+def _finish(row: dict, times: Dict[str, List[List[float]]], faults: Dict[str, List[float]], device: str,
+            dname: str) -> dict:
+    """`row` with its times: each contender's median of its passes' medians
+    (`ms`; `ms_passes` keeps each pass's), its median page faults a call (CPU),
+    its device and dtype, and whether Keel's error (and the typed API's, where
+    timed) is within tolerance."""
+    med = statistics.median
+    row["ms_passes"] = {k: [med(p) * 1e3 for p in v] for k, v in times.items()}
+    row["ms"] = {k: med(v) for k, v in row["ms_passes"].items()}
+    if device == "cpu":
+        row["faults"] = {k: med(v) for k, v in faults.items()}  # fresh outputs, or reused memory
     worst = max(row["err"]["keel"], row["err"].get("typed", 0.0))
     row.update(device=device, dtype=dname, ok=worst <= tolerance(DTYPES[dname]))
     return row
+
+
+def time_cases(cases, device: str, dname: str, compile_: bool, budget_s: float, passes: int = 3,
+               typed: bool = False, kernels: bool = True, ctx=contextlib.nullcontext, desc: str = ""):
+    """Yields the row of each of `cases`, timed as `contenders` in
+    interleaved rounds (`timing.rounds`) over `passes` passes through all the
+    cases, `budget_s / passes` seconds of rounds a case a pass, under `ctx`.
+
+    A burst of load on the machine (this VM has some lasting seconds) then
+    falls into one pass of a row, not the whole of it, and the median of the
+    passes' medians leaves it out. On CUDA with `kernels`, a row also gets the
+    GPU kernel time per call of Keel, eager and compile (`kernel_us`), which
+    a wall time bound by the CPU hides. A case that raises becomes a failed row."""
+    live = []  # [case, row, fns, times, faults]
+    for case in cases:
+        try:
+            with ctx():
+                row, fns = contenders(case, compile_, typed)
+            live.append([case, row, fns, {k: [] for k in fns}, {k: [] for k in fns}])
+        except Exception as e:  # noqa: BLE001 - reported in the row and the exit status
+            yield _failed(case, device, dname, e)
+    per_pass = dict(min_reps=max(2, math.ceil(5 / passes)), max_reps=math.ceil(41 / passes))
+    bar = tqdm(total=passes * len(live), desc=desc, file=sys.stderr, leave=False)
+    for p in range(passes):
+        for item in live:
+            case, row, fns, times, faults = item
+            if fns is None:
+                continue
+            try:
+                with ctx():
+                    t, f = rounds(fns, device, budget_s / passes, **per_pass)
+            except Exception as e:  # noqa: BLE001
+                item[2] = None
+                yield _failed(case, device, dname, e)
+                continue
+            finally:
+                bar.update(1)
+            for k in fns:
+                times[k].append(t[k])
+                faults[k] += f[k]
+            if p == passes - 1:
+                if device == "cuda" and kernels:
+                    try:
+                        with ctx():
+                            row["kernel_us"] = {k: kernel_us(fns[k]) for k in KERNEL_TIMED if k in fns}
+                    except Exception as e:  # noqa: BLE001 - the profiler's failure costs the column, not the row
+                        row["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                yield _finish(row, times, faults, device, dname)
+                item[2] = None  # its inputs and compiled code may go
+    bar.close()
 
 
 def save(out: dict, path: str) -> None:
@@ -203,10 +293,14 @@ def main() -> None:
                     help="comma-separated case names timed again at decode shapes (empty: none)")
     ap.add_argument("--label", default="")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
+    ap.add_argument("--passes", type=int, default=3, help="passes through the cases, each timing every case "
+                    "for budget/passes seconds (a burst of load then spoils one pass of a row, not all of it)")
     ap.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead of tiny calls")
     ap.add_argument("--no-kernel-times", action="store_true",
                     help="CUDA: skip each row's GPU kernel times (torch.profiler, about a second a row)")
     a = ap.parse_args()
+    if a.passes < 1:
+        ap.error("--passes must be at least 1")
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
     for d in devices:
@@ -216,25 +310,25 @@ def main() -> None:
             sys.exit("measure: --devices: cuda was asked for, but torch finds no CUDA device")
     names = [n for n in a.ops.split(",") if n]
     decode_names = [n for n in a.decode_ops.split(",") if n]
-    out = {"label": a.label, "size": a.size, "machine": machine(devices), "bandwidth": {}, "rows": [],
-           "decode": [], "overhead": [], "complete": False}
+    out = {"label": a.label, "size": a.size, "passes": a.passes, "machine": machine(devices), "bandwidth": {},
+           "rows": [], "decode": [], "overhead": [], "complete": False}
     for device in devices:
         out["bandwidth"][device] = bandwidth(device)
         for dname in a.dtypes.split(","):
             dtype = DTYPES[dname]
             cases = make_cases(device, dtype, a.size, names)
-            for case in tqdm(cases, desc=f"{a.label or 'run'} {device} {dname}", file=sys.stderr, leave=False):
-                out["rows"].append(checked_row(case, device, dname, not a.no_compile, a.budget,
-                                               kernels=not a.no_kernel_times))
+            for row in time_cases(cases, device, dname, not a.no_compile, a.budget, a.passes,
+                                  kernels=not a.no_kernel_times, desc=f"{a.label or 'run'} {device} {dname}"):
+                out["rows"].append(row)
                 save(out, a.out)
             del cases
             decode = make_cases(device, dtype, "decode", decode_names) if decode_names else []
-            for case in tqdm(decode, desc=f"{a.label or 'run'} {device} {dname} decode", file=sys.stderr, leave=False):
-                # Decoding runs under no_grad (as Hugging Face's generate() does);
-                # the typed API is timed too: it skips the Python autograd kernel there.
-                with torch.no_grad():
-                    out["decode"].append(checked_row(case, device, dname, not a.no_compile, a.budget, typed=True,
-                                                     kernels=not a.no_kernel_times))
+            # Decoding runs under no_grad (as Hugging Face's generate() does);
+            # the typed API is timed too: it skips the Python autograd kernel there.
+            for row in time_cases(decode, device, dname, not a.no_compile, a.budget, a.passes, typed=True,
+                                  kernels=not a.no_kernel_times, ctx=torch.no_grad,
+                                  desc=f"{a.label or 'run'} {device} {dname} decode"):
+                out["decode"].append(row)
                 save(out, a.out)
             del decode
         # On CUDA a call is launch-bound and steady; fewer calls measure it as well.

@@ -147,7 +147,7 @@ def markdown(runs: List[dict], images: List[str]) -> str:
     lines += ["", "Produced by `scripts/report.sh` (the command regenerates this file and the plots). Each op is timed "
               "as Keel (`torch.ops.keel`), the torch eager expression it replaces, `torch.compile` of that same "
               "expression, and a `clone` of its inputs, interleaved in one run on the same inputs; figures are "
-              "medians. GB/s counts the bytes an op must read and write once (the least any kernel moves). The "
+              f"{_medians(runs)}. GB/s counts the bytes an op must read and write once (the least any kernel moves). The "
               "bandwidth an op is held against (`of bandwidth`) is, on CPU, that of the fresh `clone` timed beside "
               "it in the same row (outputs are fresh allocations there, and pay the same page faults; the clone "
               "line of the table below is measured once, at the start, and this machine's bandwidth drifts during a "
@@ -215,6 +215,7 @@ def markdown(runs: List[dict], images: List[str]) -> str:
                   "fresh and the clone reused memory (it ran at copy speed), so the row is held against the run's "
                   "fresh-clone line; ʳ: Keel reused memory and the clone did not, so the row is held against the "
                   "run's copy into an existing tensor. `Keel / clone` is still the row's own ratio.", ""]
+    lines += _unsteady(runs)
     lines += _decode(runs, misses)
     lines += ["## Per-call overhead (tiny float32 tensors)", "",
               "The target is judged on the `torch.ops.keel` column (issue 5); the typed API (`keel.softmax` ...), "
@@ -234,6 +235,39 @@ def markdown(runs: List[dict], images: List[str]) -> str:
     lines += ["", "## Plots", ""] + [f"![{os.path.splitext(i)[0]}]({i})" for i in images]
     lines += ["", "## Targets missed in this run", ""] + (misses or ["None."]) + [""]
     return "\n".join(lines)
+
+
+def _medians(runs: list) -> str:
+    """How a row's figures were taken, as the header says it."""
+    passes = max((run.get("passes", 1) for run in runs), default=1)
+    if passes == 1:
+        return "medians"
+    return (f"the median of {passes} passes' medians: each run goes {passes} times through all its cases, timing "
+            "each for a part of its budget, so that a burst of load on the machine spoils one pass of a row, not "
+            "the row (`ms_passes` in raw.json keeps each pass's medians)")
+
+
+# Spread between a row's passes (slowest over fastest pass of Keel's call)
+# from which the report names the row as timed under a moving load.
+UNSTEADY = 1.25
+
+
+def _unsteady(runs: list) -> list:
+    """A line naming the rows whose passes disagreed on Keel's time by more
+    than UNSTEADY: their medians stand, but the machine's load moved under
+    them. Nothing for runs timed in one pass."""
+    names = []
+    for title, run, device in _runs_by_device(runs):
+        for part in ("rows", "decode"):
+            for r in run.get(part, []):
+                p = r.get("ms_passes", {}).get("keel", [])
+                if r.get("device") == device and len(p) > 1 and max(p) > UNSTEADY * min(p):
+                    names.append(f"{title}{', decode' if part == 'decode' else ''}: {r['op']} {r['dtype']} "
+                                 f"({min(p):.3g}-{max(p):.3g} ms)")
+    if not names:
+        return []
+    return [f"Rows whose passes disagreed on Keel's time by more than {round(100 * (UNSTEADY - 1))}% (the machine's "
+            "load moved during them; the median pass stands): " + "; ".join(names) + ".", ""]
 
 
 def _us(ms: float) -> str:

@@ -33,14 +33,14 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
-                min_reps: int = 5, max_reps: int = 41, faults: Optional[Dict[str, float]] = None) -> Dict[str, float]:
-    """Median seconds per call of each function, timed in interleaved rounds.
+def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5, min_reps: int = 5,
+           max_reps: int = 41) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """Seconds per call of each function, and its minor page faults per call,
+    sampled in interleaved rounds: ({name: [s, ...]}, {name: [faults, ...]}).
 
     The number of rounds fits `budget_s` (within [min_reps, max_reps]); each
-    function is called once first (warm-up, lazy compilation). Given `faults`
-    (a dict), also the median minor page faults per call of each, into it:
-    whether a call's outputs were fresh memory or memory reused from an
+    function is called once first (warm-up, lazy compilation). The faults
+    say whether a call's outputs were fresh memory or memory reused from an
     earlier free, which sets what its time can be on a CPU.
     """
     sync = _sync(device)
@@ -60,6 +60,15 @@ def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float =
             before = _minor_faults()
             times[k].append(_once(f, sync, inner[k]))
             flt[k].append((_minor_faults() - before) / inner[k])
+    return times, flt
+
+
+def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
+                min_reps: int = 5, max_reps: int = 41, faults: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+    """Median seconds per call of each function, timed in interleaved
+    `rounds`; given `faults` (a dict), also the median minor page faults per
+    call of each, into it."""
+    times, flt = rounds(fns, device, budget_s, min_reps, max_reps)
     if faults is not None:
         faults.update({k: statistics.median(v) for k, v in flt.items()})
     return {k: statistics.median(v) for k, v in times.items()}

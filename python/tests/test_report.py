@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 REPORT = os.path.join(ROOT, "benches", "report")
@@ -326,3 +327,61 @@ def test_demo_runs_and_checks_every_op():
             assert any(ln.startswith(f"{case.name:26} cpu  {dname:8} {case.shape:13}") for ln in lines), \
                 (case.name, dname, p.stdout)
     assert "BAD" not in p.stdout
+
+
+def _twice(x):
+    return torch.nn.functional.silu(x) * 2
+
+
+def test_each_case_compiles_a_code_object_of_its_own(monkeypatch):
+    """Dynamo keeps compiled variants on the code object and, past
+    `recompile_limit`, runs it eager with only a logged warning: the report's
+    torch expressions serve up to ten cases a process. Each case compiles its
+    own copy, and a compile that captured no graph is a failed compile, not a
+    compile column that is eager."""
+    import measure
+    from cases import Case
+
+    ce = torch.nn.functional.cross_entropy
+    copy = measure.own_code(ce)
+    assert copy.__code__ is not ce.__code__ and copy.__code__.co_code == ce.__code__.co_code
+    assert copy.__kwdefaults__ == ce.__kwdefaults__ and copy.__defaults__ == ce.__defaults__
+    cases = [Case("c", str(n), (torch.randn(n, 8),), _twice, _twice, 1) for n in (3, 4, 5)]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        own = [measure.contenders(c, True)[0] for c in cases]
+        monkeypatch.setattr(measure, "own_code", lambda fn: fn)
+        shared = [measure.contenders(c, True)[0] for c in cases]
+    assert all("compile_error" not in r and r["err"]["compile"] < 1e-6 for r in own), own
+    assert "compile_error" not in shared[0], shared[0]
+    assert all("captured no graph" in r["compile_error"] and "compile" not in r["err"] for r in shared[1:]), shared
+
+
+def test_cases_are_timed_in_passes_and_a_case_that_raises_costs_its_row():
+    import measure
+    from cases import Case
+
+    def broken(x):
+        raise ValueError("no such op")
+
+    cases = [Case("good", "4x8", (torch.randn(4, 8),), _twice, _twice, 1),
+             Case("bad", "4x8", (torch.randn(4, 8),), broken, _twice, 1)]
+    rows = {r["op"]: r for r in measure.time_cases(cases, "cpu", "float32", False, 0.05, passes=3)}
+    assert not rows["bad"]["ok"] and "ValueError: no such op" in rows["bad"]["error"], rows["bad"]
+    good = rows["good"]
+    assert good["ok"] and set(good["ms"]) == {"keel", "eager", "clone"}, good
+    for k, passes in good["ms_passes"].items():
+        assert len(passes) == 3 and all(p > 0 for p in passes), good
+        assert good["ms"][k] == sorted(passes)[1]  # the median pass
+
+
+def test_rows_timed_in_passes_say_so_and_a_moving_load_is_named():
+    steady = dict(_row("steady", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 1.1, 0.95]})
+    moved = dict(_row("moved", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 2.6, 0.9]})
+    run = dict(_run([steady, moved]), passes=3)
+    text = markdown([run], [])
+    assert "the median of 3 passes' medians" in text
+    line = next(t for t in text.splitlines() if t.startswith("Rows whose passes disagreed"))
+    assert "CPU: moved float32 (0.9-2.6 ms)" in line and "steady" not in line, line
+    # Runs recorded before passes: medians, and no such line.
+    old = markdown([_run([_row("moved", 1.0, 2.0, 2.0)])], [])
+    assert "figures are medians." in old and "Rows whose passes disagreed" not in old
