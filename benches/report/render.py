@@ -3,6 +3,7 @@ table per run, the per-call overhead, the list of missed targets, and two PNG
 plots (speedup per op; achieved GB/s against the bandwidth lines).
 """
 import os
+import statistics
 from typing import Callable, List, Optional, Tuple
 
 BW_TARGET = {"cpu": 0.80, "cuda": 0.85}  # fraction of the bandwidth line a bandwidth-bound op must reach
@@ -64,21 +65,45 @@ def _line_gbps(row: dict, bw: dict, device: str) -> float:
     switch = _regime_switch(row, device)
     if switch is not None:
         return bw[f"{switch}_GBps"]
-    if device == "cpu" and row.get("clone_nbytes") and row["ms"].get("clone"):
+    if _held_to_own_clone(row, device):
         return row["clone_nbytes"] / row["ms"]["clone"] / 1e6
     return bw[BW_LINE[device]]
 
 
+def _held_to_own_clone(row: dict, device: str) -> bool:
+    """Whether a row's bandwidth is held against the clone timed beside it
+    (see `_line_gbps`)."""
+    return (device == "cpu" and not row.get("inplace") and _regime_switch(row, device) is None
+            and bool(row.get("clone_nbytes")) and bool(row["ms"].get("clone")))
+
+
+def ratio(row: dict, a: str, b: str) -> float:
+    """Contender `a`'s time over `b`'s on this row. Where the row was timed
+    in passes (`ms_passes`), the median of each pass's ratio: the two were
+    timed in the same rounds of a pass, under the same load, so a burst that
+    slowed a whole pass leaves its ratio alone, where the ratio of the two
+    medians could mix a slowed pass of one with a quiet pass of the other."""
+    p = row.get("ms_passes", {})
+    pa, pb = p.get(a, []), p.get(b, [])
+    if len(pa) > 1 and len(pa) == len(pb):
+        return statistics.median(x / y for x, y in zip(pa, pb))
+    return row["ms"][a] / row["ms"][b]
+
+
 def _speedups(row: dict) -> dict:
     """Keel's speedup over torch eager and over torch.compile (None where it has no time)."""
-    ms = row["ms"]
-    return {"vs_eager": ms["eager"] / ms["keel"], "vs_compile": ms["compile"] / ms["keel"] if "compile" in ms else None}
+    compiled = "compile" in row["ms"]
+    return {"vs_eager": ratio(row, "eager", "keel"), "vs_compile": ratio(row, "compile", "keel") if compiled else None}
 
 
 def _derived(row: dict, bw: dict, device: str) -> dict:
-    ms = row["ms"]
-    d = {**_speedups(row), "gbps": _gbps(row, "keel"), "floor": ms["keel"] / ms["clone"]}
-    d["frac"] = d["gbps"] / _line_gbps(row, bw, device)
+    d = {**_speedups(row), "gbps": _gbps(row, "keel"), "floor": ratio(row, "keel", "clone")}
+    line = _line_gbps(row, bw, device)
+    if _held_to_own_clone(row, device):
+        # Keel's GB/s over its clone's, pass by pass (`ratio`).
+        d["frac"] = row["nbytes"] / row["clone_nbytes"] * ratio(row, "clone", "keel")
+    else:
+        d["frac"] = d["gbps"] / line
     return d
 
 
@@ -244,7 +269,9 @@ def _medians(runs: list) -> str:
         return "medians"
     return (f"the median of {passes} passes' medians: each run goes {passes} times through all its cases, timing "
             "each for a part of its budget, so that a burst of load on the machine spoils one pass of a row, not "
-            "the row (`ms_passes` in raw.json keeps each pass's medians)")
+            "the row (`ms_passes` in raw.json keeps each pass's medians). A ratio (`vs eager`, `vs compile`, `of "
+            "bandwidth` against the row's clone, `Keel / clone`) is the median of the ratios within each pass, "
+            "whose contenders shared its load, so it need not be the ratio of the two times shown")
 
 
 # Spread between a row's passes (slowest over fastest pass of Keel's call)
@@ -325,7 +352,7 @@ def _decode(runs: List[dict], misses: List[str]) -> List[str]:
             ms, d = row["ms"], _speedups(row)
             comp, vc = _compile_cells(row, d, _us)
             # Older runs (and cases without a typed call) have no `typed` time.
-            typed, vt = (_us(ms["typed"]), f"{ms['eager'] / ms['typed']:.2f}x") if "typed" in ms else ("-", "-")
+            typed, vt = (_us(ms["typed"]), f"{ratio(row, 'eager', 'typed'):.2f}x") if "typed" in ms else ("-", "-")
             err = max(row["err"]["keel"], row["err"].get("typed", 0.0))
             line = (f"| {title} | {row['op']} | {row['dtype']} | {row['shape']} | {_us(ms['keel'])} | {typed} | "
                     f"{_us(ms['eager'])} | {comp} | {d['vs_eager']:.2f}x | {vt} | {vc} | {err:.1e} |")
@@ -358,7 +385,7 @@ def plots(runs: List[dict], outdir: str) -> List[str]:
             vals = []
             for op in ops:
                 r = next((r for r in rows if r["op"] == op and r["dtype"] == dt), None)
-                vals.append(r["ms"][base] / r["ms"]["keel"] if r and base in r["ms"] else 0)
+                vals.append(ratio(r, base, "keel") if r and base in r["ms"] else 0)
             ax.bar([j + i * width for j in range(len(ops))], vals, width, label=label)
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ops))], ops, rotation=20, ha="right", fontsize=8)

@@ -385,3 +385,17 @@ def test_rows_timed_in_passes_say_so_and_a_moving_load_is_named():
     # Runs recorded before passes: medians, and no such line.
     old = markdown([_run([_row("moved", 1.0, 2.0, 2.0)])], [])
     assert "figures are medians." in old and "Rows whose passes disagreed" not in old
+
+
+def test_ratios_are_taken_within_each_pass():
+    """A burst that slows a whole pass (every contender alike) leaves that
+    pass's ratios alone; the ratio of two medians would mix passes."""
+    row = dict(_row("op", 1.0, 2.0, 2.0), clone_nbytes=10**7,
+               ms_passes={"keel": [1.0, 10.0, 1.2], "eager": [2.0, 20.0, 2.0], "compile": [1.5, 15.0, 6.0],
+                          "clone": [1.0, 10.0, 1.0]})
+    row["ms"] = {k: sorted(v)[1] for k, v in row["ms_passes"].items()}  # 1.2, 2.0, 6.0, 1.0
+    text = markdown([dict(_run([row]), passes=3)], [])
+    # vs eager: median(2.0, 2.0, 1.67) = 2.00, where 2.0 / 1.2 = 1.67; vs compile: median(1.5, 1.5, 5.0) = 1.50,
+    # where 6.0 / 1.2 = 5.00; of bandwidth: median(100%, 100%, 83%) = 100%, where 1.0 / 1.2 = 83%.
+    assert "| op | float32 | s | 1.2 | 2 | 6 | 2.00x | 1.50x | 8.3 | 100% | 1.00 | 0.0e+00 |" in text, text
+    assert "the median of the ratios within each pass" in text
