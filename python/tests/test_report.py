@@ -18,7 +18,10 @@ from render import markdown  # noqa: E402
 def test_small_report_runs_and_checks_values(tmp_path):
     cmd = [sys.executable, os.path.join(REPORT, "report.py"), "--out", str(tmp_path), "--size", "small",
            "--no-thp", "--ops", "rms_norm,rms_norm fwd+bwd,cross_entropy fwd+bwd,rms_norm (qkv view),rotary_embedding (x.T),"
-           "fused_add_rms_norm_ (in place),rotary_embedding_ (in place)", "--decode-ops", "rms_norm,rotary_embedding"]
+           "fused_add_rms_norm_ (in place),rotary_embedding_ (in place)",
+           # With the decode QK-norm, ten cases compile `_rms_norm` in one process: past Dynamo's
+           # recompile limit (8), were they to share its code object (measure.own_code).
+           "--decode-ops", "rms_norm,rotary_embedding,rms_norm (qkv view)"]
     plots = True
     try:
         import matplotlib  # noqa: F401
@@ -46,7 +49,8 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["err"]["compile"] <= 2e-2, r  # torch.compile of the expression agrees too
         assert r["ms"]["compile"] > 0, r
     assert {(r["op"], r["shape"], r["dtype"]) for r in raw["decode"]} == {
-        (op, shape, dt) for op, shape in (("rms_norm", "32x4096"), ("rotary_embedding", "1x32x32x128"))
+        (op, shape, dt)
+        for op, shape in (("rms_norm", "32x4096"), ("rotary_embedding", "1x32x32x128"), ("rms_norm (qkv view)", "32x32x128"))
         for dt in ("float32", "bfloat16")}
     for r in raw["decode"]:
         assert r["ok"] and r["err"]["compile"] <= 2e-2, r
@@ -54,6 +58,8 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["err"]["keel"] > 0, r  # positions 0-31: the rotation is not the identity
         assert r["err"]["typed"] == r["err"]["keel"], r  # the same kernels
     assert all("typed" not in r["ms"] for r in rows), rows  # timed at decode shapes only
+    # Every contender of every row timed in the default three passes.
+    assert raw["passes"] == 3 and all(len(p) == 3 for r in rows + raw["decode"] for p in r["ms_passes"].values())
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     # Every contender's outputs of 1 MiB or more are fresh memory (report.py).
     assert raw["machine"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
