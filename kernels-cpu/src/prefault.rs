@@ -360,8 +360,8 @@ mod tests {
     /// written. The reference outputs go into memory written before, so
     /// they are stored in ascending order. On one thread each output is one
     /// block holding a whole 2 MiB frame, so the huge-page probe runs, and
-    /// where it finds huge pages the bf16 kernels take the descending path
-    /// (checked).
+    /// where it finds huge pages the bf16 kernels take the descending path,
+    /// and rotary's tiles in every type (checked).
     #[cfg(target_os = "linux")]
     #[test]
     fn kernel_output_into_fresh_memory_is_unchanged() {
@@ -379,52 +379,87 @@ mod tests {
         let xg: Vec<bf16> = xb.iter().chain(&dyb).chain(&dyb).copied().collect();
         let w: Vec<f32> = (0..cols).map(|j| 0.5 + (j % 7) as f32 / 8.0).collect();
         let wb: Vec<bf16> = w.iter().map(|&v| bf16::from_f32(v)).collect();
-        // Each kernel, writing the whole of `out`.
-        let kernels: [(&str, Kernel<f32>); 3] = [
-            ("softmax", &|out, par| crate::softmax::forward(&x, out, cols, 1.0, par).unwrap()),
-            ("rms_norm", &|out, par| crate::rms_norm::forward(&x, Some(&w), out, cols, 1e-6, par).unwrap()),
-            ("layer_norm", &|out, par| crate::layer_norm::forward(&x, Some(&w), None, out, cols, 1e-5, par).unwrap()),
+        // Rotary on a q laid out [1, heads, seq, head_dim], passed
+        // transposed (the tiled walk): 1100 x 10 heads of 100 (f32), 20 (bf16).
+        let hd = 100;
+        let shape = |heads| crate::rotary::Shape { batch: 1, seq: rows, heads, head_dim: hd, rotary_dim: hd };
+        let strides = |n| crate::rotary::Strides { batch: n, seq: hd, heads: rows * hd };
+        let angles: Vec<f32> = input(rows * hd / 2).collect();
+        let angles_b: Vec<bf16> = angles.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (sin, sin_b): (Vec<f32>, Vec<bf16>) =
+            (angles.iter().rev().copied().collect(), dyb[..rows * hd / 2].to_vec());
+        // Each kernel, writing the whole of `out`, and where it writes
+        // descending on huge pages.
+        let kernels: [(&str, Descends, Kernel<f32>); 4] = [
+            ("softmax", Descends::Never, &|out, par| crate::softmax::forward(&x, out, cols, 1.0, par).unwrap()),
+            ("rms_norm", Descends::Never, &|out, par| {
+                crate::rms_norm::forward(&x, Some(&w), out, cols, 1e-6, par).unwrap()
+            }),
+            ("layer_norm", Descends::Never, &|out, par| {
+                crate::layer_norm::forward(&x, Some(&w), None, out, cols, 1e-5, par).unwrap()
+            }),
+            ("rotary_embedding (x.T)", Descends::Always, &|out, par| {
+                crate::rotary::apply_strided(&x, strides(n), &angles, &sin, out, shape(10), false, false, par).unwrap()
+            }),
         ];
         let silu = crate::gated::Activation::Silu;
-        // Rotary on a q laid out [1, heads, seq, head_dim], passed
-        // transposed (the tiled walk): 1100 x 20 heads of 100.
-        let (seq, heads, hd) = (rows, 20, 100);
-        let shape = crate::rotary::Shape { batch: 1, seq, heads, head_dim: hd, rotary_dim: hd };
-        let strides = crate::rotary::Strides { batch: nb, seq: hd, heads: seq * hd };
-        let angles: Vec<bf16> = input(seq * hd / 2).map(bf16::from_f32).collect();
-        // Each bf16 kernel, and whether it writes descending on huge pages
-        // (softmax writes upwards).
-        let kernels_bf16: [(&str, bool, Kernel<bf16>); 6] = [
-            ("softmax bf16", false, &|out, par| crate::softmax::forward(&xb, out, cols, 1.0, par).unwrap()),
-            ("rms_norm bf16", true, &|out, par| {
+        // Softmax writes upwards.
+        let kernels_bf16: [(&str, Descends, Kernel<bf16>); 6] = [
+            ("softmax bf16", Descends::Never, &|out, par| crate::softmax::forward(&xb, out, cols, 1.0, par).unwrap()),
+            ("rms_norm bf16", Descends::Bf16, &|out, par| {
                 crate::rms_norm::forward(&xb, Some(&wb), out, cols, 1e-6, par).unwrap()
             }),
-            ("layer_norm bf16", true, &|out, par| {
+            ("layer_norm bf16", Descends::Bf16, &|out, par| {
                 crate::layer_norm::forward(&xb, Some(&wb), None, out, cols, 1e-5, par).unwrap()
             }),
-            ("silu_and_mul bf16", true, &|out, par| crate::gated::forward(silu, &xg, out, cols, par).unwrap()),
-            ("silu_and_mul backward bf16", true, &|out, par| {
+            ("silu_and_mul bf16", Descends::Bf16, &|out, par| {
+                crate::gated::forward(silu, &xg, out, cols, par).unwrap()
+            }),
+            ("silu_and_mul backward bf16", Descends::Bf16, &|out, par| {
                 crate::gated::backward(silu, &dyb, &xb, out, cols / 2, par).unwrap()
             }),
-            ("rotary_embedding (x.T) bf16", true, &|out, par| {
-                crate::rotary::apply_strided(&xb, strides, &angles, &dyb[..seq * hd / 2], out, shape, false, false, par)
+            ("rotary_embedding (x.T) bf16", Descends::Always, &|out, par| {
+                crate::rotary::apply_strided(&xb, strides(nb), &angles_b, &sin_b, out, shape(20), false, false, par)
                     .unwrap()
             }),
         ];
-        // Where the kernels round bf16 in registers and the system gives huge pages.
-        let can_descend = crate::simd::has_v4_bf16() && huge_pages();
+        let huge = huge_pages();
+        // Where the kernels round bf16 in registers.
+        let bf16_in_registers = crate::simd::has_v4_bf16();
+        let check = |name: &str, descends: Descends, advice: Option<i32>, run: &dyn Fn()| {
+            let before = DESCENDED.load(Relaxed);
+            run();
+            let descended = DESCENDED.load(Relaxed) > before;
+            let expect = advice.is_some()
+                && huge
+                && match descends {
+                    Descends::Never => false,
+                    Descends::Bf16 => bf16_in_registers,
+                    Descends::Always => true,
+                };
+            // Only this way: other tests' kernels may count while this one runs.
+            assert!(descended || !expect, "{name}: no block went descending");
+        };
         for advice in [None, Some(libc::MADV_HUGEPAGE)] {
-            for (name, k) in kernels {
-                same_into_fresh(name, n, advice, k);
+            for (name, descends, k) in kernels {
+                check(name, descends, advice, &|| same_into_fresh(name, n, advice, k));
             }
             for (name, descends, k) in kernels_bf16 {
-                let before = DESCENDED.load(Relaxed);
-                same_into_fresh(name, nb, advice, k);
-                let descended = DESCENDED.load(Relaxed) > before;
-                let expect = advice.is_some() && descends && can_descend;
-                assert!(descended || !expect, "{name}: no block went descending");
+                check(name, descends, advice, &|| same_into_fresh(name, nb, advice, k));
             }
         }
+    }
+
+    /// Where a kernel writes a block descending (on fresh huge pages).
+    #[cfg(target_os = "linux")]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Descends {
+        /// Never.
+        Never,
+        /// Where bf16 is rounded in registers (`rows::descends`).
+        Bf16,
+        /// In every type, on every CPU (`Split::get_descending_on_huge`).
+        Always,
     }
 
     /// Whether this system gives huge pages where they are advised (a

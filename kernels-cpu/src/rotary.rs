@@ -334,7 +334,7 @@ fn run<T: Element>(
     // rows of each head instead.
     let tiled = heads > 1 && seq > 1 && st.heads > st.seq;
     par.for_each(blocks.count, &|b| {
-        let (mut y, order) = if tiled { ys.get_ordered(b) } else { (ys.get(b), Order::Ascending) };
+        let (mut y, order) = if tiled { ys.get_descending_on_huge(b) } else { (ys.get(b), Order::Ascending) };
         let rows = blocks.rows(b);
         dispatch(
             #[inline(always)]
@@ -406,7 +406,13 @@ const TILE: usize = 16;
 /// ascending time (3.88-3.93 ms against 4.25-4.29; a clone of q
 /// 3.4-3.5). With each tile's heads and tokens descending too it took 1.12
 /// of it (4.60 against 4.12): each head's 16 rows are read from its last
-/// down, and the next head prefetched was the one below.
+/// down, and the next head prefetched was the one below. Unlike the row
+/// kernels, the tiles gain in every type, so they descend on any fresh
+/// huge pages ([`Split::get_descending_on_huge`]): f32 0.87, 0.90 and 0.91
+/// of the ascending time in three runs (8.2 against 8.5 ms, 7.9 against
+/// 8.9, 9.7 against 10.8; a clone of q 6.3-10.1), f16 0.91 in two;
+/// without THP, where both take the ascending path, 1.00 (session 50,
+/// same process, per-round ratios of 31-41 alternated rounds).
 #[inline(always)]
 fn rotate_tiles<T: Element>(
     x: &[T],
