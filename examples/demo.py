@@ -4,7 +4,7 @@ For each op: the largest error of Keel and of torch against a float64
 reference (Keel must be within the dtype's tolerance), then the medians of
 interleaved timings (keel, torch, clone, keel, ...) from one run, so the ratios
 compare like with like under the same machine load; each op is timed in
-three passes through all of them, and its median pass kept. Torch's side is the eager
+five passes through all of them, and its median pass kept. Torch's side is the eager
 expression the op replaces. `clone` copies the op's inputs into fresh tensors:
 the floor for an op that returns new tensors (allocation, page faults, one
 write). The ops and inputs are those of the benchmark report
@@ -20,7 +20,7 @@ import keel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches", "report"))
 from cases import make_cases  # noqa: E402
-from measure import time_cases  # noqa: E402
+from measure import PASSES, time_cases  # noqa: E402
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
     ap.add_argument("--thp", action="store_true", help="say that THP_MEM_ALLOC_ENABLE=1 is set (scripts/demo.sh)")
     ap.add_argument("--size", default="large", choices=["large", "small"], help="the report's shapes")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per op")
-    ap.add_argument("--passes", type=int, default=3, help="passes through the ops, each timing every op for "
+    ap.add_argument("--passes", type=int, default=PASSES, help="passes through the ops, each timing every op for "
                     "budget/passes seconds (a burst of load then spoils one pass of an op, not all of it)")
     a = ap.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, keel {keel.__version__}"

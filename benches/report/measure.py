@@ -130,6 +130,12 @@ def bandwidth(device: str) -> dict:
 # The contenders whose GPU kernel time a CUDA row records beside its wall time.
 KERNEL_TIMED = ("keel", "eager", "compile")
 
+# Passes through the cases (`time_cases`). With three, session 50's second
+# run had one row whose Keel time was slowed in two passes of three (64, 18
+# and 63 ms; 18-20 when run again alone); with five, a row's median needs
+# three slowed passes to move.
+PASSES = 5
+
 
 def own_code(fn: Callable) -> Callable:
     """A copy of `fn` with a code object of its own.
@@ -222,7 +228,7 @@ def _finish(row: dict, times: Dict[str, List[List[float]]], faults: Dict[str, Li
     return row
 
 
-def time_cases(cases, device: str, dname: str, compile_: bool, budget_s: float, passes: int = 3,
+def time_cases(cases, device: str, dname: str, compile_: bool, budget_s: float, passes: int = PASSES,
                typed: bool = False, kernels: bool = True, ctx=contextlib.nullcontext, desc: str = ""):
     """Yields the row of each of `cases`, timed as `contenders` in
     interleaved rounds (`timing.rounds`) over `passes` passes through all the
@@ -293,7 +299,7 @@ def main() -> None:
                     help="comma-separated case names timed again at decode shapes (empty: none)")
     ap.add_argument("--label", default="")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
-    ap.add_argument("--passes", type=int, default=3, help="passes through the cases, each timing every case "
+    ap.add_argument("--passes", type=int, default=PASSES, help="passes through the cases, each timing every case "
                     "for budget/passes seconds (a burst of load then spoils one pass of a row, not all of it)")
     ap.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead of tiny calls")
     ap.add_argument("--no-kernel-times", action="store_true",

@@ -48,7 +48,7 @@ def main() -> None:
                          "THP_MEM_ALLOC_ENABLE=1 run, a CPU one, only where cpu is among them")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
-    ap.add_argument("--passes", type=int, default=3,
+    ap.add_argument("--passes", type=int, default=5,  # measure.PASSES
                     help="passes through the cases, each timing every case for budget/passes seconds")
     ap.add_argument("--no-kernel-times", action="store_true",
                     help="CUDA: skip each row's GPU kernel times (torch.profiler)")

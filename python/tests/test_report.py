@@ -58,8 +58,8 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["err"]["keel"] > 0, r  # positions 0-31: the rotation is not the identity
         assert r["err"]["typed"] == r["err"]["keel"], r  # the same kernels
     assert all("typed" not in r["ms"] for r in rows), rows  # timed at decode shapes only
-    # Every contender of every row timed in the default three passes.
-    assert raw["passes"] == 3 and all(len(p) == 3 for r in rows + raw["decode"] for p in r["ms_passes"].values())
+    # Every contender of every row timed in the default five passes.
+    assert raw["passes"] == 5 and all(len(p) == 5 for r in rows + raw["decode"] for p in r["ms_passes"].values())
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     # Every contender's outputs of 1 MiB or more are fresh memory (report.py).
     assert raw["machine"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
