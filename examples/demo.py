@@ -31,6 +31,8 @@ def main():
     ap.add_argument("--passes", type=int, default=PASSES, help="passes through the ops, each timing every op for "
                     "budget/passes seconds (a burst of load then spoils one pass of an op, not all of it)")
     a = ap.parse_args()
+    if a.passes < 1:
+        ap.error("--passes must be at least 1")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, keel {keel.__version__}"
           f"{', THP_MEM_ALLOC_ENABLE=1' if a.thp else ''}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -41,7 +43,7 @@ def main():
         for dtype in (torch.float32, torch.bfloat16):
             cases = make_cases(device, dtype, a.size)
             dname = str(dtype)[6:]
-            for row in time_cases(cases, device, dname, False, a.budget, max(1, a.passes), desc=f"{device} {dname}"):
+            for row in time_cases(cases, device, dname, False, a.budget, a.passes, desc=f"{device} {dname}"):
                 if "error" in row:  # the op raised: say so, and go on with the others
                     ok = False
                     print(f"{row['op']:26} {device:4} {dname:8} {row['shape']:13}  FAILED: {row['error']}")

@@ -98,12 +98,11 @@ def _speedups(row: dict) -> dict:
 
 def _derived(row: dict, bw: dict, device: str) -> dict:
     d = {**_speedups(row), "gbps": _gbps(row, "keel"), "floor": ratio(row, "keel", "clone")}
-    line = _line_gbps(row, bw, device)
     if _held_to_own_clone(row, device):
         # Keel's GB/s over its clone's, pass by pass (`ratio`).
         d["frac"] = row["nbytes"] / row["clone_nbytes"] * ratio(row, "clone", "keel")
     else:
-        d["frac"] = d["gbps"] / line
+        d["frac"] = d["gbps"] / _line_gbps(row, bw, device)
     return d
 
 

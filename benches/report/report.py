@@ -48,14 +48,15 @@ def main() -> None:
                          "THP_MEM_ALLOC_ENABLE=1 run, a CPU one, only where cpu is among them")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
-    ap.add_argument("--passes", type=int, default=5,  # measure.PASSES
-                    help="passes through the cases, each timing every case for budget/passes seconds")
+    ap.add_argument("--passes", type=int, default=None,
+                    help="passes through the cases, each timing every case for budget/passes seconds "
+                         "(default: measure.py's PASSES)")
     ap.add_argument("--no-kernel-times", action="store_true",
                     help="CUDA: skip each row's GPU kernel times (torch.profiler)")
     ap.add_argument("--decode-ops", default=None,
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
-    if a.passes < 1:
+    if a.passes is not None and a.passes < 1:
         ap.error("--passes must be at least 1")
     os.makedirs(a.out, exist_ok=True)
     malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))}
@@ -72,7 +73,8 @@ def main() -> None:
         cmd += ["--no-kernel-times"] if a.no_kernel_times else []
         cmd += ["--decode-ops", a.decode_ops] if a.decode_ops is not None else []
         cmd += ["--devices", devices] if devices else []
-        cmd += ["--budget", str(a.budget), "--passes", str(a.passes)]
+        cmd += ["--budget", str(a.budget)]
+        cmd += ["--passes", str(a.passes)] if a.passes is not None else []
         rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
         if not os.path.exists(path):
             sys.exit(f"report: the measuring run '{label or 'default'}' failed (exit {rc})")
