@@ -254,9 +254,12 @@ def time_cases(cases, device: str, dname: str, compile_: bool, budget_s: float, 
             case, row, fns, times, faults = item
             if fns is None:
                 continue
+            # Each pass goes on rotating the contenders' order from where the
+            # case's earlier passes left it.
+            done = sum(len(r) for r in times["keel"])
             try:
                 with ctx():
-                    t, f = rounds(fns, device, budget_s / passes, **per_pass)
+                    t, f = rounds(fns, device, budget_s / passes, start=done, **per_pass)
             except Exception as e:  # noqa: BLE001
                 item[2] = None
                 yield _failed(case, device, dname, e)

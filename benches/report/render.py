@@ -170,7 +170,8 @@ def markdown(runs: List[dict], images: List[str]) -> str:
         lines.append(f"**Run cut short** ({', '.join(cut)}): the tables hold the cases measured before it stopped.")
     lines += ["", "Produced by `scripts/report.sh` (the command regenerates this file and the plots). Each op is timed "
               "as Keel (`torch.ops.keel`), the torch eager expression it replaces, `torch.compile` of that same "
-              "expression, and a `clone` of its inputs, interleaved in one run on the same inputs; figures are "
+              "expression, and a `clone` of its inputs, interleaved in one run on the same inputs (each round in a "
+              "rotated order, so that each follows each of the others in turn); figures are "
               f"{_medians(runs)}. GB/s counts the bytes an op must read and write once (the least any kernel moves). The "
               "bandwidth an op is held against (`of bandwidth`) is, on CPU, that of the fresh `clone` timed beside "
               "it in the same row (outputs are fresh allocations there, and pay the same page faults; the clone "

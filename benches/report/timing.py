@@ -34,7 +34,7 @@ def _minor_faults() -> int:
 
 
 def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5, min_reps: int = 5,
-           max_reps: int = 41) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+           max_reps: int = 41, start: int = 0) -> Tuple[Dict[str, List[float]], Dict[str, List[float]]]:
     """Seconds per call of each function, and its minor page faults per call,
     sampled in interleaved rounds: ({name: [s, ...]}, {name: [faults, ...]}).
 
@@ -42,6 +42,14 @@ def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
     function is called once first (warm-up, lazy compilation). The faults
     say whether a call's outputs were fresh memory or memory reused from an
     earlier free, which sets what its time can be on a CPU.
+
+    Round `r` starts at function `start + r` (modulo their number) and goes
+    round from there, so that each function follows each of the others in
+    turn. A call leaves the machine in a state the next call pays for (freed
+    memory to reuse or fresh pages to fault in, caches filled): in a fixed
+    order, the function that always ran after eager's call was timed against
+    eager's leftovers alone (the typed API's decode rows read up to 1.8x
+    slower than `torch.ops.keel`'s, in sessions 49 and 50, timed alone level).
     """
     sync = _sync(device)
     est = {}
@@ -55,8 +63,11 @@ def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
     reps = int(min(max_reps, max(min_reps, budget_s / max(per_round, 1e-9))))
     times = {k: [] for k in fns}
     flt = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
+    names = list(fns)
+    for r in range(reps):
+        at = (start + r) % len(names)
+        for k in names[at:] + names[:at]:
+            f = fns[k]
             before = _minor_faults()
             times[k].append(_once(f, sync, inner[k]))
             flt[k].append((_minor_faults() - before) / inner[k])

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -378,6 +379,38 @@ def test_cases_are_timed_in_passes_and_a_case_that_raises_costs_its_row():
     for k, passes in good["ms_passes"].items():
         assert len(passes) == 3 and all(p > 0 for p in passes), good
         assert good["ms"][k] == sorted(passes)[1]  # the median pass
+
+
+def test_each_contender_follows_each_other_one_in_turn(monkeypatch):
+    """A call pays for the state the call before it left (freed memory, fresh
+    pages, caches): rounds rotate the contenders' order, and each pass of
+    time_cases goes on rotating from where the case's last pass stopped."""
+    from timing import rounds
+
+    calls = []
+    # Each call outlasts the 0.2 ms below which rounds batches calls.
+    fns = {k: (lambda k=k: calls.append(k) or time.sleep(3e-4)) for k in "abc"}
+    rounds(fns, budget_s=0.0, min_reps=3, max_reps=3)
+    timed = calls[6:]  # after each one's warm-up and estimate
+    assert timed == list("abc" "bca" "cab"), timed
+    calls.clear()
+    rounds(fns, budget_s=0.0, min_reps=2, max_reps=2, start=4)
+    assert calls[6:] == list("bca" "cab"), calls
+
+    import measure
+    from cases import Case
+
+    starts = []
+
+    def spy(fns, device, budget_s, start=0, **kw):
+        starts.append(start)
+        return rounds(fns, device, budget_s, start=start, **kw)
+
+    monkeypatch.setattr(measure, "rounds", spy)
+    case = Case("op", "4x8", (torch.randn(4, 8),), _twice, _twice, 1)
+    (row,) = measure.time_cases([case], "cpu", "float32", False, 0.0, passes=3)
+    assert row["ok"] and len(row["ms_passes"]["keel"]) == 3, row
+    assert starts == [0, 2, 4], starts  # two rounds a pass (min_reps)
 
 
 def test_rows_timed_in_passes_say_so_and_a_moving_load_is_named():
