@@ -109,6 +109,7 @@ def machine(devices) -> dict:
         "thp_sysfs": _thp(),
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
         "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", ""),
+        "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_", ""),
     }
     if "cuda" in devices:
         p = torch.cuda.get_device_properties(0)

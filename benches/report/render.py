@@ -150,6 +150,14 @@ def _misses(row: dict, d: dict, device: str, bw: dict) -> List[str]:
     return m
 
 
+def _trim(trim: str) -> str:
+    """The header's words on glibc's fixed trim threshold (report.py)."""
+    return (f"; `MALLOC_TRIM_THRESHOLD_={trim}`: freed heap memory up to {int(trim) / 2**20:g} MiB stays mapped, as "
+            "glibc's own rule leaves it in a process that has freed a large tensor (with the mmap threshold fixed "
+            "and this one not, it stayed at 128 KiB, and torch's temporaries at decode shapes paid page faults at "
+            "every call).")
+
+
 def markdown(runs: List[dict], images: List[str]) -> str:
     m0 = runs[0]["machine"]
     lines = ["# Keel benchmark report", ""]
@@ -164,7 +172,9 @@ def markdown(runs: List[dict], images: List[str]) -> str:
     if mmap:
         lines.append(f"glibc's `MALLOC_MMAP_THRESHOLD_={mmap}`: outputs of {int(mmap) / 2**20:g} MiB or more are fresh "
                      "memory for every contender (the default threshold moves with what was freed, and gave one "
-                     "contender memory freed before, no page faults, beside another's fresh output).")
+                     "contender memory freed before, no page faults, beside another's fresh output)"
+                     + (_trim(m0["MALLOC_TRIM_THRESHOLD_"]) if m0.get("MALLOC_TRIM_THRESHOLD_") else ".")
+                     )
     cut = [run.get("label") or "default" for run in runs if run.get("complete") is False]
     if cut:
         lines.append(f"**Run cut short** ({', '.join(cut)}): the tables hold the cases measured before it stopped.")

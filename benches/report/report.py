@@ -18,6 +18,16 @@ runs a contender's output was at times memory freed before (no page faults,
 copy speed) and at times fresh, whichever the heap held then (torch.compile's
 rotary (x.T) bf16 output 0 faults a call, Keel's beside it 8193: "0.28x
 torch.compile"). Small outputs (decode shapes) come from the heap either way.
+
+Fixing the mmap threshold also stops glibc moving its trim threshold, which
+then stays at 128 KiB: a free that leaves that much at the top of the heap
+hands it back to the system, and the next allocation faults it in again. In
+the decode rows (`[32, 4096]` f32, 512 KiB a tensor) torch eager's
+temporaries paid 32-128 page faults a call that way and read 2-4x slower than
+in a process left to glibc's defaults (session 51). So `MALLOC_TRIM_THRESHOLD_`
+is fixed too, at 64 MiB: where glibc's own rule (twice the largest mapping
+freed, up to twice its 32 MiB mmap limit) puts it in any process that has
+freed a large tensor.
 """
 import argparse
 import json
@@ -33,6 +43,8 @@ from render import markdown, plots  # noqa: E402
 # glibc's mmap threshold for the measuring processes (see above): outputs of
 # 1 MiB or more are fresh mappings.
 MMAP_THRESHOLD = 1 << 20
+# glibc's trim threshold for them (see above): freed heap memory stays mapped.
+TRIM_THRESHOLD = 64 << 20
 
 
 def main() -> None:
@@ -59,7 +71,8 @@ def main() -> None:
     if a.passes is not None and a.passes < 1:
         ap.error("--passes must be at least 1")
     os.makedirs(a.out, exist_ok=True)
-    malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))}
+    malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
+              "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD))}
     configs = [("", malloc, a.devices)]
     if not a.no_thp and (a.devices is None or "cpu" in a.devices.split(",")):
         configs.append(("THP_MEM_ALLOC_ENABLE=1", {**malloc, "THP_MEM_ALLOC_ENABLE": "1"}, "cpu"))

@@ -64,7 +64,10 @@ def test_small_report_runs_and_checks_values(tmp_path):
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     # Every contender's outputs of 1 MiB or more are fresh memory (report.py).
     assert raw["machine"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
+    # ... and freed heap memory stays mapped (see the test below).
+    assert raw["machine"]["MALLOC_TRIM_THRESHOLD_"] == os.environ.get("MALLOC_TRIM_THRESHOLD_", str(64 << 20))
     text = (tmp_path / "REPORT.md").read_text()
+    assert "`MALLOC_TRIM_THRESHOLD_=" in text
     assert "| rms_norm | bfloat16 | 64x256 |" in text
     assert "## Per-call overhead" in text
     assert "| CPU | rms_norm | bfloat16 | 32x4096 |" in text.split("## Decode-sized calls")[1]
@@ -84,6 +87,46 @@ def _row(op, keel, eager, compile_, nbytes=10**7, bound=True, err=0.0):
     return {"op": op, "shape": "s", "dtype": "float32", "device": "cpu", "nbytes": nbytes, "bandwidth_bound": bound,
             "backward": False, "ms": {"keel": keel, "eager": eager, "compile": compile_, "clone": 1.0},
             "err": {"keel": err}, "ok": err < 1e-3}
+
+
+_DECODE_FAULTS = """
+import resource, statistics, torch
+x = torch.randn(32, 4096)
+def faults():
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.nn.functional.silu(x) * x  # torch eager's temporaries at a decode shape: 512 KiB each
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+with torch.no_grad():
+    for _ in range(20):
+        faults()
+    print(statistics.median(faults() for _ in range(200)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc thresholds: Linux only")
+def test_the_measuring_processes_keep_freed_heap_memory_mapped():
+    """report.py fixes glibc's mmap threshold, which also stops glibc moving
+    its trim threshold: left at 128 KiB, each free of a temporary at the top
+    of the heap gave it back and the next call faulted it in again, so torch
+    eager's decode rows paid page faults that a process left to glibc's
+    defaults does not (2-4x slower in the reports up to session 51). With the trim
+    threshold the report sets beside it, they pay none."""
+    import report
+
+    def median_faults(**env):
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "THP_"))}
+        out = subprocess.run([sys.executable, "-c", _DECODE_FAULTS], env={**base, **env},
+                             capture_output=True, text=True, check=True).stdout
+        return float(out.split()[-1])
+
+    mmap = str(report.MMAP_THRESHOLD)
+    assert median_faults(MALLOC_MMAP_THRESHOLD_=mmap, MALLOC_TRIM_THRESHOLD_=str(report.TRIM_THRESHOLD)) == 0
+    # What the report measured before, the mmap threshold alone: 48-224
+    # faults a call on the CI machine, with the heap's layout (128 pages a
+    # tensor).
+    assert median_faults(MALLOC_MMAP_THRESHOLD_=mmap) >= 16
+    # And a process left to glibc's defaults, as the report's is now.
+    assert median_faults() == 0
 
 
 @pytest.mark.parametrize("keel_ms, misses", [
