@@ -3,7 +3,7 @@
 //! bias, sequential and on rayon.
 mod common;
 
-use common::{assert_close, assert_close_floor, in_pool, sum_scale, to_elems, Tol};
+use common::{assert_close, assert_close_floor, grad_floor, in_pool, sum_scale, to_elems, Tol};
 use keel::cpu::{bf16, f16, Par};
 use keel::ops::layer_norm::{backward_cpu, forward_cpu};
 use keel_cpu::layer_norm::{backward_ref, forward_ref};
@@ -39,11 +39,7 @@ fn check<T: Tol>(c: &Case) {
         // dx subtracts terms of the size of rstd * |dy * w|: bound each row by those.
         for r in 0..rows {
             let row = r * cols..(r + 1) * cols;
-            let xs: Vec<f64> = x[row.clone()].iter().map(|v| v.to_f64()).collect();
-            let mean = xs.iter().sum::<f64>() / cols as f64;
-            let var = xs.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / cols as f64;
-            let g_max = (0..cols).map(|j| (dy[r * cols + j].to_f64() * w.map_or(1.0, |w| w[j].to_f64())).abs());
-            let floor = 4.0 * g_max.fold(0.0, f64::max) / (var + eps).sqrt();
+            let floor = grad_floor(&x[row.clone()], &dy[row.clone()], w, eps, true);
             assert_close_floor(&dx[row.clone()], &want_dx[row], 4.0 * scale, floor, "grad_input");
         }
         let s = 4.0 * scale * (rows.max(1) as f64).sqrt();

@@ -53,6 +53,23 @@ pub fn assert_close_floor<T: Tol>(got: &[T], want: &[f64], scale: f64, floor: f6
     }
 }
 
+/// The floor for [`assert_close_floor`] of a norm's input gradient in the
+/// row `x` (rows of `cols`, `dy` and `w` the same shapes as for the op):
+/// `dx = rstd (g - ...)`, with `g = dy * w`, subtracts terms of about
+/// `rstd max|g|`, and f32 loses their digits, not the result's. Where the
+/// row's mean square (or, `centered`, its variance) is small against `eps`,
+/// `rstd` is large and the difference small: a row of one value `-0.0124`
+/// (`x + residual` of `-3.379` and `3.366`) gives `rstd` 80 and `dx` 3.33 from
+/// terms of 516, 7.8e-5 off in f32 (session 51's CI). `4 rstd max|g|`.
+pub fn grad_floor<T: Element>(x: &[T], dy: &[T], w: Option<&[T]>, eps: f64, centered: bool) -> f64 {
+    let xs: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
+    let n = xs.len().max(1) as f64;
+    let mean = if centered { xs.iter().sum::<f64>() / n } else { 0.0 };
+    let var = xs.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+    let g_max = (0..x.len()).map(|j| (dy[j].to_f64() * w.map_or(1.0, |w| w[j].to_f64())).abs()).fold(0.0, f64::max);
+    4.0 * g_max / (var + eps).sqrt()
+}
+
 /// Scale for a result that sums `n` f32-rounded terms: sqrt(n) f32 roundings
 /// on top of the dtype's own tolerance.
 pub fn sum_scale<T: Tol>(n: usize) -> f64 {
