@@ -23,8 +23,9 @@ Fixing the mmap threshold also stops glibc moving its trim threshold, which
 then stays at 128 KiB: a free that leaves that much at the top of the heap
 hands it back to the system, and the next allocation faults it in again. In
 the decode rows (`[32, 4096]` f32, 512 KiB a tensor) torch eager's
-temporaries paid 32-128 page faults a call that way and read 2-4x slower than
-in a process left to glibc's defaults (session 51). So `MALLOC_TRIM_THRESHOLD_`
+temporaries paid 48-224 page faults a call that way and read up to 5x slower
+than in a process left to glibc's defaults (session 51; `silu(x) * x` alone:
+372 µs against 42). So `MALLOC_TRIM_THRESHOLD_`
 is fixed too, at 64 MiB: where glibc's own rule (twice the largest mapping
 freed, up to twice its 32 MiB mmap limit) puts it in any process that has
 freed a large tensor.

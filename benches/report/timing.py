@@ -48,8 +48,7 @@ def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
     turn. A call leaves the machine in a state the next call pays for (freed
     memory to reuse or fresh pages to fault in, caches filled): in a fixed
     order, the function that always ran after eager's call was timed against
-    eager's leftovers alone (the typed API's decode rows read up to 1.8x
-    slower than `torch.ops.keel`'s, in sessions 49 and 50, timed alone level).
+    eager's leftovers alone.
     """
     sync = _sync(device)
     est = {}

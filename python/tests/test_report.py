@@ -109,8 +109,8 @@ def test_the_measuring_processes_keep_freed_heap_memory_mapped():
     its trim threshold: left at 128 KiB, each free of a temporary at the top
     of the heap gave it back and the next call faulted it in again, so torch
     eager's decode rows paid page faults that a process left to glibc's
-    defaults does not (2-4x slower in the reports up to session 51). With the trim
-    threshold the report sets beside it, they pay none."""
+    defaults does not (up to 5x slower in the reports of sessions 49-51).
+    With the trim threshold the report sets beside it, they pay none."""
     import report
 
     def median_faults(**env):

@@ -53,9 +53,9 @@ pub fn assert_close_floor<T: Tol>(got: &[T], want: &[f64], scale: f64, floor: f6
     }
 }
 
-/// The floor for [`assert_close_floor`] of a norm's input gradient in the
-/// row `x` (rows of `cols`, `dy` and `w` the same shapes as for the op):
-/// `dx = rstd (g - ...)`, with `g = dy * w`, subtracts terms of about
+/// The floor for [`assert_close_floor`] of a norm's input gradient over one
+/// row `x` (`dy` as long, `w` too where given): `dx = rstd (g - ...)`, with
+/// `g = dy * w`, subtracts terms of about
 /// `rstd max|g|`, and f32 loses their digits, not the result's. Where the
 /// row's mean square (or, `centered`, its variance) is small against `eps`,
 /// `rstd` is large and the difference small: a row of one value `-0.0124`
