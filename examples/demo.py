@@ -21,6 +21,7 @@ import keel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches", "report"))
 from cases import make_cases  # noqa: E402
 from measure import PASSES, time_cases  # noqa: E402
+from timing import passes_arg  # noqa: E402
 
 
 def main():
@@ -28,11 +29,9 @@ def main():
     ap.add_argument("--thp", action="store_true", help="say that THP_MEM_ALLOC_ENABLE=1 is set (scripts/demo.sh)")
     ap.add_argument("--size", default="large", choices=["large", "small"], help="the report's shapes")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per op")
-    ap.add_argument("--passes", type=int, default=PASSES, help="passes through the ops, each timing every op for "
+    ap.add_argument("--passes", type=passes_arg, default=PASSES, help="passes through the ops, each timing every op for "
                     "budget/passes seconds (a burst of load then spoils one pass of an op, not all of it)")
     a = ap.parse_args()
-    if a.passes < 1:
-        ap.error("--passes must be at least 1")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, keel {keel.__version__}"
           f"{', THP_MEM_ALLOC_ENABLE=1' if a.thp else ''}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -23,7 +23,7 @@ import torch
 
 import keel
 from cases import DECODE_OPS, OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
-from timing import interleaved, kernel_us, per_call, rounds
+from timing import interleaved, kernel_us, passes_arg, per_call, rounds
 
 try:
     from tqdm import tqdm
@@ -303,14 +303,12 @@ def main() -> None:
                     help="comma-separated case names timed again at decode shapes (empty: none)")
     ap.add_argument("--label", default="")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
-    ap.add_argument("--passes", type=int, default=PASSES, help="passes through the cases, each timing every case "
+    ap.add_argument("--passes", type=passes_arg, default=PASSES, help="passes through the cases, each timing every case "
                     "for budget/passes seconds (a burst of load then spoils one pass of a row, not all of it)")
     ap.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead of tiny calls")
     ap.add_argument("--no-kernel-times", action="store_true",
                     help="CUDA: skip each row's GPU kernel times (torch.profiler, about a second a row)")
     a = ap.parse_args()
-    if a.passes < 1:
-        ap.error("--passes must be at least 1")
     warnings.filterwarnings("ignore")
     devices = [d for d in a.devices.split(",") if d]
     for d in devices:

@@ -170,11 +170,11 @@ def markdown(runs: List[dict], images: List[str]) -> str:
         lines.append("No GPU on this machine: the CUDA section is absent.")
     mmap = m0.get("MALLOC_MMAP_THRESHOLD_")
     if mmap:
+        trim = m0.get("MALLOC_TRIM_THRESHOLD_")
         lines.append(f"glibc's `MALLOC_MMAP_THRESHOLD_={mmap}`: outputs of {int(mmap) / 2**20:g} MiB or more are fresh "
                      "memory for every contender (the default threshold moves with what was freed, and gave one "
                      "contender memory freed before, no page faults, beside another's fresh output)"
-                     + (_trim(m0["MALLOC_TRIM_THRESHOLD_"]) if m0.get("MALLOC_TRIM_THRESHOLD_") else ".")
-                     )
+                     + (_trim(trim) if trim else "."))
     cut = [run.get("label") or "default" for run in runs if run.get("complete") is False]
     if cut:
         lines.append(f"**Run cut short** ({', '.join(cut)}): the tables hold the cases measured before it stopped.")

@@ -25,10 +25,9 @@ hands it back to the system, and the next allocation faults it in again. In
 the decode rows (`[32, 4096]` f32, 512 KiB a tensor) torch eager's
 temporaries paid 48-224 page faults a call that way and read up to 5x slower
 than in a process left to glibc's defaults (session 51; `silu(x) * x` alone:
-372 µs against 42). So `MALLOC_TRIM_THRESHOLD_`
-is fixed too, at 64 MiB: where glibc's own rule (twice the largest mapping
-freed, up to twice its 32 MiB mmap limit) puts it in any process that has
-freed a large tensor.
+372 µs against 42). So `MALLOC_TRIM_THRESHOLD_` is fixed too, at 64 MiB:
+where glibc's own rule (twice the largest mapping freed, up to twice its 32
+MiB mmap limit) puts it in any process that has freed a large tensor.
 """
 import argparse
 import json
@@ -40,6 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from render import markdown, plots  # noqa: E402
+from timing import passes_arg  # noqa: E402
 
 # glibc's mmap threshold for the measuring processes (see above): outputs of
 # 1 MiB or more are fresh mappings.
@@ -61,7 +61,7 @@ def main() -> None:
                          "THP_MEM_ALLOC_ENABLE=1 run, a CPU one, only where cpu is among them")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
-    ap.add_argument("--passes", type=int, default=None,
+    ap.add_argument("--passes", type=passes_arg, default=None,
                     help="passes through the cases, each timing every case for budget/passes seconds "
                          "(default: measure.py's PASSES)")
     ap.add_argument("--no-kernel-times", action="store_true",
@@ -69,8 +69,6 @@ def main() -> None:
     ap.add_argument("--decode-ops", default=None,
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
-    if a.passes is not None and a.passes < 1:
-        ap.error("--passes must be at least 1")
     os.makedirs(a.out, exist_ok=True)
     malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
               "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD))}

@@ -4,6 +4,7 @@ like under the same machine load. On CUDA each sample is a batch of calls
 between two synchronisations, sized to last at least a millisecond, so the
 synchronisation does not dominate short kernels.
 """
+import argparse
 import resource
 import statistics
 import time
@@ -71,6 +72,18 @@ def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
             times[k].append(_once(f, sync, inner[k]))
             flt[k].append((_minor_faults() - before) / inner[k])
     return times, flt
+
+
+def passes_arg(text: str) -> int:
+    """The argparse type of `--passes` (report.py, measure.py, the demo): a
+    whole number of passes through the cases, at least 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
 
 
 def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,

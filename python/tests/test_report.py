@@ -424,6 +424,16 @@ def test_cases_are_timed_in_passes_and_a_case_that_raises_costs_its_row():
         assert good["ms"][k] == sorted(passes)[1]  # the median pass
 
 
+@pytest.mark.parametrize("script", ["benches/report/report.py", "benches/report/measure.py", "examples/demo.py"])
+@pytest.mark.parametrize("value, says", [("0", "must be at least 1, got 0"), ("two", "must be a whole number, got 'two'")])
+def test_every_command_refuses_passes_below_one(script, value, says):
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = [] if script.startswith("examples") else ["--out", "/nonexistent"]
+    r = subprocess.run([sys.executable, os.path.join(root, script), *out, "--passes", value],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and f"argument --passes: {says}" in r.stderr, r.stderr
+
+
 def test_each_contender_follows_each_other_one_in_turn(monkeypatch):
     """A call pays for the state the call before it left (freed memory, fresh
     pages, caches): rounds rotate the contenders' order, and each pass of
