@@ -109,7 +109,7 @@ pub(crate) fn exp_nonpos_f32(x: f32) -> f32 {
 pub(crate) const EXP4_C: [f32; 4] = [0.999_966_86, 0.500_030_16, 0.167_874_75, 0.041_513_857];
 
 /// [`exp_nonpos_f32`] for results that are then rounded to 16 bits (bf16 or
-/// f16 softmax): a degree-4 polynomial, and `x - n ln 2` with one constant
+/// f16): a degree-4 polynomial, and `x - n ln 2` with one constant
 /// (one fused multiply-add, where the f32-accurate version splits `ln 2` in
 /// two), so two vector instructions fewer per 16 values. Within 3.2e-6 of
 /// `e^x`, relative, down to `-87.34` (the test samples 5 million points),
@@ -121,9 +121,11 @@ pub(crate) const EXP4_C: [f32; 4] = [0.999_966_86, 0.500_030_16, 0.167_874_75, 0
 /// kernels make the same trade (`Vectorized<float>::fexp_u20`, "for cases
 /// where outputs will be downcasted to FP16 / BF16").
 ///
-/// On x86 softmax runs the explicit code (`wide::x86::math::ExpNonposNarrow`),
-/// which the tests hold to this bit for bit; the gated ops' lane loop calls
-/// this itself (gelu's backward pdf, through `Acc::exp_nonpos_narrow`).
+/// gelu's backward pdf takes it: the explicit code on x86
+/// (`wide::x86::math::ExpNonposNarrow`, which the tests hold to this bit
+/// for bit), the lane loop through `Acc::exp_nonpos_narrow`. Softmax's bf16
+/// and f16 rows on x86 take [`exp_shifted_narrow_f32`], fewer instructions
+/// for the same accuracy where the argument is `x - max`.
 #[inline(always)]
 pub(crate) fn exp_nonpos_narrow_f32(x: f32) -> f32 {
     let v = exp4(x);
@@ -167,6 +169,53 @@ fn exp4(x: f32) -> f32 {
     p = p.mul_add(t, EXP4_C[1]);
     p = p.mul_add(t, EXP4_C[0]);
     t.mul_add(p, 1.0) * s
+}
+
+/// Minimax coefficients (relative error 2.6e-6 in exact arithmetic, 2.7e-6
+/// in f32) of `2^f ~ C0 + f (C1 + f (C2 + f (C3 + f C4)))` on `[0, 1]`,
+/// fitted for Keel (Lawson's iteration on 20001 points) and rounded to f32.
+pub(crate) const EXP2_C: [f32; 5] = [1.000_002_6, 0.693_003_83, 0.241_442_74, 0.052_011_468, 0.013_534_171];
+
+/// The largest row maximum `|m|` whose `m log2(e)` [`exp_shifted_narrow_f32`]
+/// may take rounded (to within 2^-8 in `t`); softmax moves rows past it
+/// to a maximum of 0 first (every f16 row is within it).
+pub(crate) const SHIFT_FUSED_MAX: f32 = 65536.0;
+
+/// `e^(x - m)` for `x <= m` as softmax's bf16 and f16 rows on x86 take it
+/// (`wide::x86::math::ExpShiftedNarrow` gives these values bit for bit at
+/// every width; this is the tests' reference): `2^t` with
+/// `t = x log2(e) - m_log2e` in one fused multiply-add, where `m_log2e` is
+/// `m log2(e)` rounded once for the row, and 0 where `t < cutoff` (NaN
+/// stays NaN).
+///
+/// - `2^t = 2^floor(t) p(t - floor(t))`, `p` the degree-4 [`EXP2_C`], with
+///   no `ln 2` constants, and `2^floor(t)` by one `vscalefps` on AVX-512.
+///   Within 2.7e-6 of `2^t`, relative; `cutoff` must be at least -126, so
+///   that every result kept is a normal f32 (exact scaling at every width).
+/// - `t` is rounded once: `|t| 2^-24` more, relative (1e-6 at `t = -17`,
+///   where the term is 1e-5 of the largest).
+/// - The rounding of `m log2(e)` shifts every `t` of the row alike, which
+///   the division by the sum takes out, but only while it is small: for
+///   `|m|` up to [`SHIFT_FUSED_MAX`] it is under 2^-8 (past about 2^24 it
+///   would be more than 1, and the largest term could be `+inf`).
+///
+/// Against [`exp_nonpos_narrow_f32`] of `x - m`: three vector instructions
+/// fewer per 16 values on AVX-512 and one fewer with AVX2, as accurate for
+/// the terms that make up a softmax.
+#[cfg(test)]
+pub(crate) fn exp_shifted_narrow_f32(x: f32, m_log2e: f32, cutoff: f32) -> f32 {
+    let t = x.mul_add(LOG2E, -m_log2e);
+    if t < cutoff {
+        return 0.0;
+    }
+    let n = t.floor();
+    let f = t - n;
+    let mut p = EXP2_C[4].mul_add(f, EXP2_C[3]);
+    for c in EXP2_C[..3].iter().rev() {
+        p = p.mul_add(f, *c);
+    }
+    // 2^n from its bits; NaN's `n as i32` is 0, and `p` is NaN anyway.
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
 /// `erf(x)` is exactly `±1` in f32 from `|x|` = this on.
@@ -303,6 +352,51 @@ mod tests {
             assert_eq!(exp_nonpos_narrow_f32(x), 0.0, "exp({x})");
         }
         assert!(exp_nonpos_narrow_f32(-87.33) > 0.0);
+    }
+
+    #[test]
+    fn exp_shifted_narrow_is_within_2_7e_6_of_exact_powers_of_two() {
+        // `x = 0` makes `t = -m_log2e` exact: the polynomial and the
+        // scaling alone, over every binade the cutoff leaves.
+        let f = |t: f32| exp_shifted_narrow_f32(0.0, -t, -126.0);
+        let mut worst = 0f64;
+        for i in 0..=4_000_000u32 {
+            let t = (-126.0 + 126.0 * i as f64 / 4e6) as f32;
+            worst = worst.max((f(t) as f64 / 2f64.powf(t as f64) - 1.0).abs());
+        }
+        println!("exp_shifted_narrow: worst relative error {worst:.3e} of 2^t on [-126, 0]");
+        assert!(worst <= 2.7e-6, "{worst}");
+        assert!(worst >= 1e-6, "{worst}: the test no longer measures the degree-4 fit");
+        assert!(f(-126.0) >= f32::MIN_POSITIVE, "normal at the lowest cutoff");
+        for t in [-126.001, -200.0, f32::NEG_INFINITY] {
+            assert_eq!(f(t), 0.0, "2^{t}");
+        }
+        assert!(exp_shifted_narrow_f32(f32::NAN, 0.0, -126.0).is_nan());
+        assert!(exp_shifted_narrow_f32(1.0, f32::NAN, -126.0).is_nan());
+        // A row of -inf (its maximum too) is NaN, as in torch.
+        let m_log2e = f32::NEG_INFINITY * LOG2E;
+        assert!(exp_shifted_narrow_f32(f32::NEG_INFINITY, m_log2e, -126.0).is_nan());
+    }
+
+    /// As softmax calls it, for row maxima up to `SHIFT_FUSED_MAX`: each
+    /// term over the row's largest (the ratio a softmax keeps) within the
+    /// fit's error twice and the rounding of `t`, of `e^(x - m)`; the
+    /// largest itself within 2^-8 of 1.
+    #[test]
+    fn exp_shifted_narrow_keeps_the_ratios_of_a_row() {
+        for m in [0.0f32, 7.3, -250.5, 1000.25, 3.0e4, -SHIFT_FUSED_MAX, SHIFT_FUSED_MAX] {
+            let m_log2e = m * LOG2E;
+            let top = exp_shifted_narrow_f32(m, m_log2e, -126.0) as f64;
+            assert!((top - 1.0).abs() <= 2f64.powi(-8), "m={m}: {top}");
+            for i in 0..=200_000u32 {
+                let x = (m as f64 - 80.0 * i as f64 / 2e5) as f32;
+                let want = (x as f64 - m as f64).exp();
+                let t = (x as f64 - m as f64) * std::f64::consts::LOG2_E;
+                let tol = 5.4e-6 + t.abs() * 2f64.powi(-24);
+                let got = exp_shifted_narrow_f32(x, m_log2e, -126.0) as f64 / top;
+                assert!((got / want - 1.0).abs() <= tol, "m={m} x={x}: {got:e} vs {want:e}");
+            }
+        }
     }
 
     #[test]

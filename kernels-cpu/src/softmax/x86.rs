@@ -14,9 +14,9 @@
 //! operations in its order. Only the order of the sum differs (two vector
 //! accumulators, a part last step, then a tree over the lanes).
 use crate::element::Element;
-use crate::math::NORMAL_CUTOFF;
+use crate::math::{LOG2E, NORMAL_CUTOFF, SHIFT_FUSED_MAX};
 use crate::simd::prefetch_part;
-use crate::wide::x86::math::{ExpNonpos, ExpNonposFn, ExpNonposNarrow};
+use crate::wide::x86::math::{ExpNonpos, ExpNonposFn, ExpShiftedNarrow};
 use crate::wide::x86::{run, Kernel, Lanes};
 use crate::wide::{cast_mut, has_lanes, is};
 use half::bf16;
@@ -69,24 +69,26 @@ pub(super) fn widen_max<T: 'static>(x: &[T], w: &mut [f32], scale: f32) -> Optio
 /// `e_i = exp(e_i - m)` in place, returning their sum, prefetching `ahead`
 /// (and `ahead_w` for writing) as [`exp_sum`] does; `None` where there is no
 /// explicit code. For rows whose results are rounded to bf16 or f16: the
-/// `exp` is [`crate::math::exp_nonpos_narrow_f32`] (within 3.2e-6,
-/// relative; two instructions fewer per vector than the f32 one), and 0
-/// below [`narrow_cutoff`] rather than `NORMAL_CUTOFF`.
+/// `exp` is [`crate::math::exp_shifted_narrow_f32`] (`2^t`, within 2.7e-6
+/// relative and `t`'s rounding; two instructions fewer per vector than
+/// `exp_nonpos_narrow_f32` of `x - m` on AVX-512), 0 where `t` is below
+/// [`narrow_cutoff`].
 #[inline(always)]
 pub(super) fn exp_sum_in_place<A: 'static>(e: &mut [f32], m: f32, ahead: &[A], ahead_w: &[A]) -> Option<f32> {
     run(ExpSum::<f32, A, true, true>::in_place(e, m, (ahead, ahead_w)))
 }
 
-/// Where [`exp_sum_in_place`] over a row of `len` values stops: `exp` is 0
-/// below `NORMAL_CUTOFF + ln(len) + 1` (terms under `2.7 len 2^-126`,
-/// 3.2e-38 per value: 1.3e-34 for rows of 4096), so that every term left,
-/// divided by the sum (at most `len`), is still a normal f32, and
-/// [`scale_bf16`] may round without checking for subnormals. A bf16 softmax
-/// output under `1.3e-34 / sum` is 0 where it would be that tiny value; f16
-/// cannot hold such values anyway.
+/// Where [`exp_sum_in_place`] over a row of `len` values stops, in the
+/// units of its `t = (x - m) log2(e)`: `exp` is 0 below
+/// `(NORMAL_CUTOFF + ln(len) + 1) log2(e)`, about `-126 + log2(len) + 1.44`
+/// (terms under `2.7 len 2^-126`, 3.2e-38 per value: 1.3e-34 for rows of
+/// 4096), so that every term left, divided by the sum (at most `len`), is
+/// still a normal f32, and [`scale_bf16`] may round without checking for
+/// subnormals. A bf16 softmax output under `1.3e-34 / sum` is 0 where it
+/// would be that tiny value; f16 cannot hold such values anyway.
 #[inline(always)]
 pub(super) fn narrow_cutoff(len: usize) -> f32 {
-    NORMAL_CUTOFF + (len.max(1) as f32).ln() + 1.0
+    (NORMAL_CUTOFF + (len.max(1) as f32).ln() + 1.0) * LOG2E
 }
 
 /// The longest row [`scale_bf16`] takes: the margin of [`narrow_cutoff`]
@@ -261,7 +263,7 @@ pub(super) struct ExpSum<'a, T, A, const STORE: bool, const NARROW: bool = false
     e: *mut f32,
     scale: f32,
     m: f32,
-    /// Below this argument `exp` is 0 (`NARROW` only).
+    /// Below this `t` (`(x - m) log2(e)`) `exp` is 0 (`NARROW` only).
     cutoff: f32,
     ahead: &'a [A],
     ahead_w: &'a [A],
@@ -287,7 +289,17 @@ impl<'a, A> ExpSum<'a, f32, A, true, true> {
     /// In place: `e` is read as the row (already scaled) and overwritten.
     /// Each vector is loaded before the same lanes are stored. With the
     /// `exp` for 16-bit results (`NARROW`), 0 below [`narrow_cutoff`].
+    ///
+    /// A row whose maximum is past [`SHIFT_FUSED_MAX`] (rare: logits are
+    /// not that large) has it subtracted first, here, and goes on with a
+    /// maximum of 0.
     pub(super) fn in_place(e: &'a mut [f32], m: f32, (ahead, ahead_w): (&'a [A], &'a [A])) -> Self {
+        let m = if m.abs() <= SHIFT_FUSED_MAX {
+            m
+        } else {
+            e.iter_mut().for_each(|v| *v -= m);
+            0.0
+        };
         let (len, e) = (e.len(), e.as_mut_ptr());
         ExpSum { x: e, len, e, scale: 1.0, m, cutoff: narrow_cutoff(len), ahead, ahead_w, rows: PhantomData }
     }
@@ -299,27 +311,56 @@ impl<T: 'static, A, const STORE: bool, const NARROW: bool> Kernel for ExpSum<'_,
     fn run<L: Lanes>(self, l: L) -> f32 {
         // `x * 1` is `x`: at scale 1 (the usual call, and cross-entropy's)
         // one multiply fewer per vector, in a pass that is compute-bound.
-        let cutoff = self.cutoff;
+        let (m, cutoff) = (self.m, self.cutoff);
+        let exact = || Shifted { exp: ExpNonpos::new(l), m: l.splat(m) };
+        let narrow = || ExpShiftedNarrow::new(l, m * LOG2E, cutoff);
         match (self.scale == 1.0, NARROW) {
-            (true, false) => self.exp_sum::<L, false, _>(l, ExpNonpos::new(l)),
-            (false, false) => self.exp_sum::<L, true, _>(l, ExpNonpos::new(l)),
-            (true, true) => self.exp_sum::<L, false, _>(l, ExpNonposNarrow::with_cutoff(l, cutoff)),
-            (false, true) => self.exp_sum::<L, true, _>(l, ExpNonposNarrow::with_cutoff(l, cutoff)),
+            (true, false) => self.exp_sum::<L, false, _>(l, exact()),
+            (false, false) => self.exp_sum::<L, true, _>(l, exact()),
+            (true, true) => self.exp_sum::<L, false, _>(l, narrow()),
+            (false, true) => self.exp_sum::<L, true, _>(l, narrow()),
         }
     }
 }
 
-impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STORE, NARROW> {
-    /// The pass with the `exp` `c`, multiplying by the scale only when
-    /// `SCALED`.
+/// `e^(v - m)` for the values `v` of a row whose maximum is `m`, as the
+/// `exp` pass takes it.
+trait Term<L: Lanes> {
+    /// On every lane.
+    fn term(&self, l: L, v: L::V) -> L::V;
+}
+
+/// For f32 results: [`crate::math::exp_nonpos_f32`] of `v - m`.
+struct Shifted<V> {
+    exp: ExpNonpos<V>,
+    m: V,
+}
+
+impl<L: Lanes> Term<L> for Shifted<L::V> {
     #[inline(always)]
-    fn exp_sum<L: Lanes, const SCALED: bool, E: ExpNonposFn<L>>(self, l: L, c: E) -> f32 {
+    fn term(&self, l: L, v: L::V) -> L::V {
+        self.exp.eval(l, l.sub(v, self.m))
+    }
+}
+
+impl<L: Lanes> Term<L> for ExpShiftedNarrow<L::V> {
+    #[inline(always)]
+    fn term(&self, l: L, v: L::V) -> L::V {
+        self.eval(l, v)
+    }
+}
+
+impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STORE, NARROW> {
+    /// The pass with the terms `c`, multiplying by the scale first only
+    /// when `SCALED`.
+    #[inline(always)]
+    fn exp_sum<L: Lanes, const SCALED: bool, E: Term<L>>(self, l: L, c: E) -> f32 {
         let (p, len, q, n) = (self.x, self.len, self.e, L::N);
         // Prefetches go by 32 values (one call per 64 or 128 bytes of `x`,
         // whatever the width), as the lane loop's.
         const PART: usize = 32;
-        let (s, mv) = (l.splat(self.scale), l.splat(self.m));
-        let arg = |v| l.sub(if SCALED { l.mul(v, s) } else { v }, mv);
+        let s = l.splat(self.scale);
+        let arg = |v| if SCALED { l.mul(v, s) } else { v };
         // Two accumulators with AVX-512's 32 registers; one with AVX2's 16,
         // where the ten constants, the scale and the maximum leave no room
         // for a second (it was spilled, and reloaded on every step).
@@ -340,7 +381,7 @@ impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STOR
                     }
                 }
                 for (k, a) in acc.iter_mut().take(u).enumerate() {
-                    let v = c.eval(l, arg(l.load(p.add(at + n * k))));
+                    let v = c.term(l, arg(l.load(p.add(at + n * k))));
                     if STORE {
                         l.store(q.add(at + n * k), v);
                     }
@@ -349,7 +390,7 @@ impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STOR
                 at += u * n;
             }
             while at + n <= len {
-                let v = c.eval(l, arg(l.load(p.add(at))));
+                let v = c.term(l, arg(l.load(p.add(at))));
                 if STORE {
                     l.store(q.add(at), v);
                 }
@@ -357,7 +398,7 @@ impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STOR
                 at += n;
             }
             if at < len {
-                let v = c.eval(l, arg(l.load_part(p.add(at), len - at)));
+                let v = c.term(l, arg(l.load_part(p.add(at), len - at)));
                 if STORE {
                     l.store_part(q.add(at), v, len - at);
                 }
@@ -373,7 +414,7 @@ mod tests {
     use super::super::{exp_into_lanes, exp_sum_lanes, row_max_lanes};
     use super::{ExpSum, Max, ScaleBf16, WidenMax};
     use crate::element::Element;
-    use crate::math::exp_nonpos_narrow_f32;
+    use crate::math::{exp_shifted_narrow_f32, LOG2E, SHIFT_FUSED_MAX};
     use crate::simd::dispatch;
     use crate::wide::is;
     use crate::wide::x86::{every_width, run_with, Width};
@@ -414,14 +455,51 @@ mod tests {
                         assert_eq!(mw, m, "{} n={n}: widen_max", T::NAME);
                         let s3 = run_with(l, ExpSum::<f32, T, true, true>::in_place(&mut w, mw, (none, none)));
                         let cut = super::narrow_cutoff(n);
-                        let narrow = |a: f32| if a < cut { 0.0 } else { exp_nonpos_narrow_f32(a) };
-                        let want: Vec<f32> = x.iter().map(|v| narrow(v.to_acc() * scale - m)).collect();
+                        let narrow = |v: f32| exp_shifted_narrow_f32(v, m * LOG2E, cut);
+                        let want: Vec<f32> = x.iter().map(|v| narrow(v.to_acc() * scale)).collect();
                         assert_eq!(bits(&w), bits(&want), "{} n={n} off={off} scale={scale}: in place", T::NAME);
-                        assert!((s3 - s).abs() <= 3.2e-6 * s + tol, "{} n={n}: in-place sum {s3} vs {s}", T::NAME);
+                        // The fit (2.7e-6), the rounding of each `t` (here
+                        // |t| < 48: 2.9e-6) and of `m log2 e` (|m| < 12:
+                        // 0.7e-6), relative.
+                        assert!((s3 - s).abs() <= 6.3e-6 * s + tol, "{} n={n}: in-place sum {s3} vs {s}", T::NAME);
                     }
                 }
             }
         }
+    }
+
+    /// bf16 rows with maxima near and past `SHIFT_FUSED_MAX` (up to bf16's
+    /// largest): the in-place pass gives the reference's values bit for bit
+    /// (past it, of `x - m` against a maximum of 0), the largest term 1 to
+    /// within 2^-8 and no `inf` or NaN; a row with `+inf` sums to NaN.
+    fn far_rows<L: Width>(l: L) {
+        let offsets: Vec<f32> = (0..77).map(|i| -((i * 37 % 101) as f32) / 7.0).collect();
+        for m in [60000.0f32, -65536.0, 65792.0, 1e5, -3e9, 1e20, -3e30, 3.3e38] {
+            let x: Vec<bf16> = offsets.iter().map(|d| bf16::from_f32(m + d * m.abs().max(1.0) * 1e-3)).collect();
+            let mut w = vec![0f32; x.len()];
+            let mw = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
+            let cut = super::narrow_cutoff(x.len());
+            let want: Vec<f32> = x
+                .iter()
+                .map(|v| match v.to_f32() {
+                    v if mw.abs() <= SHIFT_FUSED_MAX => exp_shifted_narrow_f32(v, mw * LOG2E, cut),
+                    v => exp_shifted_narrow_f32(v - mw, 0.0, cut),
+                })
+                .collect();
+            let none: &[bf16] = &[];
+            let s = run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut w, mw, (none, none)));
+            let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&w), bits(&want), "m={m}");
+            let top = w.iter().copied().fold(0f32, f32::max);
+            assert!((top - 1.0).abs() <= 2f32.powi(-8), "m={m}: largest term {top}");
+            assert!(s.is_finite() && s >= top, "m={m}: sum {s}");
+        }
+        let mut x = vec![bf16::from_f32(1e30); 40];
+        x[17] = bf16::INFINITY;
+        let mut w = vec![0f32; x.len()];
+        let mw = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
+        let none: &[bf16] = &[];
+        assert!(run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut w, mw, (none, none))).is_nan());
     }
 
     /// NaN is skipped by the maximum (in whole steps and in the part tail)
@@ -448,12 +526,15 @@ mod tests {
 
     /// After the in-place pass, no term divided by the sum is an f32
     /// subnormal, even at the worst: every other value at the maximum (the
-    /// largest sum) and one just above the cutoff (the smallest term), at
-    /// several row lengths; and `scale_bf16` then rounds as `from_acc`.
+    /// largest sum) and one whose `t` is at the cutoff or a few steps either
+    /// side of it (the smallest term), at several row lengths; a `t` below
+    /// gives 0; and `scale_bf16` then rounds as `from_acc`.
     fn narrow_products<L: Width>(l: L) {
         for n in [1usize, 2, 33, 100, 4096, 70_000] {
             let cut = super::narrow_cutoff(n);
-            for tail in [cut, cut + 1e-5, cut + 0.5, cut - 1e-5, -200.0] {
+            let at_cut = cut / LOG2E;
+            let near = (-3..=3).map(|k: i32| f32::from_bits((at_cut.to_bits() as i32 + k) as u32));
+            for tail in near.chain([at_cut + 0.5, at_cut - 0.5, -200.0]) {
                 let mut e = vec![0.0f32; n];
                 e[n - 1] = if n > 1 { tail } else { 0.0 };
                 let none: &[bf16] = &[];
@@ -463,8 +544,10 @@ mod tests {
                     let y = v * inv;
                     assert!(y == 0.0 || y >= f32::MIN_POSITIVE, "n={n} tail={tail} i={i}: {v} / {s} = {y:e}");
                 }
-                if tail < cut && n > 1 {
-                    assert_eq!(e[n - 1], 0.0, "n={n}: below the cutoff");
+                if n > 1 {
+                    // `t` as the pass makes it (`m log2 e` is 0 here).
+                    let below = tail.mul_add(LOG2E, -0.0) < cut;
+                    assert_eq!(e[n - 1] == 0.0, below, "n={n} tail={tail}: 0 exactly below the cutoff");
                 }
                 let mut y = vec![bf16::ZERO; n];
                 if run_with(l, ScaleBf16 { e: &e, inv, y: &mut y }) {
@@ -495,6 +578,7 @@ mod tests {
         check::<bf16, L>(l);
         check::<f16, L>(l);
         specials(l);
+        far_rows(l);
     }
 
     #[test]

@@ -122,6 +122,14 @@ pub(crate) trait Lanes: Copy {
     fn mul_pow2(self, y: Self::V, n: Self::V, pow2: Self::V) -> Self::V;
     /// `v` where `x` is not below `cutoff` (NaN included), else 0.
     fn zero_below(self, x: Self::V, cutoff: Self::V, v: Self::V) -> Self::V;
+    /// `t - floor(t)` rounded once, to nearest (in `[0, 1]`; NaN for NaN).
+    fn frac_floor(self, t: Self::V) -> Self::V;
+    /// `y * 2^floor(t)`, rounded once, for `floor(t)` in -126..=127 (lanes
+    /// outside may hold anything; callers clear them with
+    /// [`Lanes::zero_below`]): AVX-512 scales by `t` itself (`vscalefps`
+    /// takes the floor), AVX2 makes `2^floor(t)` from its bits and
+    /// multiplies. The two agree wherever the product is a normal f32.
+    fn mul_pow2_floor(self, y: Self::V, t: Self::V) -> Self::V;
     /// The sum of the lanes (in a tree order).
     fn reduce_add(self, v: Self::V) -> f32;
     /// The largest lane (no lane may be NaN).
@@ -305,6 +313,15 @@ mod tests {
             let want: Vec<f32> = ys.iter().zip(&pow2).map(|(y, p)| y * p).collect();
             assert_eq!(lanes(l, l.mul_pow2(vy, vn, vp)), want);
             assert!(want[0] < f32::MIN_POSITIVE && want[0] > 0.0);
+            // Fractions and `2^floor(t)` at whole numbers, either side of
+            // them, and at the ends of the range; NaN stays NaN.
+            let ts: Vec<f32> = (0..n).map(|i| [-125.75, -3.0, -0.25, 0.0, 0.5, -1e-7, 126.99, -2.5][i % 8]).collect();
+            // SAFETY: as above.
+            let vt = unsafe { l.load(ts.as_ptr()) };
+            assert_eq!(lanes(l, l.frac_floor(vt)), ts.iter().map(|t| t - t.floor()).collect::<Vec<_>>());
+            let scaled: Vec<f32> = ys.iter().zip(&ts).map(|(y, t)| y * 2f32.powi(t.floor() as i32)).collect();
+            assert_eq!(lanes(l, l.mul_pow2_floor(vy, vt)), scaled);
+            assert!(lanes(l, l.frac_floor(nan)).iter().all(|v| v.is_nan()));
             let x: Vec<f32> = (0..n).map(|i| [f32::NAN, -1.0, 1.0, -5.0][i % 4]).collect();
             // SAFETY: as above.
             let z = lanes(l, l.zero_below(unsafe { l.load(x.as_ptr()) }, l.splat(-2.0), vc));

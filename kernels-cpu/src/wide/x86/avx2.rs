@@ -5,6 +5,7 @@
 //! blend through a lane-index compare.
 use super::super::is;
 use super::{Kernel, Lanes, Width};
+use crate::math::ROUND_MAGIC_BIASED;
 use half::{bf16, f16};
 use std::arch::x86_64::*;
 
@@ -207,6 +208,20 @@ impl Lanes for V8 {
     fn zero_below(self, x: __m256, cutoff: __m256, v: __m256) -> __m256 {
         // "Not less than", unordered: true for NaN, which keeps its lane.
         unsafe { _mm256_and_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(x, cutoff), v) }
+    }
+    #[inline(always)]
+    fn frac_floor(self, t: __m256) -> __m256 {
+        unsafe { _mm256_sub_ps(t, _mm256_floor_ps(t)) }
+    }
+    #[inline(always)]
+    fn mul_pow2_floor(self, y: __m256, t: __m256) -> __m256 {
+        // `floor(t) + 1.5 * 2^23 + 127` is exact, with `floor(t) + 127` in
+        // its low mantissa bits: shifted up, the bits of `2^floor(t)`. (The
+        // `vroundps` is the one of `frac_floor`, which LLVM shares.)
+        unsafe {
+            let k = _mm256_add_ps(_mm256_floor_ps(t), _mm256_set1_ps(ROUND_MAGIC_BIASED));
+            _mm256_mul_ps(y, self.shl23(k))
+        }
     }
     #[inline(always)]
     fn reduce_add(self, v: __m256) -> f32 {

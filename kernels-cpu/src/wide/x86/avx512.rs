@@ -201,6 +201,18 @@ impl Lanes for V16 {
         unsafe { _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_NLT_UQ>(x, cutoff), v) }
     }
     #[inline(always)]
+    fn frac_floor(self, t: __m512) -> __m512 {
+        // Not `vreduceps` (one instruction): its difference came out a unit
+        // in the last place below AVX2's and the scalar `t - t.floor()` (it
+        // is rounded in the imm8's direction, down, not to nearest).
+        unsafe { _mm512_sub_ps(t, _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t)) }
+    }
+    #[inline(always)]
+    fn mul_pow2_floor(self, y: __m512, t: __m512) -> __m512 {
+        // `vscalefps` scales by `2^floor(t)`: no rounding of `t` needed.
+        unsafe { _mm512_scalef_ps(y, t) }
+    }
+    #[inline(always)]
     fn reduce_add(self, v: __m512) -> f32 {
         unsafe { _mm512_reduce_add_ps(v) }
     }

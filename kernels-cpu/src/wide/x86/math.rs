@@ -8,7 +8,7 @@
 //! memory again on every step).
 use super::Lanes;
 use crate::math::{
-    ERF_P, ERF_Q, EXP4_C, EXP7_C, EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, NORMAL_CUTOFF, ROUND_MAGIC,
+    ERF_P, ERF_Q, EXP2_C, EXP4_C, EXP7_C, EXP_C, EXP_HI, EXP_LO, LN2_HI, LN2_LO, LOG2E, NORMAL_CUTOFF, ROUND_MAGIC,
     ROUND_MAGIC_BIASED,
 };
 
@@ -189,6 +189,41 @@ impl<L: Lanes> ExpNonposFn<L> for ExpNonposNarrow<L::V> {
     }
 }
 
+/// [`crate::math::exp_shifted_narrow_f32`]: `e^(x - m)` of softmax's bf16
+/// and f16 rows, as `2^t`, `t = x log2(e) - m log2(e)`.
+pub(crate) struct ExpShiftedNarrow<V> {
+    log2e: V,
+    /// `-m log2(e)`, rounded once.
+    neg_m_log2e: V,
+    cutoff: V,
+    c: [V; 5],
+}
+
+impl<V: Copy> ExpShiftedNarrow<V> {
+    /// The constants, broadcast, for a row whose maximum `m` has
+    /// `m log2(e)` = `m_log2e`; 0 where `t < cutoff` (at least -126).
+    #[inline(always)]
+    pub(crate) fn new<L: Lanes<V = V>>(l: L, m_log2e: f32, cutoff: f32) -> Self {
+        debug_assert!(cutoff >= -126.0);
+        let (log2e, neg_m_log2e, cutoff) = (l.splat(LOG2E), l.splat(-m_log2e), l.splat(cutoff));
+        Self { log2e, neg_m_log2e, cutoff, c: EXP2_C.map(|c| l.splat(c)) }
+    }
+
+    /// `exp_shifted_narrow_f32` on every lane.
+    #[inline(always)]
+    pub(crate) fn eval<L: Lanes<V = V>>(&self, l: L, x: V) -> V {
+        let t = l.fmadd(x, self.log2e, self.neg_m_log2e);
+        let f = l.frac_floor(t);
+        let mut p = l.fmadd(self.c[4], f, self.c[3]);
+        p = l.fmadd(p, f, self.c[2]);
+        p = l.fmadd(p, f, self.c[1]);
+        p = l.fmadd(p, f, self.c[0]);
+        // 0 below the cutoff (and the lanes the scaling leaves undefined
+        // there); NaN compares "not less" and stays NaN.
+        l.zero_below(t, self.cutoff, l.mul_pow2_floor(p, t))
+    }
+}
+
 /// [`crate::math::exp_narrow_f32`].
 pub(crate) struct ExpNarrow<V> {
     e: Exp4<V>,
@@ -259,8 +294,10 @@ impl<V: Copy> Erf<V> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Erf, Exp, ExpNarrow, ExpNonpos, ExpNonposFn, ExpNonposNarrow};
-    use crate::math::{erf_f32, exp_f32, exp_narrow_f32, exp_nonpos_f32, exp_nonpos_narrow_f32};
+    use super::{Erf, Exp, ExpNarrow, ExpNonpos, ExpNonposFn, ExpNonposNarrow, ExpShiftedNarrow};
+    use crate::math::{
+        erf_f32, exp_f32, exp_narrow_f32, exp_nonpos_f32, exp_nonpos_narrow_f32, exp_shifted_narrow_f32,
+    };
     use crate::wide::x86::{every_width, run_with, Kernel, Lanes, Width};
 
     /// Which function [`All`] evaluates.
@@ -270,8 +307,15 @@ mod tests {
         ExpNonpos,
         ExpNonposNarrow,
         ExpNarrow,
+        /// At [`SHIFT`]'s maximum and cutoff.
+        ExpShiftedNarrow,
         Erf,
     }
+
+    /// `m log2 e` for the row maximum 2.5, and the cutoff, that
+    /// [`F::ExpShiftedNarrow`] runs at: its `t` spans the cutoff and every
+    /// binade above.
+    const SHIFT: (f32, f32) = (2.5 * std::f32::consts::LOG2_E, -120.5);
 
     /// One function over whole vectors of `x` into `y`.
     struct All<'a>(F, &'a [f32], &'a mut [f32]);
@@ -281,6 +325,7 @@ mod tests {
         fn run<L: Lanes>(self, l: L) {
             let (e, n, r) = (Exp::new(l), ExpNonpos::new(l), Erf::new(l));
             let (nn, en) = (ExpNonposNarrow::new(l), ExpNarrow::new(l));
+            let sn = ExpShiftedNarrow::new(l, SHIFT.0, SHIFT.1);
             for (x, y) in self.1.chunks_exact(L::N).zip(self.2.chunks_exact_mut(L::N)) {
                 // SAFETY: `N` values each.
                 unsafe {
@@ -290,6 +335,7 @@ mod tests {
                         F::ExpNonpos => n.eval(l, x),
                         F::ExpNonposNarrow => nn.eval(l, x),
                         F::ExpNarrow => en.eval(l, x),
+                        F::ExpShiftedNarrow => sn.eval(l, x),
                         F::Erf => r.eval(l, x),
                     };
                     l.store(y.as_mut_ptr(), v);
@@ -313,11 +359,12 @@ mod tests {
     fn each<L: Width>(l: L) {
         let x = inputs();
         type Scalar = fn(f32) -> f32;
-        let scalar: [(F, Scalar); 5] = [
+        let scalar: [(F, Scalar); 6] = [
             (F::Exp, exp_f32),
             (F::ExpNonpos, exp_nonpos_f32),
             (F::ExpNonposNarrow, exp_nonpos_narrow_f32),
             (F::ExpNarrow, exp_narrow_f32),
+            (F::ExpShiftedNarrow, |x| exp_shifted_narrow_f32(x, SHIFT.0, SHIFT.1)),
             (F::Erf, erf_f32),
         ];
         for (f, want) in scalar {
@@ -327,6 +374,10 @@ mod tests {
                 // `exp_nonpos` is defined for `x <= 0` and NaN only (above
                 // 0 AVX-512's `vscalefps` scales where AVX2's shift wraps).
                 if matches!(f, F::ExpNonpos | F::ExpNonposNarrow) && *x > 0.0 {
+                    continue;
+                }
+                // The shifted one for `x <= m` (`t` below 1).
+                if matches!(f, F::ExpShiftedNarrow) && *x > 2.5 {
                     continue;
                 }
                 let want = want(*x);
