@@ -21,7 +21,6 @@ use super::{
     SQRT_8_PI,
 };
 use crate::element::{Acc, Element};
-use crate::math::NORMAL_CUTOFF;
 use crate::narrow::BLOCK;
 use crate::rows::{row_and_after, Order};
 use crate::wide::x86::math::{Erf, Exp, ExpNarrow, ExpNonposFn, ExpNonposNarrow};
@@ -109,7 +108,7 @@ impl WideAct for Gelu {
     type C<V: Copy> = GeluC<V>;
     #[inline(always)]
     fn consts<L: Lanes>(l: L) -> GeluC<L::V> {
-        (Erf::new(l), Exp::new(l), ExpNonposNarrow::with_cutoff(l, NORMAL_CUTOFF))
+        (Erf::new(l), Exp::new(l), ExpNonposNarrow::new(l))
     }
     /// `h + h erf(a / sqrt 2)`, `h = 0.5 a`.
     #[inline(always)]

@@ -161,20 +161,11 @@ pub(crate) struct ExpNonposNarrow<V> {
 }
 
 impl<V: Copy> ExpNonposNarrow<V> {
-    /// The constants, broadcast, with 0 below `cutoff` (at least
-    /// `NORMAL_CUTOFF`, where the scaling by `2^n` stops being exact).
-    #[inline(always)]
-    pub(crate) fn with_cutoff<L: Lanes<V = V>>(l: L, cutoff: f32) -> Self {
-        debug_assert!(cutoff >= NORMAL_CUTOFF);
-        Self { e: Exp4::new(l), cutoff: l.splat(cutoff) }
-    }
-
-    /// The constants, broadcast: `exp_nonpos_narrow_f32` itself (the
-    /// kernels take [`ExpNonposNarrow::with_cutoff`]).
-    #[cfg(test)]
+    /// The constants, broadcast, with 0 below `NORMAL_CUTOFF` (where the
+    /// scaling by `2^n` stops being exact), as `exp_nonpos_narrow_f32`.
     #[inline(always)]
     pub(crate) fn new<L: Lanes<V = V>>(l: L) -> Self {
-        Self::with_cutoff(l, NORMAL_CUTOFF)
+        Self { e: Exp4::new(l), cutoff: l.splat(NORMAL_CUTOFF) }
     }
 }
 
