@@ -479,13 +479,15 @@ mod tests {
             let mut w = vec![0f32; x.len()];
             let mw = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
             let cut = super::narrow_cutoff(x.len());
-            let want: Vec<f32> = x
-                .iter()
-                .map(|v| match v.to_f32() {
-                    v if mw.abs() <= SHIFT_FUSED_MAX => exp_shifted_narrow_f32(v, mw * LOG2E, cut),
-                    v => exp_shifted_narrow_f32(v - mw, 0.0, cut),
-                })
-                .collect();
+            // Past `SHIFT_FUSED_MAX`: of `x - m`, against a maximum of 0.
+            let term = |v: f32| {
+                if mw.abs() <= SHIFT_FUSED_MAX {
+                    exp_shifted_narrow_f32(v, mw * LOG2E, cut)
+                } else {
+                    exp_shifted_narrow_f32(v - mw, 0.0, cut)
+                }
+            };
+            let want: Vec<f32> = x.iter().map(|v| term(v.to_f32())).collect();
             let none: &[bf16] = &[];
             let s = run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut w, mw, (none, none)));
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
