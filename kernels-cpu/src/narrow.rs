@@ -16,7 +16,12 @@
 //! `narrow/avx2.rs`), which rounds like IEEE (subnormals included). bf16 on
 //! AVX2 CPUs keeps the scalar rounding that LLVM vectorises: an explicit
 //! AVX2 version (8 lanes of add, shift, NaN blend, then a pack) measured
-//! 10-20% slower in rms_norm and silu_and_mul bf16.
+//! 10-20% slower in rms_norm and silu_and_mul bf16, and one that packs 16
+//! at a time and sends a group holding NaN (one compare per 16) to the
+//! scalar rounding was level at best and 2-11% slower in the median
+//! (session 53, a Zen 3). Softmax's last pass is the exception: its values
+//! hold no NaN where the row's sum is finite, and it rounds with no NaN
+//! check at all (`Lanes::store_bf16_pair_normal`).
 use crate::element::Acc;
 use half::{bf16, f16};
 

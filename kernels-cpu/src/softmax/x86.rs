@@ -95,12 +95,14 @@ pub(super) fn narrow_cutoff(len: usize) -> f32 {
 /// (a factor `e`) then covers the sum's rounding many times over.
 const SCALE_BF16_MAX: usize = 1 << 24;
 
-/// `y_i = bf16(e_i * inv)` with the CPU's conversion, `2 N` values at a
-/// time and no subnormal check, for `e` from [`exp_sum_in_place`] and `inv`
-/// one over its sum (no product is then an f32 subnormal: see
-/// [`narrow_cutoff`]); the values `from_acc` gives. False, writing nothing,
-/// where `T` is not bf16, the width has no bf16 conversion (AVX2), or the
-/// row is longer than 2^24.
+/// `y_i = bf16(e_i * inv)`, `2 N` values at a time with
+/// [`Lanes::store_bf16_pair_normal`] (the CPU's conversion, or on AVX2 the
+/// integer rounding with no NaN fix-up), for `e` from [`exp_sum_in_place`]
+/// and `inv` one over its sum (no product is then an f32 subnormal: see
+/// [`narrow_cutoff`]; where `inv` is finite, no term and no product is NaN
+/// either); the values `from_acc` gives. False, writing nothing, where `T`
+/// is not bf16, the row is longer than 2^24, or on AVX2 where `inv` is not
+/// finite (a row holding NaN).
 #[inline(always)]
 pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T]) -> bool {
     match cast_mut::<T, bf16>(y) {
@@ -121,17 +123,18 @@ impl Kernel for ScaleBf16<'_> {
     type Output = bool;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> bool {
-        if !L::ROUNDS_BF16 {
+        let ScaleBf16 { e, inv, y } = self;
+        // Without the conversion instruction the rounding has no NaN
+        // fix-up: a row holding NaN (its sum NaN) goes to `from_acc`.
+        if !L::ROUNDS_BF16 && !inv.is_finite() {
             return false;
         }
-        let ScaleBf16 { e, inv, y } = self;
         assert_eq!(e.len(), y.len(), "scale_bf16: e and y differ in length");
         let (n, s) = (2 * L::N, l.splat(inv));
         let whole = e.len() / n * n;
         let (p, q) = (e.as_ptr(), y.as_mut_ptr());
         let mut i = 0;
-        // SAFETY: `i + 2 N <= whole <= len` of both slices; `ROUNDS_BF16`
-        // (checked) makes the store succeed.
+        // SAFETY: `i + 2 N <= whole <= len` of both slices.
         unsafe {
             while i < whole {
                 let (lo, hi) = (l.mul(l.load(p.add(i)), s), l.mul(l.load(p.add(i + L::N)), s));
@@ -568,6 +571,36 @@ mod tests {
                 assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "len={len}");
             }
         }
+    }
+
+    /// `scale_bf16`'s rounding at `inv` 1 (the products are the values):
+    /// `from_acc` bit for bit for every bf16 exponent and sign with low
+    /// halves at, around and away from the halfway point, 0 and the
+    /// infinities, also where the carry makes the next binade or `inf`;
+    /// where `inv` is NaN, false and nothing written, or (with the
+    /// conversion instruction) NaN out.
+    fn scale_rounding<L: Width>(l: L) {
+        let e: Vec<f32> = (0..=0xffffu32)
+            .filter(|h| h & 0x7f80 != 0 && h & 0x7fff < 0x7f80)
+            .flat_map(|h| [0, 0x7fff, 0x8000, 0x8001, 0xffff].map(|lo| f32::from_bits(h << 16 | lo)))
+            .chain([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN_POSITIVE])
+            .collect();
+        let mut y = vec![bf16::ZERO; e.len()];
+        assert!(run_with(l, ScaleBf16 { e: &e, inv: 1.0, y: &mut y }), "every width rounds where inv is finite");
+        for (v, y) in e.iter().zip(&y) {
+            assert_eq!(y.to_bits(), bf16::from_acc(*v).to_bits(), "{v:e} ({:#x})", v.to_bits());
+        }
+        let mut y = vec![bf16::ONE; 70];
+        if run_with(l, ScaleBf16 { e: &e[..70], inv: f32::NAN, y: &mut y }) {
+            assert!(y.iter().all(|v| v.is_nan()));
+        } else {
+            assert!(y.iter().all(|&v| v == bf16::ONE), "nothing written");
+        }
+    }
+
+    #[test]
+    fn scale_bf16_rounds_as_from_acc_at_every_width() {
+        every_width!(scale_rounding);
     }
 
     #[test]

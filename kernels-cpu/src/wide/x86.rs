@@ -75,14 +75,17 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// `p..p + 2 N` is writable.
     unsafe fn store_bf16_pair(self, p: *mut half::bf16, lo: Self::V, hi: Self::V) -> bool;
-    /// [`Lanes::store_bf16_pair`] for values the caller knows hold no f32
-    /// subnormal: no check (a subnormal lane would be flushed to zero, a
-    /// wrong rounding rather than undefined behaviour). False, writing
-    /// nothing, where `ROUNDS_BF16` is false.
+    /// [`Lanes::store_bf16_pair`] for values the caller knows are each 0,
+    /// a normal f32 or infinite (no subnormal, no NaN), with no check and
+    /// at every width: the conversion instruction where `ROUNDS_BF16` (a
+    /// subnormal lane would be flushed to zero), else the integer round to
+    /// nearest even, `(b + 0x7fff + (b >> 16 & 1)) >> 16`, and one pack (no
+    /// NaN fix-up: a NaN lane could come out as another value). Either way
+    /// a wrong rounding rather than undefined behaviour.
     ///
     /// # Safety
     /// `p..p + 2 N` is writable.
-    unsafe fn store_bf16_pair_normal(self, p: *mut half::bf16, lo: Self::V, hi: Self::V) -> bool;
+    unsafe fn store_bf16_pair_normal(self, p: *mut half::bf16, lo: Self::V, hi: Self::V);
 
     /// `a + b`.
     fn add(self, a: Self::V, b: Self::V) -> Self::V;

@@ -136,8 +136,22 @@ impl Lanes for V8 {
         false
     }
     #[inline(always)]
-    unsafe fn store_bf16_pair_normal(self, _: *mut half::bf16, _: __m256, _: __m256) -> bool {
-        false
+    unsafe fn store_bf16_pair_normal(self, p: *mut half::bf16, lo: __m256, hi: __m256) {
+        // Six integer instructions per 8 values and a pack and a permute
+        // per 16, where LLVM's vectorised `from_acc` adds the NaN fix-up
+        // (a compare, an or and a blend) and packs 8 at a time.
+        // SAFETY: the caller makes `p..p + 16` writable.
+        unsafe {
+            let round = |v: __m256| {
+                let b = _mm256_castps_si256(v);
+                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+                _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb))
+            };
+            // Each 128-bit half packs four of `lo` then four of `hi` (the
+            // values fit: 0..=0xffff); the permute puts `lo`'s first.
+            let packed = _mm256_packus_epi32(round(lo), round(hi));
+            _mm256_storeu_si256(p.cast(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
+        }
     }
 
     #[inline(always)]

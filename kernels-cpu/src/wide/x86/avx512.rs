@@ -121,10 +121,9 @@ impl Lanes for V16 {
         unsafe { crate::narrow::x86::bf16_pair(p, lo, hi) }
     }
     #[inline(always)]
-    unsafe fn store_bf16_pair_normal(self, p: *mut bf16, lo: __m512, hi: __m512) -> bool {
+    unsafe fn store_bf16_pair_normal(self, p: *mut bf16, lo: __m512, hi: __m512) {
         // SAFETY: as `store_bf16_pair`.
         unsafe { crate::narrow::x86::bf16_pair_unchecked(p, lo, hi) };
-        true
     }
 
     #[inline(always)]
