@@ -62,6 +62,23 @@ impl Width for V8 {
     }
 }
 
+/// Each lane rounded to bf16, round to nearest even, in its low 16 bits:
+/// `(b + 0x7fff + (b >> 16 & 1)) >> 16` (NaN not fixed up). A function, not
+/// a closure, so that it is always inlined into the caller compiled for
+/// AVX2.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn bf16_bits(v: __m256) -> __m256i {
+    // SAFETY: the caller's.
+    unsafe {
+        let b = _mm256_castps_si256(v);
+        let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
+        _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb))
+    }
+}
+
 // SAFETY (every intrinsic below): the token exists only on a CPU with AVX2,
 // FMA and F16C; pointers are the callers' to make valid, as each method says.
 impl Lanes for V8 {
@@ -142,14 +159,9 @@ impl Lanes for V8 {
         // (a compare, an or and a blend) and packs 8 at a time.
         // SAFETY: the caller makes `p..p + 16` writable.
         unsafe {
-            let round = |v: __m256| {
-                let b = _mm256_castps_si256(v);
-                let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-                _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb))
-            };
             // Each 128-bit half packs four of `lo` then four of `hi` (the
             // values fit: 0..=0xffff); the permute puts `lo`'s first.
-            let packed = _mm256_packus_epi32(round(lo), round(hi));
+            let packed = _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi));
             _mm256_storeu_si256(p.cast(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
         }
     }
