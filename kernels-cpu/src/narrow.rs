@@ -18,8 +18,8 @@
 //! AVX2 version (8 lanes of add, shift, NaN blend, then a pack) measured
 //! 10-20% slower in rms_norm and silu_and_mul bf16, and one that packs 16
 //! at a time and sends a group holding NaN (one compare per 16) to the
-//! scalar rounding was level at best and 2-11% slower in the median
-//! (session 53, a Zen 3). Softmax's last pass is the exception: its values
+//! scalar rounding was up to 8% faster in the best times but 1-12% slower
+//! in the median (session 53, a Zen 3). Softmax's last pass is the exception: its values
 //! hold no NaN where the row's sum is finite, and it rounds with no NaN
 //! check at all (`Lanes::store_bf16_pair_normal`).
 use crate::element::Acc;
