@@ -9,16 +9,36 @@ expression the op replaces. `clone` copies the op's inputs into fresh tensors:
 the floor for an op that returns new tensors (allocation, page faults, one
 write). The ops and inputs are those of the benchmark report
 (benches/report/cases.py); `scripts/report.sh` adds torch.compile and plots.
+It runs with the report's glibc allocator settings (benches/report/malloc.py:
+outputs of 1 MiB or more are fresh memory for every contender), starting
+itself again with them where the environment lacks them.
 """
 import argparse
 import os
 import sys
 
-import torch
-
-import keel
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benches", "report"))
+from malloc import settings  # noqa: E402
+
+
+def _with_report_malloc():
+    """Starts this script again with `settings()` in its environment, unless it
+    has them already: glibc reads them only when a process starts. With its
+    defaults, the mmap threshold moves with what was freed, and one contender's
+    output can be memory freed before (no page faults) beside another's fresh
+    memory, which the timings would then compare."""
+    want = settings()
+    if any(os.environ.get(k) != v for k, v in want.items()):
+        sys.stdout.flush()
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **want})
+
+
+if __name__ == "__main__":
+    _with_report_malloc()
+
+import torch  # noqa: E402
+
+import keel  # noqa: E402
 from cases import make_cases  # noqa: E402
 from measure import PASSES, time_cases  # noqa: E402
 from timing import passes_arg  # noqa: E402
@@ -32,8 +52,9 @@ def main():
     ap.add_argument("--passes", type=passes_arg, default=PASSES, help="passes through the ops, each timing every op for "
                     "budget/passes seconds (a burst of load then spoils one pass of an op, not all of it)")
     a = ap.parse_args()
+    glibc = ", ".join(f"{k}={os.environ.get(k)}" for k in settings())
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, keel {keel.__version__}"
-          f"{', THP_MEM_ALLOC_ENABLE=1' if a.thp else ''}")
+          f"{', THP_MEM_ALLOC_ENABLE=1' if a.thp else ''}; glibc {glibc}")
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     ok = True
     print(f"{'op':26} {'dev':4} {'dtype':8} {'shape':13}  {'err keel':>8} {'err torch':>9}  "

@@ -10,24 +10,9 @@ Each configuration runs in its own process: once as torch allocates by
 default, and once with `THP_MEM_ALLOC_ENABLE=1` (torch's huge-page
 allocation) on CPU. CUDA is measured in the first.
 
-Both run with glibc's `MALLOC_MMAP_THRESHOLD_` fixed at 1 MiB (unless it is
-set already), so that every output of 1 MiB or more is fresh memory, as the
-report's floor (a clone into fresh memory) assumes, for every contender
-alike. glibc's default threshold moves with what was freed: in session 49's
-runs a contender's output was at times memory freed before (no page faults,
-copy speed) and at times fresh, whichever the heap held then (torch.compile's
-rotary (x.T) bf16 output 0 faults a call, Keel's beside it 8193: "0.28x
-torch.compile"). Small outputs (decode shapes) come from the heap either way.
-
-Fixing the mmap threshold also stops glibc moving its trim threshold, which
-then stays at 128 KiB: a free that leaves that much at the top of the heap
-hands it back to the system, and the next allocation faults it in again. In
-the decode rows (`[32, 4096]` f32, 512 KiB a tensor) torch eager's
-temporaries paid 48-224 page faults a call that way and read up to 5x slower
-than in a process left to glibc's defaults (session 51; `silu(x) * x` alone:
-372 µs against 42). So `MALLOC_TRIM_THRESHOLD_` is fixed too, at 64 MiB:
-where glibc's own rule (twice the largest mapping freed, up to twice its 32
-MiB mmap limit) puts it in any process that has freed a large tensor.
+Both run with glibc's allocator settings fixed as `malloc.py` says (every
+output of 1 MiB or more fresh memory, freed heap memory kept mapped), as the
+demo does too.
 """
 import argparse
 import json
@@ -38,14 +23,9 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, settings  # noqa: E402,F401 (the tests read the thresholds here)
 from render import markdown, plots  # noqa: E402
 from timing import passes_arg  # noqa: E402
-
-# glibc's mmap threshold for the measuring processes (see above): outputs of
-# 1 MiB or more are fresh mappings.
-MMAP_THRESHOLD = 1 << 20
-# glibc's trim threshold for them (see above): freed heap memory stays mapped.
-TRIM_THRESHOLD = 64 << 20
 
 
 def main() -> None:
@@ -70,8 +50,7 @@ def main() -> None:
                     help="comma-separated ops timed again at decode shapes (default: every forward op; '' for none)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    malloc = {"MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD)),
-              "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_", str(TRIM_THRESHOLD))}
+    malloc = settings()
     configs = [("", malloc, a.devices)]
     if not a.no_thp and (a.devices is None or "cpu" in a.devices.split(",")):
         configs.append(("THP_MEM_ALLOC_ENABLE=1", {**malloc, "THP_MEM_ALLOC_ENABLE": "1"}, "cpu"))

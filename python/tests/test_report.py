@@ -363,15 +363,22 @@ def test_demo_runs_and_checks_every_op():
     """examples/demo.py, the README's main job (scripts/demo.sh runs it at the
     large shapes): every case of the report is checked and timed, and the demo
     exits 0. It had called the report's timing function with an argument
-    missing since 5a73251, and no test ran it."""
+    missing since 5a73251, and no test ran it. Started without glibc's
+    settings, it starts itself again with the report's (malloc.py), which its
+    first line reads back from its own environment."""
     import torch
     from cases import make_cases
 
+    import malloc
+
     demo = os.path.join(ROOT, "examples", "demo.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     p = subprocess.run([sys.executable, demo, "--size", "small", "--budget", "0.02"], capture_output=True, text=True,
-                       timeout=600)
+                       timeout=600, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.splitlines()
+    glibc = f"glibc MALLOC_MMAP_THRESHOLD_={malloc.MMAP_THRESHOLD}, MALLOC_TRIM_THRESHOLD_={malloc.TRIM_THRESHOLD}"
+    assert lines[0].endswith(glibc), lines[0]
     for dtype, dname in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
         for case in make_cases("cpu", dtype, "small"):
             assert any(ln.startswith(f"{case.name:26} cpu  {dname:8} {case.shape:13}") for ln in lines), \
