@@ -23,7 +23,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from malloc import MMAP_THRESHOLD, TRIM_THRESHOLD, settings  # noqa: E402,F401 (the tests read the thresholds here)
+from malloc import settings  # noqa: E402
 from render import markdown, plots  # noqa: E402
 from timing import passes_arg  # noqa: E402
 

@@ -111,7 +111,7 @@ def test_the_measuring_processes_keep_freed_heap_memory_mapped():
     eager's decode rows paid page faults that a process left to glibc's
     defaults does not (up to 5x slower in the reports of sessions 49-51).
     With the trim threshold the report sets beside it, they pay none."""
-    import report
+    import malloc
 
     def median_faults(**env):
         base = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "THP_"))}
@@ -119,8 +119,8 @@ def test_the_measuring_processes_keep_freed_heap_memory_mapped():
                              capture_output=True, text=True, check=True).stdout
         return float(out.split()[-1])
 
-    mmap = str(report.MMAP_THRESHOLD)
-    assert median_faults(MALLOC_MMAP_THRESHOLD_=mmap, MALLOC_TRIM_THRESHOLD_=str(report.TRIM_THRESHOLD)) == 0
+    mmap = str(malloc.MMAP_THRESHOLD)
+    assert median_faults(MALLOC_MMAP_THRESHOLD_=mmap, MALLOC_TRIM_THRESHOLD_=str(malloc.TRIM_THRESHOLD)) == 0
     # What the report measured before, the mmap threshold alone: 48-224
     # faults a call on the CI machine, with the heap's layout (128 pages a
     # tensor).
