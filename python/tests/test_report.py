@@ -125,7 +125,7 @@ def test_the_measuring_processes_keep_freed_heap_memory_mapped():
     # faults a call on the CI machine, with the heap's layout (128 pages a
     # tensor).
     assert median_faults(MALLOC_MMAP_THRESHOLD_=mmap) >= 16
-    # And a process left to glibc's defaults, as the report's is now.
+    # And a process left to glibc's defaults, whose trim threshold moves with what it freed.
     assert median_faults() == 0
 
 
