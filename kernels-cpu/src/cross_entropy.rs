@@ -19,7 +19,7 @@ use crate::error::{check_len, Error, Result};
 use crate::par::Par;
 use crate::rows::{next_row, row_and_next, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, sum_pairs};
-use crate::softmax::{exp_into, exp_sum, row_max};
+use crate::softmax::{affine_bf16, exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
 const OP_BWD: &str = "cross_entropy_backward";
@@ -297,7 +297,11 @@ fn row_grad_into<T: Element>(
     let m = lse.unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
     let gs = T::Acc::from_f64(g / s.to_f64());
-    T::from_acc_slice_affine(scratch, (gs, off), dx);
+    // bf16 on AVX2: where the sum is finite so is each term, and the
+    // rounding needs no NaN fix-up.
+    if !(s.to_f64().is_finite() && affine_bf16(scratch, (gs, off), dx)) {
+        T::from_acc_slice_affine(scratch, (gs, off), dx);
+    }
     let p = scratch[t].to_f64() / s.to_f64();
     dx[t] = T::from_f64(g * (p - eps / x.len() as f64) - g * (1.0 - eps));
 }

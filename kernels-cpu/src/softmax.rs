@@ -281,6 +281,24 @@ fn exp_sum_lanes<T: Element>(x: &[T], scale: T::Acc, m: T::Acc, ahead: &[T]) -> 
     reduce2(a0, a1) + tail
 }
 
+/// `y_i = T(e_i * scale - shift)`, as [`Element::from_acc_slice_affine`]
+/// computes it, with the AVX2 rounding that has no NaN fix-up (see
+/// `x86::affine_bf16`); true where it ran: bf16 on an AVX2 CPU without
+/// AVX512-BF16, `scale` and `shift` finite. The caller's `e` holds no NaN
+/// and no infinity (the terms of a finite sum). False, writing nothing,
+/// elsewhere: the caller narrows as before.
+#[inline(always)]
+pub(crate) fn affine_bf16<T: Element>(e: &[T::Acc], (scale, shift): (T::Acc, T::Acc), y: &mut [T]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if crate::wide::is::<T::Acc, f32>() {
+        // `T::Acc` is f32: the round trips change nothing.
+        let map = (scale.to_f64() as f32, shift.to_f64() as f32);
+        return x86::affine_bf16(crate::wide::cast(e), map, y);
+    }
+    let _ = (e, scale, shift, y);
+    false
+}
+
 #[inline(always)]
 fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: T::Acc, ahead: &[T], ahead_w: &[T]) {
     // bf16 and f16 rows on x86: widened (and scaled) once into `scratch`

@@ -106,46 +106,89 @@ const SCALE_BF16_MAX: usize = 1 << 24;
 #[inline(always)]
 pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T]) -> bool {
     match cast_mut::<T, bf16>(y) {
-        Some(y) if e.len() <= SCALE_BF16_MAX => run(ScaleBf16 { e, inv, y }).unwrap_or(false),
+        Some(y) if e.len() <= SCALE_BF16_MAX => {
+            run(ScaleBf16::<false> { e, scale: inv, shift: 0.0, y }).unwrap_or(false)
+        }
         _ => false,
     }
 }
 
-/// [`scale_bf16`]'s pass.
-struct ScaleBf16<'a> {
+/// `y_i = bf16(e_i * scale - shift)`, a multiply then a subtract as in
+/// [`crate::Element::from_acc_slice_affine`], rounded as [`scale_bf16`]
+/// rounds on AVX2 (integer round to nearest even, 2 N values at a time,
+/// f32 subnormals rounded as `from_acc` rounds them), and on AVX2 only:
+/// that rounding has no NaN fix-up, and the AVX512-BF16 conversion, which
+/// flushes subnormals, is left to the caller's [`crate::narrow`] pass (which
+/// checks for them). The caller's `e` holds no NaN and no infinity (the
+/// terms of a finite sum, as cross_entropy's backward has them); with
+/// `scale` and `shift` finite no result is NaN then. False, writing
+/// nothing, where `T` is not bf16, `scale` or `shift` is not finite, or the
+/// CPU has AVX512-BF16.
+#[inline(always)]
+pub(crate) fn affine_bf16<T: 'static>(e: &[f32], (scale, shift): (f32, f32), y: &mut [T]) -> bool {
+    match cast_mut::<T, bf16>(y) {
+        Some(y) => run(ScaleBf16::<true> { e, scale, shift, y }).unwrap_or(false),
+        None => false,
+    }
+}
+
+/// [`scale_bf16`]'s pass (`scale` is `inv`), and [`affine_bf16`]'s
+/// (`AFFINE`: `shift` subtracted after the multiply).
+struct ScaleBf16<'a, const AFFINE: bool> {
     e: &'a [f32],
-    inv: f32,
+    scale: f32,
+    /// Subtracted from each product where `AFFINE` (0 otherwise).
+    shift: f32,
     /// As long as `e`.
     y: &'a mut [bf16],
 }
 
-impl Kernel for ScaleBf16<'_> {
+impl<const AFFINE: bool> Kernel for ScaleBf16<'_, AFFINE> {
     type Output = bool;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> bool {
-        let ScaleBf16 { e, inv, y } = self;
+        let ScaleBf16 { e, scale, shift, y } = self;
+        // The affine map's values may be f32 subnormals, which the
+        // conversion instruction would flush: that width keeps the caller's
+        // pass, which checks for them.
+        if AFFINE && L::ROUNDS_BF16 {
+            return false;
+        }
         // Without the conversion instruction the rounding has no NaN
-        // fix-up: a row holding NaN (its sum NaN) goes to `from_acc`.
-        if !L::ROUNDS_BF16 && !inv.is_finite() {
+        // fix-up: a softmax row holding NaN (its sum NaN) goes to
+        // `from_acc`.
+        if !(L::ROUNDS_BF16 || (scale.is_finite() && shift.is_finite())) {
             return false;
         }
         assert_eq!(e.len(), y.len(), "scale_bf16: e and y differ in length");
-        let (n, s) = (2 * L::N, l.splat(inv));
+        let (n, st) = (2 * L::N, (l.splat(scale), l.splat(shift)));
         let whole = e.len() / n * n;
         let (p, q) = (e.as_ptr(), y.as_mut_ptr());
         let mut i = 0;
         // SAFETY: `i + 2 N <= whole <= len` of both slices.
         unsafe {
             while i < whole {
-                let (lo, hi) = (l.mul(l.load(p.add(i)), s), l.mul(l.load(p.add(i + L::N)), s));
+                let (lo, hi) =
+                    (affine::<L, AFFINE>(l, l.load(p.add(i)), st), affine::<L, AFFINE>(l, l.load(p.add(i + L::N)), st));
                 l.store_bf16_pair_normal(q.add(i), lo, hi);
                 i += n;
             }
         }
         for (y, &e) in y[whole..].iter_mut().zip(&e[whole..]) {
-            *y = bf16::from_acc(e * inv);
+            *y = bf16::from_acc(if AFFINE { e * scale - shift } else { e * scale });
         }
         true
+    }
+}
+
+/// `v * scale`, minus `shift` where `AFFINE`. A function, not a closure,
+/// so that it is always inlined into the code compiled for the width.
+#[inline(always)]
+fn affine<L: Lanes, const AFFINE: bool>(l: L, v: L::V, (scale, shift): (L::V, L::V)) -> L::V {
+    if AFFINE {
+        l.sub(l.mul(v, scale), shift)
+    } else {
+        l.mul(v, scale)
     }
 }
 
@@ -555,7 +598,7 @@ mod tests {
                     assert_eq!(e[n - 1] == 0.0, below, "n={n} tail={tail}: 0 exactly below the cutoff");
                 }
                 let mut y = vec![bf16::ZERO; n];
-                if run_with(l, ScaleBf16 { e: &e, inv, y: &mut y }) {
+                if run_with(l, ScaleBf16::<false> { e: &e, scale: inv, shift: 0.0, y: &mut y }) {
                     let want: Vec<u16> = e.iter().map(|&v| bf16::from_acc(v * inv).to_bits()).collect();
                     assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "n={n} tail={tail}");
                 }
@@ -566,7 +609,7 @@ mod tests {
         let e: Vec<f32> = (0..1000).map(|i| ((i * 7919 % 1000) as f32 / 997.0).powi(9)).collect();
         for len in [0usize, 1, 31, 32, 33, 64, 1000] {
             let mut y = vec![bf16::ZERO; len];
-            if run_with(l, ScaleBf16 { e: &e[..len], inv: 0.37, y: &mut y }) {
+            if run_with(l, ScaleBf16::<false> { e: &e[..len], scale: 0.37, shift: 0.0, y: &mut y }) {
                 let want: Vec<u16> = e[..len].iter().map(|&v| bf16::from_acc(v * 0.37).to_bits()).collect();
                 assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "len={len}");
             }
@@ -586,12 +629,15 @@ mod tests {
             .chain([0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::MAX, f32::MIN_POSITIVE])
             .collect();
         let mut y = vec![bf16::ZERO; e.len()];
-        assert!(run_with(l, ScaleBf16 { e: &e, inv: 1.0, y: &mut y }), "every width rounds where inv is finite");
+        assert!(
+            run_with(l, ScaleBf16::<false> { e: &e, scale: 1.0, shift: 0.0, y: &mut y }),
+            "every width rounds where inv is finite"
+        );
         for (v, y) in e.iter().zip(&y) {
             assert_eq!(y.to_bits(), bf16::from_acc(*v).to_bits(), "{v:e} ({:#x})", v.to_bits());
         }
         let mut y = vec![bf16::ONE; 70];
-        if run_with(l, ScaleBf16 { e: &e[..70], inv: f32::NAN, y: &mut y }) {
+        if run_with(l, ScaleBf16::<false> { e: &e[..70], scale: f32::NAN, shift: 0.0, y: &mut y }) {
             assert!(y.iter().all(|v| v.is_nan()));
         } else {
             assert!(y.iter().all(|&v| v == bf16::ONE), "nothing written");
@@ -601,6 +647,49 @@ mod tests {
     #[test]
     fn scale_bf16_rounds_as_from_acc_at_every_width() {
         every_width!(scale_rounding);
+    }
+
+    /// `affine_bf16`'s pass: on AVX2, `from_acc(e * scale - shift)` bit for
+    /// bit, f32 subnormals included (every bf16 pattern that is not NaN,
+    /// with low halves at, around and away from the halfway point, through
+    /// the identity map), and for a map that moves the values, at every
+    /// length about whole pairs; refused, nothing written, where `scale` or
+    /// `shift` is not finite. With the conversion instruction (which would
+    /// flush subnormals) always refused.
+    fn affine_rounding<L: Width>(l: L) {
+        let bits = |e: &[f32], map: (f32, f32)| {
+            let mut y = vec![bf16::ONE; e.len()];
+            let ran = run_with(l, ScaleBf16::<true> { e, scale: map.0, shift: map.1, y: &mut y });
+            (ran, y.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
+        };
+        let all: Vec<f32> = (0..=0xffffu32)
+            .filter(|h| h & 0x7fff <= 0x7f80)
+            .flat_map(|h| [0, 1, 0x7fff, 0x8000, 0x8001, 0xffff].map(|lo| f32::from_bits(h << 16 | lo)))
+            .filter(|v| !v.is_nan())
+            .collect();
+        assert!(all.iter().any(|v| v.is_subnormal()) && all.iter().any(|v| v.is_infinite()));
+        let spread: Vec<f32> = (0..1000).map(|i| ((i * 7919 % 1000) as f32 / 997.0).powi(9)).collect();
+        let mut cases = vec![(&all[..], (1.0, 0.0))];
+        cases.extend([0usize, 1, 31, 32, 33, 64, 1000].map(|n| (&spread[..n], (0.37f32, 0.0125f32))));
+        for (e, map) in cases {
+            let (ran, got) = bits(e, map);
+            if L::ROUNDS_BF16 {
+                assert!(!ran && got.iter().all(|&b| b == bf16::ONE.to_bits()), "refused, nothing written");
+                continue;
+            }
+            assert!(ran, "AVX2 rounds where the map is finite");
+            let want: Vec<u16> = e.iter().map(|&v| bf16::from_acc(v * map.0 - map.1).to_bits()).collect();
+            assert_eq!(got, want, "len {} map {map:?}", e.len());
+        }
+        for map in [(f32::NAN, 0.0), (1.0, f32::INFINITY), (f32::INFINITY, 0.0)] {
+            let (ran, got) = bits(&spread[..70], map);
+            assert!(!ran && got.iter().all(|&b| b == bf16::ONE.to_bits()), "{map:?}: refused, nothing written");
+        }
+    }
+
+    #[test]
+    fn affine_bf16_rounds_as_from_acc_on_avx2_and_leaves_avx512_to_its_caller() {
+        every_width!(affine_rounding);
     }
 
     #[test]
