@@ -101,6 +101,41 @@ def test_gradients_of_large_logits_stay_exact(device, dtype):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_with_nan_or_infinite_logits_give_torchs_gradient(device, dtype):
+    """A row holding NaN or +inf gets a NaN gradient in every entry, as torch
+    gives (bf16 rows on AVX2 round their gradient without a NaN fix-up only
+    where the row's sum is finite); a -inf logit gets only the smoothing's
+    `-eps / v` and leaves the rest of its row finite. Checked beside finite rows, with and without the saved
+    log-sum-exp, and with tiny gradients (subnormal in f32) in the last row."""
+    v = 300
+    x = torch.randn(5, v, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    x[0, 17] = float("nan")
+    x[1, 40] = float("inf")
+    x[2, [5, 99]] = float("-inf")
+    x[4] *= 20  # most probabilities far below f32's normal range
+    target = torch.tensor([1, 2, 3, 4, 0], device=device)
+    x = x.to(dtype)
+    xd = x.double().requires_grad_()
+    F.cross_entropy(xd, target.cpu(), reduction="sum", label_smoothing=0.1).backward()
+    want = xd.grad
+    atol, rtol = TOL[dtype]
+    for with_lse in (False, True):
+        xk = x.to(device).clone().requires_grad_()
+        if with_lse:
+            loss, _ = keel.cross_entropy_with_lse(xk, target, reduction="sum", label_smoothing=0.1)
+        else:
+            loss = keel.cross_entropy(xk, target, reduction="sum", label_smoothing=0.1)
+        loss.backward()
+        got = xk.grad.double().cpu()
+        assert got[:2].isnan().all(), (with_lse, got[:2])
+        assert want[:2].isnan().all()
+        assert got[2:].isfinite().all(), with_lse
+        assert got[2, [5, 99]].eq(torch.tensor(-0.1 / v, dtype=dtype).double()).all(), got[2, [5, 99]]
+        torch.testing.assert_close(got[2:], want[2:], atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_ignore_index_and_all_ignored(device):
     x = torch.randn(4, 6, device=device, requires_grad=True)
     t = torch.tensor([1, 7, 7, 2], device=device)
