@@ -113,6 +113,8 @@ struct Add<T> {
 }
 
 impl<L: Lanes, T: Copy + 'static> RowValues<L> for Add<T> {
+    /// An add of the widened inputs.
+    const ARITHMETIC: bool = true;
     #[inline(always)]
     fn len(self) -> usize {
         self.len
@@ -135,7 +137,11 @@ mod tests {
 
     /// Both kernels against the lane loop's formulas, bit for bit, at every
     /// width: widths with and without part vectors and bf16 pairs, with and
-    /// without a weight, sums that round and one that overflows to inf.
+    /// without a weight, sums that round and one that overflows to inf, and
+    /// NaN and infinities in `x` and in a weight (bf16 rows on AVX2 round in
+    /// registers with no NaN check: `RowValues::ARITHMETIC`; a NaN counts as
+    /// any NaN, as LLVM orders an operation's operands its own way in each
+    /// type's code).
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
         for cols in [1usize, 16, 31, 32, 33, 100, 300, 1031] {
             let rows = 5;
@@ -146,7 +152,13 @@ mod tests {
             let mut x2 = x.clone();
             x2[cols.min(n - 1)] = T::from_f64(6.0e4);
             let w: Vec<T> = (0..cols).map(|j| T::from_f64(0.5 + (j % 7) as f64 / 8.0)).collect();
-            for (x, w) in [(&x, Some(&w[..])), (&x2, Some(&w[..])), (&x, None)] {
+            let specials = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -f64::NAN].map(T::from_f64);
+            let mut x3 = x.clone();
+            for (j, v) in x3.iter_mut().enumerate().filter(|(j, _)| j % 11 == 3) {
+                *v = specials[j % 4];
+            }
+            let odd: Vec<T> = (0..cols).map(|j| if j % 6 == 5 { specials[j % 4] } else { w[j] }).collect();
+            for (x, w) in [(&x, Some(&w[..])), (&x2, Some(&w[..])), (&x, None), (&x3, Some(&odd[..]))] {
                 let (mut y, mut s) = (vec![T::default(); n], vec![T::default(); n]);
                 run_with(l, Forward { x, r: &r, w, y: &mut y, s: &mut s, cols, eps: 1e-6 });
                 let (mut xi, mut ri) = (x.clone(), r.clone());
@@ -160,7 +172,12 @@ mod tests {
                         *y = T::from_acc(w.map_or(v, |w| v * w[j].to_acc()));
                     }
                 }
-                let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                let bits = |v: &[T]| {
+                    v.iter()
+                        .map(|v| v.to_f64())
+                        .map(|v| if v.is_nan() { u64::MAX } else { v.to_bits() })
+                        .collect::<Vec<_>>()
+                };
                 let case = format!("{} cols={cols} weight={}", T::NAME, w.is_some());
                 assert_eq!(bits(&s), bits(&s_want), "{case}: sum");
                 assert_eq!(bits(&y), bits(&y_want), "{case}: out");

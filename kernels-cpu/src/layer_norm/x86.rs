@@ -162,6 +162,10 @@ struct Row<T, V> {
 }
 
 impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
+    /// A subtract and multiplies or fused multiply-adds of the widened
+    /// inputs and the row's moments (see [`RowValues::ARITHMETIC`] for what
+    /// that gave on AVX2).
+    const ARITHMETIC: bool = true;
     #[inline(always)]
     fn len(self) -> usize {
         self.len
@@ -196,38 +200,70 @@ mod tests {
     /// bf16 rows give the f32 kernel's values on the widened inputs, each
     /// rounded by `from_acc`, bit for bit: through the pairs rounded in
     /// registers, the groups with a subnormal (rounded in software), and the
-    /// tail's block. Rows far from zero take the exact second pass.
+    /// tail's block. Rows far from zero take the exact second pass. Row 3
+    /// holds NaN (quiet and signalling, with payloads) and infinities, and
+    /// the last weights and biases do too (AVX2 rounds these rows in
+    /// registers with no NaN check: `RowValues::ARITHMETIC`); with `eps` 0
+    /// a constant row's `0 * inf` gives x86's default NaN. A NaN counts as
+    /// any NaN: the payload x86 passes on is that of the first NaN operand,
+    /// and LLVM orders a fused multiply-add's operands its own way in each
+    /// type's code.
     #[test]
     fn bf16_rows_are_the_f32_rows_rounded_at_every_width() {
         fn check<L: Width>(l: L) {
             for cols in [1usize, 16, 31, 32, 33, 100, 128, 300] {
                 let rows = 5;
                 let n = rows * cols;
-                let x: Vec<bf16> = (0..n)
+                let specials = [0x7fc0u16, 0xffc0, 0x7f81, 0xff81, 0x7fff, 0x7f80, 0xff80, 0x7fc1];
+                let mut x: Vec<bf16> = (0..n)
                     .map(|i| {
                         let v = ((i * 37 % 101) as f32 - 50.0) / 13.0;
                         bf16::from_acc(if (i / cols) % 3 == 2 { 1000.0 + v / 64.0 } else { v })
                     })
                     .collect();
+                for (j, v) in x[3 * cols..4 * cols].iter_mut().enumerate().filter(|(j, _)| j % 5 == 1) {
+                    *v = bf16::from_bits(specials[j % specials.len()]);
+                }
                 // Tiny weights in row 1: outputs below f32's normal range.
-                let w: Vec<bf16> = (0..cols).map(|j| bf16::from_acc(0.5 + (j % 7) as f32 / 8.0)).collect();
-                let b: Vec<bf16> = (0..cols).map(|j| bf16::from_acc((j % 5) as f32 / 4.0 - 0.5)).collect();
+                let mut w: Vec<bf16> = (0..cols).map(|j| bf16::from_acc(0.5 + (j % 7) as f32 / 8.0)).collect();
+                let mut b: Vec<bf16> = (0..cols).map(|j| bf16::from_acc((j % 5) as f32 / 4.0 - 0.5)).collect();
+                if cols >= 64 {
+                    w[cols - 3..].copy_from_slice(&[0x7f81, 0xff80, 0].map(bf16::from_bits));
+                    b[cols - 2..].copy_from_slice(&[0xffff, 0x7f80].map(bf16::from_bits));
+                }
                 let tiny: Vec<bf16> = (0..cols).map(|j| bf16::from_bits(0x0080 + (j % 3) as u16)).collect();
                 let wide = |v: &[bf16]| v.iter().map(|v| v.to_acc()).collect::<Vec<f32>>();
                 // Each order of the bf16 rows against the other order of the
                 // f32 rows: the order of the stores changes no value.
                 let params = [(Some(&w[..]), Some(&b[..])), (Some(&tiny[..]), None), (None, None)];
-                for ((w, b), order) in params.into_iter().flat_map(|p| ORDERS.map(|o| (p, o))) {
+                // Row 4 constant: with `eps` 0 its variance is 0 and `rstd` inf.
+                x[4 * cols..].fill(bf16::from_f32(0.75));
+                let runs = params.into_iter().flat_map(|p| ORDERS.map(|o| (p, o))).flat_map(|r| [(r, 1e-5), (r, 0.0)]);
+                for (((w, b), order), eps) in runs {
                     let mut y = vec![bf16::ZERO; n];
-                    run_with(l, Forward { x: &x, w, b, y: &mut y, cols, eps: 1e-5, order });
+                    run_with(l, Forward { x: &x, w, b, y: &mut y, cols, eps, order });
                     let (x32, w32, b32) = (wide(&x), w.map(wide), b.map(wide));
                     let mut y32 = vec![0f32; n];
                     let other = if order == Order::Ascending { Order::Descending } else { Order::Ascending };
                     let (w32, b32) = (w32.as_deref(), b32.as_deref());
-                    run_with(l, Forward { x: &x32, w: w32, b: b32, y: &mut y32, cols, eps: 1e-5, order: other });
-                    let want: Vec<u16> = y32.iter().map(|&v| bf16::from_acc(v).to_bits()).collect();
-                    let got: Vec<u16> = y.iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(got, want, "cols={cols} weight={} bias={} {order:?}", w.is_some(), b.is_some());
+                    run_with(l, Forward { x: &x32, w: w32, b: b32, y: &mut y32, cols, eps, order: other });
+                    // A NaN as NaN: which NaN operand x86 passes on depends
+                    // on the operand order LLVM picks for each type.
+                    let bits = |v: bf16| if v.is_nan() { 0x7fc0 } else { v.to_bits() };
+                    let want: Vec<u16> = y32.iter().map(|&v| bits(bf16::from_acc(v))).collect();
+                    let got: Vec<u16> = y.iter().map(|&v| bits(v)).collect();
+                    assert_eq!(
+                        got,
+                        want,
+                        "cols={cols} weight={} bias={} {order:?} eps={eps}",
+                        w.is_some(),
+                        b.is_some()
+                    );
+                    if cols >= 64 {
+                        // The specials reached the outputs.
+                        assert!(y[3 * cols..4 * cols].iter().any(|v| v.is_nan()), "cols={cols}");
+                        assert!(eps > 0.0 || y[4 * cols..].iter().all(|v| v.is_nan()), "cols={cols}");
+                    }
                 }
             }
         }

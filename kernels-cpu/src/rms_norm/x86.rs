@@ -132,6 +132,8 @@ pub(crate) fn write_normed<L: Lanes, T: Element>(l: L, x: &[T], w: Option<&[T]>,
 }
 
 impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
+    /// Multiplies of the widened inputs and the row's `rstd`.
+    const ARITHMETIC: bool = true;
     #[inline(always)]
     fn len(self) -> usize {
         self.len
@@ -165,9 +167,12 @@ mod tests {
     /// width: row widths with and without part vectors and bf16
     /// pairs, contiguous and strided rows (gaps between them, and a second
     /// leading dim), with and without a weight, and tiny weights whose
-    /// outputs are f32 subnormals (rounded in software for bf16). `x` ends
-    /// with the last row, and the kernel asserts (in tests) the row it
-    /// prefetches.
+    /// outputs are f32 subnormals (rounded in software for bf16), and NaN
+    /// and infinities in row 1 and in a third weight (bf16 rows on AVX2
+    /// round in registers with no NaN check: `RowValues::ARITHMETIC`; a NaN
+    /// counts as any NaN, as LLVM orders a multiply's operands its own way
+    /// in each type's code). `x` ends with the last row, and the kernel
+    /// asserts (in tests) the row it prefetches.
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
         for cols in [1usize, 16, 31, 32, 33, 100, 128, 300] {
             // 60 and 65 rows: more than the rows prefetched ahead at most
@@ -175,13 +180,18 @@ mod tests {
             for (sizes, gap) in [([6usize, 1], 0usize), ([3, 2], 5), ([20, 3], 5), ([65, 1], 0)] {
                 let (rows, stride) = (sizes[0] * sizes[1], cols + gap);
                 let layout = RowLayout::new(&sizes, &[sizes[1] * stride, stride]).expect("two dims");
-                let x: Vec<T> = (0..(rows - 1) * stride + cols)
+                let mut x: Vec<T> = (0..(rows - 1) * stride + cols)
                     .map(|i| T::from_f64(((i * 37 % 101) as f64 - 50.0) / 13.0))
                     .collect();
+                let specials = [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -f64::NAN].map(T::from_f64);
+                for (j, v) in x[layout.offset(1)..][..cols].iter_mut().enumerate().filter(|(j, _)| j % 9 == 4) {
+                    *v = specials[j % 4];
+                }
                 let w: Vec<T> = (0..cols).map(|j| T::from_f64(0.5 + (j % 7) as f64 / 8.0)).collect();
                 let tiny: Vec<T> = (0..cols).map(|j| T::from_f64(1e-38 * (1 + j % 3) as f64)).collect();
-                for (w, order) in [Some(&w[..]), Some(&tiny[..]), None].into_iter().flat_map(|w| ORDERS.map(|o| (w, o)))
-                {
+                let odd: Vec<T> = (0..cols).map(|j| if j % 6 == 5 { specials[j % 4] } else { w[j] }).collect();
+                let weights = [Some(&w[..]), Some(&tiny[..]), Some(&odd[..]), None];
+                for (w, order) in weights.into_iter().flat_map(|w| ORDERS.map(|o| (w, o))) {
                     let mut y = vec![T::default(); rows * cols];
                     let k = Forward { x: &x, at: layout.offsets_from(0), w, y: &mut y, cols, eps: 1e-6, order };
                     run_with(l, k);
@@ -197,7 +207,15 @@ mod tests {
                             *want = T::from_acc(w.map_or(v, |w| v * w[j].to_acc()));
                         }
                     }
-                    let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+                    let bits = |v: &[T]| {
+                        v.iter()
+                            .map(|v| v.to_f64())
+                            .map(|v| if v.is_nan() { u64::MAX } else { v.to_bits() })
+                            .collect::<Vec<_>>()
+                    };
+                    if cols > 4 {
+                        assert!(y[cols..2 * cols].iter().all(|v| v.to_f64().is_nan()), "row 1 is NaN");
+                    }
                     assert_eq!(
                         bits(&y),
                         bits(&want),

@@ -15,6 +15,26 @@ use half::bf16;
 /// The values of one output row, a vector at a time: an implementation
 /// holds its inputs' pointers and the row's constants.
 pub(crate) trait RowValues<L: Lanes>: Copy {
+    /// Whether every value is float arithmetic (add, subtract, multiply,
+    /// fused multiply-add: at least one, after the loads) on values widened
+    /// from 16-bit inputs and on row constants made the same way. A NaN
+    /// value is then quiet with its low 16 bits zero: x86 gives the payload
+    /// of a NaN operand, quieted, or its default NaN, `0xffc00000`, and
+    /// widening puts 16 bits in the high half. The integer rounding of
+    /// [`Lanes::store_bf16_pair_normal`] keeps such a NaN's high half, as
+    /// `from_acc` does (it sets the quiet bit, already set), and rounds every
+    /// other f32 as `from_acc` does; so where this holds, bf16 rows round in
+    /// registers on AVX2 too, with no NaN check. The values that other
+    /// kernels compute with integer steps (`exp`'s scaling) are not known
+    /// to keep NaN so.
+    ///
+    /// The norms' forwards set it. On AVX2 (a 2-core Zen 3), `[4096, 4096]`
+    /// bf16, two threads, into fresh huge pages and into memory faulted in
+    /// before, old (a scratch block of f32, then LLVM's `from_acc` with its
+    /// NaN fix-up) and new alternated in one process, new/old medians of 60
+    /// rounds: layer_norm 0.92-0.97, rms_norm 0.92-0.98, fused_add_rms_norm
+    /// 0.97-0.99 (session 54).
+    const ARITHMETIC: bool = false;
     /// How many values the row has (its inputs hold at least that many).
     fn len(self) -> usize;
     /// The vector of output values `i..i + count` (`count <= N`; the other
@@ -70,14 +90,15 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
 
 /// [`write_row`] from the row's last value down: the same values, the same
 /// vectors (each at the same place in the row), stored in the opposite
-/// order. bf16 where the width rounds in registers: the values past the
-/// last whole group of `2 N` first, then the groups from the last; the rest
-/// (f32, f16, and bf16 on AVX2) block by block from the last block, each
+/// order. bf16 where it rounds in registers ([`write_bf16_pairs`]): the
+/// values past the last whole group of `2 N` first, then the groups from the
+/// last; the rest (f32, f16, and bf16 on AVX2 unless
+/// [`RowValues::ARITHMETIC`]) block by block from the last block, each
 /// block's vectors from the last.
 #[inline(always)]
 fn write_row_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T], ahead: &[&[T]]) {
     let n = 2 * L::N;
-    let whole = if L::ROUNDS_BF16 && cast_mut::<T, bf16>(y).is_some() { y.len() / n * n } else { 0 };
+    let whole = if rounds_in_registers::<L, F>() && cast_mut::<T, bf16>(y).is_some() { y.len() / n * n } else { 0 };
     let (groups, rest) = y.split_at_mut(whole);
     write_blocks_down(l, f, rest, whole, ahead);
     if let Some(yb) = cast_mut::<T, bf16>(groups).filter(|_| whole > 0) {
@@ -124,11 +145,13 @@ fn write_blocks_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut 
     }
 }
 
-/// bf16 rows rounded in registers ([`Lanes::store_bf16_pair`]): `y`'s
-/// first whole groups of `2 N` values, prefetching `ahead` as the block path
-/// does; returns how many values it wrote (0 where the width has no bf16
-/// conversion: AVX2). A group with an f32 subnormal is rounded in software,
-/// as [`Element::from_acc`] does.
+/// bf16 rows rounded in registers ([`Lanes::store_bf16_pair`], or on AVX2
+/// for [`RowValues::ARITHMETIC`] values the integer rounding): `y`'s first
+/// whole groups of `2 N` values, prefetching `ahead` as the block path
+/// does; returns how many values it wrote (0 on AVX2 for other values). A
+/// group with an f32 subnormal is rounded in software, as
+/// [`Element::from_acc`] does, where the conversion instruction would flush
+/// it.
 ///
 /// The block path (f32 values stored to a scratch block, then narrowed)
 /// costs two stores and two loads more per `2 N` values: layer_norm bf16,
@@ -137,7 +160,7 @@ fn write_blocks_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut 
 /// a clone of `x` (alternated runs).
 #[inline(always)]
 fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ahead: &[&[T]]) -> usize {
-    if !L::ROUNDS_BF16 {
+    if !rounds_in_registers::<L, F>() {
         return 0;
     }
     let (n, len) = (2 * L::N, y.len());
@@ -166,8 +189,21 @@ fn bf16_pair_at<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], i: usi
     // least as many values as the row `y` lies in.
     unsafe {
         let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
-        store_bf16_pair_rounded(l, y, lo, hi);
+        if L::ROUNDS_BF16 {
+            store_bf16_pair_rounded(l, y, lo, hi);
+        } else {
+            // `F::ARITHMETIC` (`rounds_in_registers`): no NaN to fix up.
+            l.store_bf16_pair_normal(y.as_mut_ptr(), lo, hi);
+        }
     }
+}
+
+/// Whether bf16 rows of `F` round in registers at this width: where it
+/// converts in hardware, or where `F`'s values keep NaN as the integer
+/// rounding needs ([`RowValues::ARITHMETIC`]).
+#[inline(always)]
+fn rounds_in_registers<L: Lanes, F: RowValues<L>>() -> bool {
+    L::ROUNDS_BF16 || F::ARITHMETIC
 }
 
 /// `lo` then `hi` rounded to bf16 into `y` (`2 N` long): by
