@@ -4,11 +4,12 @@
 The report's measuring processes and the demo run with glibc's
 `MALLOC_MMAP_THRESHOLD_` fixed at 1 MiB (unless it is set already), so that
 every output of 1 MiB or more is fresh memory, as the report's floor (a
-clone into fresh memory) assumes, for every contender alike. glibc's default threshold moves with what was freed: in session 49's
-runs a contender's output was at times memory freed before (no page faults,
-copy speed) and at times fresh, whichever the heap held then (torch.compile's
-rotary (x.T) bf16 output 0 faults a call, Keel's beside it 8193: "0.28x
-torch.compile"). Small outputs (decode shapes) come from the heap either way.
+clone into fresh memory) assumes, for every contender alike. glibc's default
+threshold moves with what was freed: in session 49's runs a contender's output
+was at times memory freed before (no page faults, copy speed) and at times
+fresh, whichever the heap held then (torch.compile's rotary (x.T) bf16 output
+0 faults a call, Keel's beside it 8193: "0.28x torch.compile"). Small outputs
+(decode shapes) come from the heap either way.
 
 Fixing the mmap threshold also stops glibc moving its trim threshold, which
 then stays at 128 KiB: a free that leaves that much at the top of the heap
