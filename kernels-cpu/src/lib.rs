@@ -29,6 +29,8 @@ mod rows;
 mod simd;
 pub mod softmax;
 mod sum_squares;
+#[cfg(test)]
+mod testing;
 mod wide;
 mod widen;
 

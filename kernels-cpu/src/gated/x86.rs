@@ -51,6 +51,10 @@ pub(super) fn forward<A: Act, T: Element>(x: &[T], y: &mut [T], d: usize, order:
 /// constant wherever these are inlined, so each kernel keeps one `exp`
 /// (and broadcasts only its constants).
 trait WideAct {
+    /// Whether the forward's bf16 rows round in registers on AVX2, with no
+    /// NaN check ([`RowValues::ARITHMETIC`]: the values of every activation
+    /// allow it). False where that measured slower than the blocks.
+    const AVX2_PAIRS: bool = true;
     /// The broadcast constants.
     type C<V: Copy>;
     /// Broadcasts them (once per block of rows).
@@ -131,6 +135,11 @@ impl WideAct for Gelu {
 }
 
 impl WideAct for GeluTanh {
+    /// Its forward measured slower in registers (AVX2, a 2-core Zen 3,
+    /// `[4096, 8192]` bf16, two threads, fresh huge pages and memory faulted
+    /// in before, old and new alternated in one process, medians of 100
+    /// rounds: 1.07x and 1.10x the time; silu 0.95-0.96x, gelu 0.92x).
+    const AVX2_PAIRS: bool = false;
     type C<V: Copy> = SigmoidExp<V>;
     #[inline(always)]
     fn consts<L: Lanes>(l: L) -> SigmoidExp<L::V> {
@@ -217,6 +226,12 @@ impl<T, A: WideAct, V: Copy> Clone for GatedRow<'_, T, A, V> {
 impl<T, A: WideAct, V: Copy> Copy for GatedRow<'_, T, A, V> {}
 
 impl<L: Lanes, T: 'static, A: WideAct> RowValues<L> for GatedRow<'_, T, A, L::V> {
+    /// `act(a) g` ends with a multiply, and the activations are float
+    /// arithmetic, clamps, selects and lane masks, with `exp`'s integer
+    /// step building only a `2^n` (a zero mantissa: never NaN); the tests
+    /// give bf16 rows quiet and signalling NaN with payloads. Where the
+    /// activation gains by it ([`WideAct::AVX2_PAIRS`]).
+    const ARITHMETIC: bool = A::AVX2_PAIRS;
     #[inline(always)]
     fn len(self) -> usize {
         self.len
@@ -247,9 +262,9 @@ pub(super) fn backward<A: Act, T: Element>(x: &[T], dy: &[T], dx: &mut [T], d: u
 
 /// The backward over rows: `da = dy g act'(a)` and `dg = dy act(a)`, each
 /// multiplied left to right as in `backward_row`. f32 is stored in place;
-/// bf16 is rounded in registers where the width can ([`back_bf16_pair`]);
-/// the rest of a bf16 row, and f16, go through a block of f32 and
-/// [`Element::from_acc_slice`] ([`back_span`]).
+/// bf16 is rounded in registers ([`back_bf16_pair`]); the rest of a bf16
+/// row, and f16, go through a block of f32 and [`Element::from_acc_slice`]
+/// ([`back_span`]).
 struct GatedMulBack<'a, T, A> {
     x: &'a [T],
     dy: &'a [T],
@@ -275,9 +290,9 @@ impl<T: Element, A: WideAct> Kernel for GatedMulBack<'_, T, A> {
                 let (a, g) = x[r * 2 * d..][..2 * d].split_at(d);
                 let (da, dg) = dx[r * 2 * d..][..2 * d].split_at_mut(d);
                 let src = [a, g, &dy[r * d..][..d]];
-                // bf16 rounds its whole groups of `2 N` in registers where
-                // the width can; blocks of f32 take the rest.
-                let whole = if L::ROUNDS_BF16 && is::<T, bf16>() { d / n * n } else { 0 };
+                // bf16 rounds its whole groups of `2 N` in registers;
+                // blocks of f32 take the rest.
+                let whole = if is::<T, bf16>() { d / n * n } else { 0 };
                 match order {
                     Order::Ascending => {
                         if let (Some(da), Some(dg)) = (cast_mut::<T, bf16>(da), cast_mut::<T, bf16>(dg)) {
@@ -344,9 +359,11 @@ fn back_span<L: Lanes, A: WideAct, T: Element>(
 }
 
 /// The group of `2 N` values of a bf16 row's `da` and `dg` at `i`, rounded
-/// in registers ([`store_bf16_pair_rounded`]; a width with `ROUNDS_BF16`
-/// only). Through the f32 blocks instead, each value is stored, loaded and
-/// stored again. Panics where a row does not hold the group.
+/// in registers: [`store_bf16_pair_rounded`] where the width converts, else
+/// (AVX2) the integer rounding with no NaN check, as the forward's
+/// (`RowValues::ARITHMETIC`: both end with a multiply of such values).
+/// Through the f32 blocks instead, each value is stored, loaded and stored
+/// again. Panics where a row does not hold the group.
 #[inline(always)]
 fn back_bf16_pair<L: Lanes, A: WideAct, T: 'static>(
     l: L,
@@ -367,8 +384,17 @@ fn back_bf16_pair<L: Lanes, A: WideAct, T: 'static>(
             back_step::<L, A, T>(l, c, l.load(a.add(L::N)), l.load(g.add(L::N)), l.load(dy.add(L::N))),
         )
     };
-    store_bf16_pair_rounded(l, &mut da[i..i + n], lo.0, hi.0);
-    store_bf16_pair_rounded(l, &mut dg[i..i + n], lo.1, hi.1);
+    if L::ROUNDS_BF16 {
+        store_bf16_pair_rounded(l, &mut da[i..i + n], lo.0, hi.0);
+        store_bf16_pair_rounded(l, &mut dg[i..i + n], lo.1, hi.1);
+    } else {
+        let (da, dg) = (&mut da[i..i + n], &mut dg[i..i + n]);
+        // SAFETY: each holds the `2 N` values written.
+        unsafe {
+            l.store_bf16_pair_normal(da.as_mut_ptr(), lo.0, hi.0);
+            l.store_bf16_pair_normal(dg.as_mut_ptr(), lo.1, hi.1);
+        }
+    }
 }
 
 /// `len` values of `da` and `dg` from `[a, g, dy]`.
@@ -422,6 +448,8 @@ mod tests {
     use crate::element::Element;
     use crate::gated::{narrow, Act, Gelu, GeluTanh, Silu};
     use crate::rows::ORDERS;
+    use crate::testing::{same_or_nan, BF16_NANS};
+    use crate::wide::cast_mut;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
     use std::marker::PhantomData;
@@ -445,12 +473,25 @@ mod tests {
         [a, g].concat()
     }
 
+    /// bf16 NaN, quiet and signalling, with and without payloads, of both
+    /// signs (the bf16 rows on AVX2 round with no NaN check:
+    /// `RowValues::ARITHMETIC`), put into `v` at every 11th value from 40
+    /// (past the specials of [`inputs`]); other types are left as they are.
+    fn with_nans<T: 'static>(mut v: Vec<T>, d: usize) -> Vec<T> {
+        if let Some(b) = cast_mut::<T, half::bf16>(&mut v) {
+            for (i, v) in b.iter_mut().enumerate().filter(|&(i, _)| i % 11 == 3 && i % d >= 40) {
+                *v = bf16::from_bits(BF16_NANS[i / 11 % BF16_NANS.len()]);
+            }
+        }
+        v
+    }
+
     /// The kernel against `A::f(a) * g` (the lane loop's scalar code) bit
     /// for bit (NaN as NaN), at one width, for row widths with and without
     /// a part vector, two rows.
     fn check<A: Act + WideAct, T: Element<Acc = f32>, L: Width>(l: L) {
         for d in [1, 7, 8, 16, 19, 33, 130, 300, 2000] {
-            let row: Vec<T> = inputs(d).into_iter().map(T::from_acc).collect();
+            let row: Vec<T> = with_nans(inputs(d).into_iter().map(T::from_acc).collect(), d);
             let x = [row.clone(), row].concat();
             for order in ORDERS {
                 let mut y = vec![T::from_acc(-7.0); 2 * d];
@@ -459,7 +500,7 @@ mod tests {
                     let r = &x[(i / d) * 2 * d..];
                     let want = T::from_acc(<A as Act>::f(r[i % d].to_acc(), narrow::<T>()) * r[d + i % d].to_acc());
                     let (got, want) = (y.to_acc(), want.to_acc());
-                    let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+                    let same = same_or_nan(got, want);
                     let name = A::KIND.name();
                     assert!(
                         same,
@@ -477,9 +518,13 @@ mod tests {
     /// widths past one block, with a part block and a part vector.
     fn check_back<A: Act + WideAct, T: Element<Acc = f32>, L: Width>(l: L) {
         for d in [1, 7, 8, 19, 32, 33, 130, 300, 2000] {
-            let row: Vec<T> = inputs(d).into_iter().map(T::from_acc).collect();
+            let row: Vec<T> = with_nans(inputs(d).into_iter().map(T::from_acc).collect(), d);
             let x = [row.clone(), row].concat();
             let dy: Vec<T> = (0..2 * d).map(|i| T::from_acc(0.75 - (i % 11) as f32 * 0.25)).collect();
+            // NaN in `dy` 5 values before those of `a` and `g`.
+            let mut dy = with_nans(dy, d);
+            let len = dy.len();
+            dy.rotate_left(5 % len);
             for order in ORDERS {
                 let mut dx = vec![T::from_acc(-7.0); 4 * d];
                 run_with(l, GatedMulBack::<T, A> { x: &x, dy: &dy, dx: &mut dx, d, order, act: PhantomData });
@@ -490,7 +535,7 @@ mod tests {
                     let (f, df) = <A as Act>::f_df(a, narrow::<T>());
                     let want = T::from_acc(if j < d { dy * g * df } else { dy * f });
                     let (got, want) = (got.to_acc(), want.to_acc());
-                    let same = got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan());
+                    let same = same_or_nan(got, want);
                     let name = A::KIND.name();
                     assert!(same, "{name} backward {} d={d} i={i} {order:?}: a={a} got {got} want {want}", T::NAME);
                 }

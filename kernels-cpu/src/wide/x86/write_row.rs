@@ -15,25 +15,34 @@ use half::bf16;
 /// The values of one output row, a vector at a time: an implementation
 /// holds its inputs' pointers and the row's constants.
 pub(crate) trait RowValues<L: Lanes>: Copy {
-    /// Whether every value is float arithmetic (add, subtract, multiply,
-    /// fused multiply-add: at least one, after the loads) on values widened
-    /// from 16-bit inputs and on row constants made the same way. A NaN
-    /// value is then quiet with its low 16 bits zero: x86 gives the payload
-    /// of a NaN operand, quieted, or its default NaN, `0xffc00000`, and
-    /// widening puts 16 bits in the high half. The integer rounding of
-    /// [`Lanes::store_bf16_pair_normal`] keeps such a NaN's high half, as
-    /// `from_acc` does (it sets the quiet bit, already set), and rounds every
-    /// other f32 as `from_acc` does; so where this holds, bf16 rows round in
-    /// registers on AVX2 too, with no NaN check. The values that other
-    /// kernels compute with integer steps (`exp`'s scaling) are not known
-    /// to keep NaN so.
+    /// Whether bf16 rows round in registers on AVX2, with no NaN check. An
+    /// implementation may set it only where every NaN value is quiet with
+    /// its low 16 bits zero (and should where that measures faster), as it is
+    /// where each value is the result of float arithmetic (add, subtract,
+    /// multiply, divide, fused multiply-add) whose NaN operands are values
+    /// widened from bf16 or results of the same kind. x86 gives such an
+    /// operation the payload of a NaN operand, quieted, or its default NaN,
+    /// `0xffc00000`, and widening puts 16 bits in the high half. Between
+    /// the operations, what keeps a lane or picks one of such values (a
+    /// min, max, blend, a mask of whole lanes, `abs`, `copysign`) keeps
+    /// that; so does a value whose mantissa is all zero, which is not NaN
+    /// (the `2^n` that `exp` builds by shifting an integer into the exponent
+    /// field). The integer rounding of [`Lanes::store_bf16_pair_normal`]
+    /// keeps such a NaN's high half, as `from_acc` does (it sets the quiet
+    /// bit, already set), and rounds every other f32 as `from_acc` does; so
+    /// where this holds, bf16 rows round in registers on AVX2 too, with no
+    /// NaN check. (A NaN with other low bits can round to an infinity or,
+    /// all ones, carry into the sign: `0x7fffffff` gives `-0.0`.)
     ///
-    /// The norms' forwards set it. On AVX2 (a 2-core Zen 3), `[4096, 4096]`
+    /// The norms' forwards set it, and the gated ones but gelu tanh's
+    /// (`WideAct::AVX2_PAIRS` in `gated/x86.rs`). On AVX2 (a 2-core Zen 3),
     /// bf16, two threads, into fresh huge pages and into memory faulted in
     /// before, old (a scratch block of f32, then LLVM's `from_acc` with its
-    /// NaN fix-up) and new alternated in one process, new/old medians of 60
-    /// rounds: layer_norm 0.92-0.97, rms_norm 0.92-0.98, fused_add_rms_norm
-    /// 0.97-0.99 (session 54).
+    /// NaN fix-up) and new alternated in one process, new/old medians:
+    /// `[4096, 4096]`, 60 rounds, layer_norm 0.92-0.97, rms_norm 0.92-0.98,
+    /// fused_add_rms_norm 0.97-0.99 (session 54); `[4096, 8192]` out, 100
+    /// rounds, silu_and_mul 0.95-0.96, gelu_and_mul 0.92, gelu tanh 1.07-1.10
+    /// (session 55).
     const ARITHMETIC: bool = false;
     /// How many values the row has (its inputs hold at least that many).
     fn len(self) -> usize;
