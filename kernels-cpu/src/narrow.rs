@@ -19,13 +19,15 @@
 //! 10-20% slower in rms_norm and silu_and_mul bf16, and one that packs 16
 //! at a time and sends a group holding NaN (one compare per 16) to the
 //! scalar rounding was up to 8% faster in the best times but 1-12% slower
-//! in the median (session 53, a Zen 3). Three kinds of pass are the
-//! exceptions, rounding with no NaN check at all
+//! in the median (session 53, a Zen 3). Most passes are now the
+//! exceptions, rounding in registers with no NaN check at all
 //! (`Lanes::store_bf16_pair_normal`): softmax's last pass and
 //! cross_entropy's backward, whose values hold no NaN where the row's sum is
-//! finite (`softmax::affine_bf16`), and the norms' forwards, whose NaNs
-//! (quiet, with their low 16 bits zero) that rounding keeps as `from_acc`
-//! does (`RowValues::ARITHMETIC` in `wide/x86/write_row.rs`).
+//! finite (`softmax::affine_bf16`); and the forwards of the norms and the
+//! gated ops, the gated backward, and the `dx` of the norms' explicit
+//! backwards, whose NaNs (quiet, with their low 16 bits zero) that rounding
+//! keeps as `from_acc` does (`RowValues::ARITHMETIC` in
+//! `wide/x86/write_row.rs`).
 use crate::element::Acc;
 use half::{bf16, f16};
 

@@ -131,7 +131,7 @@ pub(crate) fn prefetch_each<T>(ahead: &[&[T]], i: usize, n: usize) {
 }
 
 /// Elements per part of [`prefetching`].
-const PREFETCH_PART: usize = 256;
+pub(crate) const PREFETCH_PART: usize = 256;
 
 /// Number of independent accumulators in reductions: enough lanes for two
 /// AVX-512 registers of f32, so the loop is not bound by add latency.

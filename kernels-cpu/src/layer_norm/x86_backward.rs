@@ -23,7 +23,8 @@
 //! `db` stores, and the moments pass waiting on memory for every row) and
 //! runs the same walk: `dx` goes to an f32 block per row and part, rounded
 //! into the row with [`Element::from_acc_slice`] (AVX512-BF16's conversion
-//! where the CPU has it), which rounds as the lane loop's `from_acc`.
+//! where the CPU has it), which rounds as the lane loop's `from_acc`; on
+//! AVX2, `dx` is rounded in registers instead ([`bf16_pairs`]).
 //!
 //! f16 runs the same walk (its loads and its rounding of `dx` are F16C's),
 //! and its rows' one-pass sums run here in vectors ([`moment_grad_sums`]),
@@ -35,7 +36,7 @@ use crate::element::Element;
 use crate::simd::{reduce_lanes, LANES};
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
-use half::f16;
+use half::{bf16, f16};
 
 /// Rows whose columns are walked together.
 ///
@@ -141,6 +142,11 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     }
     let ins = (xs, dys, w.as_ptr());
     let (dw, db) = (dw.as_mut_ptr(), db.as_mut_ptr());
+    if let Some(dx) = cast_mut::<T, bf16>(&mut *dx).filter(|_| !L::ROUNDS_BF16) {
+        // SAFETY: the caller's bounds, for the rows' `dx` too.
+        unsafe { bf16_pairs::<L, T, G>(l, &c, ins, dx, (dw, db), at, cols) };
+        return;
+    }
     // `step` writes f32's `dx` into the rows; bf16's into f32 blocks of one
     // part, which are then rounded into the rows.
     let f32_rows = cast_mut::<T, f32>(&mut *dx).map(|dx| {
@@ -177,6 +183,72 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
             }
         }
         p += len;
+    }
+}
+
+/// The column walk of [`group`] for bf16 on AVX2, whose width does not
+/// convert: each row's `dx` rounded in registers, two vectors at a time,
+/// with [`Lanes::store_bf16_pair_normal`] and no NaN check. Every `dx` is
+/// float arithmetic on values widened from bf16 and on the row's
+/// constants, so any NaN is quiet with its low 16 bits zero, which that
+/// rounding keeps as `from_acc` does (`RowValues::ARITHMETIC` in
+/// `wide/x86/write_row.rs` says why). The last `< 2 N` columns go through
+/// small f32 blocks and `from_acc`. Through the part blocks instead, each
+/// value is stored, loaded and rounded with LLVM's vectorised NaN fix-up:
+/// see BENCHMARKS.md, session 55, for the figures.
+///
+/// # Safety
+/// As [`group`]'s: `G` rows of `cols` from `at` in `dx` and behind `ins`'s
+/// row pointers; `w`, `dw` and `db` hold `cols`.
+#[allow(clippy::type_complexity)]
+#[inline(always)]
+unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
+    l: L,
+    c: &[Row<L::V>; G],
+    ins: ([*const T; G], [*const T; G], *const T),
+    dx: &mut [bf16],
+    (dw, db): (*mut f32, *mut f32),
+    at: usize,
+    cols: usize,
+) {
+    let mut rows = [dx.as_mut_ptr(); G];
+    for (r, d) in rows.iter_mut().enumerate() {
+        *d = dx[at + r * cols..][..cols].as_mut_ptr();
+    }
+    let n = 2 * L::N;
+    let whole = cols / n * n;
+    let mut j = 0;
+    // SAFETY: columns `j..j + 2 N` lie inside every row (`j + 2 N <=
+    // whole <= cols`), and the caller's bounds hold for `dw`, `db`.
+    unsafe {
+        while j < whole {
+            let lo = values::<L, T, G>(l, c, ins, (dw, db), j, L::N);
+            let hi = values::<L, T, G>(l, c, ins, (dw, db), j + L::N, L::N);
+            for r in 0..G {
+                l.store_bf16_pair_normal(rows[r].add(j), lo[r], hi[r]);
+            }
+            j += n;
+        }
+    }
+    if whole < cols {
+        let mut t = [[0f32; 64]; G];
+        let mut blocks = [t[0].as_mut_ptr(); G];
+        for (b, block) in blocks.iter_mut().zip(t.iter_mut()) {
+            *b = block.as_mut_ptr();
+        }
+        walk_columns::<L>(
+            cols - whole,
+            // SAFETY: `count` columns from `whole + i` lie inside every
+            // row, and from `i` inside the blocks (`cols - whole < 2 N <=
+            // 64`).
+            #[inline(always)]
+            |i, count| unsafe { step::<L, T, G>(l, c, ins, (blocks, whole), (dw, db), whole + i, count) },
+        );
+        for (r, t) in t.iter().enumerate() {
+            for (y, &t) in dx[at + r * cols + whole..][..cols - whole].iter_mut().zip(t) {
+                *y = bf16::from_acc(t);
+            }
+        }
     }
 }
 
@@ -247,12 +319,37 @@ fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w:
 unsafe fn step<L: Lanes, T: 'static, const G: usize>(
     l: L,
     c: &[Row<L::V>; G],
-    (xs, dys, w): ([*const T; G], [*const T; G], *const T),
+    ins: ([*const T; G], [*const T; G], *const T),
     (dxs, o): ([*mut f32; G], usize),
-    (dw, db): (*mut f32, *mut f32),
+    dwb: (*mut f32, *mut f32),
     i: usize,
     count: usize,
 ) {
+    // SAFETY: the caller's.
+    unsafe {
+        let dxv = values::<L, T, G>(l, c, ins, dwb, i, count);
+        for (r, v) in dxv.into_iter().enumerate() {
+            store(l, dxs[r], i - o, v, count);
+        }
+    }
+}
+
+/// [`step`]'s values: every row's `dx` of columns `i..i + count`, returned,
+/// with `dw` and `db` stored; every row's loads come before those stores.
+///
+/// # Safety
+/// `count` values from `i` are readable at every input pointer and writable
+/// at `dw` and `db`.
+#[allow(clippy::type_complexity)]
+#[inline(always)]
+unsafe fn values<L: Lanes, T: 'static, const G: usize>(
+    l: L,
+    c: &[Row<L::V>; G],
+    (xs, dys, w): ([*const T; G], [*const T; G], *const T),
+    (dw, db): (*mut f32, *mut f32),
+    i: usize,
+    count: usize,
+) -> [L::V; G] {
     // SAFETY: the caller's.
     unsafe {
         let wv = load(l, w, i, count);
@@ -266,11 +363,9 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
             dwv = l.add(dwv, l.mul(dyv, xh));
             dbv = l.add(dbv, dyv);
         }
-        for (r, v) in dxv.into_iter().enumerate() {
-            store(l, dxs[r], i - o, v, count);
-        }
         store(l, dw, i, dwv, count);
         store(l, db, i, dbv, count);
+        dxv
     }
 }
 
@@ -278,6 +373,7 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
 mod tests {
     use super::Backward;
     use crate::element::Element;
+    use crate::testing::{bf16_bits_any_nan, same_or_nan};
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 
@@ -324,12 +420,58 @@ mod tests {
         }
     }
 
+    /// bf16 NaN as the lane loop treats them (bf16 rows on AVX2 round in
+    /// registers with no NaN check, `bf16_pairs`): a signalling NaN with a
+    /// payload in `x` of row 1, a negative one in `dy` of row 2 (each row
+    /// all NaN), and in a second call a quiet one with all payload bits in
+    /// `w` (every row NaN); a NaN counts as any NaN, the rest bit for bit.
+    /// 5 rows (two groups and a single row), with and without a part group.
+    fn nans<L: Width>(l: L) {
+        for cols in [37usize, 300] {
+            let n = 5 * cols;
+            let mut x: Vec<bf16> = (0..n).map(|i| bf16::from_f32(((i * 37 % 101) as f32 - 50.0) / 13.0)).collect();
+            let mut dy: Vec<bf16> = (0..n).map(|i| bf16::from_f32(((i * 53 % 97) as f32 - 48.0) / 17.0)).collect();
+            x[cols + 5] = bf16::from_bits(0x7f81);
+            dy[3 * cols - 1] = bf16::from_bits(0xffbf);
+            let w: Vec<bf16> = (0..cols).map(|j| bf16::from_f32(0.5 + (j % 7) as f32 / 8.0)).collect();
+            let mut w_nan = w.clone();
+            w_nan[cols / 2] = bf16::from_bits(0x7fff);
+            for w in [w, w_nan] {
+                let (mut dx, mut dw, mut db) = (vec![bf16::ZERO; n], vec![0.25f32; cols], vec![0.5f32; cols]);
+                let k = Backward { x: &x, dy: &dy, w: &w, dx: &mut dx, dw: &mut dw, db: &mut db, cols, eps: 1e-5 };
+                run_with(l, k);
+                let (mut dx_ref, mut dw_ref, mut db_ref) =
+                    (vec![bf16::ZERO; n], vec![0.25f32; cols], vec![0.5f32; cols]);
+                for ((x, dy), dx) in x.chunks(cols).zip(dy.chunks(cols)).zip(dx_ref.chunks_mut(cols)) {
+                    super::super::backward_row(
+                        x,
+                        dy,
+                        Some(&w[..]),
+                        dx,
+                        Some(&mut dw_ref[..]),
+                        Some(&mut db_ref[..]),
+                        1e-5,
+                        None,
+                    );
+                }
+                let what = format!("cols={cols} w NaN: {}", w.iter().any(|v| v.is_nan()));
+                assert_eq!(bf16_bits_any_nan(&dx), bf16_bits_any_nan(&dx_ref), "dx {what}");
+                assert!(dx[cols..3 * cols].iter().all(|v| v.is_nan()), "rows 1 and 2 are NaN: {what}");
+                assert!(
+                    dw.iter().zip(&dw_ref).chain(db.iter().zip(&db_ref)).all(|(&a, &b)| same_or_nan(a, b)),
+                    "dw, db {what}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn grouped_rows_match_the_lane_loop_at_every_width() {
         fn both<L: Width>(l: L) {
             check::<f32, L>(l);
             check::<bf16, L>(l);
             check::<f16, L>(l);
+            nans::<L>(l);
         }
         every_width!(both);
     }

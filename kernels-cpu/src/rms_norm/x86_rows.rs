@@ -23,15 +23,17 @@
 //! `c = r^3 sum(g x) / n` may differ from the lane loop's in their last
 //! bits; then every element takes the lane loop's operations in its order
 //! (`dx = (r dy) w - x c (+ add)`, `dw += (dy x) r`), rounded to `T` by
-//! [`Element::write_acc`]. The tests compare with the lane loop bit for bit
-//! on rows whose sums are exact, and with an f64 reference otherwise.
+//! [`Element::write_acc`], or for bf16 on AVX2 in registers ([`Pairs`]).
+//! The tests compare with the lane loop bit for bit on rows whose sums are
+//! exact, and with an f64 reference otherwise.
 use super::{consts_from_sums, strided_row_and_next};
 use crate::element::Element;
 use crate::layout::Offsets;
 use crate::rows::row_and_next;
-use crate::simd::prefetching;
+use crate::simd::{prefetch_each, prefetching, PREFETCH_PART};
 use crate::wide::cast_mut;
 use crate::wide::x86::{load_n, store_n, Kernel, Lanes};
+use half::bf16;
 
 /// The backward of the rows of `dx` (`cols` each): row `k` of `x` at the
 /// `k`-th offset of `ox` (which is stepped past them); `dy`, `add` and `dx`
@@ -68,7 +70,14 @@ impl<T: Element> Kernel for Rows<'_, T> {
             let (rv, cv) = (l.splat(rr), l.splat(c));
             let ptrs = Ptrs { x: x.as_ptr(), dy: dy.as_ptr(), add: add.map(<[T]>::as_ptr), w: w.map(<[T]>::as_ptr) };
             let dw = dw.as_deref_mut().map(<[f32]>::as_mut_ptr);
-            // Part by part, prefetching the next row, as the lane loop.
+            // bf16 on AVX2: in registers (`Pairs`); else part by part,
+            // prefetching the next row, as the lane loop.
+            if let Some(dx) = cast_mut::<T, bf16>(dx).filter(|_| !L::ROUNDS_BF16) {
+                // SAFETY: every pointer holds the row's `cols` values, as
+                // `dx` does.
+                unsafe { with_case(ptrs, dw, Pairs { l, r: rv, c: cv, dx, ahead: [next_x, next_dy] }) };
+                continue;
+            }
             prefetching(
                 dx,
                 &[next_x, next_dy],
@@ -81,7 +90,7 @@ impl<T: Element> Kernel for Rows<'_, T> {
                             let out = cast_mut::<T::Acc, f32>(out).expect("rms_norm x86 rows: T::Acc is f32");
                             // SAFETY: `out` is `dx[k + at..]` widened, and
                             // every pointer holds the row's `cols` values.
-                            unsafe { part(l, ptrs, dw, rv, cv, k + at, out) };
+                            unsafe { with_case(ptrs, dw, Block { l, r: rv, c: cv, at: k + at, out }) };
                         },
                     )
                 },
@@ -160,30 +169,33 @@ unsafe fn g<L: Lanes, T: 'static>(l: L, dy: *const T, w: Option<*const T>, at: u
     }
 }
 
-/// `out[i] = dx` of columns `at..at + out.len()` of the row, and `dw` added
-/// to there; the weight, `add` and `dw` cases chosen once per part.
+/// A pass over (part of) a row in one of its cases: `W` a weight (at `w`),
+/// `A` an added gradient, `DW` the weight's gradient (at `dw`).
+trait Case<T> {
+    /// The pass in that case.
+    ///
+    /// # Safety
+    /// Every pointer of the row's [`Ptrs`], `w` (where `W`) and `dw` (where
+    /// `DW`) hold the columns the pass reaches; `p.add` is `Some` where `A`.
+    unsafe fn run<const W: bool, const A: bool, const DW: bool>(self, p: Ptrs<T>, w: *const T, dw: *mut f32);
+}
+
+/// Runs `k` in the row's case (weight, `add`, `dw`), chosen once per call.
 ///
 /// # Safety
-/// Every pointer of `p`, and `dw`, hold the columns `at..at + out.len()`.
+/// As [`Case::run`], for the pointers of `p` and `dw`.
 #[inline(always)]
-unsafe fn part<L: Lanes, T: 'static>(
-    l: L,
-    p: Ptrs<T>,
-    dw: Option<*mut f32>,
-    r: L::V,
-    c: L::V,
-    at: usize,
-    out: &mut [f32],
-) {
-    // SAFETY (each arm): the caller's.
+unsafe fn with_case<T, K: Case<T>>(p: Ptrs<T>, dw: Option<*mut f32>, k: K) {
+    // SAFETY (each arm): the caller's; the cases without a weight or `dw`
+    // never read `w` (given `x`) or touch `dw` (null).
     unsafe {
         match (p.w, p.add, dw) {
-            (Some(w), None, Some(dw)) => cols::<L, T, true, false, true>(l, p, w, dw, r, c, at, out),
-            (Some(w), None, None) => cols::<L, T, true, false, false>(l, p, w, dw_none(), r, c, at, out),
-            (Some(w), Some(_), Some(dw)) => cols::<L, T, true, true, true>(l, p, w, dw, r, c, at, out),
-            (Some(w), Some(_), None) => cols::<L, T, true, true, false>(l, p, w, dw_none(), r, c, at, out),
-            (None, None, _) => cols::<L, T, false, false, false>(l, p, p.x, dw_none(), r, c, at, out),
-            (None, Some(_), _) => cols::<L, T, false, true, false>(l, p, p.x, dw_none(), r, c, at, out),
+            (Some(w), None, Some(dw)) => k.run::<true, false, true>(p, w, dw),
+            (Some(w), None, None) => k.run::<true, false, false>(p, w, dw_none()),
+            (Some(w), Some(_), Some(dw)) => k.run::<true, true, true>(p, w, dw),
+            (Some(w), Some(_), None) => k.run::<true, true, false>(p, w, dw_none()),
+            (None, None, _) => k.run::<false, false, false>(p, p.x, dw_none()),
+            (None, Some(_), _) => k.run::<false, true, false>(p, p.x, dw_none()),
         }
     }
 }
@@ -194,56 +206,108 @@ fn dw_none() -> *mut f32 {
     std::ptr::null_mut()
 }
 
-/// [`part`] for one case: `W` a weight (at `w`), `A` an added gradient,
-/// `DW` the weight's gradient (at `dw`).
-///
-/// # Safety
-/// As [`part`]; `w` (where `W`) and `dw` (where `DW`) hold the columns too,
-/// and `p.add` is `Some` where `A`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn cols<L: Lanes, T: 'static, const W: bool, const A: bool, const DW: bool>(
+/// `out[i] = dx` of columns `at..at + out.len()` of the row (and `dw` added
+/// to there), for [`Element::write_acc`] to round.
+struct Block<'o, L: Lanes> {
     l: L,
-    p: Ptrs<T>,
-    w: *const T,
-    dw: *mut f32,
     r: L::V,
     c: L::V,
     at: usize,
-    out: &mut [f32],
-) {
-    let (len, o) = (out.len(), out.as_mut_ptr());
-    let mut i = 0;
-    // SAFETY (both): whole vectors while they fit in `out`, then the `len -
-    // i < N` left; the caller's bounds from `at`.
-    while i + L::N <= len {
-        unsafe { step::<L, T, W, A, DW>(l, p, w, dw, (r, c), at + i, o.add(i), L::N) };
-        i += L::N;
-    }
-    if i < len {
-        unsafe { step::<L, T, W, A, DW>(l, p, w, dw, (r, c), at + i, o.add(i), len - i) };
+    out: &'o mut [f32],
+}
+
+impl<L: Lanes, T: 'static> Case<T> for Block<'_, L> {
+    #[inline(always)]
+    unsafe fn run<const W: bool, const A: bool, const DW: bool>(self, p: Ptrs<T>, w: *const T, dw: *mut f32) {
+        let Block { l, r, c, at, out } = self;
+        let (len, o) = (out.len(), out.as_mut_ptr());
+        let mut i = 0;
+        // SAFETY (both): whole vectors while they fit in `out`, then the
+        // `len - i < N` left; the caller's bounds from `at`.
+        while i + L::N <= len {
+            unsafe { store_n(l, o, i, value::<L, T, W, A, DW>(l, p, w, dw, (r, c), at + i, L::N), L::N) };
+            i += L::N;
+        }
+        if i < len {
+            unsafe { store_n(l, o, i, value::<L, T, W, A, DW>(l, p, w, dw, (r, c), at + i, len - i), len - i) };
+        }
     }
 }
 
-/// One vector of `k <= N` columns from `j`, written to `o` (and added to
-/// `dw`): the lane loop's operations in its order, `dx = (r dy) w - x c (+
-/// add)`, `dw += (dy x) r`.
+/// A bf16 row's `dx` rounded in registers, two vectors at a time, with
+/// [`Lanes::store_bf16_pair_normal`] and no NaN check (for AVX2, whose
+/// width does not convert): every `dx` is float arithmetic on values
+/// widened from bf16 and on the row's `r` and `c`, so any NaN is quiet
+/// with its low 16 bits zero, which that rounding keeps as `from_acc` does
+/// (`RowValues::ARITHMETIC` says why). The last `< 2 N` values go through a
+/// small f32 block and `from_acc`. Prefetches the next row's part of
+/// [`PREFETCH_PART`] values as the block path does.
+///
+/// Through the blocks instead, each value is stored, loaded and rounded
+/// with LLVM's vectorised NaN fix-up. AVX2 (Zen 3), two threads, `[4096,
+/// 4096]`, old and new alternated in one process: see BENCHMARKS.md,
+/// session 55.
+struct Pairs<'o, L: Lanes, T> {
+    l: L,
+    r: L::V,
+    c: L::V,
+    dx: &'o mut [bf16],
+    ahead: [&'o [T]; 2],
+}
+
+impl<L: Lanes, T: 'static> Case<T> for Pairs<'_, L, T> {
+    #[inline(always)]
+    unsafe fn run<const W: bool, const A: bool, const DW: bool>(self, p: Ptrs<T>, w: *const T, dw: *mut f32) {
+        let Pairs { l, r, c, dx, ahead } = self;
+        let (n, len) = (2 * L::N, dx.len());
+        let whole = len / n * n;
+        let mut i = 0;
+        // SAFETY: `i + 2 N <= whole <= len`, within the row (the caller's
+        // bounds), as `dx` holds it.
+        unsafe {
+            while i < whole {
+                if i.is_multiple_of(PREFETCH_PART) {
+                    prefetch_each(&ahead, i / PREFETCH_PART, PREFETCH_PART);
+                }
+                let lo = value::<L, T, W, A, DW>(l, p, w, dw, (r, c), i, L::N);
+                let hi = value::<L, T, W, A, DW>(l, p, w, dw, (r, c), i + L::N, L::N);
+                l.store_bf16_pair_normal(dx.as_mut_ptr().add(i), lo, hi);
+                i += n;
+            }
+        }
+        if whole < len {
+            if whole.is_multiple_of(PREFETCH_PART) {
+                prefetch_each(&ahead, whole / PREFETCH_PART, PREFETCH_PART);
+            }
+            let mut t = [0f32; 64];
+            // SAFETY: `len - whole < 2 N <= 64` values from `whole`, within
+            // the row.
+            unsafe { Block { l, r, c, at: whole, out: &mut t[..len - whole] }.run::<W, A, DW>(p, w, dw) };
+            for (y, &t) in dx[whole..].iter_mut().zip(&t) {
+                *y = bf16::from_acc(t);
+            }
+        }
+    }
+}
+
+/// One vector of `k <= N` columns from `j`: the lane loop's operations in
+/// its order, `dx = (r dy) w - x c (+ add)` returned, `dw += (dy x) r`
+/// stored.
 ///
 /// # Safety
 /// `k` values from `j` at every pointer of `p` that the case reads, at `w`
-/// (where `W`) and `dw` (where `DW`); `k` writable at `o`.
+/// (where `W`) and `dw` (where `DW`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn step<L: Lanes, T: 'static, const W: bool, const A: bool, const DW: bool>(
+unsafe fn value<L: Lanes, T: 'static, const W: bool, const A: bool, const DW: bool>(
     l: L,
     p: Ptrs<T>,
     w: *const T,
     dw: *mut f32,
     (r, c): (L::V, L::V),
     j: usize,
-    o: *mut f32,
     k: usize,
-) {
+) -> L::V {
     // SAFETY: the caller's.
     unsafe {
         let (xv, dyv) = (load_n(l, p.x, j, k), load_n(l, p.dy, j, k));
@@ -255,11 +319,11 @@ unsafe fn step<L: Lanes, T: 'static, const W: bool, const A: bool, const DW: boo
         if A {
             d = l.add(d, load_n(l, p.add.unwrap_or(p.x), j, k));
         }
-        store_n(l, o, 0, d, k);
         if DW {
             let prev = load_n(l, dw.cast_const(), j, k);
             store_n(l, dw, j, l.add(prev, l.mul(l.mul(dyv, xv), r)), k);
         }
+        d
     }
 }
 
@@ -269,6 +333,7 @@ mod tests {
     use crate::element::Element;
     use crate::layout::RowLayout;
     use crate::simd::dispatch;
+    use crate::testing::{bf16_bits_any_nan, same_or_nan, BF16_NANS};
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 
@@ -367,8 +432,37 @@ mod tests {
         assert!(dx[..cols].iter().all(|v| v.to_acc().is_nan()), "{}: the row with inf", T::NAME);
         assert!(dx_ref[..cols].iter().all(|v| v.to_acc().is_nan()));
         assert_eq!(bits(&dx[cols..]), bits(&dx_ref[cols..]), "{}: the other rows", T::NAME);
-        let nan_same = |a: &f32, b: &f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
-        assert!(dw.iter().zip(&dw_ref).all(|(a, b)| nan_same(a, b)), "{}: dw", T::NAME);
+        assert!(dw.iter().zip(&dw_ref).all(|(&a, &b)| same_or_nan(a, b)), "{}: dw", T::NAME);
+    }
+
+    /// bf16 NaN, quiet and signalling, with payloads and of both signs, as
+    /// the lane loop treats them (bf16 rows on AVX2 round in registers with
+    /// no NaN check, `Pairs`): one in `x` (its row all NaN), one in `dy`
+    /// (the same), and some in `add` (those values only); a NaN counts as
+    /// any NaN, the rest bit for bit. Row widths with and without a part
+    /// group.
+    fn nans<L: Width>(l: L) {
+        for cols in [37usize, 300] {
+            let rows = 4;
+            let mut x = exact::<bf16>(rows * cols, 1);
+            let (mut dy, mut add) = (exact::<bf16>(rows * cols, 5), exact::<bf16>(rows * cols, 11));
+            x[cols + 9] = bf16::from_bits(0x7f81);
+            dy[2 * cols + cols - 1] = bf16::from_bits(0xffbf);
+            for (i, a) in add.iter_mut().enumerate().filter(|(i, _)| i % 7 == 2 && (i / cols) % 3 == 0) {
+                *a = bf16::from_bits(BF16_NANS[i % BF16_NANS.len()]);
+            }
+            let w: Vec<bf16> = (0..cols).map(|j| bf16::from_f64(0.5 + (j % 7) as f64 / 8.0)).collect();
+            for (with_w, with_add, with_dw) in CASES {
+                let (wt, ad) = (with_w.then_some(&w[..]), with_add.then_some(&add[..]));
+                let ((dx, dw), (dx_ref, dw_ref)) = both(l, (&x, cols), &dy, ad, wt, with_dw, cols);
+                let what = format!("cols={cols} case={:?}", (with_w, with_add, with_dw));
+                assert_eq!(bf16_bits_any_nan(&dx), bf16_bits_any_nan(&dx_ref), "dx {what}");
+                assert!(dx[cols..3 * cols].iter().all(|v| v.is_nan()), "rows 1 and 2 are NaN: {what}");
+                let added = dx.iter().zip(ad.unwrap_or(&[])).filter(|(_, a)| a.is_nan()).all(|(v, _)| v.is_nan());
+                assert!(added && dx[..cols].iter().any(|v| !v.is_nan()), "row 0: {what}");
+                assert!(dw.iter().zip(&dw_ref).all(|(&a, &b)| same_or_nan(a, b)), "dw {what}");
+            }
+        }
     }
 
     #[test]
@@ -378,6 +472,7 @@ mod tests {
             matches_lane_loop::<L, bf16>(l);
             specials::<L, f16>(l);
             specials::<L, bf16>(l);
+            nans::<L>(l);
         }
         every_width!(each);
     }
