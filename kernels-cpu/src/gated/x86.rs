@@ -137,8 +137,9 @@ impl WideAct for Gelu {
 impl WideAct for GeluTanh {
     /// Its forward measured slower in registers (AVX2, a 2-core Zen 3,
     /// `[4096, 8192]` bf16, two threads, fresh huge pages and memory faulted
-    /// in before, old and new alternated in one process, medians of 100
-    /// rounds: 1.07x and 1.10x the time; silu 0.95-0.96x, gelu 0.92x).
+    /// in before, old and new alternated in one process, medians of 40-100
+    /// rounds: 1.04-1.10x the time; silu 0.95-0.98x, gelu 0.91-0.94x;
+    /// BENCHMARKS.md, session 55).
     const AVX2_PAIRS: bool = false;
     type C<V: Copy> = SigmoidExp<V>;
     #[inline(always)]

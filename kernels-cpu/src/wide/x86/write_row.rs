@@ -40,9 +40,9 @@ pub(crate) trait RowValues<L: Lanes>: Copy {
     /// before, old (a scratch block of f32, then LLVM's `from_acc` with its
     /// NaN fix-up) and new alternated in one process, new/old medians:
     /// `[4096, 4096]`, 60 rounds, layer_norm 0.92-0.97, rms_norm 0.92-0.98,
-    /// fused_add_rms_norm 0.97-0.99 (session 54); `[4096, 8192]` out, 100
-    /// rounds, silu_and_mul 0.95-0.96, gelu_and_mul 0.92, gelu tanh 1.07-1.10
-    /// (session 55).
+    /// fused_add_rms_norm 0.97-0.99 (session 54); `[4096, 8192]` out,
+    /// 40-100 rounds, silu_and_mul 0.95-0.98, gelu_and_mul 0.91-0.94, gelu
+    /// tanh 1.04-1.10 (session 55).
     const ARITHMETIC: bool = false;
     /// How many values the row has (its inputs hold at least that many).
     fn len(self) -> usize;
