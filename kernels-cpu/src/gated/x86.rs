@@ -24,7 +24,7 @@ use crate::element::{Acc, Element};
 use crate::narrow::BLOCK;
 use crate::rows::{row_and_after, Order};
 use crate::wide::x86::math::{Erf, Exp, ExpNarrow, ExpNonposFn, ExpNonposNarrow};
-use crate::wide::x86::write_row::{store_bf16_pair_rounded, write_row, RowValues};
+use crate::wide::x86::write_row::{store_bf16_pair_arithmetic, write_row, RowValues};
 use crate::wide::x86::{load_n, run, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
 use half::bf16;
@@ -360,8 +360,7 @@ fn back_span<L: Lanes, A: WideAct, T: Element>(
 }
 
 /// The group of `2 N` values of a bf16 row's `da` and `dg` at `i`, rounded
-/// in registers: [`store_bf16_pair_rounded`] where the width converts, else
-/// (AVX2) the integer rounding with no NaN check, as the forward's
+/// in registers by [`store_bf16_pair_arithmetic`], as the forward's
 /// (`RowValues::ARITHMETIC`: both end with a multiply of such values).
 /// Through the f32 blocks instead, each value is stored, loaded and stored
 /// again. Panics where a row does not hold the group.
@@ -385,17 +384,8 @@ fn back_bf16_pair<L: Lanes, A: WideAct, T: 'static>(
             back_step::<L, A, T>(l, c, l.load(a.add(L::N)), l.load(g.add(L::N)), l.load(dy.add(L::N))),
         )
     };
-    if L::ROUNDS_BF16 {
-        store_bf16_pair_rounded(l, &mut da[i..i + n], lo.0, hi.0);
-        store_bf16_pair_rounded(l, &mut dg[i..i + n], lo.1, hi.1);
-    } else {
-        let (da, dg) = (&mut da[i..i + n], &mut dg[i..i + n]);
-        // SAFETY: each holds the `2 N` values written.
-        unsafe {
-            l.store_bf16_pair_normal(da.as_mut_ptr(), lo.0, hi.0);
-            l.store_bf16_pair_normal(dg.as_mut_ptr(), lo.1, hi.1);
-        }
-    }
+    store_bf16_pair_arithmetic(l, &mut da[i..i + n], lo.0, hi.0);
+    store_bf16_pair_arithmetic(l, &mut dg[i..i + n], lo.1, hi.1);
 }
 
 /// `len` values of `da` and `dg` from `[a, g, dy]`.

@@ -149,26 +149,14 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     }
     // `step` writes f32's `dx` into the rows; bf16's into f32 blocks of one
     // part, which are then rounded into the rows.
-    let f32_rows = cast_mut::<T, f32>(&mut *dx).map(|dx| {
-        let mut rows = [dx.as_mut_ptr(); G];
-        for (r, d) in rows.iter_mut().enumerate() {
-            *d = dx[at + r * cols..][..cols].as_mut_ptr();
-        }
-        rows
-    });
+    let f32_rows = cast_mut::<T, f32>(&mut *dx).map(|dx| row_ptrs::<f32, G>(dx, at, cols));
     let mut buf = [[0f32; PART]; G];
     let mut p = 0;
     while p < cols {
         let len = PART.min(cols - p);
         let outs = match f32_rows {
             Some(rows) => (rows, 0),
-            None => {
-                let mut blocks = [buf[0].as_mut_ptr(); G];
-                for (b, block) in blocks.iter_mut().zip(buf.iter_mut()) {
-                    *b = block.as_mut_ptr();
-                }
-                (blocks, p)
-            }
+            None => (block_ptrs(&mut buf), p),
         };
         walk_columns::<L>(
             len,
@@ -211,10 +199,7 @@ unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
     at: usize,
     cols: usize,
 ) {
-    let mut rows = [dx.as_mut_ptr(); G];
-    for (r, d) in rows.iter_mut().enumerate() {
-        *d = dx[at + r * cols..][..cols].as_mut_ptr();
-    }
+    let rows = row_ptrs::<bf16, G>(dx, at, cols);
     let n = 2 * L::N;
     let whole = cols / n * n;
     let mut j = 0;
@@ -232,10 +217,7 @@ unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
     }
     if whole < cols {
         let mut t = [[0f32; 64]; G];
-        let mut blocks = [t[0].as_mut_ptr(); G];
-        for (b, block) in blocks.iter_mut().zip(t.iter_mut()) {
-            *b = block.as_mut_ptr();
-        }
+        let blocks = block_ptrs(&mut t);
         walk_columns::<L>(
             cols - whole,
             // SAFETY: `count` columns from `whole + i` lie inside every
@@ -245,11 +227,30 @@ unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
             |i, count| unsafe { step::<L, T, G>(l, c, ins, (blocks, whole), (dw, db), whole + i, count) },
         );
         for (r, t) in t.iter().enumerate() {
-            for (y, &t) in dx[at + r * cols + whole..][..cols - whole].iter_mut().zip(t) {
-                *y = bf16::from_acc(t);
-            }
+            bf16::from_acc_slice(&t[..cols - whole], &mut dx[at + r * cols + whole..][..cols - whole]);
         }
     }
+}
+
+/// Pointers to the `G` rows of `cols` values from `at` in `dx`. A plain
+/// loop, as in [`group`]. Panics where `dx` does not hold them.
+#[inline(always)]
+fn row_ptrs<U, const G: usize>(dx: &mut [U], at: usize, cols: usize) -> [*mut U; G] {
+    let mut rows = [dx.as_mut_ptr(); G];
+    for (r, d) in rows.iter_mut().enumerate() {
+        *d = dx[at + r * cols..][..cols].as_mut_ptr();
+    }
+    rows
+}
+
+/// Pointers to the first value of each of `G` blocks.
+#[inline(always)]
+fn block_ptrs<const G: usize, const M: usize>(blocks: &mut [[f32; M]; G]) -> [*mut f32; G] {
+    let mut ptrs = [blocks[0].as_mut_ptr(); G];
+    for (b, block) in ptrs.iter_mut().zip(blocks.iter_mut()) {
+        *b = block.as_mut_ptr();
+    }
+    ptrs
 }
 
 /// `layer_norm::moment_grad_sums` with `g = dy w`, bit for bit, in vectors:

@@ -283,9 +283,7 @@ impl<L: Lanes, T: 'static> Case<T> for Pairs<'_, L, T> {
             // SAFETY: `len - whole < 2 N <= 64` values from `whole`, within
             // the row.
             unsafe { Block { l, r, c, at: whole, out: &mut t[..len - whole] }.run::<W, A, DW>(p, w, dw) };
-            for (y, &t) in dx[whole..].iter_mut().zip(&t) {
-                *y = bf16::from_acc(t);
-            }
+            bf16::from_acc_slice(&t[..len - whole], &mut dx[whole..]);
         }
     }
 }

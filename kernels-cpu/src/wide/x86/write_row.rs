@@ -196,15 +196,9 @@ fn bf16_pair_at<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], i: usi
     let y = &mut y[i..i + n];
     // SAFETY: `y` holds values `i..i + 2 N` (the slice above), and `f` at
     // least as many values as the row `y` lies in.
-    unsafe {
-        let (lo, hi) = (f.value(l, i, L::N), f.value(l, i + L::N, L::N));
-        if L::ROUNDS_BF16 {
-            store_bf16_pair_rounded(l, y, lo, hi);
-        } else {
-            // `F::ARITHMETIC` (`rounds_in_registers`): no NaN to fix up.
-            l.store_bf16_pair_normal(y.as_mut_ptr(), lo, hi);
-        }
-    }
+    let (lo, hi) = unsafe { (f.value(l, i, L::N), f.value(l, i + L::N, L::N)) };
+    // Without `ROUNDS_BF16`, `F::ARITHMETIC` holds (`rounds_in_registers`).
+    store_bf16_pair_arithmetic(l, y, lo, hi);
 }
 
 /// Whether bf16 rows of `F` round in registers at this width: where it
@@ -220,7 +214,7 @@ fn rounds_in_registers<L: Lanes, F: RowValues<L>>() -> bool {
 /// software, as [`Element::from_acc`] does. For a width with
 /// `ROUNDS_BF16` only (else every pair goes the software way).
 #[inline(always)]
-pub(crate) fn store_bf16_pair_rounded<L: Lanes>(l: L, y: &mut [bf16], lo: L::V, hi: L::V) {
+fn store_bf16_pair_rounded<L: Lanes>(l: L, y: &mut [bf16], lo: L::V, hi: L::V) {
     assert_eq!(y.len(), 2 * L::N, "store_bf16_pair_rounded: y is not two vectors long");
     // SAFETY: `y` holds the `2 N` values both calls write.
     unsafe {
@@ -228,9 +222,22 @@ pub(crate) fn store_bf16_pair_rounded<L: Lanes>(l: L, y: &mut [bf16], lo: L::V, 
             let mut t = [0f32; 64];
             l.store(t.as_mut_ptr(), lo);
             l.store(t.as_mut_ptr().add(L::N), hi);
-            for (y, &t) in y.iter_mut().zip(&t) {
-                *y = bf16::from_acc(t);
-            }
+            bf16::from_acc_slice(&t[..2 * L::N], y);
         }
+    }
+}
+
+/// [`store_bf16_pair_rounded`] where the width converts, else (AVX2) the
+/// integer rounding with no NaN check ([`Lanes::store_bf16_pair_normal`]),
+/// for values of which [`RowValues::ARITHMETIC`]'s argument holds: any NaN
+/// among them is quiet with its low 16 bits zero. `y` is `2 N` long.
+#[inline(always)]
+pub(crate) fn store_bf16_pair_arithmetic<L: Lanes>(l: L, y: &mut [bf16], lo: L::V, hi: L::V) {
+    if L::ROUNDS_BF16 {
+        store_bf16_pair_rounded(l, y, lo, hi);
+    } else {
+        assert_eq!(y.len(), 2 * L::N, "store_bf16_pair_arithmetic: y is not two vectors long");
+        // SAFETY: `y` holds the `2 N` values written.
+        unsafe { l.store_bf16_pair_normal(y.as_mut_ptr(), lo, hi) };
     }
 }
