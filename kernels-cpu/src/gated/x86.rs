@@ -139,7 +139,11 @@ impl WideAct for GeluTanh {
     /// `[4096, 8192]` bf16, two threads, fresh huge pages and memory faulted
     /// in before, old and new alternated in one process, medians of 40-100
     /// rounds: 1.04-1.10x the time; silu 0.95-0.98x, gelu 0.91-0.94x;
-    /// BENCHMARKS.md, session 55).
+    /// BENCHMARKS.md, session 55). perf (session 56, one thread): both
+    /// loops wait on `vdivps`, but with two vectors in flight the registers
+    /// run out: the pair loop spilled a vector, reloaded two pointers from
+    /// the stack and broadcast one constant three times per 16 values,
+    /// where the block loop keeps its constants in registers.
     const AVX2_PAIRS: bool = false;
     type C<V: Copy> = SigmoidExp<V>;
     #[inline(always)]
