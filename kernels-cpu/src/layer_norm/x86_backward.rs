@@ -94,6 +94,9 @@ impl<T: Element<Acc = f32>> Kernel for Backward<'_, T> {
     }
 }
 
+/// The inputs of a group's column walk: each row's `x` and `dy`, then `w`.
+type Ins<T, const G: usize> = ([*const T; G], [*const T; G], *const T);
+
 /// The per-row constants of [`step`], as vectors.
 #[derive(Clone, Copy)]
 struct Row<V> {
@@ -188,12 +191,11 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
 /// # Safety
 /// As [`group`]'s: `G` rows of `cols` from `at` in `dx` and behind `ins`'s
 /// row pointers; `w`, `dw` and `db` hold `cols`.
-#[allow(clippy::type_complexity)]
 #[inline(always)]
 unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
     l: L,
     c: &[Row<L::V>; G],
-    ins: ([*const T; G], [*const T; G], *const T),
+    ins: Ins<T, G>,
     dx: &mut [bf16],
     (dw, db): (*mut f32, *mut f32),
     at: usize,
@@ -315,12 +317,11 @@ fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w:
 /// # Safety
 /// `count` values from `i` are readable at every input pointer and writable
 /// at `dw` and `db`, and from `i - o` writable at every `dxs` pointer.
-#[allow(clippy::type_complexity)]
 #[inline(always)]
 unsafe fn step<L: Lanes, T: 'static, const G: usize>(
     l: L,
     c: &[Row<L::V>; G],
-    ins: ([*const T; G], [*const T; G], *const T),
+    ins: Ins<T, G>,
     (dxs, o): ([*mut f32; G], usize),
     dwb: (*mut f32, *mut f32),
     i: usize,
@@ -341,12 +342,11 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
 /// # Safety
 /// `count` values from `i` are readable at every input pointer and writable
 /// at `dw` and `db`.
-#[allow(clippy::type_complexity)]
 #[inline(always)]
 unsafe fn values<L: Lanes, T: 'static, const G: usize>(
     l: L,
     c: &[Row<L::V>; G],
-    (xs, dys, w): ([*const T; G], [*const T; G], *const T),
+    (xs, dys, w): Ins<T, G>,
     (dw, db): (*mut f32, *mut f32),
     i: usize,
     count: usize,
