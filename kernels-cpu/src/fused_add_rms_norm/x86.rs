@@ -20,7 +20,7 @@ use crate::rms_norm::x86::write_normed;
 use crate::rows::Order;
 use crate::sum_squares::x86::SumSq;
 use crate::wide::is;
-use crate::wide::x86::write_row::{write_row, RowValues};
+use crate::wide::x86::write_row::{load_bf16_pair, write_row, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
 use half::f16;
 
@@ -124,6 +124,14 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Add<T> {
         // SAFETY: `i + count <= len` (the caller's), and `x`, `r` hold `len`
         // values; `T` is f32, bf16 or f16 (the callers check).
         unsafe { l.add(load(l, self.x, i, count), load(l, self.r, i, count)) }
+    }
+    #[inline(always)]
+    unsafe fn pair(self, l: L, i: usize) -> (L::V, L::V) {
+        // SAFETY: `i + 2 N <= len` and the inputs are bf16 (the caller's).
+        unsafe {
+            let ((x0, x1), (r0, r1)) = (load_bf16_pair(l, self.x.add(i)), load_bf16_pair(l, self.r.add(i)));
+            (l.add(x0, r0), l.add(x1, r1))
+        }
     }
 }
 

@@ -24,7 +24,7 @@ use crate::element::{Acc, Element};
 use crate::narrow::BLOCK;
 use crate::rows::{row_and_after, Order};
 use crate::wide::x86::math::{Erf, Exp, ExpNarrow, ExpNonposFn, ExpNonposNarrow};
-use crate::wide::x86::write_row::{store_bf16_pair_arithmetic, write_row, RowValues};
+use crate::wide::x86::write_row::{load_bf16_pair, store_bf16_pair_arithmetic, write_row, RowValues};
 use crate::wide::x86::{load_n, run, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
 use half::bf16;
@@ -248,6 +248,15 @@ impl<L: Lanes, T: 'static, A: WideAct> RowValues<L> for GatedRow<'_, T, A, L::V>
         // values; `T` is f32, bf16 or f16 (checked by `forward`).
         unsafe { l.mul(A::f(l, self.c, load_n(l, self.a, i, count), narrow::<T>()), load_n(l, self.g, i, count)) }
     }
+    #[inline(always)]
+    unsafe fn pair(self, l: L, i: usize) -> (L::V, L::V) {
+        // SAFETY: `i + 2 N <= len` and the inputs are bf16 (the caller's).
+        unsafe {
+            let ((a0, a1), (g0, g1)) = (load_bf16_pair(l, self.a.add(i)), load_bf16_pair(l, self.g.add(i)));
+            let t = narrow::<T>();
+            (l.mul(A::f(l, self.c, a0, t), g0), l.mul(A::f(l, self.c, a1, t), g1))
+        }
+    }
 }
 
 /// Runs the explicit backward of `A`: `x` and `dx` whole rows of `2d`, `dy`
@@ -381,12 +390,11 @@ fn back_bf16_pair<L: Lanes, A: WideAct, T: 'static>(
     let (a, g, dy) = (&a[i..i + n], &g[i..i + n], &dy[i..i + n]);
     let (a, g, dy) = (a.as_ptr(), g.as_ptr(), dy.as_ptr());
     // SAFETY: `a`, `g`, `dy` hold the `2 N` values of `T` (bf16: the
-    // caller cast the outputs to it) the slices above checked.
+    // caller cast the outputs to it) the slices above checked, in
+    // `load_bf16_pair`'s order, which `store_bf16_pair_arithmetic` takes.
     let (lo, hi) = unsafe {
-        (
-            back_step::<L, A, T>(l, c, l.load(a), l.load(g), l.load(dy)),
-            back_step::<L, A, T>(l, c, l.load(a.add(L::N)), l.load(g.add(L::N)), l.load(dy.add(L::N))),
-        )
+        let ((a0, a1), (g0, g1), (d0, d1)) = (load_bf16_pair(l, a), load_bf16_pair(l, g), load_bf16_pair(l, dy));
+        (back_step::<L, A, T>(l, c, a0, g0, d0), back_step::<L, A, T>(l, c, a1, g1, d1))
     };
     store_bf16_pair_arithmetic(l, &mut da[i..i + n], lo.0, hi.0);
     store_bf16_pair_arithmetic(l, &mut dg[i..i + n], lo.1, hi.1);

@@ -23,7 +23,7 @@ use super::{shift, Moments};
 use crate::element::{Acc, Element};
 use crate::rows::{row_and_after, Order};
 use crate::simd::sum_pairs;
-use crate::wide::x86::write_row::{self, RowValues};
+use crate::wide::x86::write_row::{self, load_bf16_pair, load_bf16_pair_opt, load_n_opt, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
 
 /// The forward over whole rows of `cols`: `x` and `y` of one length, `w` and
@@ -170,22 +170,36 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
     fn len(self) -> usize {
         self.len
     }
-    /// `(x - k)` exact, then the two fused multiply-adds of the affine
-    /// case, or `((x - k) - m1) * rstd` then the parameter.
+    /// [`of`] the inputs at `i`.
     #[inline(always)]
     unsafe fn value(self, l: L, i: usize, count: usize) -> L::V {
         let (c, x, w, b) = (self.c, self.x, self.w, self.b);
         // SAFETY: `i + count <= len` (the caller's), and each pointer holds
         // `len` values; `T` is f32, bf16 or f16 (the callers check).
+        unsafe { of(l, c, load(l, x, i, count), load_n_opt(l, w, i, count), load_n_opt(l, b, i, count)) }
+    }
+    #[inline(always)]
+    unsafe fn pair(self, l: L, i: usize) -> (L::V, L::V) {
+        // SAFETY: `i + 2 N <= len` and the inputs are bf16 (the caller's).
         unsafe {
-            let d = l.sub(load(l, x, i, count), c.k);
-            match (w, b) {
-                (Some(w), Some(b)) => l.fmadd(l.fmadd(d, c.rstd, c.nb), load(l, w, i, count), load(l, b, i, count)),
-                (Some(w), None) => l.mul(l.mul(l.sub(d, c.m1), c.rstd), load(l, w, i, count)),
-                (None, Some(b)) => l.add(l.mul(l.sub(d, c.m1), c.rstd), load(l, b, i, count)),
-                (None, None) => l.mul(l.sub(d, c.m1), c.rstd),
-            }
+            let (x0, x1) = load_bf16_pair(l, self.x.add(i));
+            let ((w0, w1), (b0, b1)) = (load_bf16_pair_opt(l, self.w, i), load_bf16_pair_opt(l, self.b, i));
+            (of(l, self.c, x0, w0, b0), of(l, self.c, x1, w1, b1))
         }
+    }
+}
+
+/// One vector of a row from the widened `x`, `w`, `b`: `(x - k)` exact,
+/// then the two fused multiply-adds of the affine case, or `((x - k) - m1)
+/// * rstd` then the parameter.
+#[inline(always)]
+fn of<L: Lanes>(l: L, c: Consts<L::V>, x: L::V, w: Option<L::V>, b: Option<L::V>) -> L::V {
+    let d = l.sub(x, c.k);
+    match (w, b) {
+        (Some(w), Some(b)) => l.fmadd(l.fmadd(d, c.rstd, c.nb), w, b),
+        (Some(w), None) => l.mul(l.mul(l.sub(d, c.m1), c.rstd), w),
+        (None, Some(b)) => l.add(l.mul(l.sub(d, c.m1), c.rstd), b),
+        (None, None) => l.mul(l.sub(d, c.m1), c.rstd),
     }
 }
 

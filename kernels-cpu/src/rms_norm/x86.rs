@@ -18,7 +18,7 @@ use crate::element::Element;
 use crate::layout::Offsets;
 use crate::rows::Order;
 use crate::sum_squares::x86::SumSq;
-use crate::wide::x86::write_row::{write_row, RowValues};
+use crate::wide::x86::write_row::{load_bf16_pair, load_bf16_pair_opt, load_n_opt, write_row, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
 
 /// The forward over the rows `at` places in `x` (each `cols` long), into
@@ -143,12 +143,26 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
     unsafe fn value(self, l: L, i: usize, count: usize) -> L::V {
         // SAFETY: `i + count <= len` (the caller's), and `x`, `w` hold `len`
         // values; `T` is f32, bf16 or f16 (the callers check).
+        unsafe { self.of(l, load(l, self.x, i, count), load_n_opt(l, self.w, i, count)) }
+    }
+    #[inline(always)]
+    unsafe fn pair(self, l: L, i: usize) -> (L::V, L::V) {
+        // SAFETY: `i + 2 N <= len` and the inputs are bf16 (the caller's).
         unsafe {
-            let v = l.mul(load(l, self.x, i, count), self.r);
-            match self.w {
-                Some(w) => l.mul(v, load(l, w, i, count)),
-                None => v,
-            }
+            let ((x0, x1), (w0, w1)) = (load_bf16_pair(l, self.x.add(i)), load_bf16_pair_opt(l, self.w, i));
+            (self.of(l, x0, w0), self.of(l, x1, w1))
+        }
+    }
+}
+
+impl<T, V: Copy> Row<T, V> {
+    /// `(x r) w`, or `x r`, of the widened `x` and `w`.
+    #[inline(always)]
+    fn of<L: Lanes<V = V>>(self, l: L, x: V, w: Option<V>) -> V {
+        let v = l.mul(x, self.r);
+        match w {
+            Some(w) => l.mul(v, w),
+            None => v,
         }
     }
 }

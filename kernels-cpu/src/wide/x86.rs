@@ -45,9 +45,13 @@ pub(crate) trait Lanes: Copy {
     unsafe fn load_part<T: 'static>(self, p: *const T, n: usize) -> Self::V;
     /// `2 N` values at `p` widened to f32 (exactly), as two vectors that
     /// hold them in an order of the width's choosing: for reductions whose
-    /// result does not depend on the order (a maximum). bf16 takes two
+    /// result does not depend on the order (a maximum), and for bf16 pairs
+    /// computed lane by lane and stored by
+    /// [`Lanes::store_bf16_pair_normal_even_odd`]. bf16 takes two
     /// instructions for 32 values this way (the even values shifted up, the
-    /// odd ones masked in place) where [`Lanes::load`] takes two for 16.
+    /// odd ones masked in place) where [`Lanes::load`] takes two for 16: at
+    /// both widths, lane `k` of the first vector is value `2 k` and of the
+    /// second value `2 k + 1`. f32 and f16 come in order.
     ///
     /// # Safety
     /// As [`Lanes::load`], for `p..p + 2 N`.
@@ -86,6 +90,30 @@ pub(crate) trait Lanes: Copy {
     /// # Safety
     /// `p..p + 2 N` is writable.
     unsafe fn store_bf16_pair_normal(self, p: *mut half::bf16, lo: Self::V, hi: Self::V);
+    /// [`Lanes::store_bf16_pair_normal`] of `2 N` values held as
+    /// [`Lanes::load_pair_unordered`] holds bf16: lane `k` of `even` is
+    /// value `2 k`, lane `k` of `odd` value `2 k + 1`. AVX2 rounds each
+    /// vector and blends the two halves of each 32-bit lane (where the
+    /// order takes a pack and a lane-crossing permute); the default
+    /// interleaves through the stack, for the widths that convert in
+    /// hardware, whose callers keep the values in order.
+    ///
+    /// # Safety
+    /// As [`Lanes::store_bf16_pair_normal`].
+    #[inline(always)]
+    unsafe fn store_bf16_pair_normal_even_odd(self, p: *mut half::bf16, even: Self::V, odd: Self::V) {
+        let (mut t, mut u) = ([0f32; 64], [0f32; 64]);
+        // SAFETY: `t` and `u` hold `2 N <= 64`; the caller makes `p..p + 2 N`
+        // writable.
+        unsafe {
+            self.store(t.as_mut_ptr(), even);
+            self.store(t.as_mut_ptr().add(Self::N), odd);
+            for k in 0..Self::N {
+                (u[2 * k], u[2 * k + 1]) = (t[k], t[Self::N + k]);
+            }
+            self.store_bf16_pair_normal(p, self.load(u.as_ptr()), self.load(u.as_ptr().add(Self::N)));
+        }
+    }
 
     /// `a + b`.
     fn add(self, a: Self::V, b: Self::V) -> Self::V;
@@ -346,6 +374,28 @@ mod tests {
                 assert_eq!(sorted(l, l.load_pair_unordered(many_bf16.as_ptr())), many);
                 assert_eq!(sorted(l, l.load_pair_unordered(many_f16.as_ptr())), many);
             }
+            // bf16 pairs: lane `k` of the two vectors is value `2 k` and
+            // `2 k + 1`, which the even/odd store puts back in place; its
+            // rounding is `from_acc`'s, ties (to even, both ways) included.
+            let low = [0x8000_u32, 0x7fff, 0x8001, 0, 0xffff];
+            let ties: Vec<f32> = (0..2 * n)
+                .map(|i| f32::from_bits(0xbf80_0000 ^ (i as u32 % 3) << 31 | (i as u32 % 7) << 16 | low[i % 5]))
+                .collect();
+            let (mut back, mut rounded) = (vec![half::bf16::ZERO; 2 * n], vec![half::bf16::ZERO; 2 * n]);
+            let even: Vec<f32> = ties.iter().step_by(2).copied().collect();
+            let odd: Vec<f32> = ties.iter().skip(1).step_by(2).copied().collect();
+            // SAFETY: `2 N` values each, `N` in `even` and `odd`.
+            unsafe {
+                let (a, b) = l.load_pair_unordered(many_bf16.as_ptr());
+                assert_eq!(
+                    (lanes(l, a), lanes(l, b)),
+                    (many[0..].iter().step_by(2).copied().collect(), many[1..].iter().step_by(2).copied().collect())
+                );
+                l.store_bf16_pair_normal_even_odd(back.as_mut_ptr(), a, b);
+                l.store_bf16_pair_normal_even_odd(rounded.as_mut_ptr(), l.load(even.as_ptr()), l.load(odd.as_ptr()));
+            }
+            assert_eq!(back, many_bf16);
+            assert_eq!(rounded, ties.iter().map(|&v| <half::bf16 as crate::Element>::from_acc(v)).collect::<Vec<_>>());
             for (t, bits) in [(0usize, 0x3fc0_u16), (1, 0xc0a0)] {
                 let v = vec![half::bf16::from_bits(bits); n];
                 let h = vec![half::f16::from_f32(half::bf16::from_bits(bits).to_f32()); n];

@@ -72,10 +72,21 @@ impl Width for V8 {
 #[inline(always)]
 unsafe fn bf16_bits(v: __m256) -> __m256i {
     // SAFETY: the caller's.
+    unsafe { _mm256_srli_epi32::<16>(bf16_bits_high(v)) }
+}
+
+/// [`bf16_bits`] before its shift: each lane's bf16 in its high 16 bits,
+/// the low 16 bits left over from the rounding.
+///
+/// # Safety
+/// AVX2.
+#[inline(always)]
+unsafe fn bf16_bits_high(v: __m256) -> __m256i {
+    // SAFETY: the caller's.
     unsafe {
         let b = _mm256_castps_si256(v);
         let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(b), _mm256_set1_epi32(1));
-        _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb))
+        _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)), lsb)
     }
 }
 
@@ -163,6 +174,18 @@ impl Lanes for V8 {
             // values fit: 0..=0xffff); the permute puts `lo`'s first.
             let packed = _mm256_packus_epi32(bf16_bits(lo), bf16_bits(hi));
             _mm256_storeu_si256(p.cast(), _mm256_permute4x64_epi64::<0b11_01_10_00>(packed));
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16_pair_normal_even_odd(self, p: *mut half::bf16, even: __m256, odd: __m256) {
+        // The rounding of `store_bf16_pair_normal`, less `odd`'s last
+        // shift, and one blend per 16 values in place of its pack and
+        // permute: each 32-bit lane takes `even`'s bf16 in its low half and
+        // `odd`'s in its high half, where the rounding leaves it.
+        // SAFETY: the caller makes `p..p + 16` writable.
+        unsafe {
+            let pairs = _mm256_blend_epi16::<0b1010_1010>(bf16_bits(even), bf16_bits_high(odd));
+            _mm256_storeu_si256(p.cast(), pairs);
         }
     }
 
