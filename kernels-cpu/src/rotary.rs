@@ -22,6 +22,8 @@ use crate::par::Par;
 use crate::rows::{Blocks, Order, Split};
 use crate::simd::{dispatch, prefetch_part};
 
+#[cfg(target_arch = "x86_64")]
+mod avx2_bf16;
 mod wide;
 
 /// The shape of a call: `x` is `[batch, seq, heads, head_dim]`, `cos`/`sin` are
@@ -581,13 +583,18 @@ impl Widened {
 }
 
 /// NeoX layout: `(x[i], x[i + h])` for `i < h`, in `T::Acc` (f32 and f64;
-/// f16 and bf16 take [`wide::row_halves`] where it runs).
+/// f16 and bf16 take [`wide::row_halves`] where it runs; bf16 on AVX2
+/// without it, [`avx2_bf16::halves`] for its whole groups).
 #[inline(always)]
 fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
+    #[cfg(target_arch = "x86_64")]
+    let done = avx2_bf16::halves(x, y, c, s, sign);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
     let (x1, x2) = (&x[..h], &x[h..2 * h]);
     let (y1, y2) = y[..2 * h].split_at_mut(h);
-    for i in 0..h {
+    for i in done..h {
         let (a, b, c, s) = (x1[i].to_acc(), x2[i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
         y1[i] = T::from_acc(a * c - b * s);
         y2[i] = T::from_acc(b * c + a * s);
@@ -595,11 +602,17 @@ fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Ac
 }
 
 /// GPT-J layout: `(x[2i], x[2i + 1])`, in `T::Acc` (f32 and f64; f16 and
-/// bf16 take [`wide::row_pairs`] where it runs).
+/// bf16 take [`wide::row_pairs`] where it runs; bf16 on AVX2 without it,
+/// [`avx2_bf16::pairs`] for its whole groups).
 #[inline(always)]
 fn rotate_pairs<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
-    for (((y, x), c), s) in y[..2 * h].chunks_exact_mut(2).zip(x[..2 * h].chunks_exact(2)).zip(c).zip(s) {
+    #[cfg(target_arch = "x86_64")]
+    let done = avx2_bf16::pairs(x, y, c, s, sign);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    let (x, y) = (&x[2 * done..2 * h], &mut y[2 * done..2 * h]);
+    for (((y, x), c), s) in y.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(&c[done..]).zip(&s[done..]) {
         let (a, b, c, s) = (x[0].to_acc(), x[1].to_acc(), c.to_acc(), s.to_acc() * sign);
         y[0] = T::from_acc(a * c - b * s);
         y[1] = T::from_acc(b * c + a * s);
