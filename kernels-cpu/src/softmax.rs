@@ -305,10 +305,11 @@ fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: 
     // by the maximum's pass, then `exp` in place, the same values as below.
     #[cfg(target_arch = "x86_64")]
     if let Some(w) = cast_mut::<T::Acc, f32>(&mut *scratch) {
-        if let Some(m) = x86::widen_max(x, w, scale.to_f64() as f32) {
+        if let Some((m, g)) = x86::widen_max(x, w, scale.to_f64() as f32) {
             let s = x86::exp_sum_in_place(w, m, ahead, ahead_w).expect("softmax: widen_max ran, so exp runs");
             let inv = 1.0 / s;
-            if !x86::scale_bf16(w, inv, y) {
+            if !x86::scale_bf16(w, inv, y, g) {
+                x86::restore_order(w, g);
                 T::from_acc_slice_affine(scratch, (T::Acc::from_f64(inv.into()), T::Acc::ZERO), y);
             }
             return;

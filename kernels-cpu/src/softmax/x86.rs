@@ -52,13 +52,23 @@ pub(super) fn exp_sum<T: 'static, const STORE: bool>(
 }
 
 /// For bf16 and f16 rows: `w_i = x_i * scale` widened into `w` (as long as
-/// `x`), returning their maximum (NaN skipped, `-inf` for an empty row);
-/// `None` for other types or where there is no explicit code. With
-/// [`exp_sum_in_place`] after it, softmax widens each value once instead of
-/// in both passes: two instructions per 16 bf16 values taken out of the
-/// compute-bound `exp` pass for a store in the maximum's.
+/// `x`), returning their maximum (NaN skipped, `-inf` for an empty row) and
+/// the length `g` of the groups `w` holds in the even/odd order (0: `w` is
+/// in order); `None` for other types or where there is no explicit code.
+/// With [`exp_sum_in_place`] after it, softmax widens each value once
+/// instead of in both passes: two instructions per 16 bf16 values taken out
+/// of the compute-bound `exp` pass for a store in the maximum's.
+///
+/// bf16 rows that [`scale_bf16`] takes (up to 2^24 values) on AVX2, where
+/// the width does not convert, are written in [`Lanes::load_pair_unordered`]'s
+/// order: each whole group of `g = 2 N` values from the row's start as its
+/// `N` even values then its `N` odd ones, the last `< 2 N` in order. The
+/// `exp` pass works value by value, so its values are the same (only its
+/// sum's order changes), and [`scale_bf16`] stores the groups back in
+/// place with a blend ([`Lanes::store_bf16_pair_normal_even_odd`]); where
+/// it refuses, [`restore_order`] puts `w` back in order.
 #[inline(always)]
-pub(super) fn widen_max<T: 'static>(x: &[T], w: &mut [f32], scale: f32) -> Option<f32> {
+pub(super) fn widen_max<T: 'static>(x: &[T], w: &mut [f32], scale: f32) -> Option<(f32, usize)> {
     if !has_lanes::<T>() || is::<T, f32>() {
         return None;
     }
@@ -100,16 +110,36 @@ const SCALE_BF16_MAX: usize = 1 << 24;
 /// integer rounding with no NaN fix-up), for `e` from [`exp_sum_in_place`]
 /// and `inv` one over its sum (no product is then an f32 subnormal: see
 /// [`narrow_cutoff`]; where `inv` is finite, no term and no product is NaN
-/// either); the values `from_acc` gives. False, writing nothing, where `T`
-/// is not bf16, the row is longer than 2^24, or on AVX2 where `inv` is not
-/// finite (a row holding NaN).
+/// either); the values `from_acc` gives. `g` is [`widen_max`]'s: where it
+/// is not 0, `e`'s whole groups of `g` are in the even/odd order, and are
+/// stored back in place. False, writing nothing, where `T` is not bf16, the
+/// row is longer than 2^24, or on AVX2 where `inv` is not finite (a row
+/// holding NaN).
 #[inline(always)]
-pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T]) -> bool {
+pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T], g: usize) -> bool {
     match cast_mut::<T, bf16>(y) {
         Some(y) if e.len() <= SCALE_BF16_MAX => {
-            run(ScaleBf16::<false> { e, scale: inv, shift: 0.0, y }).unwrap_or(false)
+            run(ScaleBf16::<false> { e, scale: inv, shift: 0.0, y, g }).unwrap_or(false)
         }
         _ => false,
+    }
+}
+
+/// Puts the whole groups of `g` values of `w` (from [`widen_max`], its
+/// `g`), each its even values then its odd ones, back in order: for a row
+/// that [`scale_bf16`] refused (one holding NaN), before the narrowing that
+/// takes the values in order. Nothing to do where `g` is 0.
+pub(super) fn restore_order(w: &mut [f32], g: usize) {
+    if g == 0 {
+        return;
+    }
+    let mut t = vec![0f32; g];
+    for group in w.chunks_exact_mut(g) {
+        t.copy_from_slice(group);
+        let (even, odd) = t.split_at(g / 2);
+        for (k, (&a, &b)) in even.iter().zip(odd).enumerate() {
+            (group[2 * k], group[2 * k + 1]) = (a, b);
+        }
     }
 }
 
@@ -127,7 +157,7 @@ pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T]) -> bool {
 #[inline(always)]
 pub(crate) fn affine_bf16<T: 'static>(e: &[f32], (scale, shift): (f32, f32), y: &mut [T]) -> bool {
     match cast_mut::<T, bf16>(y) {
-        Some(y) => run(ScaleBf16::<true> { e, scale, shift, y }).unwrap_or(false),
+        Some(y) => run(ScaleBf16::<true> { e, scale, shift, y, g: 0 }).unwrap_or(false),
         None => false,
     }
 }
@@ -141,13 +171,17 @@ struct ScaleBf16<'a, const AFFINE: bool> {
     shift: f32,
     /// As long as `e`.
     y: &'a mut [bf16],
+    /// The groups of `e` in the even/odd order (0: none), as [`widen_max`]
+    /// gives them: 0 or `2 N` of the width that runs.
+    g: usize,
 }
 
 impl<const AFFINE: bool> Kernel for ScaleBf16<'_, AFFINE> {
     type Output = bool;
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) -> bool {
-        let ScaleBf16 { e, scale, shift, y } = self;
+        let ScaleBf16 { e, scale, shift, y, g } = self;
+        assert!(g == 0 || (g == 2 * L::N && !L::ROUNDS_BF16), "scale_bf16: groups of {g} at this width");
         // The affine map's values may be f32 subnormals, which the
         // conversion instruction would flush: that width keeps the caller's
         // pass, which checks for them.
@@ -170,7 +204,11 @@ impl<const AFFINE: bool> Kernel for ScaleBf16<'_, AFFINE> {
             while i < whole {
                 let (lo, hi) =
                     (affine::<L, AFFINE>(l, l.load(p.add(i)), st), affine::<L, AFFINE>(l, l.load(p.add(i + L::N)), st));
-                l.store_bf16_pair_normal(q.add(i), lo, hi);
+                if g == 0 {
+                    l.store_bf16_pair_normal(q.add(i), lo, hi);
+                } else {
+                    l.store_bf16_pair_normal_even_odd(q.add(i), lo, hi);
+                }
                 i += n;
             }
         }
@@ -207,19 +245,20 @@ impl<T: 'static> Kernel for Max<'_, T> {
         // the largest product): one multiply per row rather than one per
         // value. Other scales (negative: the order flips) multiply each.
         if self.scale > 0.0 {
-            max_of::<L, T, false, false>(l, self.x, &mut [], 1.0) * self.scale
+            max_of::<L, T, false, false, false>(l, self.x, &mut [], 1.0) * self.scale
         } else {
-            max_of::<L, T, true, false>(l, self.x, &mut [], self.scale)
+            max_of::<L, T, true, false, false>(l, self.x, &mut [], self.scale)
         }
     }
 }
 
 /// `max(x_i * scale)` (`max(x_i)` when not `SCALED`), also writing each
-/// scaled value to `w` in order when `WRITE` (`w` is then as long as `x`,
-/// else unused). Without `WRITE` the order is free, so bf16 takes the pair
-/// loads.
+/// scaled value to `w` when `WRITE` (`w` is then as long as `x`, else
+/// unused): in order, or with `EVEN_ODD` each whole group of `2 N` from the
+/// start in [`Lanes::load_pair_unordered`]'s order (see [`widen_max`]).
+/// Without `WRITE` the order is free, so bf16 takes the pair loads.
 #[inline(always)]
-fn max_of<L: Lanes, T: 'static, const SCALED: bool, const WRITE: bool>(
+fn max_of<L: Lanes, T: 'static, const SCALED: bool, const WRITE: bool, const EVEN_ODD: bool>(
     l: L,
     x: &[T],
     w: &mut [f32],
@@ -239,7 +278,7 @@ fn max_of<L: Lanes, T: 'static, const SCALED: bool, const WRITE: bool>(
     // f32, bf16 or f16 (checked by the callers).
     unsafe {
         while at + 4 * n <= len {
-            let vs = if WRITE {
+            let vs = if WRITE && !EVEN_ODD {
                 // Written out: an array `map` closure was left out of line,
                 // without the vector features (2.8x slower, measured).
                 let a = p.add(at);
@@ -258,6 +297,16 @@ fn max_of<L: Lanes, T: 'static, const SCALED: bool, const WRITE: bool>(
                 *m = l.max(v, *m);
             }
             at += 4 * n;
+        }
+        if WRITE && EVEN_ODD && at + 2 * n <= len {
+            // The last whole group, as the loop above writes its two.
+            let (a, b) = l.load_pair_unordered(p.add(at));
+            for (k, v) in [a, b].into_iter().enumerate() {
+                let v = scaled(v);
+                l.store(q.add(at + n * k), v);
+                m[k] = l.max(v, m[k]);
+            }
+            at += 2 * n;
         }
         while at + n <= len {
             let v = scaled(l.load(p.add(at)));
@@ -287,15 +336,20 @@ struct WidenMax<'a, T> {
 }
 
 impl<T: 'static> Kernel for WidenMax<'_, T> {
-    type Output = f32;
+    /// The maximum, and the groups of `w` in the even/odd order (0: none).
+    type Output = (f32, usize);
     #[inline(always)]
-    fn run<L: Lanes>(self, l: L) -> f32 {
+    fn run<L: Lanes>(self, l: L) -> (f32, usize) {
         let WidenMax { x, w, scale } = self;
-        if scale == 1.0 {
-            max_of::<L, T, false, true>(l, x, w, scale)
-        } else {
-            max_of::<L, T, true, true>(l, x, w, scale)
-        }
+        // Where `scale_bf16` will store the row with the integer rounding.
+        let g = if is::<T, bf16>() && !L::ROUNDS_BF16 && x.len() <= SCALE_BF16_MAX { 2 * L::N } else { 0 };
+        let m = match (scale == 1.0, g > 0) {
+            (true, false) => max_of::<L, T, false, true, false>(l, x, w, scale),
+            (false, false) => max_of::<L, T, true, true, false>(l, x, w, scale),
+            (true, true) => max_of::<L, T, false, true, true>(l, x, w, scale),
+            (false, true) => max_of::<L, T, true, true, true>(l, x, w, scale),
+        };
+        (m, g)
     }
 }
 
@@ -458,7 +512,7 @@ impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STOR
 #[cfg(test)]
 mod tests {
     use super::super::{exp_into_lanes, exp_sum_lanes, row_max_lanes};
-    use super::{ExpSum, Max, ScaleBf16, WidenMax};
+    use super::{restore_order, ExpSum, Max, ScaleBf16, WidenMax};
     use crate::element::Element;
     use crate::math::{exp_shifted_narrow_f32, LOG2E, SHIFT_FUSED_MAX};
     use crate::simd::dispatch;
@@ -497,9 +551,21 @@ mod tests {
                     // bit, and a sum within its error of the f32 one.
                     if !is::<T, f32>() {
                         let mut w = vec![0f32; n];
-                        let mw = run_with(l, WidenMax { x, w: &mut w, scale });
+                        let (mw, g) = run_with(l, WidenMax { x, w: &mut w, scale });
                         assert_eq!(mw, m, "{} n={n}: widen_max", T::NAME);
+                        let even_odd = is::<T, bf16>() && !L::ROUNDS_BF16;
+                        assert_eq!(g, if even_odd { 2 * L::N } else { 0 }, "{} n={n}: groups", T::NAME);
                         let s3 = run_with(l, ExpSum::<f32, T, true, true>::in_place(&mut w, mw, (none, none)));
+                        // bf16 on AVX2: `y` stored back in place from the
+                        // groups in the even/odd order, `from_acc` bit for bit.
+                        if even_odd && n > 0 {
+                            let mut y = vec![bf16::ZERO; n];
+                            let inv = 1.0 / s3;
+                            assert!(run_with(l, ScaleBf16::<false> { e: &w, scale: inv, shift: 0.0, y: &mut y, g }));
+                            restore_order(&mut w, g);
+                            let want: Vec<u16> = w.iter().map(|&v| bf16::from_acc(v * inv).to_bits()).collect();
+                            assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "n={n} off={off}: y");
+                        }
                         let cut = super::narrow_cutoff(n);
                         let narrow = |v: f32| exp_shifted_narrow_f32(v, m * LOG2E, cut);
                         let want: Vec<f32> = x.iter().map(|v| narrow(v.to_acc() * scale)).collect();
@@ -523,7 +589,7 @@ mod tests {
         for m in [60000.0f32, -65536.0, 65792.0, 1e5, -3e9, 1e20, -3e30, 3.3e38] {
             let x: Vec<bf16> = offsets.iter().map(|d| bf16::from_f32(m + d * m.abs().max(1.0) * 1e-3)).collect();
             let mut w = vec![0f32; x.len()];
-            let mw = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
+            let (mw, g) = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
             let cut = super::narrow_cutoff(x.len());
             // Past `SHIFT_FUSED_MAX`: of `x - m`, against a maximum of 0.
             let term = |v: f32| {
@@ -536,6 +602,7 @@ mod tests {
             let want: Vec<f32> = x.iter().map(|v| term(v.to_f32())).collect();
             let none: &[bf16] = &[];
             let s = run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut w, mw, (none, none)));
+            restore_order(&mut w, g);
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&w), bits(&want), "m={m}");
             let top = w.iter().copied().fold(0f32, f32::max);
@@ -545,7 +612,7 @@ mod tests {
         let mut x = vec![bf16::from_f32(1e30); 40];
         x[17] = bf16::INFINITY;
         let mut w = vec![0f32; x.len()];
-        let mw = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
+        let (mw, _) = run_with(l, WidenMax { x: &x, w: &mut w, scale: 1.0 });
         let none: &[bf16] = &[];
         assert!(run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut w, mw, (none, none))).is_nan());
     }
@@ -598,7 +665,7 @@ mod tests {
                     assert_eq!(e[n - 1] == 0.0, below, "n={n} tail={tail}: 0 exactly below the cutoff");
                 }
                 let mut y = vec![bf16::ZERO; n];
-                if run_with(l, ScaleBf16::<false> { e: &e, scale: inv, shift: 0.0, y: &mut y }) {
+                if run_with(l, ScaleBf16::<false> { e: &e, scale: inv, shift: 0.0, y: &mut y, g: 0 }) {
                     let want: Vec<u16> = e.iter().map(|&v| bf16::from_acc(v * inv).to_bits()).collect();
                     assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "n={n} tail={tail}");
                 }
@@ -609,7 +676,7 @@ mod tests {
         let e: Vec<f32> = (0..1000).map(|i| ((i * 7919 % 1000) as f32 / 997.0).powi(9)).collect();
         for len in [0usize, 1, 31, 32, 33, 64, 1000] {
             let mut y = vec![bf16::ZERO; len];
-            if run_with(l, ScaleBf16::<false> { e: &e[..len], scale: 0.37, shift: 0.0, y: &mut y }) {
+            if run_with(l, ScaleBf16::<false> { e: &e[..len], scale: 0.37, shift: 0.0, y: &mut y, g: 0 }) {
                 let want: Vec<u16> = e[..len].iter().map(|&v| bf16::from_acc(v * 0.37).to_bits()).collect();
                 assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "len={len}");
             }
@@ -630,14 +697,14 @@ mod tests {
             .collect();
         let mut y = vec![bf16::ZERO; e.len()];
         assert!(
-            run_with(l, ScaleBf16::<false> { e: &e, scale: 1.0, shift: 0.0, y: &mut y }),
+            run_with(l, ScaleBf16::<false> { e: &e, scale: 1.0, shift: 0.0, y: &mut y, g: 0 }),
             "every width rounds where inv is finite"
         );
         for (v, y) in e.iter().zip(&y) {
             assert_eq!(y.to_bits(), bf16::from_acc(*v).to_bits(), "{v:e} ({:#x})", v.to_bits());
         }
         let mut y = vec![bf16::ONE; 70];
-        if run_with(l, ScaleBf16::<false> { e: &e[..70], scale: f32::NAN, shift: 0.0, y: &mut y }) {
+        if run_with(l, ScaleBf16::<false> { e: &e[..70], scale: f32::NAN, shift: 0.0, y: &mut y, g: 0 }) {
             assert!(y.iter().all(|v| v.is_nan()));
         } else {
             assert!(y.iter().all(|&v| v == bf16::ONE), "nothing written");
@@ -659,7 +726,7 @@ mod tests {
     fn affine_rounding<L: Width>(l: L) {
         let bits = |e: &[f32], map: (f32, f32)| {
             let mut y = vec![bf16::ONE; e.len()];
-            let ran = run_with(l, ScaleBf16::<true> { e, scale: map.0, shift: map.1, y: &mut y });
+            let ran = run_with(l, ScaleBf16::<true> { e, scale: map.0, shift: map.1, y: &mut y, g: 0 });
             (ran, y.iter().map(|v| v.to_bits()).collect::<Vec<_>>())
         };
         let all: Vec<f32> = (0..=0xffffu32)
