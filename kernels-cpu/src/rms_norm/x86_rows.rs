@@ -31,8 +31,9 @@ use crate::element::Element;
 use crate::layout::Offsets;
 use crate::rows::row_and_next;
 use crate::simd::{prefetch_each, prefetching, PREFETCH_PART};
-use crate::wide::cast_mut;
+use crate::wide::x86::write_row::{from_even_odd, to_even_odd};
 use crate::wide::x86::{load_n, store_n, Kernel, Lanes};
+use crate::wide::{cast_mut, is};
 use half::bf16;
 
 /// The backward of the rows of `dx` (`cols` each): row `k` of `x` at the
@@ -61,6 +62,12 @@ impl<T: Element> Kernel for Rows<'_, T> {
         assert!(w.is_none_or(|w| w.len() == cols), "rms_norm x86 rows: w");
         assert!(dw.as_ref().is_none_or(|d| d.len() == cols && w.is_some()), "rms_norm x86 rows: dw");
         let rows = dx.len() / cols;
+        // bf16 on AVX2 (`Pairs`) loads its inputs in the even/odd order:
+        // `dw` is kept so meanwhile, each whole group of `2 N`.
+        let g = if is::<T, bf16>() && !L::ROUNDS_BF16 { 2 * L::N } else { 0 };
+        if let Some(dw) = dw.as_deref_mut() {
+            to_even_odd(dw, g);
+        }
         for (r, dx) in dx.chunks_exact_mut(cols).enumerate() {
             let (x, next_x) = strided_row_and_next(x, ox, r + 1 < rows, cols);
             let (dy, next_dy) = row_and_next(dy, r, cols);
@@ -96,6 +103,9 @@ impl<T: Element> Kernel for Rows<'_, T> {
                 },
             );
         }
+        if let Some(dw) = dw {
+            from_even_odd(dw, g);
+        }
     }
 }
 
@@ -116,8 +126,9 @@ impl<T> Clone for Ptrs<T> {
 impl<T> Copy for Ptrs<T> {}
 
 /// `(sum(x^2), sum(g x))` over one row, `g = dy w` (or `dy` without a
-/// weight): two accumulators of fused multiply-adds for each (the zero lanes
-/// of a part vector add nothing), then a tree.
+/// weight): two accumulators of fused multiply-adds for each, fed pairs of
+/// vectors in [`Lanes::load_pair_unordered`]'s order (the zero lanes of a
+/// part vector add nothing), then a tree.
 #[inline(always)]
 fn sums<L: Lanes, T: 'static>(l: L, x: &[T], dy: &[T], w: Option<&[T]>) -> (f32, f32) {
     let (len, n) = (x.len(), L::N);
@@ -131,11 +142,12 @@ fn sums<L: Lanes, T: 'static>(l: L, x: &[T], dy: &[T], w: Option<&[T]>) -> (f32,
     // or f16.
     unsafe {
         while at + 2 * n <= len {
-            let (x0, x1) = (l.load(px.add(at)), l.load(px.add(at + n)));
+            let (x0, x1) = l.load_pair_unordered(px.add(at));
+            let (g0, g1) = g_pair(l, pdy, pw, at);
             sq[0] = l.fmadd(x0, x0, sq[0]);
             sq[1] = l.fmadd(x1, x1, sq[1]);
-            gx[0] = l.fmadd(g(l, pdy, pw, at, n), x0, gx[0]);
-            gx[1] = l.fmadd(g(l, pdy, pw, at + n, n), x1, gx[1]);
+            gx[0] = l.fmadd(g0, x0, gx[0]);
+            gx[1] = l.fmadd(g1, x1, gx[1]);
             at += 2 * n;
         }
         if at + n <= len {
@@ -151,6 +163,26 @@ fn sums<L: Lanes, T: 'static>(l: L, x: &[T], dy: &[T], w: Option<&[T]>) -> (f32,
         }
     }
     (l.reduce_add(l.add(sq[0], sq[1])), l.reduce_add(l.add(gx[0], gx[1])))
+}
+
+/// `g = dy w` (or `dy`) of the `2 N` columns from `at`, in
+/// [`Lanes::load_pair_unordered`]'s order.
+///
+/// # Safety
+/// `dy` and a given `w` hold those columns; `T` is f32, bf16 or f16.
+#[inline(always)]
+unsafe fn g_pair<L: Lanes, T: 'static>(l: L, dy: *const T, w: Option<*const T>, at: usize) -> (L::V, L::V) {
+    // SAFETY: the caller's.
+    unsafe {
+        let (d0, d1) = l.load_pair_unordered(dy.add(at));
+        match w {
+            Some(w) => {
+                let (w0, w1) = l.load_pair_unordered(w.add(at));
+                (l.mul(d0, w0), l.mul(d1, w1))
+            }
+            None => (d0, d1),
+        }
+    }
 }
 
 /// `g = dy w` (or `dy`) of the `k <= N` columns from `at`.
@@ -235,8 +267,9 @@ impl<L: Lanes, T: 'static> Case<T> for Block<'_, L> {
 }
 
 /// A bf16 row's `dx` rounded in registers, two vectors at a time, with
-/// [`Lanes::store_bf16_pair_normal`] and no NaN check (for AVX2, whose
-/// width does not convert): every `dx` is float arithmetic on values
+/// [`Lanes::store_bf16_pair_normal_even_odd`] and no NaN check (for AVX2,
+/// whose width does not convert), its inputs loaded in that order and `dw`
+/// kept in it by [`Rows`] ([`pair`]): every `dx` is float arithmetic on values
 /// widened from bf16 and on the row's `r` and `c`, so any NaN is quiet
 /// with its low 16 bits zero, which that rounding keeps as `from_acc` does
 /// (`RowValues::ARITHMETIC` says why). The last `< 2 N` values go through a
@@ -269,9 +302,8 @@ impl<L: Lanes, T: 'static> Case<T> for Pairs<'_, L, T> {
                 if i.is_multiple_of(PREFETCH_PART) {
                     prefetch_each(&ahead, i / PREFETCH_PART, PREFETCH_PART);
                 }
-                let lo = value::<L, T, W, A, DW>(l, p, w, dw, (r, c), i, L::N);
-                let hi = value::<L, T, W, A, DW>(l, p, w, dw, (r, c), i + L::N, L::N);
-                l.store_bf16_pair_normal(dx.as_mut_ptr().add(i), lo, hi);
+                let (a, b) = pair::<L, T, W, A, DW>(l, p, w, dw, (r, c), i);
+                l.store_bf16_pair_normal_even_odd(dx.as_mut_ptr().add(i), a, b);
                 i += n;
             }
         }
@@ -309,20 +341,69 @@ unsafe fn value<L: Lanes, T: 'static, const W: bool, const A: bool, const DW: bo
     // SAFETY: the caller's.
     unsafe {
         let (xv, dyv) = (load_n(l, p.x, j, k), load_n(l, p.dy, j, k));
-        let mut gv = l.mul(r, dyv);
-        if W {
-            gv = l.mul(gv, load_n(l, w, j, k));
-        }
-        let mut d = l.sub(gv, l.mul(xv, c));
-        if A {
-            d = l.add(d, load_n(l, p.add.unwrap_or(p.x), j, k));
-        }
+        let wv = if W { load_n(l, w, j, k) } else { xv };
+        let av = if A { load_n(l, p.add.unwrap_or(p.x), j, k) } else { xv };
+        let prev = if DW { load_n(l, dw.cast_const(), j, k) } else { xv };
+        let (d, dwv) = step::<L, W, A, DW>(l, (r, c), [xv, dyv, wv, av, prev]);
         if DW {
-            let prev = load_n(l, dw.cast_const(), j, k);
-            store_n(l, dw, j, l.add(prev, l.mul(l.mul(dyv, xv), r)), k);
+            store_n(l, dw, j, dwv, k);
         }
         d
     }
+}
+
+/// [`value`] of the whole group of `2 N` bf16 columns from `j`, its inputs
+/// loaded in [`Lanes::load_pair_unordered`]'s order (the even columns, then
+/// the odd ones), as `dx` is returned, and `dw`'s group read and written in
+/// the same order (as [`Rows`] keeps it: see [`to_even_odd`]).
+///
+/// # Safety
+/// As [`value`] for `2 N` values from `j`; `T` is bf16.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn pair<L: Lanes, T: 'static, const W: bool, const A: bool, const DW: bool>(
+    l: L,
+    p: Ptrs<T>,
+    w: *const T,
+    dw: *mut f32,
+    rc: (L::V, L::V),
+    j: usize,
+) -> (L::V, L::V) {
+    // SAFETY: the caller's.
+    unsafe {
+        let ((x0, x1), (d0, d1)) = (l.load_pair_unordered(p.x.add(j)), l.load_pair_unordered(p.dy.add(j)));
+        let (w0, w1) = if W { l.load_pair_unordered(w.add(j)) } else { (x0, x1) };
+        let (a0, a1) = if A { l.load_pair_unordered(p.add.unwrap_or(p.x).add(j)) } else { (x0, x1) };
+        let (e0, e1) = if DW { (l.load(dw.add(j)), l.load(dw.add(j + L::N))) } else { (x0, x1) };
+        let (v0, n0) = step::<L, W, A, DW>(l, rc, [x0, d0, w0, a0, e0]);
+        let (v1, n1) = step::<L, W, A, DW>(l, rc, [x1, d1, w1, a1, e1]);
+        if DW {
+            l.store(dw.add(j), n0);
+            l.store(dw.add(j + L::N), n1);
+        }
+        (v0, v1)
+    }
+}
+
+/// The lane loop's operations on one vector of each input, `[x, dy, w,
+/// add, dw]` (the ones a case does not read are unused): `dx = (r dy) w - x
+/// c (+ add)`, and `dw + (dy x) r` (`dw` where not `DW`).
+#[inline(always)]
+fn step<L: Lanes, const W: bool, const A: bool, const DW: bool>(
+    l: L,
+    (r, c): (L::V, L::V),
+    [xv, dyv, wv, av, prev]: [L::V; 5],
+) -> (L::V, L::V) {
+    let mut gv = l.mul(r, dyv);
+    if W {
+        gv = l.mul(gv, wv);
+    }
+    let mut d = l.sub(gv, l.mul(xv, c));
+    if A {
+        d = l.add(d, av);
+    }
+    let dwv = if DW { l.add(prev, l.mul(l.mul(dyv, xv), r)) } else { prev };
+    (d, dwv)
 }
 
 #[cfg(test)]

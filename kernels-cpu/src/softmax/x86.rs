@@ -66,7 +66,9 @@ pub(super) fn exp_sum<T: 'static, const STORE: bool>(
 /// `exp` pass works value by value, so its values are the same (only its
 /// sum's order changes), and [`scale_bf16`] stores the groups back in
 /// place with a blend ([`Lanes::store_bf16_pair_normal_even_odd`]); where
-/// it refuses, [`restore_order`] puts `w` back in order.
+/// it refuses,
+/// [`from_even_odd`](crate::wide::x86::write_row::from_even_odd) puts `w`
+/// back in order.
 #[inline(always)]
 pub(super) fn widen_max<T: 'static>(x: &[T], w: &mut [f32], scale: f32) -> Option<(f32, usize)> {
     if !has_lanes::<T>() || is::<T, f32>() {
@@ -122,24 +124,6 @@ pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T], g: usize)
             run(ScaleBf16::<false> { e, scale: inv, shift: 0.0, y, g }).unwrap_or(false)
         }
         _ => false,
-    }
-}
-
-/// Puts the whole groups of `g` values of `w` (from [`widen_max`], its
-/// `g`), each its even values then its odd ones, back in order: for a row
-/// that [`scale_bf16`] refused (one holding NaN), before the narrowing that
-/// takes the values in order. Nothing to do where `g` is 0.
-pub(super) fn restore_order(w: &mut [f32], g: usize) {
-    if g == 0 {
-        return;
-    }
-    let mut t = vec![0f32; g];
-    for group in w.chunks_exact_mut(g) {
-        t.copy_from_slice(group);
-        let (even, odd) = t.split_at(g / 2);
-        for (k, (&a, &b)) in even.iter().zip(odd).enumerate() {
-            (group[2 * k], group[2 * k + 1]) = (a, b);
-        }
     }
 }
 
@@ -512,11 +496,12 @@ impl<T: 'static, A, const STORE: bool, const NARROW: bool> ExpSum<'_, T, A, STOR
 #[cfg(test)]
 mod tests {
     use super::super::{exp_into_lanes, exp_sum_lanes, row_max_lanes};
-    use super::{restore_order, ExpSum, Max, ScaleBf16, WidenMax};
+    use super::{ExpSum, Max, ScaleBf16, WidenMax};
     use crate::element::Element;
     use crate::math::{exp_shifted_narrow_f32, LOG2E, SHIFT_FUSED_MAX};
     use crate::simd::dispatch;
     use crate::wide::is;
+    use crate::wide::x86::write_row::from_even_odd;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 
@@ -562,7 +547,7 @@ mod tests {
                             let mut y = vec![bf16::ZERO; n];
                             let inv = 1.0 / s3;
                             assert!(run_with(l, ScaleBf16::<false> { e: &w, scale: inv, shift: 0.0, y: &mut y, g }));
-                            restore_order(&mut w, g);
+                            from_even_odd(&mut w, g);
                             let want: Vec<u16> = w.iter().map(|&v| bf16::from_acc(v * inv).to_bits()).collect();
                             assert_eq!(y.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want, "n={n} off={off}: y");
                         }
@@ -602,7 +587,7 @@ mod tests {
             let want: Vec<f32> = x.iter().map(|v| term(v.to_f32())).collect();
             let none: &[bf16] = &[];
             let s = run_with(l, ExpSum::<f32, bf16, true, true>::in_place(&mut w, mw, (none, none)));
-            restore_order(&mut w, g);
+            from_even_odd(&mut w, g);
             let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&w), bits(&want), "m={m}");
             let top = w.iter().copied().fold(0f32, f32::max);
