@@ -94,8 +94,8 @@ impl<T: Element> Kernel for Back<'_, T> {
     }
 }
 
-/// A bf16 row's `dx = (s y) (dy - dot)` (`sd` is `(s, dot)`), its whole
-/// groups of `2 N` values rounded in registers with no NaN check
+/// A bf16 row's `dx = (s y) (dy - dot)`, its whole groups of `2 N`
+/// values rounded in registers with no NaN check
 /// ([`store_bf16_pair_arithmetic`], in [`load_bf16_pair`]'s order); returns
 /// how many values it wrote. Every value is float arithmetic on values
 /// widened from bf16, on `dot` (a sum of such products) and on a finite
@@ -228,10 +228,11 @@ mod tests {
         }
     }
 
-    /// bf16 rows holding NaN (quiet and signalling, with payloads) and
-    /// infinities in `y` and `dy`, and scales that are not finite (which
-    /// keep the blocks on AVX2, the one with all low bits set included): the lane loop's values, a NaN for a NaN,
-    /// at every width. Whole groups, a part, and rows past a block.
+    /// bf16 rows holding NaN (quiet and signalling, with payloads, one with
+    /// all its low bits set) and infinities in `y` and `dy`, and scales that
+    /// are not finite (which keep AVX2 on the blocks): the lane loop's
+    /// values, a NaN for a NaN, at every width. Whole groups, a part, and
+    /// rows past a block.
     #[test]
     fn bf16_rows_with_nan_are_the_lane_loops_at_every_width() {
         fn check<L: Width>(l: L) {

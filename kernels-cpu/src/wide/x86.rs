@@ -102,16 +102,14 @@ pub(crate) trait Lanes: Copy {
     /// As [`Lanes::store_bf16_pair_normal`].
     #[inline(always)]
     unsafe fn store_bf16_pair_normal_even_odd(self, p: *mut half::bf16, even: Self::V, odd: Self::V) {
-        let (mut t, mut u) = ([0f32; 64], [0f32; 64]);
-        // SAFETY: `t` and `u` hold `2 N <= 64`; the caller makes `p..p + 2 N`
+        let mut t = [0f32; 64];
+        // SAFETY: `t` holds `2 N <= 64`; the caller makes `p..p + 2 N`
         // writable.
         unsafe {
             self.store(t.as_mut_ptr(), even);
             self.store(t.as_mut_ptr().add(Self::N), odd);
-            for k in 0..Self::N {
-                (u[2 * k], u[2 * k + 1]) = (t[k], t[Self::N + k]);
-            }
-            self.store_bf16_pair_normal(p, self.load(u.as_ptr()), self.load(u.as_ptr().add(Self::N)));
+            write_row::from_even_odd(&mut t[..2 * Self::N], 2 * Self::N);
+            self.store_bf16_pair_normal(p, self.load(t.as_ptr()), self.load(t.as_ptr().add(Self::N)));
         }
     }
 
