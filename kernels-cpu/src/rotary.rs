@@ -193,7 +193,8 @@ pub fn apply_strided<T: Element>(
 /// ([`Shape::check_disjoint`]). The same bits as [`apply_strided`]'s output.
 /// Rows are visited in the order they lie in memory (a transposed layout
 /// too; there, where bf16 or f16 angles are widened, in tiles of positions),
-/// each copied to a buffer first and rotated back into place.
+/// each rotated in place where bf16 runs on AVX2 (the `avx2_bf16` module), else
+/// copied to a buffer first and rotated back into place.
 #[allow(clippy::too_many_arguments)]
 pub fn apply_inplace<T: Element>(
     x: &mut [T],
@@ -268,8 +269,8 @@ pub fn apply_inplace<T: Element>(
 }
 
 /// [`apply_inplace`]'s rows at `coords` (entries of its three dims sorted by
-/// stride, `strides` theirs, `pos_dim` the position's), each copied to `buf`
-/// and rotated back into place.
+/// stride, `strides` theirs, `pos_dim` the position's), each rotated in
+/// place ([`Rotator::row_in_place`], `buf` one row long).
 ///
 /// # Safety
 /// Every row at `coords` lies inside the slice behind `base`, no two are
@@ -284,8 +285,7 @@ unsafe fn rotate_inplace<T: Element>(
     for at in coords {
         // SAFETY: the caller's.
         let row = unsafe { base.row(at[0] * strides[0] + at[1] * strides[1] + at[2] * strides[2], d) };
-        buf.copy_from_slice(row);
-        rot.row(at[pos_dim], buf, row);
+        rot.row_in_place(at[pos_dim], row, buf);
     }
 }
 
@@ -474,6 +474,24 @@ struct Rotator<'a, T: Element> {
     sign: T::Acc,
     /// Where [`wide::row_halves`] runs.
     wide: Option<Widened>,
+    /// Where [`avx2_bf16`] runs (bf16 on AVX2 without AVX512-BF16).
+    avx2: Avx2<T>,
+}
+
+/// [`avx2_bf16`]'s token for rows of `T`, where that code runs.
+#[cfg(target_arch = "x86_64")]
+type Avx2<T> = Option<avx2_bf16::Token<T>>;
+/// Never one off x86-64.
+#[cfg(not(target_arch = "x86_64"))]
+type Avx2<T> = Option<(std::convert::Infallible, std::marker::PhantomData<T>)>;
+
+/// The token where [`avx2_bf16`] runs for `T`.
+#[inline(always)]
+fn avx2_token<T: 'static>() -> Avx2<T> {
+    #[cfg(target_arch = "x86_64")]
+    return avx2_bf16::Token::new();
+    #[cfg(not(target_arch = "x86_64"))]
+    None
 }
 
 impl<'a, T: Element> Rotator<'a, T> {
@@ -484,7 +502,33 @@ impl<'a, T: Element> Rotator<'a, T> {
     fn new(cos: &'a [T], sin: &'a [T], shape: Shape, interleaved: bool, sign: T::Acc, slots: usize) -> Self {
         let half = shape.rotary_dim / 2;
         let wide = (half > 0 && wide::applies::<T>()).then(|| Widened::new(half, interleaved, slots));
-        Rotator { cos, sin, half, interleaved, sign, wide }
+        Rotator { cos, sin, half, interleaved, sign, wide, avx2: avx2_token() }
+    }
+
+    /// Rotates `row` (one head) by the angles of position `pos` in place:
+    /// directly where [`avx2_bf16`] runs, else copied to `buf` (as long)
+    /// first and rotated back ([`Rotator::row`]).
+    #[inline(always)]
+    fn row_in_place(&mut self, pos: usize, row: &mut [T], buf: &mut [T]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(t) = self.avx2 {
+            let (c, s) = self.angles(pos);
+            if self.interleaved {
+                avx2_bf16::pairs_in_place(t, row, c, s, self.sign);
+            } else {
+                avx2_bf16::halves_in_place(t, row, c, s, self.sign);
+            }
+            return;
+        }
+        buf.copy_from_slice(row);
+        self.row(pos, buf, row);
+    }
+
+    /// Position `pos`'s cos and sin, as given.
+    #[inline(always)]
+    fn angles(&self, pos: usize) -> (&'a [T], &'a [T]) {
+        let half = self.half;
+        (&self.cos[pos * half..][..half], &self.sin[pos * half..][..half])
     }
 
     /// Rotates `x` (one head) by the angles of position `pos` into `y`, and
@@ -503,11 +547,11 @@ impl<'a, T: Element> Rotator<'a, T> {
                 }
             }
             None => {
-                let (c, s) = (&self.cos[pos * half..][..half], &self.sin[pos * half..][..half]);
+                let (c, s) = self.angles(pos);
                 if self.interleaved {
-                    rotate_pairs(x, y, c, s, sign);
+                    rotate_pairs(self.avx2, x, y, c, s, sign);
                 } else {
-                    rotate_halves(x, y, c, s, sign);
+                    rotate_halves(self.avx2, x, y, c, s, sign);
                 }
             }
         }
@@ -586,18 +630,17 @@ impl Widened {
 /// f16 and bf16 take [`wide::row_halves`] where it runs; bf16 on AVX2
 /// without it, [`avx2_bf16::halves`] for its whole groups).
 #[inline(always)]
-fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
+fn rotate_halves<T: Element>(t: Avx2<T>, x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
-    #[cfg(target_arch = "x86_64")]
-    let done = avx2_bf16::halves(x, y, c, s, sign);
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
+    let done = match t {
+        #[cfg(target_arch = "x86_64")]
+        Some(t) => avx2_bf16::halves(t, x, y, c, s, sign),
+        _ => 0,
+    };
     let (x1, x2) = (&x[..h], &x[h..2 * h]);
     let (y1, y2) = y[..2 * h].split_at_mut(h);
     for i in done..h {
-        let (a, b, c, s) = (x1[i].to_acc(), x2[i].to_acc(), c[i].to_acc(), s[i].to_acc() * sign);
-        y1[i] = T::from_acc(a * c - b * s);
-        y2[i] = T::from_acc(b * c + a * s);
+        (y1[i], y2[i]) = turn(x1[i], x2[i], c[i], s[i], sign);
     }
 }
 
@@ -605,18 +648,25 @@ fn rotate_halves<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Ac
 /// bf16 take [`wide::row_pairs`] where it runs; bf16 on AVX2 without it,
 /// [`avx2_bf16::pairs`] for its whole groups).
 #[inline(always)]
-fn rotate_pairs<T: Element>(x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
+fn rotate_pairs<T: Element>(t: Avx2<T>, x: &[T], y: &mut [T], c: &[T], s: &[T], sign: T::Acc) {
     let h = c.len();
-    #[cfg(target_arch = "x86_64")]
-    let done = avx2_bf16::pairs(x, y, c, s, sign);
-    #[cfg(not(target_arch = "x86_64"))]
-    let done = 0;
+    let done = match t {
+        #[cfg(target_arch = "x86_64")]
+        Some(t) => avx2_bf16::pairs(t, x, y, c, s, sign),
+        _ => 0,
+    };
     let (x, y) = (&x[2 * done..2 * h], &mut y[2 * done..2 * h]);
-    for (((y, x), c), s) in y.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(&c[done..]).zip(&s[done..]) {
-        let (a, b, c, s) = (x[0].to_acc(), x[1].to_acc(), c.to_acc(), s.to_acc() * sign);
-        y[0] = T::from_acc(a * c - b * s);
-        y[1] = T::from_acc(b * c + a * s);
+    for (((y, x), &c), &s) in y.chunks_exact_mut(2).zip(x.chunks_exact(2)).zip(&c[done..]).zip(&s[done..]) {
+        (y[0], y[1]) = turn(x[0], x[1], c, s, sign);
     }
+}
+
+/// The pair `(a, b)` rotated by the angle of cosine `c` and sine `s * sign`:
+/// `(a c - b s, b c + a s)` in `T::Acc`, each rounded once to `T`.
+#[inline(always)]
+fn turn<T: Element>(a: T, b: T, c: T, s: T, sign: T::Acc) -> (T, T) {
+    let (a, b, c, s) = (a.to_acc(), b.to_acc(), c.to_acc(), s.to_acc() * sign);
+    (T::from_acc(a * c - b * s), T::from_acc(b * c + a * s))
 }
 
 /// Reference in f64.
