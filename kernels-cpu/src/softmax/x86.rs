@@ -140,6 +140,12 @@ pub(super) fn scale_bf16<T: 'static>(e: &[f32], inv: f32, y: &mut [T], g: usize)
 /// CPU has AVX512-BF16.
 #[inline(always)]
 pub(crate) fn affine_bf16<T: 'static>(e: &[f32], (scale, shift): (f32, f32), y: &mut [T]) -> bool {
+    // The width that runs there rounds with the instruction, which the
+    // kernel refuses: asked here, without entering it (cross_entropy's
+    // backward asks once per row).
+    if crate::simd::has_v4_bf16() {
+        return false;
+    }
     match cast_mut::<T, bf16>(y) {
         Some(y) => run(ScaleBf16::<true> { e, scale, shift, y, g: 0 }).unwrap_or(false),
         None => false,
