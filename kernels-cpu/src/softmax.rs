@@ -309,7 +309,7 @@ fn forward_row<T: Element>(x: &[T], y: &mut [T], scratch: &mut [T::Acc], scale: 
             let s = x86::exp_sum_in_place(w, m, ahead, ahead_w).expect("softmax: widen_max ran, so exp runs");
             let inv = 1.0 / s;
             if !x86::scale_bf16(w, inv, y, g) {
-                crate::wide::x86::write_row::from_even_odd(w, g);
+                crate::wide::x86::even_odd::from_even_odd(w, g);
                 T::from_acc_slice_affine(scratch, (T::Acc::from_f64(inv.into()), T::Acc::ZERO), y);
             }
             return;

@@ -31,7 +31,7 @@ use crate::element::Element;
 use crate::layout::Offsets;
 use crate::rows::row_and_next;
 use crate::simd::{prefetch_each, prefetching, PREFETCH_PART};
-use crate::wide::x86::write_row::{from_even_odd, to_even_odd};
+use crate::wide::x86::even_odd::{from_even_odd, to_even_odd};
 use crate::wide::x86::{load_n, store_n, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
 use half::bf16;

@@ -67,7 +67,7 @@ pub(super) fn exp_sum<T: 'static, const STORE: bool>(
 /// sum's order changes), and [`scale_bf16`] stores the groups back in
 /// place with a blend ([`Lanes::store_bf16_pair_normal_even_odd`]); where
 /// it refuses,
-/// [`from_even_odd`](crate::wide::x86::write_row::from_even_odd) puts `w`
+/// [`from_even_odd`](crate::wide::x86::even_odd::from_even_odd) puts `w`
 /// back in order.
 #[inline(always)]
 pub(super) fn widen_max<T: 'static>(x: &[T], w: &mut [f32], scale: f32) -> Option<(f32, usize)> {
@@ -507,7 +507,7 @@ mod tests {
     use crate::math::{exp_shifted_narrow_f32, LOG2E, SHIFT_FUSED_MAX};
     use crate::simd::dispatch;
     use crate::wide::is;
-    use crate::wide::x86::write_row::from_even_odd;
+    use crate::wide::x86::even_odd::from_even_odd;
     use crate::wide::x86::{every_width, run_with, Width};
     use half::{bf16, f16};
 

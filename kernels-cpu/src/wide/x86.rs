@@ -9,6 +9,7 @@
 //! (that is what lets the intrinsics inline).
 mod avx2;
 mod avx512;
+pub(crate) mod even_odd;
 pub(crate) mod math;
 pub(crate) mod write_row;
 
@@ -108,7 +109,7 @@ pub(crate) trait Lanes: Copy {
         unsafe {
             self.store(t.as_mut_ptr(), even);
             self.store(t.as_mut_ptr().add(Self::N), odd);
-            write_row::from_even_odd(&mut t[..2 * Self::N], 2 * Self::N);
+            even_odd::from_even_odd(&mut t[..2 * Self::N], 2 * Self::N);
             self.store_bf16_pair_normal(p, self.load(t.as_ptr()), self.load(t.as_ptr().add(Self::N)));
         }
     }
