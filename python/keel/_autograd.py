@@ -216,7 +216,8 @@ _LIB = None
 
 APPLY = {}
 """Each differentiable op's formula, ``apply`` of its autograd.Function (filled
-by :func:`register`): called with all of the op's arguments, it runs the op's
+by :func:`register`): called with the op's arguments (trailing ones equal to
+their defaults may be left out, as the dispatcher does), it runs the op's
 ``_nograd`` twin and records the backward, as the op's autograd kernel does
 where an argument requires a gradient. The typed API calls it directly in
 eager grad mode (``functional._call``), without the dispatcher's trip through
@@ -248,7 +249,11 @@ def _autograd_kernel(name, backward, setup):
     grad_enabled = torch.is_grad_enabled
 
     def forward(ctx, *args):
+        # The typed API leaves out trailing arguments equal to their defaults,
+        # as the dispatcher does (`functional._call`).
         out = twin(*args)
+        if len(args) < count:
+            args = args + defaults[len(args) :]
         setup(ctx, args, out)
         return out
 
