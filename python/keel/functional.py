@@ -261,7 +261,7 @@ def cross_entropy(
     if torch.is_grad_enabled() and logits.requires_grad and _tracing_state() is None:
         with_lse = _CROSS_ENTROPY_WITH_LSE[0 if _compiling() else 2]
         try:
-            return with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
+            return _cross_entropy(with_lse, logits, target, ignore_index, label_smoothing, reduction)[0]
         except _PREPARING as err:
             args = (logits, target, ignore_index, label_smoothing, reduction)
             _refuse(_CROSS_ENTROPY[0], args, err, _CROSS_ENTROPY_WITH_LSE[:2])

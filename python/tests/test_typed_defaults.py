@@ -145,3 +145,19 @@ def test_defaults_are_left_out_of_the_call(monkeypatch, mode):
         "_LAYER_NORM": [3, 4],
         "_ROTARY_EMBEDDING_": [3, 4],
     }, counts
+
+
+def test_defaults_are_left_out_of_the_formulas_apply(monkeypatch):
+    """In grad mode, with an argument requiring grad: the formula's ``apply``
+    (which fills them in for its backward) gets the short form too, and the
+    gradient is the one through ``torch.ops.keel`` given every argument."""
+    ops_ = F._CROSS_ENTROPY_WITH_LSE
+    recorder = _Recorder(ops_[2])
+    monkeypatch.setattr(F, "_CROSS_ENTROPY_WITH_LSE", (*ops_[:2], recorder, *ops_[3:]))
+    t = torch.tensor([0, 3, 1, 5])
+    for kw in ({}, {"label_smoothing": 0.1}):
+        lg = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        (got,) = torch.autograd.grad(F.cross_entropy(lg, t, **kw), lg)
+        (want,) = torch.autograd.grad(ops.cross_entropy(lg, t, -100, kw.get("label_smoothing", 0.0), "mean"), lg)
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-15)
+    assert recorder.counts == [2, 4], recorder.counts
