@@ -29,12 +29,31 @@ def _overridden(*tensors) -> bool:
 
 _no_torch_function = torch._C.DisableTorchFunction
 
+
+
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
 _keel = torch.ops.keel
 
 
-def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+def _default(op: str, arg: str):
+    """The default that op `op`'s schema gives argument `arg`: the typed functions'
+    defaults, and the values their callers leave out (see `_call`), read once."""
+    (found,) = [a.default_value for a in getattr(_keel, op).default._schema.arguments if a.name == arg]
+    return found
+
+
+_RMS_EPS = _default("rms_norm", "eps")
+_LAYER_EPS = _default("layer_norm", "eps")
+_APPROXIMATE = _default("gelu_and_mul", "approximate")
+_SCALE = _default("softmax", "scale")
+_IGNORE_INDEX = _default("cross_entropy", "ignore_index")
+_LABEL_SMOOTHING = _default("cross_entropy", "label_smoothing")
+_REDUCTION = _default("cross_entropy", "reduction")
+_INTERLEAVED = _default("rotary_embedding", "interleaved")
+
+
+def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS) -> Tensor:
     """RMS normalisation over the last dimension.
 
     Same result as ``torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)``,
@@ -58,13 +77,13 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) 
 
 
 def _rms_norm(op, input, weight, eps):
-    if eps.__class__ is float and eps == 1e-6:  # the default: left out (see `_call`)
+    if eps.__class__ is float and eps == _RMS_EPS:  # the default: left out (see `_call`)
         return op(rows_in_place(input), _c(weight))
     return op(rows_in_place(input), _c(weight), eps)
 
 
 def layer_norm(
-    input: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = 1e-5
+    input: Tensor, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, eps: float = _LAYER_EPS
 ) -> Tensor:
     """Layer normalisation over the last dimension.
 
@@ -85,13 +104,13 @@ def layer_norm(
 
 
 def _layer_norm(op, input, weight, bias, eps):
-    if eps.__class__ is float and eps == 1e-5:  # the default: left out (see `_call`)
+    if eps.__class__ is float and eps == _LAYER_EPS:  # the default: left out (see `_call`)
         return op(input.contiguous(), _c(weight), _c(bias))
     return op(input.contiguous(), _c(weight), _c(bias), eps)
 
 
 def fused_add_rms_norm(
-    input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6
+    input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS
 ) -> Tuple[Tensor, Tensor]:
     """``s = input + residual`` and ``rms_norm(s, weight, eps)`` in one pass over memory.
 
@@ -114,12 +133,12 @@ def fused_add_rms_norm(
 
 
 def _fused_add_rms_norm(op, input, residual, weight, eps):
-    if eps.__class__ is float and eps == 1e-6:  # the default: left out (see `_call`)
+    if eps.__class__ is float and eps == _RMS_EPS:  # the default: left out (see `_call`)
         return op(input.contiguous(), residual.contiguous(), _c(weight))
     return op(input.contiguous(), residual.contiguous(), _c(weight), eps)
 
 
-def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> None:
+def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS) -> None:
     """:func:`fused_add_rms_norm` in place, as vLLM's op: ``residual`` becomes
     ``input + residual`` and ``input`` becomes ``rms_norm(input + residual, weight, eps)``.
 
@@ -140,10 +159,8 @@ def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor
     if _has_torch_function(input, residual, weight) and _overridden(input, residual, weight):
         return _handle(fused_add_rms_norm_, (input, residual, weight), input, residual, weight, eps)
     try:
-        if eps.__class__ is float and eps == 1e-6:  # the default: left out (see `_call`)
-            _call_inplace(_FUSED_ADD_RMS_NORM_, (input, residual), input, residual, _c(weight))
-        else:
-            _call_inplace(_FUSED_ADD_RMS_NORM_, (input, residual), input, residual, _c(weight), eps)
+        tail = () if eps.__class__ is float and eps == _RMS_EPS else (eps,)  # the default: left out (see `_call`)
+        _call_inplace(_FUSED_ADD_RMS_NORM_, (input, residual), input, residual, _c(weight), *tail)
     except _PREPARING as err:
         _refuse(_FUSED_ADD_RMS_NORM_[0], (input, residual, weight, eps), err)
         raise
@@ -166,7 +183,7 @@ def _silu_and_mul(op, input):
     return op(input.contiguous())
 
 
-def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
+def gelu_and_mul(input: Tensor, approximate: str = _APPROXIMATE) -> Tensor:
     """GeGLU gate: ``gelu(input[..., :d], approximate) * input[..., d:]`` for ``input[..., 2d]``.
 
     ``approximate`` is ``"none"`` (exact, erf) or ``"tanh"``, as in ``F.gelu``; anything
@@ -181,12 +198,12 @@ def gelu_and_mul(input: Tensor, approximate: str = "none") -> Tensor:
 
 
 def _gelu_and_mul(op, input, approximate):
-    if approximate == "none":  # the default: left out (see `_call`)
+    if approximate == _APPROXIMATE:  # the default: left out (see `_call`)
         return op(input.contiguous())
     return op(input.contiguous(), approximate)
 
 
-def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
+def softmax(input: Tensor, scale: float = _SCALE) -> Tensor:
     """Softmax over the last dimension of ``input * scale``.
 
     Same result as ``torch.softmax(input * scale, -1)`` without the scaled copy:
@@ -209,7 +226,7 @@ def softmax(input: Tensor, scale: float = 1.0) -> Tensor:
 
 
 def _softmax(op, input, scale):
-    if scale.__class__ is float and scale == 1.0:  # the default: left out (see `_call`)
+    if scale.__class__ is float and scale == _SCALE:  # the default: left out (see `_call`)
         return op(input.contiguous())
     return op(input.contiguous(), scale)
 
@@ -217,9 +234,9 @@ def _softmax(op, input, scale):
 def cross_entropy(
     logits: Tensor,
     target: Tensor,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
+    ignore_index: int = _IGNORE_INDEX,
+    label_smoothing: float = _LABEL_SMOOTHING,
+    reduction: str = _REDUCTION,
 ) -> Tensor:
     """Fused cross-entropy: ``F.cross_entropy(logits, target, ...)`` with the same arguments.
 
@@ -304,9 +321,9 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
 def cross_entropy_with_lse(
     logits: Tensor,
     target: Tensor,
-    ignore_index: int = -100,
-    label_smoothing: float = 0.0,
-    reduction: str = "mean",
+    ignore_index: int = _IGNORE_INDEX,
+    label_smoothing: float = _LABEL_SMOOTHING,
+    reduction: str = _REDUCTION,
 ) -> Tuple[Tensor, Tensor]:
     """:func:`cross_entropy`, and each row's log-sum-exp of ``logits``.
 
@@ -327,16 +344,16 @@ def _cross_entropy_with_lse(op, logits, target, ignore_index, label_smoothing, r
 def _cross_entropy(op, logits, target, ignore_index, label_smoothing, reduction):
     """`op` (cross_entropy or cross_entropy_with_lse) with the trailing scalar
     arguments that equal their defaults left out (see `_call`)."""
-    if reduction == "mean":
-        if label_smoothing.__class__ is float and label_smoothing == 0.0:
-            if ignore_index.__class__ is int and ignore_index == -100:
+    if reduction == _REDUCTION:
+        if label_smoothing.__class__ is float and label_smoothing == _LABEL_SMOOTHING:
+            if ignore_index.__class__ is int and ignore_index == _IGNORE_INDEX:
                 return op(logits, target)
             return op(logits, target, ignore_index)
         return op(logits, target, ignore_index, label_smoothing)
     return op(logits, target, ignore_index, label_smoothing, reduction)
 
 
-def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = _INTERLEAVED) -> Tensor:
     """Rotary position embedding of ``x[batch, seq, heads, head_dim]``.
 
     ``cos`` and ``sin`` are ``[seq, rotary_dim / 2]`` (the cos/sin of each position's
@@ -359,12 +376,12 @@ def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fa
 
 
 def _rotary_embedding(op, x, cos, sin, interleaved):
-    if interleaved is False:  # the default: left out (see `_call`)
+    if interleaved is _INTERLEAVED:  # the default: left out (see `_call`)
         return op(heads_contiguous(x), cos.contiguous(), sin.contiguous())
     return op(heads_contiguous(x), cos.contiguous(), sin.contiguous(), interleaved)
 
 
-def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> None:
+def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = _INTERLEAVED) -> None:
     """:func:`rotary_embedding` in place, as vLLM's op: ``x`` becomes its rotation.
 
     The same bits as ``rotary_embedding(x, cos, sin, interleaved)``, written through
@@ -384,10 +401,8 @@ def rotary_embedding_(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = F
     if _has_torch_function(x, cos, sin) and _overridden(x, cos, sin):
         return _handle(rotary_embedding_, (x, cos, sin), x, cos, sin, interleaved)
     try:
-        if interleaved is False:  # the default: left out (see `_call`)
-            _call_inplace(_ROTARY_EMBEDDING_, (x,), x, cos.contiguous(), sin.contiguous())
-        else:
-            _call_inplace(_ROTARY_EMBEDDING_, (x,), x, cos.contiguous(), sin.contiguous(), interleaved)
+        tail = () if interleaved is _INTERLEAVED else (interleaved,)  # the default: left out (see `_call`)
+        _call_inplace(_ROTARY_EMBEDDING_, (x,), x, cos.contiguous(), sin.contiguous(), *tail)
     except _PREPARING as err:
         _refuse(_ROTARY_EMBEDDING_[0], (x, cos, sin, interleaved), err)
         raise
@@ -539,8 +554,8 @@ _increment_version = torch.autograd.graph.increment_version
 
 
 def _call_inplace(ops, written, *args):
-    """`op(*args)`, `op` an in-place Keel op writing the tensors `written`, `ops`
-    its overload and the overload's C function (:func:`_fast`).
+    """An in-place Keel op called on `args`, writing the tensors `written`; `ops` is
+    the op's overload and that overload's C function (:func:`_fast`).
 
     Where no argument requires a gradient (or grad mode is off), the op runs
     below its Python kernels (``_inplace``: the autograd refusal and the version
