@@ -268,7 +268,7 @@ def cross_entropy(
         return _handle(cross_entropy, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
     if _other_layout(logits, target):
         return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction)
-    if _twice.transformed():
+    if _transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:
         logits, target = logits.contiguous(), target.contiguous()
@@ -445,6 +445,9 @@ _ROTARY_EMBEDDING_ = (_keel.rotary_embedding_.default, _fast(_keel.rotary_embedd
 _tracing_state = torch._C._get_tracing_state
 # Whether torch.compile or torch.export (also non-strict) is tracing.
 _compiling = torch.compiler.is_compiling
+# Bound once: a module attribute looked up on every call costs 20-40 ns.
+_is_grad_enabled = torch.is_grad_enabled
+_transformed = _twice.transformed
 
 
 def _call(fn, ops, ref, *args):
@@ -479,9 +482,9 @@ def _call(fn, ops, ref, *args):
     naming the op and the argument (:func:`_refuse`).
     """
     try:
-        if ref is not None and _twice.transformed():
+        if ref is not None and _transformed():
             return _twice.through_torch(fn, ops[0], ref, *args)
-        if torch.is_grad_enabled():
+        if _is_grad_enabled():
             # A loop, not any(<generator>): the generator, left early, cost 4 us here.
             for a in args:
                 if isinstance(a, Tensor) and a.requires_grad:
