@@ -36,8 +36,9 @@ def one_device(name, named):
 def heads_contiguous(t: torch.Tensor) -> torch.Tensor:
     """`t` where an op that reads its leading dims through their strides takes
     it as it is (last dim contiguous: stride 1, or at most one element), else a
-    contiguous copy. rotary_embedding reads `x` so."""
-    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+    contiguous copy. rotary_embedding reads `x` so. A 0-dim `t` (no last dim) as
+    it is: the op refuses it, naming the argument."""
+    return t if t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def rows_in_place(t: torch.Tensor) -> torch.Tensor:

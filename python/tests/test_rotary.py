@@ -203,6 +203,9 @@ def _cs(seq=3, half=4, dtype=torch.float32):
 
 BAD = [
     ("3-d x", lambda: keel.rotary_embedding(torch.randn(3, 2, 8), *_cs()), r"keel::rotary_embedding: argument 'x' must have 4 dims \[batch, seq, heads, head_dim\]"),
+    # No last dim to read the stride of (the typed API raised IndexError, session 60).
+    ("0-dim x", lambda: keel.rotary_embedding(torch.tensor(1.0), *_cs()), r"keel::rotary_embedding: argument 'x' must have at least 1 dimension, got a 0-dim tensor"),
+    ("0-dim x needing a gradient", lambda: keel.rotary_embedding(torch.tensor(1.0, requires_grad=True), *_cs()), r"keel::rotary_embedding: argument 'x' must have at least 1 dimension, got a 0-dim tensor"),
     ("cos seq", lambda: keel.rotary_embedding(torch.randn(1, 4, 2, 8), *_cs()), r"keel::rotary_embedding: argument 'cos' must have shape \[seq, rotary_dim / 2\] with seq = 4"),
     ("rotary_dim too big", lambda: keel.rotary_embedding(torch.randn(1, 3, 2, 6), *_cs()), r"keel::rotary_embedding: argument 'cos' gives rotary_dim = 8 \(2 x its last dim\), more than head_dim = 6"),
     ("sin shape", lambda: keel.rotary_embedding(torch.randn(1, 3, 2, 8), _cs()[0], _cs(half=2)[1]), r"keel::rotary_embedding: argument 'sin' has shape \[3, 2\] but 'cos' has \[3, 4\]"),
