@@ -313,7 +313,9 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
             f"keel::cross_entropy: argument 'target' must have shape {list(want)} for logits {layout} of shape "
             f"{list(logits.shape)}, got shape {list(target.shape)}"
         )
-    rows = logits.unsqueeze(0) if one_row else logits.movedim(1, -1).reshape(-1, logits.shape[1])
+    # The row count from the target, not -1: with no classes, -1 would be ambiguous
+    # and reshape would raise its own error instead of the op's.
+    rows = logits.unsqueeze(0) if one_row else logits.movedim(1, -1).reshape(target.numel(), logits.shape[1])
     loss = cross_entropy(rows, target.reshape(-1), ignore_index, label_smoothing, reduction)
     return loss.reshape(want) if reduction == "none" else loss
 

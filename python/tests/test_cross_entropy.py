@@ -261,6 +261,17 @@ def test_torch_other_layouts_match_torch(device, shape, target_shape, reduction)
             torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
 
 
+@pytest.mark.parametrize("shape,target_shape", [((0, 0, 2), (0, 2)), ((3, 0, 0), (3, 0)), ((2, 0, 3), (2, 3))])
+def test_other_layouts_with_no_classes_get_the_ops_error(shape, target_shape):
+    # Rows as [-1, 0] are ambiguous: reshape raised its own error (session 60's fuzz),
+    # where [N, 0] logits get the op's.
+    want = r"keel::cross_entropy: argument 'logits' must have at least one class \(v > 0\)"
+    with pytest.raises(RuntimeError, match=want):
+        keel.cross_entropy(torch.randn(shape), torch.zeros(target_shape, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match=want):
+        keel.nn.CrossEntropyLoss()(torch.randn(shape), torch.zeros(target_shape, dtype=torch.int64))
+
+
 def test_classes_in_dim_1_of_a_transposed_tensor_need_no_copy():
     # F.cross_entropy(logits.transpose(1, 2), t), the usual way to pass [B, S, V]
     # logits to torch: moving the classes back to the last dim is a view of the

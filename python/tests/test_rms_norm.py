@@ -273,6 +273,34 @@ def test_nn_rmsnorm_is_a_drop_in_for_torch(device, shape, eps):
     torch.testing.assert_close(g_ours[1], theirs.weight.grad, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("device", devices())
+def test_nn_rmsnorm_default_eps_is_torchs_for_every_dtype(device):
+    # eps=None: torch takes the epsilon of the dtype it computes in (float32's for
+    # float16 and bfloat16), not the input dtype's; bfloat16's is 65536 times
+    # float32's. On inputs near 1e-3 the mean square (1e-6) is of eps's order, so a
+    # wrong eps moves every output: bfloat16's made them about 100 times smaller.
+    for dtype in CPU_DTYPES if device == "cpu" else CUDA_DTYPES:
+        torch.manual_seed(0)
+        x = (torch.randn(4, 16, dtype=torch.float64) * 1e-3).to(dtype).to(device)
+        ours, theirs = keel.nn.RMSNorm(16, device=device, dtype=dtype), torch.nn.RMSNorm(16, device=device, dtype=dtype)
+        with torch.no_grad():
+            want = theirs(x)
+            got = ours(x)
+        # Both round one f32 result to the dtype: within one unit in its last place.
+        tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[dtype]
+        torch.testing.assert_close(got, want, atol=0, rtol=tol)
+
+
+@pytest.mark.parametrize("module", [keel.nn.RMSNorm, keel.nn.LayerNorm])
+def test_nn_norms_refuse_an_empty_normalized_shape(module):
+    # torch's refuse it too; each element would otherwise be normalised on its own.
+    x = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match=rf"^keel.nn.{module.__name__}: normalized_shape must have at least one dim"):
+        module(())(x)
+    with pytest.raises(RuntimeError):
+        getattr(torch.nn, module.__name__)(())(x)
+
+
 @pytest.mark.parametrize(
     "shape,bad",
     [((4, 8), (8, 4)), ((4, 8), (32,)), ((4, 8), (4, 7)), ((8,), (2, 4)), ((8,), (1, 8))],

@@ -31,6 +31,10 @@ def _flat(module_name: str, x: Tensor, normalized_shape: tuple, functional) -> t
 
 def _flat_dense(module_name: str, x: Tensor, normalized_shape: tuple) -> tuple:
     k = len(normalized_shape)
+    if k == 0:
+        # torch's norms refuse it too; reshaped to [..., 1], each element would be
+        # normalised on its own.
+        raise RuntimeError(f"{module_name}: normalized_shape must have at least one dim, got ()")
     if k == 1 and x.dim() >= 1 and x.shape[-1] == normalized_shape[0]:
         # The common case, with no view: a view costs about 1.5 us on CPU (measured).
         return x, normalized_shape[0]
@@ -75,17 +79,22 @@ def _unflat(out: Tensor, flat: Tensor, x: Tensor) -> Tensor:
     return out if flat is x else out.reshape(x.shape)
 
 
-# torch.finfo(dtype).eps by dtype: RMSNorm's default eps (0.25 us a call through torch.finfo).
-_FINFO_EPS = {t: torch.finfo(t).eps for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+# RMSNorm's default eps by input dtype, as torch resolves ``eps=None``: the
+# epsilon of the dtype it computes in (its "opmath" type, pytorch/pytorch#142848,
+# torch 2.7 on), float32's for float16 and bfloat16 inputs, not the input dtype's
+# (``torch.finfo(torch.bfloat16).eps`` is 0.0078, 65536 times float32's).
+_DEFAULT_EPS = {
+    torch.float64: torch.finfo(torch.float64).eps,
+    torch.float32: torch.finfo(torch.float32).eps,
+    torch.float16: torch.finfo(torch.float32).eps,
+    torch.bfloat16: torch.finfo(torch.float32).eps,
+}
 
 
 def _default_eps(x: Tensor) -> float:
-    """``torch.finfo(x.dtype).eps``, as torch's RMSNorm; 0.0 for a dtype that is not
-    floating point (the op then refuses the input, naming it)."""
-    eps = _FINFO_EPS.get(x.dtype)
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps if x.is_floating_point() else 0.0
-    return eps
+    """:class:`RMSNorm`'s eps where it was given None, as torch's (``_DEFAULT_EPS``);
+    0.0 for a dtype Keel's ops do not take (the op then refuses the input, naming it)."""
+    return _DEFAULT_EPS.get(x.dtype, 0.0)
 
 
 def _rms_norm_module(x: Tensor, normalized_shape: tuple, weight: Optional[Tensor], eps: Optional[float]) -> Tensor:
@@ -118,8 +127,9 @@ class RMSNorm(nn.Module):
     """Keel's ``torch.nn.RMSNorm``: same constructor, parameters and state dict.
 
     ``normalized_shape`` may span several trailing dimensions (they are
-    normalised together, as in torch). ``eps=None`` uses
-    ``torch.finfo(input.dtype).eps``, as torch does. A weight of another float
+    normalised together, as in torch). ``eps=None`` uses the epsilon of the
+    dtype torch computes in, as torch does: ``torch.finfo(torch.float32).eps``
+    for float32, float16 and bfloat16 inputs, float64's for float64. A weight of another float
     dtype than the input (float32 parameters, bfloat16 activations) is cast to
     the input's dtype, where torch multiplies by it in float32: the results
     agree within the input dtype's rounding.
