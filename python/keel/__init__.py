@@ -24,6 +24,10 @@ from . import _fake  # noqa: E402
 
 _fake.register()
 
+from . import _autocast  # noqa: E402
+
+_autocast.register()
+
 from . import nn  # noqa: E402
 from .functional import (  # noqa: E402
     cross_entropy,

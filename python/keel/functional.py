@@ -262,7 +262,9 @@ def cross_entropy(
             ``"sum"`` or ``"none"`` (``[N]`` losses; target's shape for the other layouts).
 
     Returns:
-        The loss in ``logits``' dtype. Differentiable in ``logits``.
+        The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16
+        and bfloat16 logits, as torch's (computed in float32 from the logits as they
+        are: no float32 copy). Differentiable in ``logits``.
     """
     if _has_torch_function(logits, target) and _overridden(logits, target):
         return _handle(cross_entropy, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
@@ -272,6 +274,9 @@ def cross_entropy(
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:
         logits, target = logits.contiguous(), target.contiguous()
+        if _autocast_on():
+            # The op itself: its autocast kernel returns a float32 loss (``_autocast``).
+            return _CROSS_ENTROPY[0](logits, target, ignore_index, label_smoothing, reduction)
     except _PREPARING as err:
         _refuse(_CROSS_ENTROPY[0], (logits, target, ignore_index, label_smoothing, reduction), err)
         raise
@@ -336,6 +341,14 @@ def cross_entropy_with_lse(
     """
     if _has_torch_function(logits, target) and _overridden(logits, target):
         return _handle(cross_entropy_with_lse, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
+    if _autocast_on() and not _transformed():
+        # The op itself: its autocast kernel returns a float32 loss (``_autocast``).
+        args = (logits, target, ignore_index, label_smoothing, reduction)
+        try:
+            return _CROSS_ENTROPY_WITH_LSE[0](logits.contiguous(), target.contiguous(), *args[2:])
+        except _PREPARING as err:
+            _refuse(_CROSS_ENTROPY_WITH_LSE[0], args, err)
+            raise
     return _call(_cross_entropy_with_lse, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
 
 
@@ -447,6 +460,8 @@ _ROTARY_EMBEDDING_ = (_keel.rotary_embedding_.default, _fast(_keel.rotary_embedd
 _tracing_state = torch._C._get_tracing_state
 # Whether torch.compile or torch.export (also non-strict) is tracing.
 _compiling = torch.compiler.is_compiling
+# Whether torch.autocast is on for any device (a C function dynamo traces).
+_autocast_on = torch._C._is_any_autocast_enabled
 # Bound once: a module attribute looked up on every call costs 20-40 ns.
 _is_grad_enabled = torch.is_grad_enabled
 _transformed = _twice.transformed

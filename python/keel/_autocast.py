@@ -1,0 +1,85 @@
+"""cross_entropy under ``torch.autocast``: a float32 loss, as torch's.
+
+torch's autocast runs ``cross_entropy`` in float32 (it is on the float32 list of
+CPU and CUDA autocast): half-precision logits are cast up, a logits-sized copy,
+and the loss comes back in float32. A loss stored in bfloat16 is coarse: near 36
+its grid is 0.25 wide, and training code logs and compares it in float32.
+
+Keel's kernels already compute in float32 from bfloat16 and float16 logits, so
+no copy is needed. Under autocast, ``keel::cross_entropy`` and
+``keel::cross_entropy_with_lse`` (the ops, so ``torch.ops.keel``, the typed API
+and ``keel.nn.CrossEntropyLoss`` alike) return the loss in float32, its value
+computed in float32 from each row's log-sum-exp (which the op returns in
+float32) and the target's logit; the gradient is the op's own fused backward on
+the half-precision logits, as outside autocast. float32 and float64 logits are
+left as they are, as torch's autocast leaves them. The other ops keep their
+inputs' dtype under autocast (README, "Mixed precision").
+"""
+import torch
+
+from .functional import _IGNORE_INDEX, _LABEL_SMOOTHING, _REDUCTION
+
+_HALF = (torch.float16, torch.bfloat16)
+_KEYS = ("AutocastCPU", "AutocastCUDA")
+# The keys this kernel runs below: the op is called again with them excluded.
+_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.AutocastCUDA
+)
+_WITH_LSE = "cross_entropy_with_lse"
+
+
+def float32_loss(op_name, logits, target, ignore_index=_IGNORE_INDEX, label_smoothing=_LABEL_SMOOTHING,
+                 reduction=_REDUCTION):
+    """``cross_entropy_with_lse(...)`` below autocast, its loss in float32 where the
+    logits are half precision: ``(loss, lse)``. Errors name op `op_name` (the op
+    the caller asked for)."""
+    try:
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
+            loss, lse = torch.ops.keel.cross_entropy_with_lse.default(
+                logits, target, ignore_index, label_smoothing, reduction
+            )
+    except RuntimeError as err:
+        if op_name != _WITH_LSE and _WITH_LSE in str(err):
+            raise RuntimeError(str(err).replace(_WITH_LSE, op_name)) from None
+        raise
+    if logits.dtype not in _HALF:
+        return loss, lse
+    with torch.no_grad():
+        exact = _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction)
+    wide = loss.float()
+    # The value of `exact`, the gradient of the op's loss (its fused backward).
+    return wide + (exact - wide.detach()), lse
+
+
+def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction):
+    """The loss in float32 from each row's float32 log-sum-exp `lse` (0 where the
+    target is `ignore_index`): ``lse - x[t]``, with label smoothing ``(1 - ls)
+    (lse - x[t]) + ls (lse - mean(x))``; reduced as the op reduces (``"mean"``
+    over the rows not ignored, NaN when all are). Reads one logit a row, and every
+    logit once where ``label_smoothing`` is not 0 (a float32 sum, no copy)."""
+    kept = target != ignore_index
+    picked = logits.gather(-1, torch.where(kept, target, 0).unsqueeze(-1)).squeeze(-1).float()
+    rows = lse - picked
+    if label_smoothing != 0:
+        mean = torch.sum(logits, -1, dtype=torch.float32) / logits.shape[-1]
+        rows = (1 - label_smoothing) * rows + label_smoothing * (lse - mean)
+    rows = torch.where(kept, rows, 0.0)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total if reduction == "sum" else total / kept.sum()
+
+
+def _kernel(name):
+    if name == _WITH_LSE:
+        return lambda *args: float32_loss(name, *args)
+    return lambda *args: float32_loss(name, *args)[0]
+
+
+def register() -> None:
+    """Registers the float32 loss as the ops' autocast kernels (CPU and CUDA)."""
+    global _LIB
+    _LIB = torch.library.Library("keel", "IMPL")
+    for name in ("cross_entropy", _WITH_LSE):
+        for key in _KEYS:
+            _LIB.impl(name, _kernel(name), key)
