@@ -15,16 +15,17 @@ the half-precision logits, as outside autocast. float32 and float64 logits are
 left as they are, as torch's autocast leaves them. The other ops keep their
 inputs' dtype under autocast (README, "Mixed precision").
 """
+import functools
+import operator
+
 import torch
 
-from .functional import _IGNORE_INDEX, _LABEL_SMOOTHING, _REDUCTION
+from .functional import _IGNORE_INDEX, _LABEL_SMOOTHING, _REDUCTION, as_called
 
 _HALF = (torch.float16, torch.bfloat16)
 _KEYS = ("AutocastCPU", "AutocastCUDA")
 # The keys this kernel runs below: the op is called again with them excluded.
-_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU) | torch._C.DispatchKeySet(
-    torch._C.DispatchKey.AutocastCUDA
-)
+_AUTOCAST = functools.reduce(operator.or_, (torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, k)) for k in _KEYS))
 _WITH_LSE = "cross_entropy_with_lse"
 
 
@@ -39,8 +40,9 @@ def float32_loss(op_name, logits, target, ignore_index=_IGNORE_INDEX, label_smoo
                 logits, target, ignore_index, label_smoothing, reduction
             )
     except RuntimeError as err:
-        if op_name != _WITH_LSE and _WITH_LSE in str(err):
-            raise RuntimeError(str(err).replace(_WITH_LSE, op_name)) from None
+        renamed = as_called(err, f"keel::{_WITH_LSE}", f"keel::{op_name}") if op_name != _WITH_LSE else None
+        if renamed is not None:
+            raise renamed from None
         raise
     if logits.dtype not in _HALF:
         return loss, lse

@@ -18,7 +18,13 @@ def nograd(name: str) -> str:
 
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Keel's accumulation dtype for `t`: float64 for float64, else float32."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+    return acc_of(t.dtype)
+
+
+def acc_of(dtype: torch.dtype) -> torch.dtype:
+    """Keel's accumulation dtype for a tensor of `dtype` (:func:`acc_dtype`); also
+    torch's "opmath" dtype for Keel's float dtypes."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def one_device(name, named):

@@ -29,8 +29,6 @@ def _overridden(*tensors) -> bool:
 
 _no_torch_function = torch._C.DisableTorchFunction
 
-
-
 # Ops are called through their overloads: `.default` skips the packet's
 # overload resolution (0.45 us a call, measured).
 _keel = torch.ops.keel
@@ -564,9 +562,18 @@ def _refuse(op, args, err, called=()):
             wanted = "a Tensor" if kind == "Tensor" else "a Tensor or None"
             raise RuntimeError(f"{name}: argument '{arg.name}' must be {wanted}, got {type(value).__name__}") from None
     for other in called:
-        other_name = other._schema.name
-        if isinstance(err, RuntimeError) and str(err).startswith((other_name + "()", other_name + ":")):
-            raise RuntimeError(str(err).replace(other_name, name)) from None
+        renamed = as_called(err, other._schema.name, name)
+        if renamed is not None:
+            raise renamed from None
+
+
+def as_called(err: BaseException, other_name: str, name: str) -> Optional[RuntimeError]:
+    """`err` as a RuntimeError naming op `name` (``keel::...``) where op `other_name`,
+    which ran in its place, raised it (torch's parser error ``other_name()``, or a
+    kernel's check ``other_name:``); None for any other error."""
+    if isinstance(err, RuntimeError) and str(err).startswith((other_name + "()", other_name + ":")):
+        return RuntimeError(str(err).replace(other_name, name))
+    return None
 
 
 _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView

@@ -5,6 +5,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from .._common import acc_of
 from ..functional import _dense, _handle, _has_torch_function, _overridden, cross_entropy, layer_norm, rms_norm, silu_and_mul
 
 __all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss"]
@@ -83,12 +84,8 @@ def _unflat(out: Tensor, flat: Tensor, x: Tensor) -> Tensor:
 # epsilon of the dtype it computes in (its "opmath" type, pytorch/pytorch#142848,
 # torch 2.7 on), float32's for float16 and bfloat16 inputs, not the input dtype's
 # (``torch.finfo(torch.bfloat16).eps`` is 0.0078, 65536 times float32's).
-_DEFAULT_EPS = {
-    torch.float64: torch.finfo(torch.float64).eps,
-    torch.float32: torch.finfo(torch.float32).eps,
-    torch.float16: torch.finfo(torch.float32).eps,
-    torch.bfloat16: torch.finfo(torch.float32).eps,
-}
+# Keel computes in that dtype too (``acc_of``).
+_DEFAULT_EPS = {t: torch.finfo(acc_of(t)).eps for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
 
 
 def _default_eps(x: Tensor) -> float:
