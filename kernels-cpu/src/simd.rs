@@ -83,29 +83,48 @@ unsafe fn v4_bf16<R>(f: impl FnOnce() -> R) -> R {
 pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usize) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
-        let size = std::mem::size_of::<T>();
-        if i * n >= ahead.len() {
-            return;
-        }
-        let base = ahead.as_ptr().cast::<i8>().wrapping_add(i * n * size);
-        let mut at = 0;
-        while at < n * size {
-            // SAFETY: a prefetch reads nothing and cannot fault, whatever
-            // the address; the pointer is computed with `wrapping_add` and
-            // never dereferenced.
-            unsafe {
-                if WRITE {
-                    _mm_prefetch::<_MM_HINT_ET0>(base.wrapping_add(at))
-                } else {
-                    _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(at))
-                }
-            };
-            at += 64;
+        use std::arch::x86_64::{_MM_HINT_ET0, _MM_HINT_T0};
+        if WRITE {
+            prefetch_hinted::<T, _MM_HINT_ET0>(ahead, i, n)
+        } else {
+            prefetch_hinted::<T, _MM_HINT_T0>(ahead, i, n)
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (ahead, i, n);
+}
+
+/// [`prefetch_part`] for reading into L2, not L1 (`prefetcht1`): for a pass
+/// whose own lines fill L1's sets, reading rows a multiple of 4 KiB apart,
+/// so that lines fetched for the next rows do not evict them. Intel's cores
+/// and AMD's from Zen 4 on fill only L2 (and L3) on this hint; earlier AMD
+/// cores treat it as `prefetcht0`.
+#[inline(always)]
+pub(crate) fn prefetch_part_l2<T>(ahead: &[T], i: usize, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_hinted::<T, { std::arch::x86_64::_MM_HINT_T1 }>(ahead, i, n);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (ahead, i, n);
+}
+
+/// One prefetch with hint `HINT` per 64 bytes of `ahead[i * n..(i + 1) * n]`
+/// (see [`prefetch_part`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_hinted<T, const HINT: i32>(ahead: &[T], i: usize, n: usize) {
+    let size = std::mem::size_of::<T>();
+    if i * n >= ahead.len() {
+        return;
+    }
+    let base = ahead.as_ptr().cast::<i8>().wrapping_add(i * n * size);
+    let mut at = 0;
+    while at < n * size {
+        // SAFETY: a prefetch reads nothing and cannot fault, whatever the
+        // address; the pointer is computed with `wrapping_add` and never
+        // dereferenced.
+        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(base.wrapping_add(at)) };
+        at += 64;
+    }
 }
 
 /// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements

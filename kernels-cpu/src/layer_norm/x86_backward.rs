@@ -33,7 +33,7 @@
 //! `BENCHMARKS.md`, session 29.
 use super::{lane_sums, row_consts};
 use crate::element::Element;
-use crate::simd::{reduce_lanes, LANES};
+use crate::simd::{prefetch_part_l2, reduce_lanes, LANES};
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
 use half::{bf16, f16};
@@ -47,7 +47,25 @@ use half::{bf16, f16};
 /// column: 12 lines for 8 ways. Two rows, without the software prefetch
 /// (which brought lines into the same sets), measured 1.1-1.8x faster there
 /// (f32, 32 to 4096 rows; BENCHMARKS.md, session 40).
+///
+/// Without a prefetch, each group waits on memory: its moments pass reads
+/// `x`, and its gradient sums `dy`, each from memory, one row after the
+/// other, and memory is idle while the columns are walked in cache. On
+/// AVX-512 the next group's `x` and `dy` are fetched into L2 (`prefetcht1`,
+/// [`prefetch_part_l2`]) during the walk, a part's share at a time, in
+/// their own order rather than the walk's columns: the L1 sets stay this
+/// group's. Measured on a 2-core AVX-512 Xeon, f32 4096x4096: 14.2 -> 10.9
+/// ms a call (BENCHMARKS.md, session 61). AVX-512 is taken as the mark of a
+/// core whose `prefetcht1` fills L2 only (Intel's; AMD's from Zen 4 on);
+/// AMD's AVX2-only cores fill L1 on it, into this walk's sets, and were not
+/// measured with it, so AVX2 walks without.
 const GROUP: usize = 2;
+
+/// The shortest rows, in bytes, whose next group is prefetched (see
+/// [`GROUP`]): rows of 1 KiB (f32 256 wide) were 7-24% slower with it,
+/// rows of 4 KiB between 20% slower and 18% faster, rows of 8 and 16 KiB
+/// 10-29% faster (f32 and bf16; BENCHMARKS.md, session 61).
+const AHEAD_ROW_BYTES: usize = 8192;
 
 /// Columns walked at a time: for bf16 and f16, those of each `dx` block
 /// rounded at once (f32 walks its rows in parts of the same size).
@@ -154,9 +172,20 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     // part, which are then rounded into the rows.
     let f32_rows = cast_mut::<T, f32>(&mut *dx).map(|dx| row_ptrs::<f32, G>(dx, at, cols));
     let mut buf = [[0f32; PART]; G];
+    // AVX-512: the next group's rows (`G cols` values from `at + G cols`, as
+    // far as they reach) fetched into L2 a part at a time while this group's
+    // columns are walked (see `GROUP`).
+    let next = at + G * cols;
+    let ahead = [x.get(next..).unwrap_or(&[]), dy.get(next..).unwrap_or(&[])];
+    let ahead_on = L::N == 16 && cols * size_of::<T>() >= AHEAD_ROW_BYTES;
     let mut p = 0;
     while p < cols {
         let len = PART.min(cols - p);
+        if ahead_on {
+            for a in ahead {
+                prefetch_part_l2(a, p / PART, G * PART);
+            }
+        }
         let outs = match f32_rows {
             Some(rows) => (rows, 0),
             None => (block_ptrs(&mut buf), p),
@@ -384,9 +413,11 @@ mod tests {
     /// vector and part sizes. Among the rows: ones whose mean is far from
     /// their spread (f32: the moments' exact second pass), and ones whose
     /// first 16 values (the shift) are far from the rest (bf16: the one-pass
-    /// sums refused, and the separate passes taken).
+    /// sums refused, and the separate passes taken). Widths of 2100 and 4500
+    /// have rows long enough for the next group's prefetch (`AHEAD_ROW_BYTES`:
+    /// f32 from 2048, bf16 and f16 from 4096).
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
-        for cols in [1usize, 7, 16, 17, 100, 255, 256, 257, 600] {
+        for cols in [1usize, 7, 16, 17, 100, 255, 256, 257, 600, 2100, 4500] {
             for rows in 1..=9 {
                 let n = rows * cols;
                 let x: Vec<T> = (0..n)
