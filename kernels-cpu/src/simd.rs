@@ -119,12 +119,19 @@ fn prefetch_hinted<T, const HINT: i32>(ahead: &[T], i: usize, n: usize) {
     let base = ahead.as_ptr().cast::<i8>().wrapping_add(i * n * size);
     let mut at = 0;
     while at < n * size {
-        // SAFETY: a prefetch reads nothing and cannot fault, whatever the
-        // address; the pointer is computed with `wrapping_add` and never
-        // dereferenced.
-        unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(base.wrapping_add(at)) };
+        prefetch_line::<HINT>(base.wrapping_add(at));
         at += 64;
     }
+}
+
+/// A prefetch with hint `HINT` of the line at `p`, which may lie anywhere
+/// (past a slice's end too): callers compute it with `wrapping_add`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn prefetch_line<const HINT: i32>(p: *const i8) {
+    // SAFETY: a prefetch reads nothing, writes nothing and cannot fault,
+    // whatever the address; `p` is never dereferenced.
+    unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p) };
 }
 
 /// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements

@@ -54,7 +54,7 @@ use half::{bf16, f16};
 /// AVX-512 the next group's `x` and `dy` are fetched into L2 (`prefetcht1`,
 /// [`prefetch_part_l2`]) during the walk, a part's share at a time, in
 /// their own order rather than the walk's columns: the L1 sets stay this
-/// group's. Measured on a 2-core AVX-512 Xeon, f32 4096x4096: 14.2 -> 10.9
+/// group's. Measured on a 2-core AVX-512 Xeon, f32 4096x4096: 14.1 -> 10.9
 /// ms a call (BENCHMARKS.md, session 61). AVX-512 is taken as the mark of a
 /// core whose `prefetcht1` fills L2 only (Intel's; AMD's from Zen 4 on);
 /// AMD's AVX2-only cores fill L1 on it, into this walk's sets, and were not

@@ -8,7 +8,7 @@ use super::Lanes;
 use crate::element::Element;
 use crate::narrow::BLOCK;
 use crate::rows::Order;
-use crate::simd::prefetch_each;
+use crate::simd::{prefetch_each, prefetch_line};
 use crate::wide::cast_mut;
 use crate::wide::x86::load_n;
 use half::bf16;
@@ -187,7 +187,10 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
     while i < whole {
         if L::ROUNDS_BF16 {
             // A group of 2 N = 32 values is one 64-byte line.
-            prefetch_for_write(yp.wrapping_add(2 * (i + WRITE_AHEAD)));
+            // `prefetchw`: the line in this core's cache, owned, ready to be
+            // written. Past the row it reaches the next row (or the next
+            // block's, or memory past the output): a prefetch cannot fault.
+            prefetch_line::<{ std::arch::x86_64::_MM_HINT_ET0 }>(yp.wrapping_add(2 * (i + WRITE_AHEAD)));
         }
         bf16_pair_at(l, f, y, i, ahead);
         i += n;
@@ -196,7 +199,7 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
 }
 
 /// How far ahead of the values being written, in values, a bf16 row on
-/// AVX-512 asks for its output's lines for writing ([`prefetch_for_write`]):
+/// AVX-512 asks for its output's lines for writing (`prefetchw`):
 /// the stores then find their lines owned, where they waited on each line's
 /// read for ownership (perf: most of layer_norm's bf16 forward on the store).
 /// Measured on a 2-core AVX-512 Xeon, outputs reused, 512 values (1 KiB)
@@ -207,16 +210,6 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
 /// dominate and it measured neither faster nor slower (BENCHMARKS.md,
 /// session 61).
 const WRITE_AHEAD: usize = 512;
-
-/// `prefetchw` of the line at `p`: the line in this core's cache, owned,
-/// ready to be written. Past the row it reaches the next row (or the next
-/// block's, or memory past the output): a prefetch reads and writes
-/// nothing and cannot fault.
-#[inline(always)]
-fn prefetch_for_write(p: *const i8) {
-    // SAFETY: a prefetch is a hint; it never faults, whatever the address.
-    unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p) };
-}
 
 /// The group of `2 N` values of `f` at `i` rounded into `y[i..i + 2 N]`,
 /// prefetching block `i / BLOCK` of `ahead` where the group starts a block:
