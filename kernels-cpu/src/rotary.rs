@@ -20,7 +20,7 @@ use crate::error::{check_len, Error, Result};
 use crate::layout::RowLayout;
 use crate::par::Par;
 use crate::rows::{Blocks, Order, Split};
-use crate::simd::{dispatch, prefetch_part};
+use crate::simd::{dispatch, prefetch_part, prefetch_row_write_ahead, writes_ahead};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2_bf16;
@@ -356,10 +356,20 @@ fn run<T: Element>(
                 // the one PREFETCH_BYTES ahead (see there).
                 let contiguous = st == shape.contiguous();
                 let ahead_rows = (PREFETCH_BYTES / (d * std::mem::size_of::<T>())).max(1);
+                // And asks for the output's lines ahead of its stores
+                // (AVX-512): on the Xeon, [4, 1024, 32, 128], two threads,
+                // interleaved medians (session 62), f32 into reused outputs
+                // 3.73 -> 3.15-3.32 ms, into fresh huge pages 1-4% faster;
+                // bf16 into reused outputs unchanged (1.52 ms), into fresh
+                // huge pages 4.41 -> 4.23.
+                let ahead_w = writes_ahead();
                 for (i, y) in y.chunks_exact_mut(d).enumerate() {
                     if contiguous {
                         let ahead = x.get((start + i + ahead_rows) * d..).unwrap_or(&[]);
                         prefetch_part::<T, false>(ahead, 0, d);
+                    }
+                    if ahead_w {
+                        prefetch_row_write_ahead(y);
                     }
                     let [batch, pos, head] = at;
                     rot.row(pos, &x[batch * st.batch + pos * st.seq + head * st.heads..][..d], y);

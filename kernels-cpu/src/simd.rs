@@ -134,6 +134,51 @@ pub(crate) fn prefetch_line<const HINT: i32>(p: *const i8) {
     unsafe { std::arch::x86_64::_mm_prefetch::<HINT>(p) };
 }
 
+/// How far past a store a pass into a large output asks for the output's
+/// line for writing ([`prefetch_write_ahead`]): 1 KiB.
+///
+/// Measured on a 2-core AVX-512 Xeon (BENCHMARKS.md, sessions 61 and 62),
+/// interleaved in one process: the stores then find their lines owned,
+/// where each waited on the line's read for ownership; 128 B to 4 KiB
+/// ahead all measured alike.
+pub(crate) const WRITE_AHEAD_BYTES: usize = 1024;
+
+/// `prefetchw` of the line [`WRITE_AHEAD_BYTES`] past `p`, where a pass
+/// storing at `p` will store soon: that line in this core's cache, owned,
+/// ready to be written. `p` may lie anywhere (past a slice's end too): the
+/// prefetch cannot fault. Callers take it only on AVX-512 (the only cores it
+/// was measured on; AVX2 passes are as they were).
+#[inline(always)]
+pub(crate) fn prefetch_write_ahead<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_line::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>().wrapping_add(WRITE_AHEAD_BYTES));
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// [`prefetch_write_ahead`] for each line of `row`, a row about to be
+/// written: the lines [`WRITE_AHEAD_BYTES`] past its own.
+#[inline(always)]
+pub(crate) fn prefetch_row_write_ahead<T>(row: &[T]) {
+    let (p, bytes) = (row.as_ptr().cast::<u8>(), std::mem::size_of_val(row));
+    let mut at = 0;
+    while at < bytes {
+        prefetch_write_ahead(p.wrapping_add(at));
+        at += 64;
+    }
+}
+
+/// Whether this CPU's passes ask for their output lines ahead
+/// ([`prefetch_write_ahead`]): where [`dispatch`] runs AVX-512 (with
+/// AVX512-BF16), the only cores where that was measured.
+#[inline(always)]
+pub(crate) fn writes_ahead() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return has_v4_bf16();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements
 /// (`part` is `out[k..k + PREFETCH_PART]`, shorter at the end), first
 /// prefetching for reading the same range of each slice of `ahead` (as far

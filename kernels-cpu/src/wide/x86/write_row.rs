@@ -8,9 +8,9 @@ use super::Lanes;
 use crate::element::Element;
 use crate::narrow::BLOCK;
 use crate::rows::Order;
-use crate::simd::{prefetch_each, prefetch_line};
-use crate::wide::cast_mut;
+use crate::simd::{prefetch_each, prefetch_write_ahead};
 use crate::wide::x86::load_n;
+use crate::wide::{cast_mut, is};
 use half::bf16;
 
 /// The values of one output row, a vector at a time: an implementation
@@ -89,11 +89,22 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
             let out = cast_mut::<T::Acc, f32>(out).expect("write_row: T::Acc is f32 for f32, bf16, f16");
             let (len, o, from) = (out.len(), out.as_mut_ptr(), at0 + at);
             let mut i = 0;
+            // On AVX-512 an f32 row is `out` itself (no scratch block), a
+            // vector a line: each store asks for its line ahead, as bf16
+            // rows do ([`write_bf16_pairs`]). The Xeon, 4096x4096, two
+            // threads, interleaved medians (session 62): into reused outputs
+            // rms_norm 4.97 -> 3.86 ms, layer_norm 5.03 -> 4.55,
+            // fused_add_rms_norm 11.7 -> 9.9; into fresh huge pages 3-6%
+            // faster, into fresh 4 KiB pages 3-5%.
+            let ahead_w = L::N == 16 && is::<T, f32>();
             // SAFETY: whole vectors while they fit in `out`, then the `len -
             // i < N` values left; `from + len <= f.len()` (the block lies in
             // the row).
             unsafe {
                 while i + L::N <= len {
+                    if ahead_w {
+                        prefetch_write_ahead(o.add(i));
+                    }
                     l.store(o.add(i), f.value(l, from + i, L::N));
                     i += L::N;
                 }
@@ -175,6 +186,14 @@ fn write_blocks_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut 
 /// criterion, 4096x4096 on the Xeon (Emerald Rapids), one thread,
 /// 4.66-5.10 -> 4.00-4.09 ms; through torch with THP, 1.22-1.24x -> 1.18x
 /// a clone of `x` (alternated runs).
+///
+/// On AVX-512 each group asks for its line ahead
+/// ([`prefetch_write_ahead`]): perf had put most of layer_norm's bf16
+/// forward on the store, waiting on the line's read for ownership. On a
+/// 2-core AVX-512 Xeon, outputs reused, 1 KiB ahead against none:
+/// layer_norm bf16 4096x4096 2.17 -> 1.93 ms, rms_norm 1.83 -> 1.59,
+/// 512x4096 and 2048x8192 1.06-1.12x, fused_add_rms_norm 1.12x, the gated
+/// ops 1.04-1.05x; into fresh outputs neither faster nor slower (session 61).
 #[inline(always)]
 fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ahead: &[&[T]]) -> usize {
     if !rounds_in_registers::<L, F>() {
@@ -183,33 +202,19 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
     let (n, len) = (2 * L::N, y.len());
     let whole = len / n * n;
     let mut i = 0;
-    let yp = y.as_ptr().cast::<i8>();
+    let yp = y.as_ptr();
     while i < whole {
         if L::ROUNDS_BF16 {
-            // A group of 2 N = 32 values is one 64-byte line.
-            // `prefetchw`: the line in this core's cache, owned, ready to be
-            // written. Past the row it reaches the next row (or the next
-            // block's, or memory past the output): a prefetch cannot fault.
-            prefetch_line::<{ std::arch::x86_64::_MM_HINT_ET0 }>(yp.wrapping_add(2 * (i + WRITE_AHEAD)));
+            // A group of 2 N = 32 values is one 64-byte line. Past the row
+            // the prefetch reaches the next row (or the next block's, or
+            // memory past the output).
+            prefetch_write_ahead(yp.wrapping_add(i));
         }
         bf16_pair_at(l, f, y, i, ahead);
         i += n;
     }
     whole
 }
-
-/// How far ahead of the values being written, in values, a bf16 row on
-/// AVX-512 asks for its output's lines for writing (`prefetchw`):
-/// the stores then find their lines owned, where they waited on each line's
-/// read for ownership (perf: most of layer_norm's bf16 forward on the store).
-/// Measured on a 2-core AVX-512 Xeon, outputs reused, 512 values (1 KiB)
-/// ahead against none: layer_norm bf16 4096x4096 2.17 -> 1.93 ms, rms_norm
-/// 1.83 -> 1.59, 512x4096 and 2048x8192 1.06-1.12x, fused_add_rms_norm
-/// 1.12x, the gated ops 1.04-1.05x, in place unchanged; 2048 and 4096 ahead
-/// no better. Into fresh outputs (the ops' case through torch) the page faults
-/// dominate and it measured neither faster nor slower (BENCHMARKS.md,
-/// session 61).
-const WRITE_AHEAD: usize = 512;
 
 /// The group of `2 N` values of `f` at `i` rounded into `y[i..i + 2 N]`,
 /// prefetching block `i / BLOCK` of `ahead` where the group starts a block:
