@@ -156,6 +156,16 @@ pub(crate) fn prefetch_write_ahead<T>(p: *const T) {
     let _ = p;
 }
 
+/// [`prefetch_write_ahead`] for a pass that stores downwards: the line
+/// [`WRITE_AHEAD_BYTES`] below `p`.
+#[inline(always)]
+pub(crate) fn prefetch_write_below<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_line::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>().wrapping_sub(WRITE_AHEAD_BYTES));
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// [`prefetch_write_ahead`] for each line of `row`, a row about to be
 /// written: the lines [`WRITE_AHEAD_BYTES`] past its own.
 #[inline(always)]
