@@ -139,7 +139,7 @@ pub(crate) fn prefetch_line<const HINT: i32>(p: *const i8) {
 ///
 /// Measured on a 2-core AVX-512 Xeon (BENCHMARKS.md, sessions 61 and 62),
 /// interleaved in one process: the stores then find their lines owned,
-/// where each waited on the line's read for ownership; 128 B to 4 KiB
+/// where each waited on the line's read for ownership; 512 B to 4 KiB
 /// ahead all measured alike.
 pub(crate) const WRITE_AHEAD_BYTES: usize = 1024;
 
