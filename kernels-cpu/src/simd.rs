@@ -116,9 +116,16 @@ fn prefetch_hinted<T, const HINT: i32>(ahead: &[T], i: usize, n: usize) {
     if i * n >= ahead.len() {
         return;
     }
-    let base = ahead.as_ptr().cast::<i8>().wrapping_add(i * n * size);
+    prefetch_lines::<HINT>(ahead.as_ptr().cast::<i8>().wrapping_add(i * n * size), n * size);
+}
+
+/// A prefetch with hint `HINT` per 64 bytes of the `bytes` from `base`,
+/// which may lie anywhere (see [`prefetch_line`]).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const HINT: i32>(base: *const i8, bytes: usize) {
     let mut at = 0;
-    while at < n * size {
+    while at < bytes {
         prefetch_line::<HINT>(base.wrapping_add(at));
         at += 64;
     }
@@ -150,32 +157,32 @@ pub(crate) const WRITE_AHEAD_BYTES: usize = 1024;
 /// was measured on; AVX2 passes are as they were).
 #[inline(always)]
 pub(crate) fn prefetch_write_ahead<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    prefetch_line::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>().wrapping_add(WRITE_AHEAD_BYTES));
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    prefetch_write(p.cast::<i8>().wrapping_add(WRITE_AHEAD_BYTES), 1);
 }
 
 /// [`prefetch_write_ahead`] for a pass that stores downwards: the line
 /// [`WRITE_AHEAD_BYTES`] below `p`.
 #[inline(always)]
 pub(crate) fn prefetch_write_below<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    prefetch_line::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p.cast::<i8>().wrapping_sub(WRITE_AHEAD_BYTES));
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    prefetch_write(p.cast::<i8>().wrapping_sub(WRITE_AHEAD_BYTES), 1);
 }
 
 /// [`prefetch_write_ahead`] for each line of `row`, a row about to be
 /// written: the lines [`WRITE_AHEAD_BYTES`] past its own.
 #[inline(always)]
 pub(crate) fn prefetch_row_write_ahead<T>(row: &[T]) {
-    let (p, bytes) = (row.as_ptr().cast::<u8>(), std::mem::size_of_val(row));
-    let mut at = 0;
-    while at < bytes {
-        prefetch_write_ahead(p.wrapping_add(at));
-        at += 64;
-    }
+    prefetch_write(row.as_ptr().cast::<i8>().wrapping_add(WRITE_AHEAD_BYTES), std::mem::size_of_val(row));
+}
+
+/// `prefetchw` per 64 bytes of the `bytes` from `p` (one for `1..=64`),
+/// which may lie anywhere: what every write prefetch above issues; nothing
+/// off x86-64.
+#[inline(always)]
+fn prefetch_write(p: *const i8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    prefetch_lines::<{ std::arch::x86_64::_MM_HINT_ET0 }>(p, bytes);
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
 }
 
 /// Whether this CPU's passes ask for their output lines ahead
