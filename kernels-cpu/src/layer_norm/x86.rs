@@ -62,7 +62,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
 fn moments<L: Lanes, T: Element>(l: L, x: &[T], eps: f32) -> Moments<f32> {
     let n = x.len() as f32;
     let k = shift(x).to_f64() as f32;
-    let (s1, s2) = shifted_sums(l, x, k);
+    let (s1, s2) = if k == 0.0 { shifted_sums::<L, T, false>(l, x, k) } else { shifted_sums::<L, T, true>(l, x, k) };
     let (m1, m2) = (s1 / n, s2 / n);
     let var = if m1 * m1 <= 0.5 * m2 {
         m2 - m1 * m1
@@ -75,9 +75,10 @@ fn moments<L: Lanes, T: Element>(l: L, x: &[T], eps: f32) -> Moments<f32> {
 
 /// `(sum(x - k), sum((x - k)^2))`: four vector accumulators of each over
 /// groups of four vectors, then whole vectors, then a part vector (its other
-/// lanes load as 0, and `0 - k` is masked off by a part add).
+/// lanes load as 0, and `0 - k` is masked off by a part add). Without the
+/// subtraction where not `SHIFTED` (`k` is 0: see `layer_norm::shift`).
 #[inline(always)]
-fn shifted_sums<L: Lanes, T: 'static>(l: L, x: &[T], k: f32) -> (f32, f32) {
+fn shifted_sums<L: Lanes, T: 'static, const SHIFTED: bool>(l: L, x: &[T], k: f32) -> (f32, f32) {
     let (p, len, n) = (x.as_ptr(), x.len(), L::N);
     let kv = l.splat(k);
     let (mut a1, mut a2) = ([l.splat(0.0); 4], [l.splat(0.0); 4]);
@@ -88,7 +89,7 @@ fn shifted_sums<L: Lanes, T: 'static>(l: L, x: &[T], k: f32) -> (f32, f32) {
     unsafe {
         while at + 4 * n <= len {
             for j in 0..4 {
-                let v = l.sub(l.load(p.add(at + n * j)), kv);
+                let v = minus::<L, SHIFTED>(l, l.load(p.add(at + n * j)), kv);
                 a1[j] = l.add(a1[j], v);
                 a2[j] = l.fmadd(v, v, a2[j]);
             }
@@ -96,7 +97,7 @@ fn shifted_sums<L: Lanes, T: 'static>(l: L, x: &[T], k: f32) -> (f32, f32) {
         }
         let mut j = 0;
         while at + n <= len {
-            let v = l.sub(l.load(p.add(at)), kv);
+            let v = minus::<L, SHIFTED>(l, l.load(p.add(at)), kv);
             a1[j] = l.add(a1[j], v);
             a2[j] = l.fmadd(v, v, a2[j]);
             at += n;
@@ -104,12 +105,22 @@ fn shifted_sums<L: Lanes, T: 'static>(l: L, x: &[T], k: f32) -> (f32, f32) {
         }
         if at < len {
             let part = len - at;
-            let v = l.sub(l.load_part(p.add(at), part), kv);
+            let v = minus::<L, SHIFTED>(l, l.load_part(p.add(at), part), kv);
             a1[j] = l.add_part(a1[j], v, part);
             a2[j] = l.add_part(a2[j], l.mul(v, v), part);
         }
     }
     (reduce4(l, a1), reduce4(l, a2))
+}
+
+/// `x - k`, or `x` where not `SHIFTED` (`k` is 0, and `x - 0` is `x`).
+#[inline(always)]
+fn minus<L: Lanes, const SHIFTED: bool>(l: L, x: L::V, k: L::V) -> L::V {
+    if SHIFTED {
+        l.sub(x, k)
+    } else {
+        x
+    }
 }
 
 /// The per-row constants of [`write_row`], as vectors.
@@ -146,13 +157,18 @@ fn write_row<L: Lanes, T: Element>(
     let c = Consts { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), nb: l.splat(0.0 - m.m1 * m.rstd) };
     let len = y.len();
     assert!(x.len() >= len && w.is_none_or(|w| w.len() >= len) && b.is_none_or(|b| b.len() >= len));
-    let row = Row { c, x: x.as_ptr(), w: w.map(<[T]>::as_ptr), b: b.map(<[T]>::as_ptr), len };
-    write_row::write_row(l, row, y, &[ahead], order);
+    let (x, w, b) = (x.as_ptr(), w.map(<[T]>::as_ptr), b.map(<[T]>::as_ptr));
+    if m.k == 0.0 {
+        write_row::write_row(l, Row::<T, L::V, false> { c, x, w, b, len }, y, &[ahead], order);
+    } else {
+        write_row::write_row(l, Row::<T, L::V, true> { c, x, w, b, len }, y, &[ahead], order);
+    }
 }
 
-/// One row's inputs and constants: its [`RowValues`] are the lane loops'.
+/// One row's inputs and constants: its [`RowValues`] are the lane loops'
+/// (without their `x - 0` where not `SHIFTED`).
 #[derive(Clone, Copy)]
-struct Row<T, V> {
+struct Row<T, V, const SHIFTED: bool> {
     c: Consts<V>,
     x: *const T,
     w: Option<*const T>,
@@ -161,7 +177,7 @@ struct Row<T, V> {
     len: usize,
 }
 
-impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
+impl<L: Lanes, T: Copy + 'static, const SHIFTED: bool> RowValues<L> for Row<T, L::V, SHIFTED> {
     /// A subtract and multiplies or fused multiply-adds of the widened
     /// inputs and the row's moments (see [`RowValues::ARITHMETIC`] for what
     /// that gave on AVX2).
@@ -176,7 +192,7 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
         let (c, x, w, b) = (self.c, self.x, self.w, self.b);
         // SAFETY: `i + count <= len` (the caller's), and each pointer holds
         // `len` values; `T` is f32, bf16 or f16 (the callers check).
-        unsafe { of(l, c, load(l, x, i, count), load_n_opt(l, w, i, count), load_n_opt(l, b, i, count)) }
+        unsafe { of::<L, SHIFTED>(l, c, load(l, x, i, count), load_n_opt(l, w, i, count), load_n_opt(l, b, i, count)) }
     }
     #[inline(always)]
     unsafe fn pair(self, l: L, i: usize) -> (L::V, L::V) {
@@ -184,17 +200,17 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
         unsafe {
             let (x0, x1) = load_bf16_pair(l, self.x.add(i));
             let ((w0, w1), (b0, b1)) = (load_bf16_pair_opt(l, self.w, i), load_bf16_pair_opt(l, self.b, i));
-            (of(l, self.c, x0, w0, b0), of(l, self.c, x1, w1, b1))
+            (of::<L, SHIFTED>(l, self.c, x0, w0, b0), of::<L, SHIFTED>(l, self.c, x1, w1, b1))
         }
     }
 }
 
 /// One vector of a row from the widened `x`, `w`, `b`: `(x - k)` exact,
 /// then the two fused multiply-adds of the affine case, or `((x - k) - m1)
-/// * rstd` then the parameter.
+/// * rstd` then the parameter (`x` itself for `x - k` where not `SHIFTED`).
 #[inline(always)]
-fn of<L: Lanes>(l: L, c: Consts<L::V>, x: L::V, w: Option<L::V>, b: Option<L::V>) -> L::V {
-    let d = l.sub(x, c.k);
+fn of<L: Lanes, const SHIFTED: bool>(l: L, c: Consts<L::V>, x: L::V, w: Option<L::V>, b: Option<L::V>) -> L::V {
+    let d = minus::<L, SHIFTED>(l, x, c.k);
     match (w, b) {
         (Some(w), Some(b)) => l.fmadd(l.fmadd(d, c.rstd, c.nb), w, b),
         (Some(w), None) => l.mul(l.mul(l.sub(d, c.m1), c.rstd), w),
