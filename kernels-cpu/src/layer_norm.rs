@@ -329,7 +329,7 @@ pub(crate) fn inv_std<A: Acc>(var: A, eps: A) -> A {
 /// a shift: its sums lose nothing unshifted, and `x - 0` is `x`, so the
 /// explicit kernels leave the subtraction out of both passes. Measured on
 /// the AVX-512 Xeon, 4096x4096 forward, two threads, against the head's
-/// mean as the shift (interleaved in one process): bf16 7-14% faster into
+/// mean as the shift (interleaved in one process): bf16 6-14% faster into
 /// reused outputs and 2-5% into fresh huge pages, f32 3-9%. A
 /// row far from 0 against its spread keeps the shift that makes its sums
 /// exact in one pass; where the head misleads, `moments`' test sends the

@@ -187,7 +187,8 @@ fn prefetch_write(p: *const i8, bytes: usize) {
 
 /// Whether this CPU's passes ask for their output lines ahead
 /// ([`prefetch_write_ahead`]): where [`dispatch`] runs AVX-512 (with
-/// AVX512-BF16), the only cores where that was measured.
+/// AVX512-BF16), the only cores where that was measured. Code generic over
+/// the width asks `Lanes::WRITES_AHEAD`, true at the same CPUs' width.
 #[inline(always)]
 pub(crate) fn writes_ahead() -> bool {
     #[cfg(target_arch = "x86_64")]

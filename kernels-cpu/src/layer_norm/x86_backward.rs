@@ -364,7 +364,7 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
         // medians (session 62), 1.5-4% faster into reused outputs, 2% into
         // fresh 4 KiB pages, unchanged into fresh huge pages. (bf16's
         // pairs measured unchanged with it.)
-        if L::N == 16 && is::<T, f32>() {
+        if L::WRITES_AHEAD && is::<T, f32>() {
             for p in dxs {
                 prefetch_write_ahead(p.add(i - o));
             }

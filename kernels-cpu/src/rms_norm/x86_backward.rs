@@ -165,7 +165,7 @@ unsafe fn step<L: Lanes, const G: usize, const ADD: bool>(
         // (session 62), 11.3 -> 8.1 ms into reused outputs (fused_add's
         // 10.0 -> 8.3), 15.7 -> 13.9 into fresh huge pages, 23.0 -> 19.7
         // into fresh 4 KiB pages.
-        if L::N == 16 {
+        if L::WRITES_AHEAD {
             for p in dxs {
                 prefetch_write_ahead(p.add(i));
             }

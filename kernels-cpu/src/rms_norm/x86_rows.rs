@@ -95,7 +95,7 @@ impl<T: Element> Kernel for Rows<'_, T> {
                     // medians (session 62), 4.1-4.2 -> 3.6 ms into reused
                     // outputs (fused_add's 4.2 -> 3.7-3.8), 6.9 -> 6.4 into
                     // fresh huge pages.
-                    if L::N == 16 {
+                    if L::WRITES_AHEAD {
                         prefetch_row_write_ahead(dx);
                     }
                     T::write_acc(

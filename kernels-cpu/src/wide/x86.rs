@@ -31,6 +31,12 @@ pub(crate) trait Lanes: Copy {
     type V: Copy;
     /// Whether [`Lanes::store_bf16_pair`] can succeed at this width.
     const ROUNDS_BF16: bool;
+    /// Whether loops at this width ask for their output lines ahead of
+    /// their stores ([`crate::simd::prefetch_write_ahead`] and
+    /// `prefetch_write_below`): AVX-512, the only width where that was
+    /// measured (sessions 61-62); the same CPUs as
+    /// [`crate::simd::writes_ahead`].
+    const WRITES_AHEAD: bool;
 
     /// Every lane `v`.
     fn splat(self, v: f32) -> Self::V;

@@ -96,6 +96,7 @@ impl Lanes for V8 {
     const N: usize = 8;
     const REGS: usize = 16;
     const ROUNDS_BF16: bool = false;
+    const WRITES_AHEAD: bool = false;
     type V = __m256;
 
     #[inline(always)]

@@ -60,6 +60,7 @@ impl Lanes for V16 {
     const N: usize = 16;
     const REGS: usize = 32;
     const ROUNDS_BF16: bool = true;
+    const WRITES_AHEAD: bool = true;
     type V = __m512;
 
     #[inline(always)]

@@ -96,7 +96,7 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
             // rms_norm 4.97 -> 3.86 ms, layer_norm 5.03 -> 4.55,
             // fused_add_rms_norm 11.7 -> 9.9; into fresh huge pages 3-6%
             // faster, into fresh 4 KiB pages 3-5%.
-            let ahead_w = L::N == 16 && is::<T, f32>();
+            let ahead_w = L::WRITES_AHEAD && is::<T, f32>();
             // SAFETY: whole vectors while they fit in `out`, then the `len -
             // i < N` values left; `from + len <= f.len()` (the block lies in
             // the row).
@@ -140,7 +140,7 @@ fn write_row_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T]
             // threads, 4096x4096, interleaved medians (session 62):
             // layer_norm 4.85-5.14 -> 4.63-4.86 ms, rms_norm 4.52-4.57 ->
             // 4.29-4.37, fused_add_rms_norm unchanged.
-            if L::ROUNDS_BF16 {
+            if L::WRITES_AHEAD {
                 prefetch_write_below(yp.wrapping_add(i));
             }
             bf16_pair_at(l, f, yb, i, ahead);
@@ -214,7 +214,7 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
     let mut i = 0;
     let yp = y.as_ptr();
     while i < whole {
-        if L::ROUNDS_BF16 {
+        if L::WRITES_AHEAD {
             // A group of 2 N = 32 values is one 64-byte line. Past the row
             // the prefetch reaches the next row (or the next block's, or
             // memory past the output).
