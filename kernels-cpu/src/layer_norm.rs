@@ -528,12 +528,15 @@ fn row_consts<I: Element>(
     }
 }
 
-/// The one-pass sums of [`row_consts`] for the shift `k`, in the lane loop.
+/// The one-pass sums of [`row_consts`] for the shift `k`, in the lane loop:
+/// without the subtraction where `k` is 0 (see [`shift`]).
 #[inline(always)]
 fn lane_sums<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, k: T::Acc) -> [T::Acc; 4] {
-    match weight {
-        Some(w) => moment_grad_sums(x, dy, w, k, |d, w| d * w),
-        None => moment_grad_sums(x, dy, dy, k, |d, _| d),
+    match (weight, k == T::Acc::ZERO) {
+        (Some(w), false) => moment_grad_sums::<T, true>(x, dy, w, k, |d, w| d * w),
+        (Some(w), true) => moment_grad_sums::<T, false>(x, dy, w, k, |d, w| d * w),
+        (None, false) => moment_grad_sums::<T, true>(x, dy, dy, k, |d, _| d),
+        (None, true) => moment_grad_sums::<T, false>(x, dy, dy, k, |d, _| d),
     }
 }
 
@@ -640,11 +643,12 @@ fn grad_part<T: Element, D>(
 }
 
 /// `[sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))]` with `g = g(dy, w)`,
-/// in one pass with four named accumulator arrays (kept in registers).
+/// in one pass with four named accumulator arrays (kept in registers);
+/// `x - k` only where `SHIFTED` (`k` is 0 otherwise, and `x - 0` is `x`).
 // Indexed loops over fixed-width lane arrays are what vectorises here.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn moment_grad_sums<T: Element>(
+fn moment_grad_sums<T: Element, const SHIFTED: bool>(
     x: &[T],
     dy: &[T],
     w: &[T],
@@ -658,7 +662,7 @@ fn moment_grad_sums<T: Element>(
     let at = x.len() - cx.remainder().len();
     for ((cx, cd), cw) in cx.zip(cd).zip(cw) {
         for i in 0..L {
-            let v = cx[i].to_acc() - k;
+            let v = if SHIFTED { cx[i].to_acc() - k } else { cx[i].to_acc() };
             let gi = g(cd[i].to_acc(), cw[i].to_acc());
             a1[i] = a1[i] + v;
             a2[i] = a2[i] + v * v;

@@ -150,6 +150,7 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
     let mut c = [Row { k: zero, m1: zero, rstd: zero, mg: zero, mgx: zero }; G];
     let (mut xs, mut dys) = ([x.as_ptr(); G], [dy.as_ptr(); G]);
     let narrow = !is::<T, f32>();
+    let mut shifted = false;
     for r in 0..G {
         let span = at + r * cols..at + (r + 1) * cols;
         let (xr, dyr) = (&x[span.clone()], &dy[span.clone()]);
@@ -158,14 +159,40 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
         let sums = |k| if is::<T, f16>() { moment_grad_sums(l, xr, dyr, w, k) } else { lane_sums(xr, dyr, Some(w), k) };
         let (m, (mg, mgx)) = row_consts(xr, dyr, Some(w), eps, narrow, sums);
         c[r] = Row { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), mg: l.splat(mg), mgx: l.splat(mgx) };
+        shifted |= m.k != 0.0;
         xs[r] = x[span.clone()].as_ptr();
         dys[r] = dy[span].as_ptr();
     }
     let ins = (xs, dys, w.as_ptr());
+    // SAFETY (both): the caller's bounds.
+    if shifted {
+        unsafe { walk::<L, T, G, true>(l, &c, ins, (x, dy), (dx, dw, db), at, cols) };
+    } else {
+        unsafe { walk::<L, T, G, false>(l, &c, ins, (x, dy), (dx, dw, db), at, cols) };
+    }
+}
+
+/// [`group`]'s walk over the columns, given its rows' constants: `dx`
+/// written, `dw` and `db` added to. Without `x - k` where not `SHIFTED`
+/// (every row's `k` is 0: see `layer_norm::shift`; `x - 0` is `x`).
+///
+/// # Safety
+/// As [`group`]'s, with `ins` the group's rows of `x` and `dy`, and `w`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn walk<L: Lanes, T: Element<Acc = f32>, const G: usize, const SHIFTED: bool>(
+    l: L,
+    c: &[Row<L::V>; G],
+    ins: Ins<T, G>,
+    (x, dy): (&[T], &[T]),
+    (dx, dw, db): (&mut [T], &mut [f32], &mut [f32]),
+    at: usize,
+    cols: usize,
+) {
     let (dw, db) = (dw.as_mut_ptr(), db.as_mut_ptr());
     if let Some(dx) = cast_mut::<T, bf16>(&mut *dx).filter(|_| !L::ROUNDS_BF16) {
         // SAFETY: the caller's bounds, for the rows' `dx` too.
-        unsafe { bf16_pairs::<L, T, G>(l, &c, ins, dx, (dw, db), at, cols) };
+        unsafe { bf16_pairs::<L, T, G, SHIFTED>(l, c, ins, dx, (dw, db), at, cols) };
         return;
     }
     // `step` writes f32's `dx` into the rows; bf16's into f32 blocks of one
@@ -195,7 +222,7 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
             // SAFETY: `count` columns from `p + i` lie inside every row's
             // `cols` (the caller's bounds), and from `i` inside the blocks.
             #[inline(always)]
-            |i, count| unsafe { step::<L, T, G>(l, &c, ins, outs, (dw, db), p + i, count) },
+            |i, count| unsafe { step::<L, T, G, SHIFTED>(l, c, ins, outs, (dw, db), p + i, count) },
         );
         if f32_rows.is_none() {
             for (r, b) in buf.iter().enumerate() {
@@ -221,7 +248,7 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
 /// As [`group`]'s: `G` rows of `cols` from `at` in `dx` and behind `ins`'s
 /// row pointers; `w`, `dw` and `db` hold `cols`.
 #[inline(always)]
-unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
+unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize, const SHIFTED: bool>(
     l: L,
     c: &[Row<L::V>; G],
     ins: Ins<T, G>,
@@ -238,8 +265,8 @@ unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
     // whole <= cols`), and the caller's bounds hold for `dw`, `db`.
     unsafe {
         while j < whole {
-            let lo = values::<L, T, G>(l, c, ins, (dw, db), j, L::N);
-            let hi = values::<L, T, G>(l, c, ins, (dw, db), j + L::N, L::N);
+            let lo = values::<L, T, G, SHIFTED>(l, c, ins, (dw, db), j, L::N);
+            let hi = values::<L, T, G, SHIFTED>(l, c, ins, (dw, db), j + L::N, L::N);
             for r in 0..G {
                 l.store_bf16_pair_normal(rows[r].add(j), lo[r], hi[r]);
             }
@@ -255,7 +282,7 @@ unsafe fn bf16_pairs<L: Lanes, T: 'static, const G: usize>(
             // row, and from `i` inside the blocks (`cols - whole < 2 N <=
             // 64`).
             #[inline(always)]
-            |i, count| unsafe { step::<L, T, G>(l, c, ins, (blocks, whole), (dw, db), whole + i, count) },
+            |i, count| unsafe { step::<L, T, G, SHIFTED>(l, c, ins, (blocks, whole), (dw, db), whole + i, count) },
         );
         for (r, t) in t.iter().enumerate() {
             bf16::from_acc_slice(&t[..cols - whole], &mut dx[at + r * cols + whole..][..cols - whole]);
@@ -347,7 +374,7 @@ fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w:
 /// `count` values from `i` are readable at every input pointer and writable
 /// at `dw` and `db`, and from `i - o` writable at every `dxs` pointer.
 #[inline(always)]
-unsafe fn step<L: Lanes, T: 'static, const G: usize>(
+unsafe fn step<L: Lanes, T: 'static, const G: usize, const SHIFTED: bool>(
     l: L,
     c: &[Row<L::V>; G],
     ins: Ins<T, G>,
@@ -358,7 +385,7 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
 ) {
     // SAFETY: the caller's.
     unsafe {
-        let dxv = values::<L, T, G>(l, c, ins, dwb, i, count);
+        let dxv = values::<L, T, G, SHIFTED>(l, c, ins, dwb, i, count);
         // f32 rows on AVX-512 ask for their `dx` lines ahead (one a row per
         // vector): on the Xeon, 4096x4096, two threads, interleaved
         // medians (session 62), 1.5-4% faster into reused outputs, 2% into
@@ -382,7 +409,7 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize>(
 /// `count` values from `i` are readable at every input pointer and writable
 /// at `dw` and `db`.
 #[inline(always)]
-unsafe fn values<L: Lanes, T: 'static, const G: usize>(
+unsafe fn values<L: Lanes, T: 'static, const G: usize, const SHIFTED: bool>(
     l: L,
     c: &[Row<L::V>; G],
     (xs, dys, w): Ins<T, G>,
@@ -398,7 +425,8 @@ unsafe fn values<L: Lanes, T: 'static, const G: usize>(
         for r in 0..G {
             let (xv, dyv) = (load(l, xs[r], i, count), load(l, dys[r], i, count));
             let c = c[r];
-            let xh = l.mul(l.sub(l.sub(xv, c.k), c.m1), c.rstd);
+            let d = if SHIFTED { l.sub(xv, c.k) } else { xv };
+            let xh = l.mul(l.sub(d, c.m1), c.rstd);
             dxv[r] = l.mul(c.rstd, l.sub(l.sub(l.mul(dyv, wv), c.mg), l.mul(xh, c.mgx)));
             dwv = l.add(dwv, l.mul(dyv, xh));
             dbv = l.add(dbv, dyv);
