@@ -113,9 +113,10 @@ fn shifted_sums<L: Lanes, T: 'static, const SHIFTED: bool>(l: L, x: &[T], k: f32
     (reduce4(l, a1), reduce4(l, a2))
 }
 
-/// `x - k`, or `x` where not `SHIFTED` (`k` is 0, and `x - 0` is `x`).
+/// `x - k`, or `x` where not `SHIFTED` (`k` is 0, and `x - 0` is `x`):
+/// the forward's passes here and the backward's walk (`x86_backward`).
 #[inline(always)]
-fn minus<L: Lanes, const SHIFTED: bool>(l: L, x: L::V, k: L::V) -> L::V {
+pub(super) fn minus<L: Lanes, const SHIFTED: bool>(l: L, x: L::V, k: L::V) -> L::V {
     if SHIFTED {
         l.sub(x, k)
     } else {

@@ -31,6 +31,7 @@
 //! in the lane loop's order: the lane loop's sums over f16 convert each value
 //! in software. Measured, criterion 4096x4096 on the AVX-512 Xeon: see
 //! `BENCHMARKS.md`, session 29.
+use super::x86::minus;
 use super::{lane_sums, row_consts};
 use crate::element::Element;
 use crate::simd::{prefetch_part_l2, prefetch_write_ahead, reduce_lanes, LANES};
@@ -425,8 +426,7 @@ unsafe fn values<L: Lanes, T: 'static, const G: usize, const SHIFTED: bool>(
         for r in 0..G {
             let (xv, dyv) = (load(l, xs[r], i, count), load(l, dys[r], i, count));
             let c = c[r];
-            let d = if SHIFTED { l.sub(xv, c.k) } else { xv };
-            let xh = l.mul(l.sub(d, c.m1), c.rstd);
+            let xh = l.mul(l.sub(minus::<L, SHIFTED>(l, xv, c.k), c.m1), c.rstd);
             dxv[r] = l.mul(c.rstd, l.sub(l.sub(l.mul(dyv, wv), c.mg), l.mul(xh, c.mgx)));
             dwv = l.add(dwv, l.mul(dyv, xh));
             dbv = l.add(dbv, dyv);
