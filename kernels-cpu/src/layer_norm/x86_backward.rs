@@ -157,7 +157,7 @@ unsafe fn group<L: Lanes, T: Element<Acc = f32>, const G: usize>(
         let (xr, dyr) = (&x[span.clone()], &dy[span.clone()]);
         // f16's one-pass sums in vectors (the lane loop's convert each value
         // in software); f32 and bf16 keep the lane loop's.
-        let sums = |k| if is::<T, f16>() { moment_grad_sums(l, xr, dyr, w, k) } else { lane_sums(xr, dyr, Some(w), k) };
+        let sums = |k| if is::<T, f16>() { vector_sums(l, xr, dyr, w, k) } else { lane_sums(xr, dyr, Some(w), k) };
         let (m, (mg, mgx)) = row_consts(xr, dyr, Some(w), eps, narrow, sums);
         c[r] = Row { k: l.splat(m.k), m1: l.splat(m.m1), rstd: l.splat(m.rstd), mg: l.splat(mg), mgx: l.splat(mgx) };
         shifted |= m.k != 0.0;
@@ -312,16 +312,34 @@ fn block_ptrs<const G: usize, const M: usize>(blocks: &mut [[f32; M]; G]) -> [*m
     ptrs
 }
 
+/// [`moment_grad_sums`] for the shift `k`: without the subtraction where
+/// `k` is 0 (as `layer_norm::lane_sums`).
+#[inline(always)]
+fn vector_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w: &[T], k: f32) -> [f32; 4] {
+    if k == 0.0 {
+        moment_grad_sums::<L, T, false>(l, x, dy, w, k)
+    } else {
+        moment_grad_sums::<L, T, true>(l, x, dy, w, k)
+    }
+}
+
 /// `layer_norm::moment_grad_sums` with `g = dy w`, bit for bit, in vectors:
-/// `[sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))]`. Its `LANES`
-/// accumulators of each sum are `LANES / N` vectors here (lane `i` of a
-/// chunk of `LANES` values is lane `i % N` of vector `i / N`), each product
-/// and sum rounded on its own as there; then its serial tail and its
-/// pairwise reduction of the lanes.
+/// `[sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))]`, with `x - k`
+/// only where `SHIFTED` (`x - 0` is `x`). Its `LANES` accumulators of each
+/// sum are `LANES / N` vectors here (lane `i` of a chunk of `LANES` values
+/// is lane `i % N` of vector `i / N`), each product and sum rounded on its
+/// own as there; then its serial tail and its pairwise reduction of the
+/// lanes.
 // Indexed loops: `j` picks the same vector of the four accumulators.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w: &[T], k: f32) -> [f32; 4] {
+fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>, const SHIFTED: bool>(
+    l: L,
+    x: &[T],
+    dy: &[T],
+    w: &[T],
+    k: f32,
+) -> [f32; 4] {
     const MAX: usize = 4;
     let nv = LANES / L::N;
     assert!(nv <= MAX && nv * L::N == LANES && dy.len() == x.len() && w.len() == x.len());
@@ -334,7 +352,7 @@ fn moment_grad_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w:
             // SAFETY: `at + N <= chunks * LANES <= len` for all three slices.
             let (xv, dv, wv) =
                 unsafe { (l.load(x.as_ptr().add(at)), l.load(dy.as_ptr().add(at)), l.load(w.as_ptr().add(at))) };
-            let v = l.sub(xv, kv);
+            let v = minus::<L, SHIFTED>(l, xv, kv);
             let g = l.mul(dv, wv);
             acc[0][j] = l.add(acc[0][j], v);
             acc[1][j] = l.add(acc[1][j], l.mul(v, v));
