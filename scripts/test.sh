@@ -34,6 +34,11 @@ export KEEL_REQUIRE_CUDA_EMU=1
 # Once, not twice: the emulated CUDA tests alone take about 40 s.
 filtered "cargo test" '^$|^running 0 tests' cargo test --workspace --release -q
 
+step "cargo test of the CPU kernels at each lower SIMD level (KEEL_CPU_CAPABILITY): the paths of CPUs without AVX-512, or without AVX2"
+for cap in avx2 default; do
+  filtered "cargo test at $cap" '^$|^running 0 tests' env KEEL_CPU_CAPABILITY="$cap" cargo test --workspace --release -q --lib --test '*_cpu'
+done
+
 step "the standalone Rust example (CPU; where there is no GPU it must say so and exit 0)"
 cargo run --release -q --example rms_norm
 
@@ -90,4 +95,15 @@ for ver in ${KEEL_TORCH_VERSIONS:-2.10.0 latest}; do
   "$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
   "$PY" -c "import torch; print('torch', torch.__version__)"
   (cd "$root" && "$PY" -m pytest -q -p no:cacheprovider python/tests)
+done
+
+# The levels do not depend on torch: under the last torch only. The op tests,
+# each a fresh process at the level (test_capability.py checks it took).
+for cap in avx2 default; do
+  step "python op tests at KEEL_CPU_CAPABILITY=$cap (torch $ver)"
+  (cd "$root" && KEEL_CPU_CAPABILITY="$cap" "$PY" -m pytest -q -p no:cacheprovider \
+    python/tests/test_capability.py python/tests/test_rms_norm.py python/tests/test_layer_norm.py \
+    python/tests/test_softmax.py python/tests/test_cross_entropy.py python/tests/test_gated.py \
+    python/tests/test_rotary.py python/tests/test_rotary_inplace.py python/tests/test_fused_add_rms_norm.py \
+    python/tests/test_fused_add_rms_norm_inplace.py python/tests/test_layouts.py python/tests/test_mixed_precision.py)
 done

@@ -59,24 +59,24 @@ def _cpu_model() -> str:
     return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
-# The features of kernels-cpu's `simd::has_v4_bf16` (pulp's x86-64-v4 plus
-# AVX512-BF16 and F16C) and of its AVX2 width (`wide::x86::V8`), as
-# /proc/cpuinfo names them.
-_AVX512 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "f16c", "avx2", "fma", "bmi2"}
-_AVX2 = {"avx2", "fma", "f16c"}
+# What each of `keel.cpu_capability()`'s levels runs, in the report's words.
+_SIMD = {
+    "avx512": "AVX-512 with AVX512-BF16 (16 lanes)",
+    "avx2": "AVX2 with FMA and F16C (8 lanes)",
+    "default": "no explicit SIMD: portable lanes",
+}
 
 
 def _simd() -> str:
-    """Which of Keel's explicit SIMD widths this CPU runs (as the kernels
-    choose at run time), so that reports from different CPUs are told apart."""
-    flags = set(_cpuinfo("flags").split())
+    """Which of Keel's SIMD levels its CPU kernels run here (as the kernels chose
+    it at run time, under any `KEEL_CPU_CAPABILITY`), so that reports from
+    different CPUs, or levels, are told apart."""
+    level = keel.cpu_capability()
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"{platform.machine()}: portable lanes (no explicit SIMD)"
-    if _AVX512 <= flags:
-        return "AVX-512 with AVX512-BF16 (16 lanes)"
-    if _AVX2 <= flags:
-        return "AVX2 with FMA and F16C (8 lanes)"
-    return "neither AVX-512 nor AVX2: portable lanes"
+    text = _SIMD.get(level, level)
+    cap = os.environ.get("KEEL_CPU_CAPABILITY", "").strip()
+    return f"{text} (KEEL_CPU_CAPABILITY={cap})" if cap else text
 
 
 def _thp() -> str:

@@ -7,11 +7,13 @@
 //! No kernel starts threads of its own or hides where its parallelism comes from.
 //!
 //! SIMD is chosen at run time ([`pulp::Arch`]): one binary uses AVX-512, AVX2+FMA
-//! or SSE, whichever the machine has. Each kernel sits beside a plain scalar
+//! or SSE, whichever the machine has, or a lower level that the environment
+//! variable `KEEL_CPU_CAPABILITY` names ([`capability`]). Each kernel sits beside a plain scalar
 //! reference with f64 accumulation (`*_ref`), which the property tests compare
 //! against.
 #![warn(missing_docs)]
 
+mod capability;
 pub mod cross_entropy;
 mod element;
 mod error;
@@ -34,6 +36,7 @@ mod testing;
 mod wide;
 mod widen;
 
+pub use capability::{capability, Capability, CAPABILITY_VAR};
 pub use element::{Acc, Element};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

@@ -353,7 +353,7 @@ mod tests {
     #[test]
     fn avx2_f16_matches_the_scalar_rounding() {
         if crate::wide::x86::V8::try_new().is_none() {
-            println!("skipped: this CPU lacks AVX2, FMA or F16C");
+            println!("skipped: this CPU lacks AVX2, FMA or F16C, or KEEL_CPU_CAPABILITY is below avx2");
             return;
         }
         let src = samples();

@@ -5,13 +5,25 @@
 //! loops are written with several independent accumulators and branch-free
 //! conversions, so that inside that function the compiler turns them into
 //! full-width vector code; the same binary still runs on any x86-64 or arm64.
+#[cfg(target_arch = "x86_64")]
+use crate::capability::{cap, Capability};
 use crate::element::{Acc, Element};
 use std::sync::OnceLock;
 
-/// The best SIMD level of this machine, detected once.
+/// The best SIMD level of this machine, detected once, at most what
+/// [`cap`] allows: `avx2` holds pulp to x86-64-v3, `default` to no
+/// explicit SIMD.
 pub(crate) fn arch() -> pulp::Arch {
     static ARCH: OnceLock<pulp::Arch> = OnceLock::new();
-    *ARCH.get_or_init(pulp::Arch::new)
+    *ARCH.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        match cap() {
+            Capability::Avx512 => {}
+            Capability::Avx2 => return pulp::x86::V3::try_new().map_or(pulp::Arch::Scalar, pulp::Arch::V3),
+            Capability::Default => return pulp::Arch::Scalar,
+        }
+        pulp::Arch::new()
+    })
 }
 
 /// Runs `f` compiled for the best SIMD level of this machine.
@@ -35,7 +47,7 @@ pub(crate) fn dispatch<R>(f: impl FnOnce() -> R) -> R {
 }
 
 /// Whether this CPU has pulp's AVX-512 level (x86-64-v4) plus AVX512-BF16
-/// and F16C, detected once.
+/// and F16C, and [`cap`] allows `avx512`; detected once.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn has_v4_bf16() -> bool {
@@ -46,7 +58,8 @@ pub(crate) fn has_v4_bf16() -> bool {
     static HAS: AtomicU8 = AtomicU8::new(2);
     match HAS.load(Ordering::Relaxed) {
         2 => {
-            let has = pulp::x86::V4::try_new().is_some()
+            let has = cap() == Capability::Avx512
+                && pulp::x86::V4::try_new().is_some()
                 && is_x86_feature_detected!("avx512bf16")
                 && is_x86_feature_detected!("f16c");
             HAS.store(has as u8, Ordering::Relaxed);

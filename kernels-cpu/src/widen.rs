@@ -94,7 +94,7 @@ pub(crate) mod testing {
     pub(crate) fn runs() -> bool {
         let runs = super::applies::<f16>();
         if !runs {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C, so f16 is never widened");
+            eprintln!("skipped: this CPU lacks AVX2 with F16C (or KEEL_CPU_CAPABILITY is below avx2), so f16 is never widened");
         }
         runs
     }
@@ -121,7 +121,7 @@ mod tests {
     #[test]
     fn every_f16_widens_exactly() {
         if !applies::<f16>() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C");
+            eprintln!("skipped: this CPU lacks AVX2 with F16C, or KEEL_CPU_CAPABILITY is below avx2");
             return;
         }
         let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();

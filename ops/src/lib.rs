@@ -8,6 +8,7 @@
 #![warn(missing_docs)]
 
 mod abi_selftest;
+mod capability;
 mod checks;
 mod cross_entropy;
 mod device;

@@ -12,6 +12,24 @@ from . import _load
 
 LIBRARY_PATH = _load.load()
 
+from . import _capability  # noqa: E402
+
+
+def cpu_capability() -> str:
+    """The SIMD level Keel's CPU kernels run at in this process.
+
+    ``"avx512"`` (16-lane AVX-512 with AVX512-BF16), ``"avx2"`` (8-lane AVX2 with FMA
+    and F16C) or ``"default"`` (no explicit SIMD: the portable loops). That is the
+    CPU's best, lowered to the level the environment variable ``KEEL_CPU_CAPABILITY``
+    names (``default``, ``avx2`` or ``avx512``, the names of torch's
+    ``ATEN_CPU_CAPABILITY``; it never raises the level). The variable is read once per
+    process, at the first CPU kernel call or at this function's first call, whichever
+    comes first: set it before starting Python. An unknown value is reported on stderr
+    and ignored. On other CPUs than x86-64, ``"default"``.
+    """
+    return _capability.cpu_capability(LIBRARY_PATH)
+
+
 from . import _autograd  # noqa: E402
 
 _autograd.register()
@@ -57,5 +75,6 @@ __all__ = [
     "rotary_embedding",
     "rotary_embedding_",
     "nn",
+    "cpu_capability",
     "LIBRARY_PATH",
 ]

@@ -214,7 +214,7 @@ mod tests {
             #[inline(always)]
             || Token::<bf16>::new().is_none(),
         ) {
-            eprintln!("skipped: this CPU lacks AVX2 with FMA and F16C, or has AVX512-BF16 (the other path)");
+            eprintln!("skipped: this CPU lacks AVX2 with FMA and F16C (or KEEL_CPU_CAPABILITY is below avx2), or runs AVX512-BF16 (the other path)");
             return;
         }
         let all: Vec<bf16> = (0..=u16::MAX).step_by(7).map(bf16::from_bits).collect();

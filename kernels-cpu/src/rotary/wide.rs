@@ -500,7 +500,7 @@ mod tests {
     #[test]
     fn f16_rows_on_avx2_match_the_scalar_rotation_in_both_layouts() {
         if crate::wide::x86::V8::try_new().is_none() {
-            eprintln!("skipped: this CPU lacks AVX2 with F16C");
+            eprintln!("skipped: this CPU lacks AVX2 with F16C, or KEEL_CPU_CAPABILITY is below avx2");
             return;
         }
         row_matches_at::<f16, true>(f16::from_bits, false);

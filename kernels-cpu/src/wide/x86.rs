@@ -256,11 +256,11 @@ macro_rules! every_width {
         use $crate::wide::x86::{V16, V8};
         match V8::try_new() {
             Some(l) => $f(l),
-            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C"),
+            None => println!("skipped AVX2: this CPU lacks AVX2, FMA or F16C, or KEEL_CPU_CAPABILITY is below avx2"),
         }
         match V16::try_new() {
             Some(l) => $f(l),
-            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features, so V16 never runs here"),
+            None => println!("skipped AVX-512: this CPU lacks has_v4_bf16's features (or KEEL_CPU_CAPABILITY is below avx512), so V16 never runs here"),
         }
     }};
 }

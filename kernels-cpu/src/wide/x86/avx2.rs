@@ -14,7 +14,8 @@ use std::arch::x86_64::*;
 pub(crate) struct V8(());
 
 impl V8 {
-    /// The token, if this CPU has AVX2, FMA and F16C (detected once).
+    /// The token, if this CPU has AVX2, FMA and F16C and
+    /// `KEEL_CPU_CAPABILITY` allows `avx2` (detected once).
     #[inline(always)]
     pub(crate) fn try_new() -> Option<Self> {
         use std::sync::atomic::{AtomicU8, Ordering};
@@ -22,7 +23,8 @@ impl V8 {
         static HAS: AtomicU8 = AtomicU8::new(2);
         let has = match HAS.load(Ordering::Relaxed) {
             2 => {
-                let has = is_x86_feature_detected!("avx2")
+                let has = crate::capability::cap() >= crate::capability::Capability::Avx2
+                    && is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma")
                     && is_x86_feature_detected!("f16c");
                 HAS.store(has as u8, Ordering::Relaxed);
