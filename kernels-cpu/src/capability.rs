@@ -111,6 +111,8 @@ pub fn capability() -> Capability {
             return Capability::Avx2;
         }
     }
+    // Read on every architecture, so that an unknown value is reported.
+    let _ = cap();
     Capability::Default
 }
 

@@ -8,9 +8,9 @@
 //!
 //! SIMD is chosen at run time ([`pulp::Arch`]): one binary uses AVX-512, AVX2+FMA
 //! or SSE, whichever the machine has, or a lower level that the environment
-//! variable `KEEL_CPU_CAPABILITY` names ([`capability`]). Each kernel sits beside a plain scalar
-//! reference with f64 accumulation (`*_ref`), which the property tests compare
-//! against.
+//! variable `KEEL_CPU_CAPABILITY` names ([`capability`]). Each kernel sits
+//! beside a plain scalar reference with f64 accumulation (`*_ref`), which the
+//! property tests compare against.
 #![warn(missing_docs)]
 
 mod capability;

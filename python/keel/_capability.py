@@ -2,7 +2,6 @@
 import ctypes
 import functools
 
-CAPABILITY_VAR = "KEEL_CPU_CAPABILITY"
 LEVELS = ("default", "avx2", "avx512")
 
 
