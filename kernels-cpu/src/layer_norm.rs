@@ -528,15 +528,29 @@ fn row_consts<I: Element>(
     }
 }
 
-/// The one-pass sums of [`row_consts`] for the shift `k`, in the lane loop:
-/// without the subtraction where `k` is 0 (see [`shift`]).
+/// The one-pass sums of [`row_consts`] for the shift `k`, in the lane loop.
 #[inline(always)]
 fn lane_sums<T: Element>(x: &[T], dy: &[T], weight: Option<&[T]>, k: T::Acc) -> [T::Acc; 4] {
-    match (weight, k == T::Acc::ZERO) {
-        (Some(w), false) => moment_grad_sums::<T, true>(x, dy, w, k, |d, w| d * w),
-        (Some(w), true) => moment_grad_sums::<T, false>(x, dy, w, k, |d, w| d * w),
-        (None, false) => moment_grad_sums::<T, true>(x, dy, dy, k, |d, _| d),
-        (None, true) => moment_grad_sums::<T, false>(x, dy, dy, k, |d, _| d),
+    match weight {
+        Some(w) => shifted_grad_sums(x, dy, w, k, |d, w| d * w),
+        None => shifted_grad_sums(x, dy, dy, k, |d, _| d),
+    }
+}
+
+/// [`moment_grad_sums`] for the shift `k`: without the subtraction where
+/// `k` is 0 (see [`shift`]).
+#[inline(always)]
+fn shifted_grad_sums<T: Element>(
+    x: &[T],
+    dy: &[T],
+    w: &[T],
+    k: T::Acc,
+    g: impl Fn(T::Acc, T::Acc) -> T::Acc,
+) -> [T::Acc; 4] {
+    if k == T::Acc::ZERO {
+        moment_grad_sums::<T, false>(x, dy, w, k, g)
+    } else {
+        moment_grad_sums::<T, true>(x, dy, w, k, g)
     }
 }
 

@@ -313,7 +313,7 @@ fn block_ptrs<const G: usize, const M: usize>(blocks: &mut [[f32; M]; G]) -> [*m
 }
 
 /// [`moment_grad_sums`] for the shift `k`: without the subtraction where
-/// `k` is 0 (as `layer_norm::lane_sums`).
+/// `k` is 0 (as `layer_norm::shifted_grad_sums` for the lane loop).
 #[inline(always)]
 fn vector_sums<L: Lanes, T: Element<Acc = f32>>(l: L, x: &[T], dy: &[T], w: &[T], k: f32) -> [f32; 4] {
     if k == 0.0 {
