@@ -97,8 +97,8 @@ for ver in ${KEEL_TORCH_VERSIONS:-2.10.0 latest}; do
   (cd "$root" && "$PY" -m pytest -q -p no:cacheprovider python/tests)
 done
 
-# The levels do not depend on torch: under the last torch only. The op tests,
-# each a fresh process at the level (test_capability.py checks it took).
+# The levels do not depend on torch: under the last torch only. The op tests
+# in one pytest process per level (test_capability.py checks the level took).
 for cap in avx2 default; do
   step "python op tests at KEEL_CPU_CAPABILITY=$cap (torch $ver)"
   (cd "$root" && KEEL_CPU_CAPABILITY="$cap" "$PY" -m pytest -q -p no:cacheprovider \
