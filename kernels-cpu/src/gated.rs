@@ -94,6 +94,7 @@ impl Activation {
 /// element type) takes the `exp` for results rounded to 16 bits.
 pub(crate) trait Act {
     /// Which activation this is (each has explicit SIMD in `gated/x86.rs`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     const KIND: Activation;
     fn f<A: Acc>(x: A, narrow: bool) -> A;
     /// `(f(x), f'(x))`.

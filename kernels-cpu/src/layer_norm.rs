@@ -24,7 +24,9 @@ use crate::rows::{row_and_next, sum_partials, Blocks, Split};
 use crate::simd::{dispatch, prefetching, reduce_lanes, sum_pairs, sums3, LANES};
 use crate::wide::{cast, cast_mut};
 use crate::widen;
-use half::{bf16, f16};
+#[cfg(target_arch = "x86_64")]
+use half::bf16;
+use half::f16;
 
 #[cfg(target_arch = "x86_64")]
 mod x86;

@@ -156,12 +156,14 @@ impl Offsets {
     }
 
     /// The offsets from `k` rows further on.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn skip(&self, k: usize) -> Offsets {
         self.layout.offsets_from(self.row() + k)
     }
 
     /// The current row's index.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn row(&self) -> usize {
         let n = self.layout.sizes;
         (self.idx[0] * n[1] + self.idx[1]) * n[2] + self.idx[2]
@@ -169,6 +171,7 @@ impl Offsets {
 
     /// Moves to the row before; panics at the first row.
     #[inline(always)]
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) fn retreat(&mut self) {
         let (n, s) = (self.layout.sizes, self.layout.strides);
         if self.idx[2] > 0 {

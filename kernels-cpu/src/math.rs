@@ -174,11 +174,13 @@ fn exp4(x: f32) -> f32 {
 /// Minimax coefficients (relative error 2.6e-6 in exact arithmetic, 2.7e-6
 /// in f32) of `2^f ~ C0 + f (C1 + f (C2 + f (C3 + f C4)))` on `[0, 1]`,
 /// fitted for Keel (Lawson's iteration on 20001 points) and rounded to f32.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const EXP2_C: [f32; 5] = [1.000_002_6, 0.693_003_83, 0.241_442_74, 0.052_011_468, 0.013_534_171];
 
 /// The largest row maximum `|m|` whose `m log2(e)` [`exp_shifted_narrow_f32`]
 /// may take rounded (to within 2^-8 in `t`); softmax moves rows past it
 /// to a maximum of 0 first (every f16 row is within it).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const SHIFT_FUSED_MAX: f32 = 65536.0;
 
 /// `e^(x - m)` for `x <= m` as softmax's bf16 and f16 rows on x86 take it

@@ -100,8 +100,12 @@ pub(crate) fn bf16_slice<const AFFINE: bool>(src: &[f32], map: (f32, f32), dst: 
         |s, d| unsafe { x86::bf16_x32::<AFFINE>(s, map, d) },
         sw,
     );
+    // No conversion instruction here: `sw` applies the map to every value.
     #[cfg(not(target_arch = "x86_64"))]
-    narrow_slice(src, dst, |_, _| false, sw);
+    {
+        let _ = map;
+        narrow_slice(src, dst, |_, _| false, sw);
+    }
 }
 
 /// f32 values to f16, as [`bf16_slice`], with `vcvtps2ph`: AVX-512's, or
@@ -122,8 +126,12 @@ pub(crate) fn f16_slice<const AFFINE: bool>(src: &[f32], map: (f32, f32), dst: &
         |s, d| unsafe { x86::f16_x32::<AFFINE>(s, map, d) },
         sw,
     );
+    // No conversion instruction here: `sw` applies the map to every value.
     #[cfg(not(target_arch = "x86_64"))]
-    narrow_slice(src, dst, |_, _| false, sw);
+    {
+        let _ = map;
+        narrow_slice(src, dst, |_, _| false, sw);
+    }
 }
 
 /// The loop of both: `hw` on each whole group of 32 (where it returns false,
@@ -132,11 +140,7 @@ pub(crate) fn f16_slice<const AFFINE: bool>(src: &[f32], map: (f32, f32), dst: &
 #[inline(always)]
 fn narrow_slice<T>(src: &[f32], dst: &mut [T], hw: impl Fn(&[f32; 32], &mut [T; 32]) -> bool, sw: impl Fn(f32) -> T) {
     let (mut src, mut dst) = (src, dst);
-    #[cfg(target_arch = "x86_64")]
-    let has_hw = crate::simd::has_v4_bf16();
-    #[cfg(not(target_arch = "x86_64"))]
-    let has_hw = false;
-    if has_hw {
+    if crate::simd::has_v4_bf16() {
         let whole = src.len().min(dst.len()) / 32 * 32;
         let ((s32, s_rest), (d32, d_rest)) = (src.split_at(whole), dst.split_at_mut(whole));
         for (s, d) in s32.chunks_exact(32).zip(d32.chunks_exact_mut(32)) {

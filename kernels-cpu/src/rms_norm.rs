@@ -21,7 +21,9 @@ use crate::narrow::BLOCK;
 use crate::par::Par;
 use crate::rows::{row_and_next, sum_partials, Blocks, Order, Split};
 use crate::simd::{dispatch, prefetch_part, prefetching, sums3};
+#[cfg(target_arch = "x86_64")]
 use crate::wide::{cast, cast_mut};
+#[cfg(target_arch = "x86_64")]
 use half::f16;
 
 #[cfg(target_arch = "x86_64")]

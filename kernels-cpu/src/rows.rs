@@ -127,14 +127,7 @@ pub(crate) static DESCENDED: std::sync::atomic::AtomicUsize = std::sync::atomic:
 /// as long descending, and the f16 forwards gained nothing (rms_norm 0.98,
 /// layer_norm 1.05, silu_and_mul 1.04; see [`Order`]).
 fn descends<T: 'static>() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        crate::wide::is::<T, half::bf16>() && crate::simd::has_v4_bf16()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::wide::is::<T, half::bf16>() && crate::simd::has_v4_bf16()
 }
 
 /// The order in which a kernel stores a block's rows, and each row's
@@ -204,6 +197,7 @@ impl Order {
 /// Row `r` of `s` (rows of `cols`) and the row the kernel takes after it in
 /// `order` (empty after the last): a row and what its kernel prefetches
 /// while it works on it.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn row_and_after<T>(s: &[T], r: usize, cols: usize, order: Order) -> (&[T], &[T]) {
     match order {
@@ -214,6 +208,7 @@ pub(crate) fn row_and_after<T>(s: &[T], r: usize, cols: usize, order: Order) -> 
 
 /// Both orders, for tests that run a kernel each way.
 #[cfg(test)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const ORDERS: [Order; 2] = [Order::Ascending, Order::Descending];
 
 /// The next row, from the rest of a block after a row (empty after the last):

@@ -69,6 +69,13 @@ pub(crate) fn has_v4_bf16() -> bool {
     }
 }
 
+/// [`has_v4_bf16`] off x86-64: no CPU there has those features.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+pub(crate) fn has_v4_bf16() -> bool {
+    false
+}
+
 /// Runs `f` compiled for x86-64-v4 plus AVX512-BF16 and F16C.
 ///
 /// # Safety
@@ -112,6 +119,7 @@ pub(crate) fn prefetch_part<T, const WRITE: bool>(ahead: &[T], i: usize, n: usiz
 /// so that lines fetched for the next rows do not evict them. Intel's cores
 /// and AMD's from Zen 4 on fill only L2 (and L3) on this hint; earlier AMD
 /// cores treat it as `prefetcht0`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn prefetch_part_l2<T>(ahead: &[T], i: usize, n: usize) {
     #[cfg(target_arch = "x86_64")]
@@ -168,6 +176,7 @@ pub(crate) const WRITE_AHEAD_BYTES: usize = 1024;
 /// ready to be written. `p` may lie anywhere (past a slice's end too): the
 /// prefetch cannot fault. Callers take it only on AVX-512 (the only cores it
 /// was measured on; AVX2 passes are as they were).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn prefetch_write_ahead<T>(p: *const T) {
     prefetch_write(p.cast::<i8>().wrapping_add(WRITE_AHEAD_BYTES), 1);
@@ -175,6 +184,7 @@ pub(crate) fn prefetch_write_ahead<T>(p: *const T) {
 
 /// [`prefetch_write_ahead`] for a pass that stores downwards: the line
 /// [`WRITE_AHEAD_BYTES`] below `p`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn prefetch_write_below<T>(p: *const T) {
     prefetch_write(p.cast::<i8>().wrapping_sub(WRITE_AHEAD_BYTES), 1);
@@ -204,10 +214,7 @@ fn prefetch_write(p: *const i8, bytes: usize) {
 /// the width asks `Lanes::WRITES_AHEAD`, true at the same CPUs' width.
 #[inline(always)]
 pub(crate) fn writes_ahead() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    return has_v4_bf16();
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    has_v4_bf16()
 }
 
 /// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements

@@ -1,4 +1,5 @@
-//! Helpers shared by the unit tests.
+//! Helpers shared by the unit tests (those of the x86 kernels, so far).
+#![cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 use half::bf16;
 
 /// bf16 NaN bit patterns: quiet and signalling, with and without payloads,

@@ -26,6 +26,7 @@ pub(crate) fn is<T: 'static, U: 'static>() -> bool {
 }
 
 /// Whether `T` is one of the types with explicit code: f32, bf16, f16.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn has_lanes<T: 'static>() -> bool {
     is::<T, f32>() || is::<T, bf16>() || is::<T, f16>()

@@ -21,11 +21,13 @@
 //! layer_norm training backward run f16 rows in explicit kernels
 //! (`rms_norm/x86.rs`, `fused_add_rms_norm/x86.rs`,
 //! `layer_norm/x86_backward.rs`) wherever this would apply.
+#[cfg(target_arch = "x86_64")]
 use half::f16;
 
 /// Whether [`to_f32`] widens `T` on this CPU: `T` is f16 and the CPU has
 /// AVX2, FMA and F16C (or AVX-512). Elsewhere callers keep the plain loop.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(clippy::extra_unused_type_parameters))]
 pub(crate) fn applies<T: 'static>() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

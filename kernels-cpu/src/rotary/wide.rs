@@ -48,6 +48,7 @@ pub(super) const N: usize = 16;
 /// [`crate::simd::has_v4_bf16`]'s features (AVX-512 among them) or with
 /// AVX2 and F16C; bf16 on a CPU with `has_v4_bf16`'s (AVX512-BF16).
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(clippy::extra_unused_type_parameters))]
 pub(super) fn applies<T: Element>() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -497,6 +498,7 @@ mod tests {
 
     /// The AVX2 and F16C code for f16, which AVX-512 CPUs take the other
     /// code instead of.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn f16_rows_on_avx2_match_the_scalar_rotation_in_both_layouts() {
         if crate::wide::x86::V8::try_new().is_none() {
