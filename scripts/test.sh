@@ -39,6 +39,9 @@ for cap in avx2 default; do
   filtered "cargo test at $cap" '^$|^running 0 tests' env KEEL_CPU_CAPABILITY="$cap" cargo test --workspace --release -q --lib --test '*_cpu'
 done
 
+step "the CPU kernels for aarch64: clippy for that target, then the CPU unit and property tests under qemu"
+bash scripts/test-aarch64.sh
+
 step "the standalone Rust example (CPU; where there is no GPU it must say so and exit 0)"
 cargo run --release -q --example rms_norm
 
