@@ -26,6 +26,12 @@ fn main() {
     }
     println!("cargo:rerun-if-changed=kernels-cuda");
     println!("cargo:rerun-if-changed=ptx");
+    // The tests' CUDA emulation (src/cuda/emu.rs) builds its library with
+    // this machine's C++ compiler, for this machine: a test binary built for
+    // another target (run under qemu) cannot load it.
+    let (host, target) = (env::var("HOST").unwrap(), env::var("TARGET").unwrap());
+    let cross = if host == target { String::new() } else { format!("{target} on {host}") };
+    println!("cargo:rustc-env=KEEL_CROSS_BUILD={cross}");
 
     let mut sources: Vec<PathBuf> = fs::read_dir(&src_dir)
         .expect("kernels-cuda/ exists")

@@ -34,8 +34,9 @@ fi
 
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
-# The emulated CUDA tests build an x86 library on the host, which an aarch64
-# process cannot load: here they skip (they run natively in scripts/test.sh).
+# The emulated CUDA tests build their library with the host's compiler,
+# which an aarch64 process cannot load: in a cross build they skip, saying so
+# (src/cuda/emu.rs), and they run natively in scripts/test.sh.
 unset KEEL_REQUIRE_CUDA_EMU
 
 echo "clippy, $target"

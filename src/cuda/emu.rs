@@ -64,7 +64,13 @@ pub(crate) fn unavailable() -> Option<String> {
 /// process (every test, proptest case and module build asks).
 fn toolchain() -> &'static std::result::Result<(String, PathBuf), String> {
     static FOUND: OnceLock<std::result::Result<(String, PathBuf), String>> = OnceLock::new();
-    FOUND.get_or_init(|| Ok((cxx()?, cuda_include()?)))
+    FOUND.get_or_init(|| {
+        let cross = env!("KEEL_CROSS_BUILD");
+        if !cross.is_empty() {
+            return Err(format!("a cross build ({cross}): the C++ compiler builds for the host, not this target"));
+        }
+        Ok((cxx()?, cuda_include()?))
+    })
 }
 
 fn cxx() -> std::result::Result<String, String> {
