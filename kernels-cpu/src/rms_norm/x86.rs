@@ -9,7 +9,8 @@
 //! cost: QK-norm over heads of 128 read from a fused qkv (4096 tokens x 32
 //! heads) ran at 0.74x a clone through torch with THP. Here the sum of
 //! squares inlines ([`SumSq`]'s body at this width) and bf16 rows round in
-//! registers ([`write_row`]).
+//! registers ([`write_row`]). Rows under 4 KiB take the next row's sum of
+//! squares before writing their own ([`SUM_EARLY_BELOW`]).
 //!
 //! The values are the lane loop's, bit for bit: the same sum of squares
 //! (the same explicit kernel), `1 / sqrt(ss / n + eps)` in f32, then `(x r)
@@ -44,42 +45,93 @@ impl<T: Element> Kernel for Forward<'_, T> {
         if let Some(w) = w {
             assert_eq!(w.len(), cols, "rms_norm x86: the weight is not one row long");
         }
-        let k = rows_ahead(cols * std::mem::size_of::<T>());
+        if rows == 0 {
+            return;
+        }
+        let row_bytes = cols * std::mem::size_of::<T>();
+        let k = rows_ahead(row_bytes);
+        // Short rows take their sum of squares one row early ([`SUM_EARLY_BELOW`]):
+        // the row prefetched is then one further on, `lead + k` from the row written.
+        let early = row_bytes < SUM_EARLY_BELOW;
+        let lead = usize::from(early);
+        let last = rows - 1;
         match order {
             Order::Ascending => {
-                let mut ah = at.skip(k);
+                let mut ah = at.skip(k + lead);
+                let mut cur = scaled_row(l, x, &at, cols, eps);
                 for (r, y) in y.chunks_exact_mut(cols).enumerate() {
-                    let xr = &x[at.get()..][..cols];
-                    at.advance();
                     // The tests check the row prefetched (a wrong one would
                     // only cost time, and may lie inside `x`).
                     #[cfg(test)]
-                    assert_eq!(ah.row(), r + k, "rms_norm x86: the row ahead");
-                    let ahead = if r + k < rows { &x[ah.get()..][..cols] } else { &[] };
+                    assert_eq!(ah.row(), r + lead + k, "rms_norm x86: the row ahead");
+                    let ahead = if r + lead + k < rows { &x[ah.get()..][..cols] } else { &[] };
                     ah.advance();
-                    norm_row(l, xr, ahead, w, y, eps, order);
+                    let mut next = cur;
+                    if early && r < last {
+                        at.advance();
+                        next = scaled_row(l, x, &at, cols, eps);
+                    }
+                    norm_row(l, cur, ahead, w, y, order);
+                    if !early && r < last {
+                        at.advance();
+                        next = scaled_row(l, x, &at, cols, eps);
+                    }
+                    cur = next;
                 }
             }
-            Order::Descending if rows > 0 => {
-                let mut ah = at.skip(rows.saturating_sub(k + 1));
-                let mut at = at.skip(rows - 1);
+            Order::Descending => {
+                let mut ah = at.skip(rows.saturating_sub(k + lead + 1));
+                let mut at = at.skip(last);
+                let mut cur = scaled_row(l, x, &at, cols, eps);
                 for (r, y) in y.chunks_exact_mut(cols).enumerate().rev() {
-                    let xr = &x[at.get()..][..cols];
-                    if r > 0 {
-                        at.retreat();
-                    }
                     #[cfg(test)]
-                    assert!(r < k || ah.row() == r - k, "rms_norm x86: the row ahead");
-                    let ahead = if r >= k { &x[ah.get()..][..cols] } else { &[] };
-                    if r > k {
+                    assert!(r < k + lead || ah.row() == r - k - lead, "rms_norm x86: the row ahead");
+                    let ahead = if r >= k + lead { &x[ah.get()..][..cols] } else { &[] };
+                    if r > k + lead {
                         ah.retreat();
                     }
-                    norm_row(l, xr, ahead, w, y, eps, order);
+                    let mut next = cur;
+                    if early && r > 0 {
+                        at.retreat();
+                        next = scaled_row(l, x, &at, cols, eps);
+                    }
+                    norm_row(l, cur, ahead, w, y, order);
+                    if !early && r > 0 {
+                        at.retreat();
+                        next = scaled_row(l, x, &at, cols, eps);
+                    }
+                    cur = next;
                 }
             }
-            Order::Descending => {}
         }
     }
+}
+
+/// Rows shorter than this many bytes take their sum of squares (and `1 /
+/// rms`) one row early: row `r + 1`'s before row `r` is written, so that its
+/// horizontal sum, divide and square root (a chain of dependent steps)
+/// run while row `r` is written, not between row `r`'s stores and row `r +
+/// 1`'s. The values are the same. Longer rows keep one row at a time, which
+/// measured faster for them (below).
+///
+/// On the Xeon, two threads, bf16 rows read in place into outputs used
+/// before, both ways interleaved in one process (medians of 31 rounds, two
+/// runs; session 65): with AVX2, heads of 128 from a fused qkv (QK-norm)
+/// 2.90-3.10 -> 2.55-2.58 ms, contiguous rows of 128 2.75-3.16 ->
+/// 2.22-2.62, of 512 and 1024 4-5% faster; with AVX-512, 2-9% faster on
+/// rows of 128 (qkv 2.01-2.21 -> 1.97-2.04), rows of 512 between 2% slower
+/// and 7% faster. Into fresh huge pages, no change beyond the noise (AVX-512
+/// qkv 4.89-4.98 ms both ways). f32 rows, bound by memory, moved 0-2%.
+/// Rows of 2048 bf16 (4 KiB) were 7-12% slower with AVX2 taken early;
+/// of 4096, 0-5% slower.
+const SUM_EARLY_BELOW: usize = 4096;
+
+/// The row at `at` in `x` (`cols` long) and its `1 / rms`, the first half
+/// of [`norm_row`]'s work.
+#[inline(always)]
+fn scaled_row<'a, L: Lanes, T: Element>(l: L, x: &'a [T], at: &Offsets, cols: usize, eps: f32) -> (&'a [T], f32) {
+    let xr = &x[at.get()..][..cols];
+    (xr, super::inv_rms(SumSq(xr).run(l), cols, eps))
 }
 
 /// How far ahead of the row it works on the kernel prefetches: the row
@@ -100,11 +152,11 @@ fn rows_ahead(row_bytes: usize) -> usize {
 /// rows of 128 gained 2-5% (bf16 3.72 -> 3.59 with THP).
 const AHEAD_BYTES: usize = 4096;
 
-/// One row of [`Forward`]: `x` normalised, times `w`, into `y` in `order`,
-/// prefetching `ahead` (a row to come, or empty).
+/// One row of [`Forward`]: `x` normalised by its `1 / rms` `rs` (from
+/// [`scaled_row`]), times `w`, into `y` in `order`, prefetching `ahead` (a
+/// row to come, or empty).
 #[inline(always)]
-fn norm_row<L: Lanes, T: Element>(l: L, x: &[T], ahead: &[T], w: Option<&[T]>, y: &mut [T], eps: f32, order: Order) {
-    let rs = super::inv_rms(SumSq(x).run(l), x.len(), eps);
+fn norm_row<L: Lanes, T: Element>(l: L, (x, rs): (&[T], f32), ahead: &[T], w: Option<&[T]>, y: &mut [T], order: Order) {
     let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
     write_row(l, row, y, &[ahead], order);
 }
@@ -188,7 +240,9 @@ mod tests {
     /// in each type's code). `x` ends with the last row, and the kernel
     /// asserts (in tests) the row it prefetches.
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
-        for cols in [1usize, 16, 31, 32, 33, 100, 128, 300] {
+        // 1100 and 2100: rows of 4 KiB or more (f32; bf16 and f16 too at
+        // 2100), which take one row at a time (`SUM_EARLY_BELOW`).
+        for cols in [1usize, 16, 31, 32, 33, 100, 128, 300, 1100, 2100] {
             // 60 and 65 rows: more than the rows prefetched ahead at most
             // widths (65 = 64 + 1 for rows of 64 bytes).
             for (sizes, gap) in [([6usize, 1], 0usize), ([3, 2], 5), ([20, 3], 5), ([65, 1], 0)] {
