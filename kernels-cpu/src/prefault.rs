@@ -95,10 +95,16 @@ mod imp {
     /// when the memory has huge pages (2 MiB is the smallest huge page size).
     const HUGE: usize = 2 << 20;
 
+    /// The system's page size (4 KiB on x86-64; 16 or 64 KiB on some
+    /// aarch64 kernels).
+    pub(super) fn page_size() -> usize {
+        // SAFETY: sysconf has no preconditions.
+        usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1)
+    }
+
     /// The whole pages of `[ptr, ptr + bytes)`: `(start, end, page size)`.
     fn pages(ptr: usize, bytes: usize) -> (usize, usize, usize) {
-        // SAFETY: sysconf has no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+        let page = page_size();
         (ptr.next_multiple_of(page), (ptr + bytes) / page * page, page)
     }
 
@@ -228,14 +234,6 @@ mod tests {
         assert_eq!(prefault(&mut [1u8; 10], true), Pages::Present);
     }
 
-    /// The system's page size (4 KiB on x86-64; 16 or 64 KiB on some
-    /// aarch64 kernels).
-    #[cfg(target_os = "linux")]
-    fn page_size() -> usize {
-        // SAFETY: sysconf has no preconditions.
-        usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).expect("a page size")
-    }
-
     /// A private anonymous mapping of `.1` bytes at `.0`, unmapped on drop.
     #[cfg(target_os = "linux")]
     struct Mapping(*mut libc::c_void, usize);
@@ -264,7 +262,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn populates_fresh_memory() {
-        let page = page_size();
+        let page = imp::page_size();
         let map = Mapping::new(64 * page);
         let base = map.0;
         let resident = |i: usize| {
@@ -297,7 +295,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn probe_faults_the_frame_at_the_chosen_end() {
-        let (page, huge) = (page_size(), 2usize << 20);
+        let (page, huge) = (imp::page_size(), 2usize << 20);
         if page != 4096 {
             // With 16 or 64 KiB pages a transparent huge page is 32 or 512 MiB.
             eprintln!("skipped: {page}-byte pages, and this test knows the 2 MiB huge pages of 4 KiB ones");
@@ -342,7 +340,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn fresh_finds_missing_pages() {
-        let page = page_size();
+        let page = imp::page_size();
         for pages in [64usize, 500, 1200] {
             let map = Mapping::new((pages + 2) * page);
             // Madvised away from huge pages, so that touching one page does
