@@ -13,21 +13,17 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+source scripts/apt.sh
 target=aarch64-unknown-linux-gnu
+# Tests that cannot pass under qemu-user (see above).
+qemu_skips=(prefault::tests::populates_fresh_memory prefault::tests::probe_faults_the_frame_at_the_chosen_end)
 skip() { echo "SKIPPED (aarch64): $*"; exit 0; }
 
 if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
   rustup target add "$target" >/dev/null 2>&1 || skip "rustup could not add the $target target"
 fi
 if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt_log="$(mktemp)"
-    apt_get() { apt-get -o DPkg::Lock::Timeout=120 "$@" >>"$apt_log" 2>&1; }
-    pkgs=(gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user)
-    (apt_get install -y -q "${pkgs[@]}" || { apt_get update -q && apt_get install -y -q "${pkgs[@]}"; }) \
-      || { echo "apt-get could not install ${pkgs[*]}:"; tail -n 5 "$apt_log"; }
-    rm -f "$apt_log"
-  fi
+  apt_install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user || true
   command -v aarch64-linux-gnu-gcc >/dev/null || skip "no aarch64-linux-gnu-gcc (cross linker), and it could not be installed"
   command -v qemu-aarch64 >/dev/null || skip "no qemu-aarch64, and it could not be installed"
 fi
@@ -42,8 +38,9 @@ unset KEEL_REQUIRE_CUDA_EMU
 echo "clippy, $target"
 cargo clippy --workspace --all-targets -q --target "$target" -- -D warnings
 echo "CPU unit and property tests, $target, under $(qemu-aarch64 --version | head -n 1)"
-out="$(cargo test --workspace --release -q --target "$target" --lib --test '*_cpu' -- \
-  --skip prefault::tests::populates_fresh_memory --skip prefault::tests::probe_faults_the_frame_at_the_chosen_end 2>&1)" \
+skip_args=()
+for t in "${qemu_skips[@]}"; do skip_args+=(--skip "$t"); done
+out="$(cargo test --workspace --release -q --target "$target" --lib --test '*_cpu' -- "${skip_args[@]}" 2>&1)" \
   || { echo "$out"; echo "aarch64 tests failed" >&2; exit 1; }
 grep -E '^test result' <<<"$out"
-echo "skipped under qemu (madvise ignored): prefault::tests::populates_fresh_memory, prefault::tests::probe_faults_the_frame_at_the_chosen_end"
+echo "skipped under qemu (madvise ignored): ${qemu_skips[*]}"

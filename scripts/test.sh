@@ -6,6 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 source scripts/torch-env.sh
+source scripts/apt.sh
 step() { printf '\n=== %s\n' "$*"; }
 # filtered WHAT PATTERN COMMAND...: runs COMMAND, shows its output without
 # the lines PATTERN (grep -E) matches, and exits with its status, naming WHAT,
@@ -26,9 +27,7 @@ cargo clippy --workspace --all-targets -q -- -D warnings
 step "cargo test (CPU kernels, property tests, CUDA kernels emulated on the CPU; GPU tests skip without a GPU)"
 # The emulated CUDA tests compile kernels-cuda/ with g++ and need the CUDA
 # headers, which come with the pinned nvcc; in CI they must run, not skip.
-if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  apt-get install -y -q g++ >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++ >/dev/null 2>&1; } || true
-fi
+command -v g++ >/dev/null || apt_install g++ || true
 source scripts/nvcc-env.sh
 export KEEL_REQUIRE_CUDA_EMU=1
 # Once, not twice: the emulated CUDA tests alone take about 40 s.
@@ -66,16 +65,7 @@ find_libclang() {
   done
   return 1
 }
-if ! find_libclang >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  # Waits up to 2 minutes for a dpkg lock held by another apt; on failure the
-  # last lines of apt's output say why (session 13's first run skipped here
-  # without a word, and the same install worked by hand minutes later).
-  apt_log="$(mktemp)"
-  apt_get() { apt-get -o DPkg::Lock::Timeout=120 "$@" >>"$apt_log" 2>&1; }
-  (apt_get install -y -q libclang-dev || { apt_get update -q && apt_get install -y -q libclang-dev; }) \
-    || { echo "apt-get could not install libclang-dev:"; tail -n 5 "$apt_log"; }
-  rm -f "$apt_log"
-fi
+find_libclang >/dev/null || apt_install libclang-dev || true
 if lib="$(find_libclang)"; then
   # Its own statement: as the left side of an `&&` a failure here would not
   # stop the script (set -e ignores it there).
