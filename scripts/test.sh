@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every test, from nothing: Rust lint and tests, the CUDA build checks, then the
-# wheel built once and tested under torch 2.10 and under the newest torch.
+# wheel built once and tested under torch 2.10 and under the newest torch (and
+# on the oldest and newest CPython here besides the machine's python3).
 # CUDA tests skip (saying why) where no GPU is found.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -82,11 +83,29 @@ step "build the wheel once"
 build_wheel
 echo "$WHEEL"
 
-for ver in ${KEEL_TORCH_VERSIONS:-2.10.0 latest}; do
-  step "python tests under torch $ver"
-  torch_env "$ver"
+# Each entry is a torch version, with ":X.Y" to run it on that CPython (the
+# wheel is cp39-abi3: one build for all of them): torch 2.10 on the oldest
+# CPython it takes, the newest torch on the newest CPython here and on this
+# machine's python3, last, whose venv the steps below use. Where the machine
+# lacks that CPython, the entry runs on python3 if no other entry covers its
+# torch, and is skipped otherwise.
+runs="${KEEL_TORCH_VERSIONS:-2.10.0:3.10 latest:3.13 latest}"
+for run in $runs; do
+  ver="${run%%:*}" pyv="" python=""
+  [ "$run" != "$ver" ] && pyv="${run#*:}"
+  if [ -n "$pyv" ] && ! python="$(find_python "$pyv")"; then
+    if grep -qw -- "$ver" <<<"$(tr ' ' '\n' <<<"$runs" | grep -vx -- "$run")"; then
+      step "python tests under torch $ver on CPython $pyv"
+      echo "SKIPPED: no CPython $pyv on this machine (neither python$pyv on PATH nor pyenv's $pyv.*)"
+      continue
+    fi
+    echo "no CPython $pyv on this machine: torch $ver runs on python3 instead"
+    pyv="" python=""
+  fi
+  step "python tests under torch $ver${pyv:+ on CPython $pyv}"
+  torch_env "$ver" $python
   "$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$WHEEL"
-  "$PY" -c "import torch; print('torch', torch.__version__)"
+  "$PY" -c "import sys, torch; print('torch', torch.__version__, 'on CPython', sys.version.split()[0])"
   (cd "$root" && "$PY" -m pytest -q -p no:cacheprovider python/tests)
 done
 
@@ -100,3 +119,4 @@ for cap in avx2 default; do
     python/tests/test_rotary.py python/tests/test_rotary_inplace.py python/tests/test_fused_add_rms_norm.py \
     python/tests/test_fused_add_rms_norm_inplace.py python/tests/test_layouts.py python/tests/test_mixed_precision.py)
 done
+

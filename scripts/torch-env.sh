@@ -1,6 +1,6 @@
 # Sourced by the scripts: `torch_env VERSION` makes (once) and activates a venv
 # .venv-torch-VERSION holding that torch ("latest" = newest on PyPI) and the
-# test tools, and sets $PY to its python.
+# test tools, and sets $PY to its python; `find_python X.Y` finds a CPython.
 #
 # torch with its CUDA libraries is ~5.5 GB installed, and a plain `pip install`
 # holds every downloaded wheel (~3.5 GB more) until the end, plus a cached copy.
@@ -55,8 +55,25 @@ _newer_torch() {
   "$1/bin/python" -c 'import json, sys; sys.exit(0 if json.loads(sys.argv[1])["install"] else 1)' "$out"
 }
 
+# The interpreter for CPython X.Y ("3.13") that runs and can make a venv:
+# python3.13 on PATH (a pyenv shim there may refuse to run), else pyenv's
+# newest 3.13.*; prints its path, or fails where this machine has none.
+find_python() {
+  local want="$1" p
+  for p in "$(command -v "python$want")" \
+    $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}/versions/$want".*/bin/"python$want" 2>/dev/null | sort -V -r); do
+    [ -n "$p" ] && "$p" -c 'import venv, ensurepip' 2>/dev/null && { echo "$p"; return 0; }
+  done
+  return 1
+}
+
+# `torch_env VERSION [PYTHON]`: PYTHON (an interpreter's path) makes the venv
+# with that CPython, named .venv-torch-VERSION-pyX.Y; without it, python3's.
 torch_env() {
-  local ver="$1" venv="$_root/.venv-torch-$1" spec
+  local ver="$1" python="${2:-python3}" venv="$_root/.venv-torch-$1" spec
+  if [ -n "${2:-}" ]; then
+    venv="$venv-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+  fi
   if [ "$ver" = latest ]; then spec="torch"; else spec="torch==$ver"; fi
   if [ "$ver" = latest ] && [ -f "$venv/.ready" ] && _newer_torch "$venv"; then
     echo "a newer torch is out: rebuilding $venv"
@@ -65,7 +82,7 @@ torch_env() {
   if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.ready" ]; then
     rm -rf "$venv"
     _make_room "$venv"
-    python3 -m venv "$venv"
+    "$python" -m venv "$venv"
     _install_frugal "$venv" "$spec" numpy pytest expecttest matplotlib tqdm
     touch "$venv/.ready"
   fi
