@@ -8,7 +8,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 source scripts/torch-env.sh
 source scripts/apt.sh
-step() { printf '\n=== %s\n' "$*"; }
+# Each step says when it began (time since the script started), so that a slow
+# CI run's log shows where its time went.
+clock() { printf '%dm%02ds' $((SECONDS / 60)) $((SECONDS % 60)); }
+step() { printf '\n=== %s (at %s)\n' "$*" "$(clock)"; }
 # filtered WHAT PATTERN COMMAND...: runs COMMAND, shows its output without
 # the lines PATTERN (grep -E) matches, and exits with its status, naming WHAT,
 # where it failed.
@@ -136,3 +139,5 @@ for cap in avx2 default; do
     python/tests/test_rotary.py python/tests/test_rotary_inplace.py python/tests/test_fused_add_rms_norm.py \
     python/tests/test_fused_add_rms_norm_inplace.py python/tests/test_layouts.py python/tests/test_mixed_precision.py)
 done
+
+printf '\n=== every test passed, in %s\n' "$(clock)"
