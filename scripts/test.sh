@@ -34,13 +34,13 @@ step "cargo test (CPU kernels, property tests, CUDA kernels emulated on the CPU;
 command -v g++ >/dev/null || apt_install g++ || true
 source scripts/nvcc-env.sh
 export KEEL_REQUIRE_CUDA_EMU=1
-# Once, not twice: the emulated CUDA tests alone take about 3-4 minutes here.
+# Once, not twice: the emulated CUDA tests alone take about a minute here.
 filtered "cargo test" '^$|^running 0 tests' cargo test --workspace --release -q
 
 step "cargo test of the CPU kernels at each lower SIMD level (KEEL_CPU_CAPABILITY): the paths of CPUs without AVX-512, or without AVX2"
 # Not the emulated CUDA tests (ops::emu_tests): they check the CUDA kernels'
 # source against the CPU kernels, which the tests run here check against f64
-# references at each level; once, above, is enough (they take 3-4 minutes).
+# references at each level; once, above, is enough.
 for cap in avx2 default; do
   filtered "cargo test at $cap" '^$|^running 0 tests' env KEEL_CPU_CAPABILITY="$cap" \
     cargo test --workspace --release -q --lib --test '*_cpu' -- --skip ops::emu_tests

@@ -4,7 +4,7 @@
 //
 // What it models:
 // - Blocks run one after another; the threads of a block run as fibers
-//   (ucontext) on one OS thread, switching only at __syncthreads and warp
+//   (runtime.cpp) on one OS thread, switching only at __syncthreads and warp
 //   shuffles. `__shared__` is therefore a plain `static`. Each warp runs up
 //   to the next __syncthreads before the next warp starts.
 // - __syncthreads waits for every thread of the block; a barrier that some
