@@ -60,10 +60,11 @@ pub(crate) fn unavailable() -> Option<String> {
     why
 }
 
-/// The C++ compiler and the CUDA include directory, looked for once per
-/// process (every test, proptest case and module build asks).
-fn toolchain() -> &'static std::result::Result<(String, PathBuf), String> {
-    static FOUND: OnceLock<std::result::Result<(String, PathBuf), String>> = OnceLock::new();
+/// The C++ compiler with the flags its sanitizer runtime needs, and the CUDA
+/// include directory, looked for once per process (every test, proptest case
+/// and module build asks).
+fn toolchain() -> &'static std::result::Result<(Cxx, PathBuf), String> {
+    static FOUND: OnceLock<std::result::Result<(Cxx, PathBuf), String>> = OnceLock::new();
     FOUND.get_or_init(|| {
         let cross = env!("KEEL_CROSS_BUILD");
         if !cross.is_empty() {
@@ -73,12 +74,35 @@ fn toolchain() -> &'static std::result::Result<(String, PathBuf), String> {
     })
 }
 
-fn cxx() -> std::result::Result<String, String> {
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
-    match Command::new(&cxx).arg("--version").output() {
-        Ok(o) if o.status.success() => Ok(cxx),
-        _ => Err(format!("no C++ compiler ({cxx}; set CXX)")),
+/// A C++ compiler (`$CXX`, else g++) and what a shared library built with
+/// `-fsanitize=alignment` must be linked with to load.
+#[derive(Clone)]
+struct Cxx {
+    path: String,
+    link_args: Vec<String>,
+}
+
+fn cxx() -> std::result::Result<Cxx, String> {
+    let path = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let version = match Command::new(&path).arg("--version").output() {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        _ => return Err(format!("no C++ compiler ({path}; set CXX)")),
+    };
+    // g++ links a shared library to its sanitizer runtime (libubsan.so, on
+    // the loader's path). clang leaves the runtime to the executable, so a
+    // library loaded into a Rust test fails with undefined __ubsan_handle_*
+    // symbols: link clang's shared runtime, and find it where clang keeps it.
+    let mut link_args = Vec::new();
+    if version.contains("clang") {
+        link_args.push("-shared-libsan".to_string());
+        match Command::new(&path).arg("-print-runtime-dir").output() {
+            Ok(o) if o.status.success() => {
+                link_args.push(format!("-Wl,-rpath,{}", String::from_utf8_lossy(&o.stdout).trim()))
+            }
+            _ => {}
+        }
     }
+    Ok(Cxx { path, link_args })
 }
 
 /// The directory holding `cuda_bf16.h`: `$KEEL_CUDA_INCLUDE`, beside
@@ -116,7 +140,7 @@ fn entries(ptx: &str) -> Vec<&str> {
 /// its PTX (so every kernel that Rust can ask for exists in C++).
 fn build(module: Module) -> std::result::Result<Lib, String> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let (cxx, include) = toolchain().clone()?;
+    let (Cxx { path: cxx, link_args }, include) = toolchain().clone()?;
     let dir = Path::new(env!("OUT_DIR")).join("cuda-emu");
     std::fs::create_dir_all(&dir).map_err(|e| format!("creating {}: {e}", dir.display()))?;
     let stem = module.0;
@@ -168,6 +192,7 @@ extern "C" int keel_emu_launch(const char* name, const char* signature, unsigned
         .arg(&include)
         .arg(&cpp)
         .arg(emu_dir.join("runtime.cpp"))
+        .args(&link_args)
         .arg("-o")
         .arg(&so)
         .output()
@@ -179,7 +204,14 @@ extern "C" int keel_emu_launch(const char* name, const char* signature, unsigned
     // SAFETY: a library we just built; its initialisers only set globals.
     let handle = unsafe { libc::dlopen(c_so.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     if handle.is_null() {
-        return Err(format!("dlopen {} failed", so.display()));
+        // SAFETY: no arguments; it returns this thread's last dl* error.
+        let why = unsafe { libc::dlerror() };
+        let why = match why.is_null() {
+            true => "no reason given".into(),
+            // SAFETY: a NUL-terminated message, valid until the next dl* call.
+            false => unsafe { CStr::from_ptr(why) }.to_string_lossy(),
+        };
+        return Err(format!("dlopen {} failed: {why}", so.display()));
     }
     // The mapping outlives the files.
     let _ = std::fs::remove_file(&cpp);
