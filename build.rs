@@ -28,7 +28,8 @@ fn main() {
     println!("cargo:rerun-if-changed=ptx");
     // The tests' CUDA emulation (src/cuda/emu.rs) builds its library with
     // this machine's C++ compiler, for this machine: a test binary built for
-    // another target (run under qemu) cannot load it.
+    // another target (run under qemu) cannot load it, so there the tests skip
+    // unless KEEL_EMU_CXX names a compiler for that target.
     let (host, target) = (env::var("HOST").unwrap(), env::var("TARGET").unwrap());
     let cross = if host == target { String::new() } else { format!("{target} on {host}") };
     println!("cargo:rustc-env=KEEL_CROSS_BUILD={cross}");

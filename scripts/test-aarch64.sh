@@ -6,6 +6,13 @@
 # target, a cross linker, qemu) where it can; where it cannot, it says so and
 # skips, as the GPU tests do without a GPU. A failing lint or test fails.
 #
+# Then a few of the tests that run the CUDA kernels' source on the CPU
+# emulation (src/cuda/emu.rs), built by the aarch64 C++ cross compiler and
+# loaded into the aarch64 test binary: there the emulated threads switch
+# through glibc's ucontext (x86-64 has its own switch), and the kernels'
+# source builds for another host. Three fast tests (15 s); all seven took
+# 870 s under qemu (session 68, all passed), so CI runs them natively only.
+#
 # Under qemu two prefault tests are skipped: qemu-user takes `madvise` as a
 # hint it may ignore (MADV_POPULATE_WRITE returns success and populates
 # nothing), so the pages those tests look for are not there. Real aarch64
@@ -22,8 +29,9 @@ skip() { echo "SKIPPED (aarch64): $*"; exit 0; }
 if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
   rustup target add "$target" >/dev/null 2>&1 || skip "rustup could not add the $target target"
 fi
-if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
-  apt_install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user || true
+if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null \
+  || ! command -v qemu-aarch64 >/dev/null; then
+  apt_install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user || true
   command -v aarch64-linux-gnu-gcc >/dev/null || skip "no aarch64-linux-gnu-gcc (cross linker), and it could not be installed"
   command -v qemu-aarch64 >/dev/null || skip "no qemu-aarch64, and it could not be installed"
 fi
@@ -32,8 +40,10 @@ export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"
 # The emulated CUDA tests build their library with the host's compiler,
 # which an aarch64 process cannot load: in a cross build they skip, saying so
-# (src/cuda/emu.rs), and they run natively in scripts/test.sh.
-unset KEEL_REQUIRE_CUDA_EMU
+# (src/cuda/emu.rs), unless KEEL_EMU_CXX names a compiler for the target (the
+# subset at the end). They all run natively in scripts/test.sh.
+require_emu="${KEEL_REQUIRE_CUDA_EMU:-0}"
+unset KEEL_REQUIRE_CUDA_EMU KEEL_EMU_CXX
 
 echo "clippy, $target"
 cargo clippy --workspace --all-targets -q --target "$target" -- -D warnings
@@ -44,3 +54,16 @@ out="$(cargo test --workspace --release -q --target "$target" --lib --test '*_cp
   || { echo "$out"; echo "aarch64 tests failed" >&2; exit 1; }
 grep -E '^test result' <<<"$out"
 echo "skipped under qemu (madvise ignored): ${qemu_skips[*]}"
+
+emu_tests=(emulated_norms_and_rotary_give_the_same_bits_without_vectors emulated_rms_norm_of_zero_width_rows_is_a_no_op
+  emulated_rms_norm_teams_give_the_bits_of_a_warp)
+if command -v aarch64-linux-gnu-g++ >/dev/null; then
+  echo "CUDA kernels' source on the emulation, built by aarch64-linux-gnu-g++, under qemu: ${emu_tests[*]}"
+  out="$(KEEL_EMU_CXX=aarch64-linux-gnu-g++ KEEL_REQUIRE_CUDA_EMU="$require_emu" \
+    cargo test -p keel --release -q --target "$target" --lib -- --exact "${emu_tests[@]/#/ops::emu_tests::}" 2>&1)" \
+    || { echo "$out"; echo "aarch64 emulated CUDA tests failed" >&2; exit 1; }
+  grep -E '^test result' <<<"$out"
+  grep -q "^test result: ok. ${#emu_tests[@]} passed" <<<"$out" || { echo "$out"; echo "expected ${#emu_tests[@]} tests to run" >&2; exit 1; }
+else
+  echo "SKIPPED (aarch64): the emulated CUDA tests (no aarch64-linux-gnu-g++, and it could not be installed)"
+fi

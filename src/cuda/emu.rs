@@ -67,14 +67,16 @@ fn toolchain() -> &'static std::result::Result<(Cxx, PathBuf), String> {
     static FOUND: OnceLock<std::result::Result<(Cxx, PathBuf), String>> = OnceLock::new();
     FOUND.get_or_init(|| {
         let cross = env!("KEEL_CROSS_BUILD");
-        if !cross.is_empty() {
-            return Err(format!("a cross build ({cross}): the C++ compiler builds for the host, not this target"));
+        if !cross.is_empty() && std::env::var_os("KEEL_EMU_CXX").is_none() {
+            return Err(format!(
+                "a cross build ({cross}): the C++ compiler builds for the host (set KEEL_EMU_CXX to one for this target)"
+            ));
         }
         Ok((cxx()?, cuda_include()?))
     })
 }
 
-/// A C++ compiler (`$CXX`, else g++) and what a shared library built with
+/// A C++ compiler (`$KEEL_EMU_CXX`, else `$CXX`, else g++) and what a shared library built with
 /// `-fsanitize=alignment` must be linked with to load.
 #[derive(Clone)]
 struct Cxx {
@@ -83,7 +85,7 @@ struct Cxx {
 }
 
 fn cxx() -> std::result::Result<Cxx, String> {
-    let path = std::env::var("CXX").unwrap_or_else(|_| "g++".into());
+    let path = std::env::var("KEEL_EMU_CXX").or_else(|_| std::env::var("CXX")).unwrap_or_else(|_| "g++".into());
     let version = match Command::new(&path).arg("--version").output() {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
         _ => return Err(format!("no C++ compiler ({path}; set CXX)")),
