@@ -10,7 +10,7 @@
 # emulation (src/cuda/emu.rs), built by the aarch64 C++ cross compiler and
 # loaded into the aarch64 test binary: there the emulated threads switch
 # through glibc's ucontext (x86-64 has its own switch), and the kernels'
-# source builds for another host. Three fast tests (15 s); all seven took
+# source builds for another host. Three fast tests (10-15 s); all seven took
 # 870 s under qemu (session 68, all passed), so CI runs them natively only.
 #
 # Under qemu two prefault tests are skipped: qemu-user takes `madvise` as a

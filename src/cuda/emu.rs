@@ -227,12 +227,22 @@ extern "C" int keel_emu_launch(const char* name, const char* signature, unsigned
     Ok(Lib { launch: unsafe { std::mem::transmute::<*mut c_void, LaunchFn>(sym) } })
 }
 
-/// The compiled modules, built once per process; the lock also serialises
-/// launches, since a block's shared memory is a static in the library.
-fn libs() -> &'static Mutex<HashMap<&'static str, std::result::Result<Lib, String>>> {
-    static LIBS: OnceLock<Mutex<HashMap<&'static str, std::result::Result<Lib, String>>>> = OnceLock::new();
-    LIBS.get_or_init(Default::default)
+/// A compiled module, built once per process. Each module has its own cell,
+/// so that two modules build at once (a few seconds of the C++ compiler
+/// each) while a launch of a third runs.
+fn lib(module: Module) -> &'static std::result::Result<Lib, String> {
+    type Cell = OnceLock<std::result::Result<Lib, String>>;
+    static CELLS: OnceLock<Mutex<HashMap<&'static str, &'static Cell>>> = OnceLock::new();
+    let cell: &'static Cell = {
+        let mut cells = CELLS.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        cells.entry(module.0).or_insert_with(|| Box::leak(Box::default()))
+    };
+    cell.get_or_init(|| build(module))
 }
+
+/// Serialises launches: a block's shared memory is a static in its library,
+/// and each launch sets process-wide signal handlers and a timer.
+static LAUNCH: Mutex<()> = Mutex::new(());
 
 fn emu_error(kernel: &str, msg: impl Into<String>) -> Error {
     Error::Emu { kernel: kernel.into(), msg: msg.into() }
@@ -272,9 +282,8 @@ impl Target for Emu {
             })
             .collect();
         let mut params: Vec<*mut c_void> = slots.iter_mut().map(|s| s as *mut u64 as *mut c_void).collect();
-        let mut libs = libs().lock().unwrap_or_else(|e| e.into_inner());
-        let lib =
-            libs.entry(module.0).or_insert_with(|| build(module)).as_ref().map_err(|e| emu_error(kernel, e.clone()))?;
+        let lib = lib(module).as_ref().map_err(|e| emu_error(kernel, e.clone()))?;
+        let _launch = LAUNCH.lock().unwrap_or_else(|e| e.into_inner());
         let (name, signature) = (CString::new(kernel).unwrap(), CString::new(signature).unwrap());
         let mut err = vec![0 as c_char; 512];
         // SAFETY: params point to one slot per argument, which the signature
