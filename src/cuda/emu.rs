@@ -65,19 +65,13 @@ pub(crate) fn unavailable() -> Option<String> {
 /// and module build asks).
 fn toolchain() -> &'static std::result::Result<(Cxx, PathBuf), String> {
     static FOUND: OnceLock<std::result::Result<(Cxx, PathBuf), String>> = OnceLock::new();
-    FOUND.get_or_init(|| {
-        let cross = env!("KEEL_CROSS_BUILD");
-        if !cross.is_empty() && std::env::var_os("KEEL_EMU_CXX").is_none() {
-            return Err(format!(
-                "a cross build ({cross}): the C++ compiler builds for the host (set KEEL_EMU_CXX to one for this target)"
-            ));
-        }
-        Ok((cxx()?, cuda_include()?))
-    })
+    FOUND.get_or_init(|| Ok((cxx()?, cuda_include()?)))
 }
 
-/// A C++ compiler (`$KEEL_EMU_CXX`, else `$CXX`, else g++) and what a shared library built with
-/// `-fsanitize=alignment` must be linked with to load.
+/// A C++ compiler (`$KEEL_EMU_CXX`, else `$CXX`, else g++; in a cross build
+/// only `$KEEL_EMU_CXX`, since the others build for the host) and what a
+/// shared library built with `-fsanitize=alignment` must be linked with to
+/// load.
 #[derive(Clone)]
 struct Cxx {
     path: String,
@@ -85,10 +79,18 @@ struct Cxx {
 }
 
 fn cxx() -> std::result::Result<Cxx, String> {
-    let path = std::env::var("KEEL_EMU_CXX").or_else(|_| std::env::var("CXX")).unwrap_or_else(|_| "g++".into());
+    let cross = env!("KEEL_CROSS_BUILD");
+    let path = match std::env::var("KEEL_EMU_CXX") {
+        Ok(path) => path,
+        Err(_) if cross.is_empty() => std::env::var("CXX").unwrap_or_else(|_| "g++".into()),
+        Err(_) => {
+            let why = "the C++ compiler builds for the host (set KEEL_EMU_CXX to one for this target)";
+            return Err(format!("a cross build ({cross}): {why}"));
+        }
+    };
     let version = match Command::new(&path).arg("--version").output() {
         Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
-        _ => return Err(format!("no C++ compiler ({path}; set CXX)")),
+        _ => return Err(format!("no C++ compiler ({path}; set KEEL_EMU_CXX or CXX)")),
     };
     // g++ links a shared library to its sanitizer runtime (libubsan.so, on
     // the loader's path). clang leaves the runtime to the executable, so a
