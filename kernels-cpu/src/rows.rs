@@ -163,6 +163,15 @@ fn descends<T: 'static>() -> bool {
 /// pages and rounds it in registers ([`Split::get_ordered`]). Rotary's
 /// tiles of a transposed q are the exception: they gain in every type
 /// ([`Split::get_descending_on_huge`]; f32 0.87-0.91, f16 0.91).
+///
+/// Measured again (session 69, the same kind of Zen 4 VM, a Rust harness:
+/// 4096 rows, two threads, fresh huge pages, the order switched at run time,
+/// interleaved, medians of 31), with and without the write-ahead prefetch:
+/// ascending took 1.11-1.22x as long for rms_norm bf16, 1.10-1.13x for
+/// layer_norm, 1.11-1.17x for silu_and_mul and 1.16-1.18x for its backward;
+/// fused_add_rms_norm 0.99-1.01. On the Xeon VM ascending was 1-6% faster
+/// (BENCHMARKS.md, sessions 62-63); one order for every CPU, the one that
+/// gains most where it gains.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
     /// From the first row (and value) up.

@@ -174,8 +174,8 @@ pub(crate) const WRITE_AHEAD_BYTES: usize = 1024;
 /// `prefetchw` of the line [`WRITE_AHEAD_BYTES`] past `p`, where a pass
 /// storing at `p` will store soon: that line in this core's cache, owned,
 /// ready to be written. `p` may lie anywhere (past a slice's end too): the
-/// prefetch cannot fault. Callers take it only on AVX-512 (the only cores it
-/// was measured on; AVX2 passes are as they were).
+/// prefetch cannot fault. Callers take it only where [`writes_ahead`]:
+/// Intel's AVX-512 cores, where it pays (AVX2 passes are as they were).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 #[inline(always)]
 pub(crate) fn prefetch_write_ahead<T>(p: *const T) {
@@ -210,11 +210,54 @@ fn prefetch_write(p: *const i8, bytes: usize) {
 
 /// Whether this CPU's passes ask for their output lines ahead
 /// ([`prefetch_write_ahead`]): where [`dispatch`] runs AVX-512 (with
-/// AVX512-BF16), the only cores where that was measured. Code generic over
-/// the width asks `Lanes::WRITES_AHEAD`, true at the same CPUs' width.
+/// AVX512-BF16) on an Intel core. Code generic over the width asks
+/// `Lanes::writes_ahead`, which adds that the width is AVX-512's.
+///
+/// On the 2-core Xeon VM (sessions 61-62) the prefetch gained up to 28%
+/// (rms_norm f32 into reused outputs 4.97 -> 3.86 ms). On the 2-core Zen 4
+/// VM (session 69; 4096x4096, two threads, the prefetch switched at run
+/// time, interleaved, medians of 41) it gained nothing anywhere and cost up
+/// to a tenth: without it, rms_norm backward bf16 0.90-0.92 of the time
+/// into reused outputs and 0.94 into fresh huge pages, layer_norm forward
+/// bf16 0.93-0.94 and rms_norm's 0.95-0.97 into fresh huge pages, rotary
+/// f32 0.95-0.96 there, silu_and_mul f32 0.97 either way; every other row
+/// 0.98-1.02. So AMD's cores, and any other vendor's, go without.
+///
+/// Detected once, and read as [`has_v4_bf16`] is: the loops that ask read
+/// this per vector.
+#[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn writes_ahead() -> bool {
-    has_v4_bf16()
+    use std::sync::atomic::{AtomicU8, Ordering};
+    static AHEAD: AtomicU8 = AtomicU8::new(2);
+    match AHEAD.load(Ordering::Relaxed) {
+        2 => {
+            // Every x86-64 CPU has `cpuid`, and leaf 0 on all.
+            let r = std::arch::x86_64::__cpuid(0);
+            let ahead = has_v4_bf16() && vendor_is_intel(r.ebx, r.edx, r.ecx);
+            AHEAD.store(ahead as u8, Ordering::Relaxed);
+            ahead
+        }
+        v => v == 1,
+    }
+}
+
+/// [`writes_ahead`] off x86-64: there is no `prefetchw` to ask with.
+#[cfg(not(target_arch = "x86_64"))]
+#[inline(always)]
+pub(crate) fn writes_ahead() -> bool {
+    false
+}
+
+/// Whether `cpuid` leaf 0's vendor registers, in the order the string
+/// takes them (`ebx`, `edx`, `ecx`), spell "GenuineIntel".
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn vendor_is_intel(ebx: u32, edx: u32, ecx: u32) -> bool {
+    let mut v = [0u8; 12];
+    for (k, r) in [ebx, edx, ecx].into_iter().enumerate() {
+        v[4 * k..4 * k + 4].copy_from_slice(&r.to_le_bytes());
+    }
+    &v == b"GenuineIntel"
 }
 
 /// Runs `f(k, part)` over `out` in parts of [`PREFETCH_PART`] elements
@@ -342,4 +385,28 @@ pub(crate) fn reduce_lanes<A: Acc>(mut acc: [A; LANES]) -> A {
         }
     }
     acc[0]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vendor_string_is_read_from_ebx_edx_ecx() {
+        // "Genu" "ineI" "ntel" and "Auth" "enti" "cAMD", little-endian.
+        assert!(vendor_is_intel(0x756e_6547, 0x4965_6e69, 0x6c65_746e));
+        assert!(!vendor_is_intel(0x6874_7541, 0x6974_6e65, 0x444d_4163));
+        // The same words in cpuid's register order (ebx, ecx, edx) are not it.
+        assert!(!vendor_is_intel(0x756e_6547, 0x6c65_746e, 0x4965_6e69));
+    }
+
+    #[test]
+    fn only_avx512_with_bf16_writes_ahead() {
+        assert!(!writes_ahead() || has_v4_bf16());
+        #[cfg(target_arch = "x86_64")]
+        {
+            let r = std::arch::x86_64::__cpuid(0);
+            assert_eq!(writes_ahead(), has_v4_bf16() && vendor_is_intel(r.ebx, r.edx, r.ecx));
+        }
+    }
 }

@@ -405,12 +405,12 @@ unsafe fn step<L: Lanes, T: 'static, const G: usize, const SHIFTED: bool>(
     // SAFETY: the caller's.
     unsafe {
         let dxv = values::<L, T, G, SHIFTED>(l, c, ins, dwb, i, count);
-        // f32 rows on AVX-512 ask for their `dx` lines ahead (one a row per
+        // f32 rows on Intel's AVX-512 ask for their `dx` lines ahead (one a row per
         // vector): on the Xeon, 4096x4096, two threads, interleaved
         // medians (session 62), 1.5-4% faster into reused outputs, 2% into
         // fresh 4 KiB pages, unchanged into fresh huge pages. (bf16's
         // pairs measured unchanged with it.)
-        if L::WRITES_AHEAD && is::<T, f32>() {
+        if L::writes_ahead() && is::<T, f32>() {
             for p in dxs {
                 prefetch_write_ahead(p.add(i - o));
             }

@@ -160,12 +160,12 @@ unsafe fn step<L: Lanes, const G: usize, const ADD: bool>(
             }
             dwv = l.add(dwv, l.mul(l.mul(dyv, xv), r));
         }
-        // On AVX-512 each row asks for its `dx` line ahead (a vector is a
+        // On Intel's AVX-512 each row asks for its `dx` line ahead (a vector is a
         // line): on the Xeon, 4096x4096, two threads, interleaved medians
         // (session 62), 11.3 -> 8.1 ms into reused outputs (fused_add's
         // 10.0 -> 8.3), 15.7 -> 13.9 into fresh huge pages, 23.0 -> 19.7
         // into fresh 4 KiB pages.
-        if L::WRITES_AHEAD {
+        if L::writes_ahead() {
             for p in dxs {
                 prefetch_write_ahead(p.add(i));
             }

@@ -90,12 +90,12 @@ impl<T: Element> Kernel for Rows<'_, T> {
                 &[next_x, next_dy],
                 #[inline(always)]
                 |k, dx| {
-                    // On AVX-512 the part's `dx` lines are asked for ahead:
+                    // On Intel's AVX-512 the part's `dx` lines are asked for ahead:
                     // on the Xeon, bf16 4096x4096, two threads, interleaved
                     // medians (session 62), 4.1-4.2 -> 3.6 ms into reused
                     // outputs (fused_add's 4.2 -> 3.7-3.8), 6.9 -> 6.4 into
                     // fresh huge pages.
-                    if L::WRITES_AHEAD {
+                    if L::writes_ahead() {
                         prefetch_row_write_ahead(dx);
                     }
                     T::write_acc(

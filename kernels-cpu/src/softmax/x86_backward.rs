@@ -85,7 +85,7 @@ impl<T: Element> Kernel for Back<'_, T> {
                         // (session 62), 7.3-7.5 -> 6.7-6.8 ms into reused
                         // outputs, 11.9 -> 11.4 into fresh huge pages. (bf16
                         // through the blocks measured 0-3% slower with it.)
-                        let ahead_w = L::WRITES_AHEAD && is::<T, f32>();
+                        let ahead_w = L::writes_ahead() && is::<T, f32>();
                         while i + L::N <= len {
                             if ahead_w {
                                 prefetch_write_ahead(o.add(i));

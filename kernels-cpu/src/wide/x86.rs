@@ -31,12 +31,20 @@ pub(crate) trait Lanes: Copy {
     type V: Copy;
     /// Whether [`Lanes::store_bf16_pair`] can succeed at this width.
     const ROUNDS_BF16: bool;
-    /// Whether loops at this width ask for their output lines ahead of
+    /// Whether loops at this width may ask for their output lines ahead of
     /// their stores ([`crate::simd::prefetch_write_ahead`] and
     /// `prefetch_write_below`): AVX-512, the only width where that was
-    /// measured (sessions 61-62); the same CPUs as
-    /// [`crate::simd::writes_ahead`].
+    /// measured (sessions 61-62). Whether they do is
+    /// [`Lanes::writes_ahead`].
     const WRITES_AHEAD: bool;
+
+    /// Whether loops at this width ask for their output lines ahead:
+    /// [`Lanes::WRITES_AHEAD`] on a CPU where that pays
+    /// ([`crate::simd::writes_ahead`]: Intel's).
+    #[inline(always)]
+    fn writes_ahead() -> bool {
+        Self::WRITES_AHEAD && crate::simd::writes_ahead()
+    }
 
     /// Every lane `v`.
     fn splat(self, v: f32) -> Self::V;

@@ -89,14 +89,14 @@ pub(crate) fn write_row<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &m
             let out = cast_mut::<T::Acc, f32>(out).expect("write_row: T::Acc is f32 for f32, bf16, f16");
             let (len, o, from) = (out.len(), out.as_mut_ptr(), at0 + at);
             let mut i = 0;
-            // On AVX-512 an f32 row is `out` itself (no scratch block), a
+            // On Intel's AVX-512 an f32 row is `out` itself (no scratch block), a
             // vector a line: each store asks for its line ahead, as bf16
             // rows do ([`write_bf16_pairs`]). The Xeon, 4096x4096, two
             // threads, interleaved medians (session 62): into reused outputs
             // rms_norm 4.97 -> 3.86 ms, layer_norm 5.03 -> 4.55,
             // fused_add_rms_norm 11.7 -> 9.9; into fresh huge pages 3-6%
             // faster, into fresh 4 KiB pages 3-5%.
-            let ahead_w = L::WRITES_AHEAD && is::<T, f32>();
+            let ahead_w = L::writes_ahead() && is::<T, f32>();
             // SAFETY: whole vectors while they fit in `out`, then the `len -
             // i < N` values left; `from + len <= f.len()` (the block lies in
             // the row).
@@ -134,13 +134,13 @@ fn write_row_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut [T]
         let yp = yb.as_ptr();
         while i > 0 {
             i -= n;
-            // On AVX-512 each group asks for the line below ahead, as
+            // On Intel's AVX-512 each group asks for the line below ahead, as
             // `write_bf16_pairs` asks for the one above: on the Xeon, into
             // fresh huge pages (the only outputs written downwards), two
             // threads, 4096x4096, interleaved medians (session 62):
             // layer_norm 4.85-5.14 -> 4.63-4.86 ms, rms_norm 4.52-4.57 ->
             // 4.29-4.37, fused_add_rms_norm unchanged.
-            if L::WRITES_AHEAD {
+            if L::writes_ahead() {
                 prefetch_write_below(yp.wrapping_add(i));
             }
             bf16_pair_at(l, f, yb, i, ahead);
@@ -197,7 +197,7 @@ fn write_blocks_down<L: Lanes, T: Element, F: RowValues<L>>(l: L, f: F, y: &mut 
 /// 4.66-5.10 -> 4.00-4.09 ms; through torch with THP, 1.22-1.24x -> 1.18x
 /// a clone of `x` (alternated runs).
 ///
-/// On AVX-512 each group asks for its line ahead
+/// On Intel's AVX-512 each group asks for its line ahead
 /// ([`prefetch_write_ahead`]): perf had put most of layer_norm's bf16
 /// forward on the store, waiting on the line's read for ownership. On a
 /// 2-core AVX-512 Xeon, outputs reused, 1 KiB ahead against none:
@@ -214,7 +214,7 @@ fn write_bf16_pairs<L: Lanes, F: RowValues<L>, T>(l: L, f: F, y: &mut [bf16], ah
     let mut i = 0;
     let yp = y.as_ptr();
     while i < whole {
-        if L::WRITES_AHEAD {
+        if L::writes_ahead() {
             // A group of 2 N = 32 values is one 64-byte line. Past the row
             // the prefetch reaches the next row (or the next block's, or
             // memory past the output).
