@@ -34,7 +34,7 @@
 use super::x86::minus;
 use super::{lane_sums, row_consts};
 use crate::element::Element;
-use crate::simd::{prefetch_part_l2, prefetch_write_ahead, reduce_lanes, LANES};
+use crate::simd::{intel, prefetch_part_l2, prefetch_write_ahead, reduce_lanes, LANES};
 use crate::wide::x86::{load_n as load, store_n as store, walk_columns, Kernel, Lanes};
 use crate::wide::{cast_mut, is};
 use half::{bf16, f16};
@@ -56,10 +56,13 @@ use half::{bf16, f16};
 /// [`prefetch_part_l2`]) during the walk, a part's share at a time, in
 /// their own order rather than the walk's columns: the L1 sets stay this
 /// group's. Measured on a 2-core AVX-512 Xeon, f32 4096x4096: 14.1 -> 10.9
-/// ms a call (BENCHMARKS.md, session 61). AVX-512 is taken as the mark of a
-/// core whose `prefetcht1` fills L2 only (Intel's; AMD's from Zen 4 on);
-/// AMD's AVX2-only cores fill L1 on it, into this walk's sets, and were not
-/// measured with it, so AVX2 walks without.
+/// ms a call (BENCHMARKS.md, session 61). Only Intel's AVX-512 cores take
+/// it: on the Zen 4 VM (session 69, the prefetch switched at run time,
+/// interleaved, medians of 31-101) the walk without it took 0.89-0.95 of
+/// the time for f32 4096x4096 into reused outputs, 0.88 for 8192x2048,
+/// 0.95-0.97 for bf16, 0.95-1.00 into fresh huge pages; only f32 512x4096
+/// gained from it (1.02-1.03). AMD's AVX2-only cores fill L1 on this hint,
+/// into this walk's sets, and were not measured with it.
 const GROUP: usize = 2;
 
 /// The shortest rows, in bytes, whose next group is prefetched (see
@@ -200,12 +203,12 @@ unsafe fn walk<L: Lanes, T: Element<Acc = f32>, const G: usize, const SHIFTED: b
     // part, which are then rounded into the rows.
     let f32_rows = cast_mut::<T, f32>(&mut *dx).map(|dx| row_ptrs::<f32, G>(dx, at, cols));
     let mut buf = [[0f32; PART]; G];
-    // AVX-512: the next group's rows (`G cols` values from `at + G cols`, as
-    // far as they reach) fetched into L2 a part at a time while this group's
-    // columns are walked (see `GROUP`).
+    // Intel's AVX-512: the next group's rows (`G cols` values from `at + G
+    // cols`, as far as they reach) fetched into L2 a part at a time while
+    // this group's columns are walked (see `GROUP`).
     let next = at + G * cols;
     let ahead = [x.get(next..).unwrap_or(&[]), dy.get(next..).unwrap_or(&[])];
-    let ahead_on = L::N == 16 && cols * size_of::<T>() >= AHEAD_ROW_BYTES;
+    let ahead_on = L::N == 16 && cols * size_of::<T>() >= AHEAD_ROW_BYTES && intel();
     let mut p = 0;
     while p < cols {
         let len = PART.min(cols - p);
