@@ -357,11 +357,11 @@ fn run<T: Element>(
                 let contiguous = st == shape.contiguous();
                 let ahead_rows = (PREFETCH_BYTES / (d * std::mem::size_of::<T>())).max(1);
                 // And asks for the output's lines ahead of its stores
-                // (Intel's AVX-512: `writes_ahead`): on the Xeon, [4, 1024, 32, 128], two threads,
-                // interleaved medians (session 62), f32 into reused outputs
-                // 3.73 -> 3.15-3.32 ms, into fresh huge pages 1-4% faster;
-                // bf16 into reused outputs unchanged (1.52 ms), into fresh
-                // huge pages 4.41 -> 4.23.
+                // (Intel's AVX-512: `writes_ahead`): on the Xeon, [4, 1024,
+                // 32, 128], two threads, interleaved medians (session 62),
+                // f32 into reused outputs 3.73 -> 3.15-3.32 ms, into fresh
+                // huge pages 1-4% faster; bf16 into reused outputs unchanged
+                // (1.52 ms), into fresh huge pages 4.41 -> 4.23.
                 let ahead_w = writes_ahead();
                 for (i, y) in y.chunks_exact_mut(d).enumerate() {
                     if contiguous {

@@ -253,8 +253,9 @@ pub(crate) fn intel() -> bool {
     })
 }
 
-/// [`intel`] off x86-64.
+/// [`intel`] off x86-64 (which only x86-64 code asks, and the tests).
 #[cfg(not(target_arch = "x86_64"))]
+#[allow(dead_code)]
 pub(crate) fn intel() -> bool {
     false
 }
@@ -419,7 +420,6 @@ mod tests {
 
     #[test]
     fn only_intels_avx512_with_bf16_writes_ahead() {
-        assert!(!writes_ahead() || has_v4_bf16());
         assert_eq!(writes_ahead(), has_v4_bf16() && intel());
         #[cfg(target_arch = "x86_64")]
         {
