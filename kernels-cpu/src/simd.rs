@@ -54,18 +54,40 @@ pub(crate) fn has_v4_bf16() -> bool {
     // A relaxed atomic rather than a `OnceLock` like `arch()`: this is read
     // for every 128 values written, and with `OnceLock<bool>` rms_norm bf16
     // forward measured 40 GiB/s instead of 60 to 77.
-    use std::sync::atomic::{AtomicU8, Ordering};
-    static HAS: AtomicU8 = AtomicU8::new(2);
-    match HAS.load(Ordering::Relaxed) {
-        2 => {
-            let has = cap() == Capability::Avx512
-                && pulp::x86::V4::try_new().is_some()
-                && is_x86_feature_detected!("avx512bf16")
-                && is_x86_feature_detected!("f16c");
-            HAS.store(has as u8, Ordering::Relaxed);
-            has
+    static HAS: Flag = Flag::new();
+    HAS.get(|| {
+        cap() == Capability::Avx512
+            && pulp::x86::V4::try_new().is_some()
+            && is_x86_feature_detected!("avx512bf16")
+            && is_x86_feature_detected!("f16c")
+    })
+}
+
+/// A flag detected once and then read in hot loops ([`has_v4_bf16`],
+/// [`writes_ahead`]): one relaxed load and a compare once known. Two threads
+/// that find it unknown both detect it, and store the same value.
+#[cfg(target_arch = "x86_64")]
+struct Flag(std::sync::atomic::AtomicU8);
+
+#[cfg(target_arch = "x86_64")]
+impl Flag {
+    /// Unknown until first read.
+    const fn new() -> Flag {
+        Flag(std::sync::atomic::AtomicU8::new(2))
+    }
+
+    /// The flag, detecting it with `detect` where it is not known yet.
+    #[inline(always)]
+    fn get(&self, detect: impl FnOnce() -> bool) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        match self.0.load(Relaxed) {
+            2 => {
+                let v = detect();
+                self.0.store(v as u8, Relaxed);
+                v
+            }
+            v => v == 1,
         }
-        v => v == 1,
     }
 }
 
@@ -228,16 +250,8 @@ fn prefetch_write(p: *const i8, bytes: usize) {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(crate) fn writes_ahead() -> bool {
-    use std::sync::atomic::{AtomicU8, Ordering};
-    static AHEAD: AtomicU8 = AtomicU8::new(2);
-    match AHEAD.load(Ordering::Relaxed) {
-        2 => {
-            let ahead = has_v4_bf16() && intel();
-            AHEAD.store(ahead as u8, Ordering::Relaxed);
-            ahead
-        }
-        v => v == 1,
-    }
+    static AHEAD: Flag = Flag::new();
+    AHEAD.get(|| has_v4_bf16() && intel())
 }
 
 /// Whether this CPU is Intel's (`cpuid` leaf 0 says "GenuineIntel"),
