@@ -167,8 +167,8 @@ fn descends<T: 'static>() -> bool {
 /// Measured again (session 69, the same kind of Zen 4 VM, a Rust harness:
 /// 4096 rows, two threads, fresh huge pages, the order switched at run time,
 /// interleaved, medians of 31), with and without the write-ahead prefetch:
-/// ascending took 1.11-1.22x as long for rms_norm bf16, 1.10-1.13x for
-/// layer_norm, 1.11-1.17x for silu_and_mul and 1.16-1.18x for its backward;
+/// ascending took 1.13-1.22x as long for rms_norm bf16, 1.09-1.13x for
+/// layer_norm, 1.11-1.17x for silu_and_mul and 1.16-1.21x for its backward;
 /// fused_add_rms_norm 0.99-1.01. On the Xeon VM ascending was 1-6% faster
 /// (BENCHMARKS.md, sessions 62-63); one order for every CPU, the one that
 /// gains most where it gains.
