@@ -170,8 +170,9 @@ fn descends<T: 'static>() -> bool {
 /// ascending took 1.13-1.22x as long for rms_norm bf16, 1.09-1.13x for
 /// layer_norm, 1.11-1.17x for silu_and_mul and 1.16-1.21x for its backward;
 /// fused_add_rms_norm 0.99-1.01. On the Xeon VM ascending was 1-6% faster
-/// (BENCHMARKS.md, sessions 62-63); one order for every CPU, the one that
-/// gains most where it gains.
+/// (BENCHMARKS.md, sessions 62-63). Descending costs the Xeon that much,
+/// ascending would cost the Zen 4 several times more: one order for every
+/// CPU, descending.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
     /// From the first row (and value) up.

@@ -64,7 +64,7 @@ pub(crate) fn has_v4_bf16() -> bool {
 }
 
 /// A flag detected once and then read in hot loops ([`has_v4_bf16`],
-/// [`writes_ahead`]): one relaxed load and a compare once known. Two threads
+/// [`writes_ahead`], [`intel`]): one relaxed load and a compare once known. Two threads
 /// that find it unknown both detect it, and store the same value.
 #[cfg(target_arch = "x86_64")]
 struct Flag(std::sync::atomic::AtomicU8);
@@ -258,9 +258,10 @@ pub(crate) fn writes_ahead() -> bool {
 /// detected once: where a prefetch measured faster on the Xeon VM and
 /// slower on the Zen 4 one ([`writes_ahead`], layer_norm's backward).
 #[cfg(target_arch = "x86_64")]
+#[inline(always)]
 pub(crate) fn intel() -> bool {
-    static INTEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *INTEL.get_or_init(|| {
+    static INTEL: Flag = Flag::new();
+    INTEL.get(|| {
         // Every x86-64 CPU has `cpuid`, and leaf 0 on all.
         let r = std::arch::x86_64::__cpuid(0);
         vendor_is_intel(r.ebx, r.edx, r.ecx)
