@@ -9,8 +9,9 @@
 //! cost: QK-norm over heads of 128 read from a fused qkv (4096 tokens x 32
 //! heads) ran at 0.74x a clone through torch with THP. Here the sum of
 //! squares inlines ([`SumSq`]'s body at this width) and bf16 rows round in
-//! registers ([`write_row`]). Rows under 4 KiB take the next row's sum of
-//! squares before writing their own ([`SUM_EARLY_BELOW`]).
+//! registers ([`write_row`]). Short rows take the next row's sum of squares
+//! before writing their own ([`sum_early`]: under 4 KiB on Intel's cores,
+//! 16-bit rows of up to 128 values on AMD's).
 //!
 //! The values are the lane loop's, bit for bit: the same sum of squares
 //! (the same explicit kernel), `1 / sqrt(ss / n + eps)` in f32, then `(x r)
@@ -50,9 +51,9 @@ impl<T: Element> Kernel for Forward<'_, T> {
         }
         let row_bytes = cols * std::mem::size_of::<T>();
         let k = rows_ahead(row_bytes);
-        // Short rows take their sum of squares one row early ([`SUM_EARLY_BELOW`]):
+        // Short rows take their sum of squares one row early ([`sum_early`]):
         // the row prefetched is then one further on, `lead + k` from the row written.
-        let early = row_bytes < SUM_EARLY_BELOW;
+        let early = sum_early::<T>(row_bytes);
         let lead = usize::from(early);
         let last = rows - 1;
         match order {
@@ -107,12 +108,48 @@ impl<T: Element> Kernel for Forward<'_, T> {
     }
 }
 
-/// Rows shorter than this many bytes take their sum of squares (and `1 /
-/// rms`) one row early: row `r + 1`'s before row `r` is written, so that its
-/// horizontal sum, divide and square root (a chain of dependent steps)
-/// run while row `r` is written, not between row `r`'s stores and row `r +
-/// 1`'s. The values are the same. Longer rows keep one row at a time, which
-/// measured faster for them (below).
+/// Whether rows of `row_bytes` bytes of `T` take their sum of squares (and
+/// `1 / rms`) one row early: row `r + 1`'s before row `r` is written, so
+/// that its horizontal sum, divide and square root (a chain of dependent
+/// steps) run while row `r` is written, not between row `r`'s stores and
+/// row `r + 1`'s. The values are the same either way; only the time
+/// differs, and it differs by vendor. On Intel's cores, rows under
+/// [`SUM_EARLY_BELOW`] bytes; on others, 16-bit rows of at most
+/// [`SUM_EARLY_AMD_MAX`] bytes, and f32 rows never.
+#[inline(always)]
+fn sum_early<T>(row_bytes: usize) -> bool {
+    if crate::simd::intel() {
+        row_bytes < SUM_EARLY_BELOW
+    } else {
+        std::mem::size_of::<T>() == 2 && row_bytes <= SUM_EARLY_AMD_MAX
+    }
+}
+
+/// The rows [`sum_early`] takes early on AMD's cores (and any other
+/// vendor's but Intel's): 16-bit rows of up to 128 values (QK-norm's heads
+/// of 128 among them).
+///
+/// Measured on the 2-core Zen 4 VM (session 70), `[4096 * 4096 / cols,
+/// cols]`, two threads, outputs used before, early or not switched at run
+/// time and interleaved in one process (medians of 41 rounds; two to five
+/// runs a row; time taking the sum early over time without): bf16 rows of
+/// 64 0.91, of 128 0.93-0.97; of 192 1.05-1.08, of 256 1.03-1.07, of 384
+/// and 512 1.03-1.12, of 768 to 2000 1.06-1.14 (the AVX2 code on the same
+/// CPU: rows of 256 to 2000 1.07-1.18). f32 rows of 64 1.16, of 128 to 512
+/// 0.94-1.07 (memory-bound, and noisy), of 768 and 1000 1.04-1.11. Into
+/// fresh huge pages, within 3% either way. The extra row of prefetch
+/// distance that the early sum brings is not what costs: without it, bf16
+/// rows of 256 to 2000 moved by -4% to +4%. Built both ways and run in
+/// separate processes alternated eight times (two builds that differ only
+/// in this rule for f32; a third, the code before, differed from both by up
+/// to 20% on f32 rows where it takes the same path, so only the two are
+/// compared): f32 never early took 0.90, 0.95, 0.96 and 0.92 of the time of
+/// f32 under 4 KiB early, on rows of 64, 256, 512 and 1000.
+const SUM_EARLY_AMD_MAX: usize = 256;
+
+/// The rows [`sum_early`] takes early on Intel's cores: those shorter than
+/// this many bytes. Longer rows keep one row at a time, which measured
+/// faster for them (below).
 ///
 /// On the Xeon, two threads, bf16 rows read in place into outputs used
 /// before, both ways interleaved in one process (medians of 31 rounds, two
@@ -240,8 +277,9 @@ mod tests {
     /// in each type's code). `x` ends with the last row, and the kernel
     /// asserts (in tests) the row it prefetches.
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
-        // 1100 and 2100: rows of 4 KiB or more (f32; bf16 and f16 too at
-        // 2100), which take one row at a time (`SUM_EARLY_BELOW`).
+        // `sum_early` takes rows of up to 128 16-bit values early on
+        // every vendor, and rows of 4 KiB or more (1100 f32; 2100 any
+        // type) on none, so both paths run here on either.
         for cols in [1usize, 16, 31, 32, 33, 100, 128, 300, 1100, 2100] {
             // 60 and 65 rows: more than the rows prefetched ahead at most
             // widths (65 = 64 + 1 for rows of 64 bytes).
