@@ -22,6 +22,7 @@ use crate::sum_squares::x86::SumSq;
 use crate::wide::is;
 use crate::wide::x86::write_row::{load_bf16_pair, write_row, RowValues};
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
+use half::bf16;
 
 /// The forward over whole rows of `cols`: `x`, `r`, `y` and `s` of one
 /// length, `w` of `cols` when given. For `T` in f32, bf16, f16 only (the
@@ -64,17 +65,26 @@ impl<T: Element> Kernel for Forward<'_, T> {
 
 /// [`Forward`] in place: `r` becomes the sum, `x` the output.
 ///
-/// The sum: f32 takes the lane loop's own in-place update of `r`
-/// (`add_into`). f16 and bf16 copy each row of `r` to a scratch row and
-/// write the sum over it with the vector code, from inputs that no output
-/// aliases, prefetching the next row of `r` as they go (the norm pass
-/// prefetches its `x`). f16's update converts in software in the lane loop
-/// (37 ms at 4096x4096, against 3 here). For bf16 the lane loop's update was
-/// as fast as the copy without the prefetch; with it, `[4096, 4096]` on a
-/// 2-core Zen 3 (AVX2), alternated in one process, medians of 200 rounds
-/// (session 58): bf16 0.80-0.93 new/old, f16 0.82-0.86 against the copy
-/// without the prefetch. f32 stays: its copy cost 14% (1.14), and the
-/// norm pass prefetching the next `r` as well gained under 2%.
+/// The sum: f32, and bf16 at a width that rounds bf16 in registers
+/// (AVX512-BF16), take the lane loop's own in-place update of `r`
+/// (`add_into`). f16, and bf16 elsewhere (AVX2), copy each row of `r` to a
+/// scratch row and write the sum over it with the vector code, from inputs
+/// that no output aliases, prefetching the next row of `r` as they go (the
+/// norm pass prefetches its `x`). f16's update converts in software in the
+/// lane loop (37 ms at 4096x4096, against 3 here). For bf16 on AVX2 the
+/// lane loop's update was as fast as the copy without the prefetch; with
+/// it, `[4096, 4096]` on a 2-core Zen 3, alternated in one process, medians
+/// of 200 rounds (session 58): bf16 0.80-0.93 new/old, f16 0.82-0.86
+/// against the copy without the prefetch. The AVX2 code on a Zen 4 (session
+/// 70, medians of 41, two runs): the copy 0.85-0.92 of the update's time at
+/// `[32 | 256 | 1024 | 4096, 4096]`. With AVX512-BF16 on the Zen 4 the
+/// update is the faster: the copy took 1.08-1.10x its time at `[32, 4096]`
+/// and `[256, 4096]` (in cache), 0.97-1.01x at `[1024, 4096]` and
+/// `[4096, 4096]`; the update with the next row of `r` prefetched as it
+/// goes (in parts of 256 values) was slower than either (1.03-1.11x the
+/// plain update). Not measured on an Intel CPU. f32 stays: its copy cost 14%
+/// (1.14), and the norm pass prefetching the next `r` as well gained under
+/// 2%.
 pub(super) struct ForwardInplace<'a, T> {
     pub(super) x: &'a mut [T],
     pub(super) r: &'a mut [T],
@@ -90,7 +100,9 @@ impl<T: Element> Kernel for ForwardInplace<'_, T> {
         let ForwardInplace { mut x, mut r, w, cols, eps } = self;
         let n = x.len();
         assert!(cols > 0 && n % cols == 0 && r.len() == n, "fused_add x86 in place: rows");
-        let mut copy = if is::<T, f32>() { Vec::new() } else { vec![T::default(); cols] };
+        // The lane loop's update where it takes the sum (see the doc above).
+        let in_place = is::<T, f32>() || (is::<T, bf16>() && L::ROUNDS_BF16);
+        let mut copy = if in_place { Vec::new() } else { vec![T::default(); cols] };
         while !x.is_empty() {
             let (xr, x_rest) = std::mem::take(&mut x).split_at_mut(cols);
             let (rr, r_rest) = std::mem::take(&mut r).split_at_mut(cols);
