@@ -135,8 +135,8 @@ fn sum_early<T>(row_bytes: usize) -> bool {
 /// runs a row; time taking the sum early over time without): bf16 rows of
 /// 64 0.91, of 128 0.93-0.97; of 192 1.05-1.08, of 256 1.03-1.07, of 384
 /// and 512 1.03-1.12, of 768 to 2000 1.06-1.14 (the AVX2 code on the same
-/// CPU: rows of 256 to 2000 1.07-1.18). f32 rows of 64 1.16, of 128 to 512
-/// 0.94-1.07 (memory-bound, and noisy), of 768 and 1000 1.04-1.11. Into
+/// CPU: rows of 256 to 2000 1.07-1.18). f32 rows of 64 1.16-1.27, of 128 to
+/// 512 0.94-1.15 (memory-bound, and noisy), of 768 to 1023 1.04-1.11. Into
 /// fresh huge pages, within 3% either way. The extra row of prefetch
 /// distance that the early sum brings is not what costs: without it, bf16
 /// rows of 256 to 2000 moved by -4% to +4%. Built both ways and run in
