@@ -1,16 +1,19 @@
 """Random calls checked against torch, seeded so that a failure repeats.
 
 - keel.nn's drop-in modules against torch.nn's on random shapes, dtypes and
-  options: where torch's module gives a result, Keel's gives the same within the
-  dtype's rounding; where torch's refuses, Keel's refuses too, naming itself.
-  Written after such a comparison found `keel.nn.RMSNorm`'s eps=None wrong for
-  float16 and bfloat16 and an empty normalized_shape taken (session 60).
+  options: where torch's module gives a result, Keel's has its shape and dtype,
+  and its values are within the dtype's rounding of torch's module run in float64
+  (torch's own float32 is at times the less accurate of the two); where torch's
+  refuses, Keel's refuses too, naming itself. Written after such a comparison found
+  `keel.nn.RMSNorm`'s eps=None wrong for float16 and bfloat16 and an empty
+  normalized_shape taken (session 60).
 - Every op, through `torch.ops.keel` and the typed API, on random arguments
   (tensors of every dtype, rank and layout, meta and sparse tensors, values that
   are not tensors, odd scalars) in each grad mode: it returns, or raises a
   RuntimeError, TypeError or ValueError naming the op (never another exception,
   which found the typed rotary_embedding's IndexError on a 0-dim x).
 """
+import copy
 import random
 
 import pytest
@@ -71,7 +74,7 @@ def _random_module_case(rng):
     return (kind, dtype, (x,)) + pair if pair else None
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(12))
 def test_nn_modules_agree_with_torch_nn(seed):
     rng = random.Random(seed)
     checked = 0
@@ -95,13 +98,21 @@ def test_nn_modules_agree_with_torch_nn(seed):
             continue
         with torch.no_grad():
             got = ours(*args)
+            # The values against torch's module in float64: torch's own float32 can be
+            # the less accurate one (layer_norm with eps=0 over two nearly equal values:
+            # torch 1.1e-4 off the exact +-1, Keel exact; seed 300 of this test).
+            ref = copy.deepcopy(theirs).double()
+            if kind == "RMSNorm" and ref.eps is None:
+                # torch's default: the eps of the dtype it computes in (float32 for 16-bit).
+                ref.eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+            exact = ref(*[a.double() if a.is_floating_point() else a for a in args])
         assert got.shape == want.shape and got.dtype == want.dtype, where
         # Relative to the output's scale, and at least to 1 (the scale of normalised
         # values and of a loss): a loss that is exactly 0 in torch (one class) may
         # come out as 1e-17 of rounding here.
-        scale = max(float(want.double().abs().nan_to_num(0, 0, 0).max()) if want.numel() else 0.0, 1.0)
+        scale = max(float(exact.abs().nan_to_num(0, 0, 0).max()) if exact.numel() else 0.0, 1.0)
         torch.testing.assert_close(
-            got.double(), want.double(), rtol=TOL[dtype], atol=TOL[dtype] * scale, equal_nan=True, msg=where
+            got.double(), exact, rtol=TOL[dtype], atol=TOL[dtype] * scale, equal_nan=True, msg=where
         )
         checked += 1
     assert checked >= 40  # the generator reaches the comparisons, not only refusals
@@ -149,7 +160,7 @@ def _random_value(rng, g, kind):
                        "mean", "sum", "bad", None])
 
 
-@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("seed", range(12))
 def test_every_op_returns_or_raises_naming_itself(seed):
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
