@@ -171,8 +171,9 @@ def _graphs() -> Optional[int]:
 def contenders(case, compile_: bool, typed: bool = False) -> Tuple[dict, Dict[str, Callable]]:
     """The row of `case` so far (what it is, each contender's error against
     float64) and the calls to time: Keel, torch eager, torch.compile of the
-    eager expression, a clone of the inputs (the floor), and the typed API
-    (`keel.*`) where `typed` and the case has one."""
+    eager expression, a clone of the inputs (the floor), a copy of them into
+    tensors already there for an in-place case (its floor: it allocates
+    nothing), and the typed API (`keel.*`) where `typed` and the case has one."""
     row = {"op": case.name, "shape": case.shape, "nbytes": case.nbytes, "bandwidth_bound": case.bandwidth_bound,
            "backward": case.backward, "inplace": case.inplace}
     ref = case.reference()
@@ -201,6 +202,13 @@ def contenders(case, compile_: bool, typed: bool = False) -> Tuple[dict, Dict[st
     args = [case.args[i] for i in case.clone_args]
     fns["clone"] = lambda: [a.clone() for a in args]
     row["clone_nbytes"] = 2 * sum(a.numel() * a.element_size() for a in args)  # read and written
+    if case.inplace:
+        # An in-place op allocates nothing: its floor is a copy of the same
+        # inputs into tensors already there (already written: no first-touch
+        # faults), timed beside it, as the clone is for the others.
+        dst = [a.clone() for a in args]
+        fns["copy"] = lambda: [d.copy_(a) for d, a in zip(dst, args)]
+        row["copy_nbytes"] = row["clone_nbytes"]
     row["err"] = errs
     return row, fns
 

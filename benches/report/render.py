@@ -52,29 +52,40 @@ def _regime_switch(row: dict, device: str) -> Optional[str]:
 
 
 def _line_gbps(row: dict, bw: dict, device: str) -> float:
-    """The bandwidth an op's GB/s is held against. CPU: the clone timed beside
-    the op in this row (same minutes, same sizes: this machine's bandwidth
-    drifts up to 2x within a run, and a line measured once at the start does
-    not say what the op had), unless the two did not pay the same page faults
-    ([`_regime_switch`]): then the run's line of Keel's kind, the fresh clone
-    or the copy into an existing tensor. CUDA, or rows from before
-    `clone_nbytes` was recorded: the run's bandwidth line."""
+    """The bandwidth an op's GB/s is held against. CPU: the floor timed beside
+    the op in this row ([`_own_floor`]: same minutes, same sizes: this
+    machine's bandwidth drifts up to 2x within a run, and a line measured once
+    at the start does not say what the op had), unless the op's call and the
+    clone did not pay the same page faults ([`_regime_switch`]): then the run's
+    line of Keel's kind, the fresh clone or the copy into an existing tensor.
+    CUDA, or rows from before their floor was recorded: the run's bandwidth
+    line (an in-place row's: the copy's)."""
+    own = _own_floor(row, device)
+    if own is not None:
+        return row[f"{own}_nbytes"] / row["ms"][own] / 1e6
     if row.get("inplace"):
         # No fresh output, no page faults: held against a copy into an existing tensor.
         return bw["copy_GBps"]
     switch = _regime_switch(row, device)
     if switch is not None:
         return bw[f"{switch}_GBps"]
-    if _held_to_own_clone(row, device):
-        return row["clone_nbytes"] / row["ms"]["clone"] / 1e6
     return bw[BW_LINE[device]]
 
 
-def _held_to_own_clone(row: dict, device: str) -> bool:
-    """Whether a row's bandwidth is held against the clone timed beside it
-    (see `_line_gbps`)."""
-    return (device == "cpu" and not row.get("inplace") and _regime_switch(row, device) is None
-            and bool(row.get("clone_nbytes")) and bool(row["ms"].get("clone")))
+def _own_floor(row: dict, device: str) -> Optional[str]:
+    """The contender timed beside a CPU row's op that its bandwidth is held
+    against (see `_line_gbps`): for an in-place row, which allocates nothing,
+    the copy of its inputs into tensors already there (`copy`, recorded since
+    session 71: until then the run's copy line, measured once at the start,
+    which read 35 GB/s in one run and 56 in the next); for the others the
+    fresh `clone`, where it paid the same page faults as the op. None where
+    there is no such time, or on CUDA."""
+    if device != "cpu":
+        return None
+    own = "copy" if row.get("inplace") else "clone"
+    if own == "clone" and _regime_switch(row, device) is not None:
+        return None
+    return own if row.get(f"{own}_nbytes") and row["ms"].get(own) else None
 
 
 def ratio(row: dict, a: str, b: str) -> float:
@@ -98,9 +109,10 @@ def _speedups(row: dict) -> dict:
 
 def _derived(row: dict, bw: dict, device: str) -> dict:
     d = {**_speedups(row), "gbps": _gbps(row, "keel"), "floor": ratio(row, "keel", "clone")}
-    if _held_to_own_clone(row, device):
-        # Keel's GB/s over its clone's, pass by pass (`ratio`).
-        d["frac"] = row["nbytes"] / row["clone_nbytes"] * ratio(row, "clone", "keel")
+    own = _own_floor(row, device)
+    if own is not None:
+        # Keel's GB/s over its floor's, pass by pass (`ratio`).
+        d["frac"] = row["nbytes"] / row[f"{own}_nbytes"] * ratio(row, own, "keel")
     else:
         d["frac"] = d["gbps"] / _line_gbps(row, bw, device)
     return d
@@ -195,7 +207,8 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "Llama lays it out) and `rms_norm (qkv view)` (QK-norm on q of a fused qkv projection, viewed "
               "`[tokens, heads, head_dim]`). The `(in place)` rows are vLLM's in-place forms, "
               "against the same in torch (`r.add_(x); x.copy_(F.rms_norm(r, ...))`, `q.copy_(rope(q))`); they allocate "
-              "nothing, so their bandwidth is held against the copy into an existing tensor, not the clone.", ""]
+              "nothing, so their bandwidth is held against a copy of the same inputs into tensors already there, timed "
+              "beside them in the same row (on CUDA, the run's copy line).", ""]
     lines += ["## Memory bandwidth", "", "| run | device | clone (fresh output) GB/s | copy into existing GB/s |",
               "|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):

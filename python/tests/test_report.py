@@ -41,6 +41,8 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["ok"], r
         assert r["err"]["eager"] <= 2e-2, r
         assert all(r["ms"][k] > 0 for k in ("keel", "eager", "clone")), r
+        # An in-place row's floor, a copy into tensors already there, timed beside it.
+        assert ("copy" in r["ms"]) == r["inplace"] and r.get("copy_nbytes") == (r["clone_nbytes"] if r["inplace"] else None), r
         assert set(r["faults"]) == set(r["ms"]) and all(v >= 0 for v in r["faults"].values()), r
         if r["inplace"] and "compile_error" in r:
             # Inductor's CPP backend cannot compile the in-place torch expression
@@ -187,9 +189,35 @@ def test_cpu_rows_are_held_against_a_reference_that_paid_the_same_page_faults(ke
     assert ("Page faults decide the CPU rows marked" in text) == bool(mark)
     tail = text.split("## Targets missed in this run")[1]
     assert f"op float32: {frac} of bandwidth (target 80%)" in tail, tail
-    # An in-place row is held against the copy line whatever its faults.
+    # An in-place row without a copy of its own (JSON from before session 71)
+    # is held against the run's copy line whatever its faults.
     inplace = dict(row, inplace=True)
     assert "| 2.0 | 5% | 1.00 |" in markdown([_run([inplace])], [])
+
+
+def test_inplace_cpu_rows_are_held_against_the_copy_timed_beside_them():
+    """An in-place row allocates nothing: on CPU its bandwidth is held against
+    the copy of its inputs into tensors already there, timed in its own row
+    and pass by pass, not against the run's copy line (40 GB/s here), which
+    is measured once at the start and moved from 35 to 56 GB/s between two
+    runs on one VM."""
+    row = dict(_row("op", 5.0, 10.0, 10.0), clone_nbytes=2 * 10**7, copy_nbytes=2 * 10**7, inplace=True)
+    row["ms"].update(clone=5.0, copy=4.0)  # the copy: 5 GB/s; Keel moves 10**7 bytes in 5 ms, 2 GB/s
+    text = markdown([_run([row])], [])
+    assert "| 2.0 | 40% | 1.00 |" in text, text
+    tail = text.split("## Targets missed in this run")[1]
+    assert "op float32: 40% of bandwidth (target 80%)" in tail, tail
+    # Pass by pass: the ratio within each pass (0.5 * median(0.6, 0.6, 0.8)),
+    # not that of the two medians (4 / 5).
+    row["ms_passes"] = {"keel": [5.0] * 3, "eager": [10.0] * 3, "compile": [10.0] * 3, "clone": [5.0] * 3,
+                        "copy": [3.0, 3.0, 4.0]}
+    assert "| 2.0 | 30% | 1.00 |" in markdown([_run([row])], [])
+    # On CUDA: the run's copy line, as every CUDA row.
+    cuda = dict(row, device="cuda")
+    run = _run([cuda])
+    run["bandwidth"] = {"cuda": {"bytes": 1, "clone_GBps": 5.0, "copy_GBps": 10.0}}
+    run["machine"].update(gpu="G", gpu_memory_gib=80.0, driver="D", cuda="C")
+    assert "| 2.0 | 20% |" in markdown([run], [])
 
 
 def test_cuda_rows_are_held_against_the_copy_line_at_85_percent():
