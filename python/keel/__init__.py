@@ -6,7 +6,8 @@ Ops live in ``torch.ops.keel.*``; typed wrappers here (``keel.rms_norm``,
 ``keel.gelu_and_mul``, ``keel.softmax``, ``keel.cross_entropy``, ``keel.cross_entropy_with_lse``,
 ``keel.rotary_embedding``, and ``keel.rotary_embedding_`` in place) and drop-in modules in ``keel.nn``.
 All ops have CPU/CUDA/Meta kernels and work under ``torch.compile``; all but the in-place
-ones (names ending in ``_``, for inference) have autograd.
+ones (names ending in ``_``, for inference) have autograd. ``python -m keel`` prints what
+Keel runs on and checks every op against torch (``keel._info``).
 """
 from . import _load
 
