@@ -3,7 +3,7 @@
 Prints the versions (Keel, its library, torch, CUDA, Python), the CPU and the SIMD
 level Keel's CPU kernels run at, the GPUs torch sees, and then checks each op's
 forward and gradients against torch's own ops run in float64, on every device torch
-offers (CPU, and CUDA where a GPU is usable), in float32 and bfloat16; the in-place
+offers (CPU, and CUDA where a GPU is usable), in float32, float16 and bfloat16; the in-place
 ops against their out-of-place forms, bit for bit. Exits 1 where a check fails, so
 that the output is worth pasting into a bug report, and the exit status worth a
 script's test.
@@ -22,8 +22,8 @@ import keel
 # The largest error a check allows, relative to the largest magnitude of the
 # float64 result it is held to: a few units in the last place of the dtype, beside
 # the float32 accumulation's rounding over rows of 256.
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
-DTYPES = (torch.float32, torch.bfloat16)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 ROWS, COLS = 8, 256
 

@@ -29,7 +29,7 @@ def test_prints_the_environment_and_every_op_passes():
     else:
         assert "CUDA: not used (torch.cuda.is_available() is False)" in out
     for device in _info.devices():
-        for dtype in ("float32", "bfloat16"):
+        for dtype in ("float32", "float16", "bfloat16"):
             for case in _info.CASES:
                 assert f"ok   {device} {dtype} {case.name}: error " in out, (device, dtype, case.name, out)
             for name in ("fused_add_rms_norm_", "rotary_embedding_"):
