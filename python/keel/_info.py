@@ -29,11 +29,12 @@ ROWS, COLS = 8, 256
 
 
 class Case(NamedTuple):
-    """One op's check: its inputs for a dtype and device, Keel's call, torch's
-    float64 reference of the same, and which inputs take a gradient."""
+    """One op's check: its inputs in float64 (drawn from a generator; rounded
+    to the checked dtype by :func:`check`), Keel's call, torch's float64
+    reference of the same, and which inputs take a gradient."""
 
     name: str
-    inputs: Callable[[torch.dtype, str, torch.Generator], Tuple]
+    inputs: Callable[[torch.Generator], Tuple]
     keel: Callable
     torch: Callable
     grads: Sequence[int]
@@ -43,15 +44,19 @@ def _randn(gen, *shape):
     return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
 
-def _norm_inputs(dtype, device, gen):
+def _norm_inputs(gen):
     return (_randn(gen, ROWS, COLS), 1 + 0.1 * _randn(gen, COLS))
+
+
+def _fused_inputs(gen):
+    return (_randn(gen, ROWS, COLS), *_norm_inputs(gen))
 
 
 def _rms_norm_ref(x, w):
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6) * w
 
 
-def _rope_inputs(dtype, device, gen):
+def _rope_inputs(gen):
     seq, heads, dim = 4, 2, 64
     angles = torch.outer(torch.arange(seq, dtype=torch.float64), 10000.0 ** -(torch.arange(0, dim, 2) / dim))
     return (_randn(gen, 1, seq, heads, dim), angles.cos(), angles.sin())
@@ -64,7 +69,7 @@ def _rope_ref(x, cos, sin):
     return torch.cat((a * c - b * s, b * c + a * s), -1)
 
 
-def _ce_inputs(dtype, device, gen):
+def _ce_inputs(gen):
     target = torch.randint(0, COLS, (ROWS,), generator=gen)
     target[1] = -100  # an ignored row
     return (3 * _randn(gen, ROWS, COLS), target)
@@ -72,17 +77,17 @@ def _ce_inputs(dtype, device, gen):
 
 CASES = (
     Case("rms_norm", _norm_inputs, lambda x, w: keel.rms_norm(x, w, 1e-6), _rms_norm_ref, (0, 1)),
-    Case("layer_norm", lambda d, dev, g: (*_norm_inputs(d, dev, g), 0.1 * _randn(g, COLS)),
+    Case("layer_norm", lambda g: (*_norm_inputs(g), 0.1 * _randn(g, COLS)),
          lambda x, w, b: keel.layer_norm(x, w, b, 1e-5), lambda x, w, b: F.layer_norm(x, (COLS,), w, b, 1e-5),
          (0, 1, 2)),
-    Case("fused_add_rms_norm", lambda d, dev, g: (_randn(g, ROWS, COLS), *_norm_inputs(d, dev, g)),
+    Case("fused_add_rms_norm", _fused_inputs,
          lambda x, r, w: keel.fused_add_rms_norm(x, r, w, 1e-6),
          lambda x, r, w: (_rms_norm_ref(x + r, w), x + r), (0, 1, 2)),
-    Case("silu_and_mul", lambda d, dev, g: (_randn(g, ROWS, 2 * COLS),), keel.silu_and_mul,
+    Case("silu_and_mul", lambda g: (_randn(g, ROWS, 2 * COLS),), keel.silu_and_mul,
          lambda h: F.silu(h[..., :COLS]) * h[..., COLS:], (0,)),
-    Case("gelu_and_mul", lambda d, dev, g: (_randn(g, ROWS, 2 * COLS),), lambda h: keel.gelu_and_mul(h, "tanh"),
+    Case("gelu_and_mul", lambda g: (_randn(g, ROWS, 2 * COLS),), lambda h: keel.gelu_and_mul(h, "tanh"),
          lambda h: F.gelu(h[..., :COLS], approximate="tanh") * h[..., COLS:], (0,)),
-    Case("softmax", lambda d, dev, g: (4 * _randn(g, ROWS, COLS),), lambda x: keel.softmax(x, 0.125),
+    Case("softmax", lambda g: (4 * _randn(g, ROWS, COLS),), lambda x: keel.softmax(x, 0.125),
          lambda x: torch.softmax(x * 0.125, -1), (0,)),
     Case("cross_entropy", _ce_inputs, lambda x, t: keel.cross_entropy(x, t, label_smoothing=0.1),
          lambda x, t: F.cross_entropy(x, t, label_smoothing=0.1), (0,)),
@@ -111,7 +116,7 @@ def check(case: Case, dtype: torch.dtype, device: str) -> float:
     """The largest relative error of Keel's forward outputs and gradients
     against torch's float64 reference, on inputs rounded to `dtype` first."""
     gen = torch.Generator().manual_seed(0)
-    raw = case.inputs(dtype, device, gen)
+    raw = case.inputs(gen)
     # The same rounded values for both: the dtype's rounding of the inputs is not Keel's error.
     rounded = [t.to(dtype) if t.is_floating_point() else t for t in raw]
     mine = [t.to(device, copy=True).requires_grad_(i in case.grads) for i, t in enumerate(rounded)]
@@ -129,11 +134,11 @@ def check(case: Case, dtype: torch.dtype, device: str) -> float:
 def check_inplace(dtype: torch.dtype, device: str) -> List[Tuple[str, bool]]:
     """Whether each in-place op gives its out-of-place form's bits."""
     gen = torch.Generator().manual_seed(1)
-    x, r, w = (t.to(dtype).to(device) for t in (_randn(gen, ROWS, COLS), *_norm_inputs(dtype, device, gen)))
+    x, r, w = (t.to(dtype).to(device) for t in _fused_inputs(gen))
     want_y, want_s = keel.fused_add_rms_norm(x, r, w, 1e-6)
     keel.fused_add_rms_norm_(x, r, w, 1e-6)
     fused = torch.equal(x, want_y) and torch.equal(r, want_s)
-    q, cos, sin = (t.to(dtype).to(device) for t in _rope_inputs(dtype, device, gen))
+    q, cos, sin = (t.to(dtype).to(device) for t in _rope_inputs(gen))
     want_q = keel.rotary_embedding(q, cos, sin)
     keel.rotary_embedding_(q, cos, sin)
     return [("fused_add_rms_norm_", fused), ("rotary_embedding_", torch.equal(q, want_q))]
@@ -212,8 +217,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(line)
     if args.no_check:
         return 0
-    lines, ok = self_check(devices())
-    print(f"self-check on {', '.join(devices())}:")
+    on = devices()
+    lines, ok = self_check(on)
+    print(f"self-check on {', '.join(on)}:")
     for line in lines:
         print("  " + line)
     print("all checks passed" if ok else "SOME CHECKS FAILED")
