@@ -91,7 +91,7 @@ build_wheel
 echo "$WHEEL"
 
 # Each entry is a torch version, with ":X.Y" to run it on that CPython (the
-# wheel is cp39-abi3: one build for all of them): torch 2.10 on the oldest
+# wheel is py3-none: one build for all of them): torch 2.10 on the oldest
 # CPython it takes, the newest torch on the newest CPython here and on this
 # machine's python3, last, whose venv the steps below use. Where the machine
 # lacks that CPython, the entry runs on python3 unless another entry covers

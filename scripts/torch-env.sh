@@ -91,7 +91,8 @@ torch_env() {
 # Builds the wheel once (Rust cdylib inside, not tied to a torch or Python version)
 # and sets $WHEEL.
 build_wheel() {
-  rm -rf "$_root/dist"
+  # setuptools' build/ keeps files of earlier builds, which it packs again.
+  rm -rf "$_root/dist" "$_root/build"
   python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$_root/dist" "$_root"
   WHEEL="$(ls "$_root"/dist/keel-*.whl)"
 }

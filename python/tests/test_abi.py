@@ -37,8 +37,17 @@ def test_kernels_registered_for_cpu_cuda_and_meta():
             assert torch._C._dispatch_has_kernel_for_dispatch_key(f"keel::{op}", key), (op, key)
 
 
-def test_library_path_is_the_abi3_build():
-    assert keel.LIBRARY_PATH.endswith(".so") and "_C" in keel.LIBRARY_PATH
+def test_library_is_the_wheels_one_build_for_every_python():
+    """The wheel names no Python ABI (setup.py): tagged ``py3-none-<platform>``, so
+    pip offers it to every CPython, free-threaded builds included, and its library
+    is ``keel/_C.so``, no one interpreter's extension module."""
+    import importlib.metadata
+    import os
+
+    assert os.path.basename(keel.LIBRARY_PATH) == "_C.so", keel.LIBRARY_PATH
+    wheel = importlib.metadata.distribution("keel").read_text("WHEEL")
+    tags = [line.split(":", 1)[1].strip() for line in wheel.splitlines() if line.startswith("Tag:")]
+    assert tags and all(t.startswith("py3-none-") for t in tags), tags
 
 
 def test_package_is_marked_typed():
