@@ -173,6 +173,14 @@ fn descends<T: 'static>() -> bool {
 /// (BENCHMARKS.md, sessions 62-63). Descending costs the Xeon that much,
 /// ascending would cost the Zen 4 several times more: one order for every
 /// CPU, descending.
+///
+/// The norms' backwards stay ascending. rms_norm's bf16 backward, tried
+/// descending on the Zen 4 (session 72, the same kind of harness, 4096 rows
+/// of 4096), was slower in every variant and every kind of output: rows and
+/// their parts descending 1.27-1.33x the time on fresh huge pages and 1.7x
+/// into reused memory, rows alone 1.09-1.11x. Its rows are read twice (sums,
+/// then the write pass) beside the weight and an f32 `dw` partial, more
+/// than L1 holds, and those reads lose more going down than the stores gain.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
     /// From the first row (and value) up.
