@@ -12,6 +12,7 @@ import argparse
 import os
 import platform
 import sys
+import sysconfig
 from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -155,6 +156,20 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def python_build(version: str, free_threaded_build: bool, gil_enabled: bool) -> str:
+    """``Python X.Y.Z``, and on a free-threaded build whether the GIL is off (an
+    extension module that needs it turns it back on at import)."""
+    if not free_threaded_build:
+        return f"Python {version}"
+    return f"Python {version} free-threaded (GIL {'enabled' if gil_enabled else 'disabled'})"
+
+
+def _python() -> str:
+    """`python_build` of the running interpreter."""
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    return python_build(platform.python_version(), bool(sysconfig.get_config_var("Py_GIL_DISABLED")), gil)
+
+
 def devices() -> List[str]:
     """The devices to check: the CPU, and CUDA where torch can use a GPU."""
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
@@ -166,7 +181,7 @@ def describe() -> List[str]:
     lines = [
         f"keel {keel.__version__}: {keel.LIBRARY_PATH}",
         f"torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'}), "
-        f"Python {platform.python_version()}, {platform.system()} {platform.machine()}",
+        f"{_python()}, {platform.system()} {platform.machine()}",
         f"CPU: {_cpu_name()}, {os.cpu_count()} logical cores, torch threads {torch.get_num_threads()}; "
         f"Keel's CPU kernels: {keel.cpu_capability()}"
         + (f" (KEEL_CPU_CAPABILITY={env})" if env else ""),

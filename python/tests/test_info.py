@@ -45,6 +45,17 @@ def test_no_check_prints_the_environment_only_and_names_a_lowered_simd_level():
     assert "self-check" not in p.stdout and "ok " not in p.stdout
 
 
+def test_names_a_free_threaded_python_and_its_gil():
+    """Free-threaded CPython can install the wheel (py3-none): the environment line
+    says which build runs, and whether its GIL is off."""
+    assert _info.python_build("3.11.7", False, True) == "Python 3.11.7"
+    assert _info.python_build("3.14.0", True, False) == "Python 3.14.0 free-threaded (GIL disabled)"
+    assert _info.python_build("3.14.0", True, True) == "Python 3.14.0 free-threaded (GIL enabled)"
+    p = _run("--no-check")
+    assert p.returncode == 0, p.stderr
+    assert f"{_info._python()}, " in p.stdout
+
+
 def _case(name):
     return next(c for c in _info.CASES if c.name == name)
 
