@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 REPORT = os.path.join(ROOT, "benches", "report")
 sys.path.insert(0, REPORT)
 
-from render import markdown  # noqa: E402
+from render import markdown, plot_floor  # noqa: E402
 
 
 def test_small_report_runs_and_checks_values(tmp_path):
@@ -218,6 +218,22 @@ def test_inplace_cpu_rows_are_held_against_the_copy_timed_beside_them():
     run["bandwidth"] = {"cuda": {"bytes": 1, "clone_GBps": 5.0, "copy_GBps": 10.0}}
     run["machine"].update(gpu="G", gpu_memory_gib=80.0, driver="D", cuda="C")
     assert "| 2.0 | 20% |" in markdown([run], [])
+
+
+def test_the_bandwidth_plot_marks_each_cpu_rows_own_floor_and_target():
+    """bandwidth.png draws a CPU row's target at 80% of the floor the table
+    judges it against (the clone timed beside it; for an in-place row the copy),
+    not of the run's lines (clone 10 GB/s, copy 40 GB/s here)."""
+    run = _run([])
+    bw = run["bandwidth"]["cpu"]
+    row = dict(_row("op", 5.0, 10.0, 10.0), clone_nbytes=3 * 10**7)
+    row["ms"]["clone"] = 2.0  # 15 GB/s
+    assert plot_floor(row, bw, "cpu") == pytest.approx((15.0, 12.0))
+    inplace = dict(row, copy_nbytes=2 * 10**7, inplace=True)
+    inplace["ms"] = dict(row["ms"], copy=4.0)  # 5 GB/s
+    assert plot_floor(inplace, bw, "cpu") == pytest.approx((5.0, 4.0))
+    # The table's verdict agrees: Keel's 2 GB/s is 40% of the 5 GB/s copy.
+    assert "op float32: 40% of bandwidth (target 80%)" in markdown([_run([inplace])], [])
 
 
 def test_cuda_rows_are_held_against_the_copy_line_at_85_percent():
