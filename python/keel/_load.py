@@ -29,7 +29,10 @@ def load() -> str:
     """Loads the library once; returns its path."""
     check_torch_version(torch.__version__)
     here = os.path.dirname(os.path.abspath(__file__))
-    libs = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    # `_C.so` since session 72; an older build named it `_C.abi3.so`, which a
+    # stray copy could leave beside it (and which sorts first).
+    exact = os.path.join(here, "_C.so")
+    libs = [exact] if os.path.isfile(exact) else sorted(glob.glob(os.path.join(here, "_C*.so")))
     if not libs:
         raise ImportError(f"keel: native library _C*.so not found in {here}; reinstall keel")
     torch.ops.load_library(libs[0])
