@@ -241,15 +241,18 @@ def test_nan_and_inf_propagate_like_torch():
 
 
 def test_error_leaves_no_leak_of_inputs():
+    import sys
+
     x = torch.randn(2, 4)
     w = torch.randn(5)
+    # Against the counts before the calls, not a constant: CPython 3.14 counts
+    # a local's references differently (getrefcount gives 1 where 3.13 gave 2).
+    before = (sys.getrefcount(x), sys.getrefcount(w))
     for _ in range(100):
         with pytest.raises(RuntimeError):
             torch.ops.keel.rms_norm(x, w, 1e-6)
     # Every argument handle was released: only our own references remain.
-    import sys
-
-    assert sys.getrefcount(x) == 2 and sys.getrefcount(w) == 2
+    assert (sys.getrefcount(x), sys.getrefcount(w)) == before
     assert x._version == 0
 
 
