@@ -140,4 +140,7 @@ for cap in avx2 default; do
     python/tests/test_fused_add_rms_norm_inplace.py python/tests/test_layouts.py python/tests/test_mixed_precision.py)
 done
 
+step "python tests on free-threaded CPython with the GIL off (built from Debian's source; skipped, saying why, where it cannot be)"
+bash scripts/test-freethreaded.sh "$WHEEL"
+
 printf '\n=== every test passed, in %s\n' "$(clock)"

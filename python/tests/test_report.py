@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
@@ -128,7 +129,11 @@ def test_the_measuring_processes_keep_freed_heap_memory_mapped():
     # tensor).
     assert median_faults(MALLOC_MMAP_THRESHOLD_=mmap) >= 16
     # And a process left to glibc's defaults, whose trim threshold moves with what it freed.
-    assert median_faults() == 0
+    # Not on free-threaded CPython: there the same script paid 0 or 224 faults a call
+    # depending on nothing but the size of its environment (3.13.15t, session 72), so
+    # glibc's defaults promise nothing and the report's thresholds above are what holds.
+    if not sysconfig.get_config_var("Py_GIL_DISABLED"):
+        assert median_faults() == 0
 
 
 @pytest.mark.parametrize("keel_ms, misses", [

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The wheel on free-threaded CPython with the GIL off (PYTHON_GIL=0): the Python
+# tests, under the newest torch that ships a wheel for that CPython.
+#
+# No free-threaded interpreter comes from PyPI or from this machine's packages,
+# and python.org is out of reach here, so this builds one (`./configure
+# --disable-gil`, about 5 minutes on 2 cores) from Debian's source of CPython:
+# python3.14's, else python3.13's, the first orig tarball that downloads from
+# sid or trixie. The interpreter and its torch venv are kept (.venv-freethreaded/,
+# .venv-torch-freethreaded/) for the next run. Where no source downloads or the
+# build fails, it says so and exits 0: the step is skipped, not failed.
+#
+#   scripts/test-freethreaded.sh WHEEL
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+source scripts/torch-env.sh
+source scripts/apt.sh
+wheel="${1:?usage: scripts/test-freethreaded.sh WHEEL}"
+prefix="$root/.venv-freethreaded"
+venv="$root/.venv-torch-freethreaded"
+skip() { echo "SKIPPED: $*"; exit 0; }
+
+# The interpreter: bin/python3.Xt under $prefix, built once.
+interpreter() { ls "$prefix"/bin/python3.*t 2>/dev/null | head -n1; }
+if [ -z "$(interpreter)" ] || [ ! -f "$prefix/.ready" ]; then
+  rm -rf "$prefix" "$venv"
+  work="$(mktemp -d)"
+  trap 'rm -rf "$work"' EXIT
+  # Newest first: Debian's Sources index of each suite names the orig tarballs.
+  python3 - "$work" > "$work/found" <<'EOF' || skip "no CPython source could be downloaded from Debian"
+import lzma, sys, urllib.request
+mirror = "http://deb.debian.org/debian"
+work = sys.argv[1]
+for pkg in ("python3.14", "python3.13"):
+    for suite in ("sid", "trixie"):
+        try:
+            index = lzma.decompress(urllib.request.urlopen(f"{mirror}/dists/{suite}/main/source/Sources.xz", timeout=60).read())
+        except OSError:
+            continue
+        for entry in index.decode("utf-8", "replace").split("\n\n"):
+            fields = dict(l.split(": ", 1) for l in entry.splitlines() if ": " in l and not l.startswith(" "))
+            if fields.get("Package") != pkg:
+                continue
+            names = {l.split()[-1] for l in entry.splitlines() if l.startswith(" ") and l.endswith(".orig.tar.xz")}
+            for name in sorted(names, reverse=True):
+                try:
+                    data = urllib.request.urlopen(f"{mirror}/{fields['Directory']}/{name}", timeout=120).read()
+                except OSError:
+                    continue  # the index can name files the mirror no longer holds
+                with open(f"{work}/src.tar.xz", "wb") as f:
+                    f.write(data)
+                print(f"{suite} {name}")
+                sys.exit(0)
+sys.exit(1)
+EOF
+  echo "building free-threaded CPython from Debian $(cat "$work/found")"
+  # The modules pip and the tests need (ssl, zlib, ctypes, lzma, bz2, sqlite3).
+  apt_install libssl-dev zlib1g-dev libffi-dev liblzma-dev libbz2-dev libsqlite3-dev >/dev/null 2>&1 || true
+  tar -xf "$work/src.tar.xz" -C "$work"
+  src="$(ls -d "$work"/Python-3.*/ | head -n1)"
+  if ! (cd "$src" && ./configure -q --disable-gil --prefix="$prefix" --with-ensurepip=install > "$work/build.log" 2>&1 &&
+        make -s -j"$(nproc)" >> "$work/build.log" 2>&1 && make -s install >> "$work/build.log" 2>&1); then
+    tail -n 20 "$work/build.log"
+    skip "the free-threaded CPython did not build"
+  fi
+  "$(interpreter)" -c 'import ssl, zlib, ctypes, lzma, bz2, sqlite3' ||
+    skip "the free-threaded CPython lacks a module pip or the tests need"
+  touch "$prefix/.ready"
+fi
+python="$(interpreter)"
+
+if [ -f "$venv/.ready" ] && _newer_torch "$venv"; then
+  echo "a newer torch is out: rebuilding $venv"
+  rm -f "$venv/.ready"
+fi
+if [ ! -f "$venv/.ready" ]; then
+  rm -rf "$venv"
+  _make_room "$venv"
+  "$python" -m venv "$venv"
+  # Wheels only: matplotlib, for one, has none for every free-threaded CPython
+  # (the report's tests then skip their plots).
+  _install_frugal "$venv" --only-binary=:all: torch numpy pytest expecttest tqdm ||
+    skip "no torch wheel for $("$python" -c 'import sys; print(sys.version.split()[0])') free-threaded"
+  touch "$venv/.ready"
+fi
+py="$venv/bin/python"
+"$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
+PYTHON_GIL=0 "$py" -c "import sys, torch, keel
+assert not sys._is_gil_enabled()
+print('torch', torch.__version__, 'on CPython', sys.version.split()[0], 'free-threaded, GIL disabled')"
+PYTHON_GIL=0 "$py" -m pytest -q -p no:cacheprovider python/tests
