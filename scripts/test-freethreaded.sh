@@ -7,7 +7,7 @@
 # --disable-gil`, about 5 minutes on 2 cores) from Debian's source of CPython:
 # python3.14's, else python3.13's, the first orig tarball that downloads from
 # sid or trixie. The interpreter and its torch venv are kept (.venv-freethreaded/,
-# .venv-torch-freethreaded/) for the next run. Where no source downloads or the
+# and torch_env's .venv-torch-latest-py3.Xt/) for the next run. Where no source downloads or the
 # build fails, it says so and exits 0: the step is skipped, not failed.
 #
 #   scripts/test-freethreaded.sh WHEEL
@@ -18,13 +18,12 @@ source scripts/torch-env.sh
 source scripts/apt.sh
 wheel="${1:?usage: scripts/test-freethreaded.sh WHEEL}"
 prefix="$root/.venv-freethreaded"
-venv="$root/.venv-torch-freethreaded"
 skip() { echo "SKIPPED: $*"; exit 0; }
 
 # The interpreter: bin/python3.Xt under $prefix, built once.
 interpreter() { ls "$prefix"/bin/python3.*t 2>/dev/null | head -n1; }
 if [ -z "$(interpreter)" ] || [ ! -f "$prefix/.ready" ]; then
-  rm -rf "$prefix" "$venv"
+  rm -rf "$prefix"
   work="$(mktemp -d)"
   trap 'rm -rf "$work"' EXIT
   # Newest first: Debian's Sources index of each suite names the orig tarballs.
@@ -70,21 +69,10 @@ EOF
 fi
 python="$(interpreter)"
 
-if [ -f "$venv/.ready" ] && _newer_torch "$venv"; then
-  echo "a newer torch is out: rebuilding $venv"
-  rm -f "$venv/.ready"
-fi
-if [ ! -f "$venv/.ready" ]; then
-  rm -rf "$venv"
-  _make_room "$venv"
-  "$python" -m venv "$venv"
-  # Wheels only: matplotlib, for one, has none for every free-threaded CPython
-  # (the report's tests then skip their plots).
-  _install_frugal "$venv" --only-binary=:all: torch numpy pytest expecttest tqdm ||
-    skip "no torch wheel for $("$python" -c 'import sys; print(sys.version.split()[0])') free-threaded"
-  touch "$venv/.ready"
-fi
-py="$venv/bin/python"
+# The newest torch with a wheel for it (torch_env: wheels only, no matplotlib).
+torch_env latest "$python" ||
+  skip "no torch wheel for $("$python" -c 'import sys; print(sys.version.split()[0])') free-threaded"
+py="$PY"
 "$py" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
 PYTHON_GIL=0 "$py" -c "import sys, torch, keel
 assert not sys._is_gil_enabled()

@@ -31,19 +31,21 @@ _make_room() {
   fi
 }
 
-# Installs the resolved set one wheel at a time into the venv at $1.
+# Installs the resolved set one wheel at a time into the venv at $1. Fails at the
+# first step that fails, also where its caller tests it (`|| ...`, where set -e
+# stops nothing).
 _install_frugal() {
   local venv="$1"; shift
   local report="$venv/.resolve.json" url
   PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check \
-    --dry-run --ignore-installed --report "$report" "$@"
-  "$venv/bin/python" - "$report" > "$venv/.urls" <<'EOF'
+    --dry-run --ignore-installed --report "$report" "$@" || return 1
+  "$venv/bin/python" - "$report" > "$venv/.urls" <<'EOF' || return 1
 import json, sys
 for item in json.load(open(sys.argv[1]))["install"]:
     print(item["download_info"]["url"])
 EOF
   while read -r url; do
-    PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$url"
+    PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps "$url" || return 1
   done < "$venv/.urls"
 }
 
@@ -68,11 +70,19 @@ find_python() {
 }
 
 # `torch_env VERSION [PYTHON]`: PYTHON (an interpreter's path) makes the venv
-# with that CPython, named .venv-torch-VERSION-pyX.Y; without it, python3's.
+# with that CPython, named .venv-torch-VERSION-pyX.Y (X.Yt for a free-threaded
+# build); without it, python3's. A free-threaded CPython gets wheels only, and no
+# matplotlib, which has none for every such build (the report's tests then skip
+# their plots). Returns non-zero, leaving no venv marked ready, where the
+# install fails.
 torch_env() {
   local ver="$1" python="${2:-python3}" venv="$_root/.venv-torch-$1" spec
+  local extras=(numpy pytest expecttest matplotlib tqdm)
   if [ -n "${2:-}" ]; then
-    venv="$venv-py$("$python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+    venv="$venv-py$("$python" -c 'import sys; print("%d.%d%s" % (*sys.version_info[:2], sys.abiflags))')"
+  fi
+  if "$python" -c 'import sys, sysconfig; sys.exit(not sysconfig.get_config_var("Py_GIL_DISABLED"))'; then
+    extras=(--only-binary=:all: numpy pytest expecttest tqdm)
   fi
   if [ "$ver" = latest ]; then spec="torch"; else spec="torch==$ver"; fi
   if [ "$ver" = latest ] && [ -f "$venv/.ready" ] && _newer_torch "$venv"; then
@@ -82,8 +92,8 @@ torch_env() {
   if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.ready" ]; then
     rm -rf "$venv"
     _make_room "$venv"
-    "$python" -m venv "$venv"
-    _install_frugal "$venv" "$spec" numpy pytest expecttest matplotlib tqdm
+    "$python" -m venv "$venv" || return 1
+    _install_frugal "$venv" "$spec" "${extras[@]}" || return 1
     touch "$venv/.ready"
   fi
   PY="$venv/bin/python"
