@@ -6,6 +6,11 @@ build serves every CPython, free-threaded builds included, which an ``abi3`` tag
 would shut out (pip offers ``abi3`` wheels to no free-threaded interpreter, and
 torch ships wheels for CPython 3.14t), and so the library's file name carries no
 interpreter's tag either. Everything else is in pyproject.toml.
+
+``KEEL_WHEEL_PLATFORM`` (``manylinux_2_28_x86_64``, say) names the platform in
+place of this machine's (``linux_x86_64``). ``build_wheel`` in
+scripts/torch-env.sh sets it when it links the library against that glibc's
+symbol versions, and ``test_abi`` checks that the library keeps the promise.
 """
 import os
 import sysconfig
@@ -20,7 +25,7 @@ class PlatformOnlyWheel(bdist_wheel):
 
     def get_tag(self):
         _, _, platform = super().get_tag()
-        return "py3", "none", platform
+        return "py3", "none", os.environ.get("KEEL_WHEEL_PLATFORM") or platform
 
 
 class PlainSuffix(build_ext):

@@ -98,13 +98,51 @@ torch_env() {
   fi
   PY="$venv/bin/python"
 }
-# Builds the wheel once (Rust cdylib inside, not tied to a torch or Python version)
-# and sets $WHEEL.
+# The glibc whose symbol versions the wheel's library is linked against: torch's
+# own wheels' floor (manylinux_2_28) since torch 2.6, so Keel installs wherever
+# torch does, not only where glibc is as new as the machine that built it.
+KEEL_GLIBC="${KEEL_GLIBC:-2.28}"
+
+# The tools build_wheel links with, pinned, in .venv-build (made once):
+# cargo-zigbuild and zig (which carries every glibc's symbol versions), and
+# auditwheel, which reads the built wheel's platform back. Sets $BUILD_VENV.
+_build_tools() {
+  BUILD_VENV="$_root/.venv-build"
+  [ -f "$BUILD_VENV/.ready" ] && return 0
+  rm -rf "$BUILD_VENV"
+  python3 -m venv "$BUILD_VENV" || return 1
+  "$BUILD_VENV/bin/pip" install -q --disable-pip-version-check \
+    cargo-zigbuild==0.24.1 ziglang==0.17.1 auditwheel==6.8.2 || return 1
+  touch "$BUILD_VENV/.ready"
+}
+
+# Builds the wheel once (Rust cdylib inside, tied to no torch or Python version),
+# dist/keel-0.1.0-py3-none-manylinux_2_28_<arch>.whl, and sets $WHEEL: the
+# library linked by zig against glibc $KEEL_GLIBC's symbols, and against the
+# system's libgcc_s for unwinding (zig would link its own unwinder in, whose
+# calls on torch's C++ exceptions, unwound by libgcc_s through Keel's frames on
+# every error an op raises, crash the process).
 build_wheel() {
+  local arch libgcc
+  arch="$(uname -m)"
+  _build_tools || return 1
+  libgcc="$("${CC:-cc}" -print-file-name=libgcc_s.so.1)"
+  case "$libgcc" in /*) ;; *) echo "build_wheel: ${CC:-cc} finds no libgcc_s.so.1" >&2; return 1 ;; esac
   # setuptools' build/ keeps files of earlier builds, which it packs again.
   rm -rf "$_root/dist" "$_root/build"
-  python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$_root/dist" "$_root"
+  CARGO="$BUILD_VENV/bin/cargo-zigbuild" CARGO_ZIGBUILD_PYTHON_PATH="$BUILD_VENV/bin/python" \
+    CARGO_BUILD_TARGET="$arch-unknown-linux-gnu.$KEEL_GLIBC" \
+    RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C link-arg=$libgcc" \
+    KEEL_WHEEL_PLATFORM="manylinux_${KEEL_GLIBC/./_}_$arch" \
+    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$_root/dist" "$_root"
   WHEEL="$(ls "$_root"/dist/keel-*.whl)"
+  # auditwheel's verdict on the tag the wheel claims (it fails where it disagrees).
+  "$BUILD_VENV/bin/auditwheel" show "$WHEEL" 2>/dev/null | tr '\n' ' ' |
+    grep -q "is consistent with the following platform tag: \"manylinux_${KEEL_GLIBC/./_}_$arch\"" || {
+    "$BUILD_VENV/bin/auditwheel" show "$WHEEL" >&2
+    echo "build_wheel: auditwheel does not find $WHEEL consistent with manylinux_${KEEL_GLIBC/./_}_$arch" >&2
+    return 1
+  }
 }
 
 # Builds the wheel and installs it into the torch venv for VERSION (sets $PY).

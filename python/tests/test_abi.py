@@ -41,13 +41,62 @@ def test_library_is_the_wheels_one_build_for_every_python():
     """The wheel names no Python ABI (setup.py): tagged ``py3-none-<platform>``, so
     pip offers it to every CPython, free-threaded builds included, and its library
     is ``keel/_C.so``, no one interpreter's extension module."""
-    import importlib.metadata
     import os
 
     assert os.path.basename(keel.LIBRARY_PATH) == "_C.so", keel.LIBRARY_PATH
-    wheel = importlib.metadata.distribution("keel").read_text("WHEEL")
-    tags = [line.split(":", 1)[1].strip() for line in wheel.splitlines() if line.startswith("Tag:")]
+    tags = _wheel_tags()
     assert tags and all(t.startswith("py3-none-") for t in tags), tags
+
+
+def _wheel_tags():
+    import importlib.metadata
+
+    wheel = importlib.metadata.distribution("keel").read_text("WHEEL")
+    return [line.split(":", 1)[1].strip() for line in wheel.splitlines() if line.startswith("Tag:")]
+
+
+# The libraries a manylinux library may ask for that Keel's can: glibc's and libgcc_s
+# (PEP 600's policies list these among those every such system has).
+_MANYLINUX_LIBS = {
+    "libc.so.6",
+    "libm.so.6",
+    "libpthread.so.0",
+    "libdl.so.2",
+    "librt.so.1",
+    "libgcc_s.so.1",
+    "ld-linux-x86-64.so.2",
+    "ld-linux-aarch64.so.1",
+}
+
+
+def test_library_keeps_the_wheels_manylinux_promise():
+    """A wheel tagged ``manylinux_2_N`` (build_wheel) holds a library that asks for
+    no glibc symbol newer than 2.N and no library outside glibc and libgcc_s, and
+    that unwinds with the process's libgcc_s: zig's own unwinder, linked in, was
+    handed torch's C++ exception on the first error an op raised and crashed."""
+    import re
+    import shutil
+    import subprocess
+
+    import pytest
+
+    platform = _wheel_tags()[0].split("-")[2]
+    m = re.fullmatch(r"manylinux_(\d+)_(\d+)_\w+", platform)
+    if not m:
+        pytest.skip(f"the wheel is tagged {platform}: a local build, for this machine's glibc")
+    if shutil.which("readelf") is None:
+        pytest.skip("no readelf (binutils) here to read the library with")
+    floor = (int(m[1]), int(m[2]))
+
+    def readelf(*args):
+        return subprocess.run(["readelf", "-W", *args, keel.LIBRARY_PATH], capture_output=True, text=True, check=True).stdout
+
+    needed = set(re.findall(r"\(NEEDED\)\s+Shared library: \[([^]]+)\]", readelf("-d")))
+    assert needed and needed <= _MANYLINUX_LIBS, needed
+    glibc = {tuple(int(p) for p in v.split(".")[:2]) for v in re.findall(r"Name: GLIBC_([\d.]+)", readelf("-V"))}
+    assert glibc and max(glibc) <= floor, (sorted(glibc)[-3:], platform)
+    assert "libgcc_s.so.1" in needed
+    assert re.search(r"\bUND _Unwind_RaiseException@", readelf("--dyn-syms")), "the library carries its own unwinder"
 
 
 def test_package_is_marked_typed():
