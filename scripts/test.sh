@@ -49,6 +49,9 @@ done
 step "the CPU kernels for aarch64: clippy for that target, then the CPU unit and property tests under qemu"
 bash scripts/test-aarch64.sh
 
+step "the aarch64 wheel (manylinux_2_28, zig): its Python tests under qemu, on Debian's arm64 CPython with torch 2.10.0's aarch64 wheel"
+bash scripts/test-aarch64-wheel.sh
+
 step "the standalone Rust example (CPU; where there is no GPU it must say so and exit 0)"
 cargo run --release -q --example rms_norm
 
