@@ -33,8 +33,7 @@ for want in ${KEEL_BASELINE:-}; do
   git worktree add -q --detach "$tree" "$rev"
   trees+=("$tree")
   mkdir -p "$bundle/baseline/$name"
-  CARGO_TARGET_DIR="$root/target/baseline" \
-    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$bundle/baseline/$name" "$tree"
+  CARGO_TARGET_DIR="$root/target/baseline" zig_wheel "$tree" "$bundle/baseline/$name"
   if [ "$name" = "$rev" ]; then echo "$rev"; else echo "$name ($rev)"; fi > "$bundle/baseline/$name/REV"
 done
 

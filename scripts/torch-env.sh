@@ -116,30 +116,42 @@ _build_tools() {
   touch "$BUILD_VENV/.ready"
 }
 
-# `build_wheel [ARCH]` builds the wheel once (Rust cdylib inside, tied to no torch
-# or Python version) and sets $WHEEL: for this machine, dist/keel-0.1.0-py3-none-
-# manylinux_2_28_<arch>.whl; for another ARCH ("aarch64" on x86_64, through the
-# cross compiler scripts/test-aarch64.sh installs), the same under target/wheel-ARCH/.
-# The library is linked by zig against glibc $KEEL_GLIBC's symbols, and against
-# the target's libgcc_s for unwinding (zig would link its own unwinder in, whose
-# calls on torch's C++ exceptions, unwound by libgcc_s through Keel's frames on
-# every error an op raises, crash the process).
-build_wheel() {
-  local host arch="${1:-}" cc out libgcc plat
+# `zig_wheel SRC OUT [ARCH]`: the wheel of the tree SRC, into OUT (emptied
+# first), for ARCH (this machine's by default; "aarch64" on x86_64 through the
+# cross compiler scripts/test-aarch64.sh installs); sets $WHEEL. Its library is
+# linked by zig against glibc $KEEL_GLIBC's symbols, and against the target's
+# libgcc_s for unwinding: zig would link its own unwinder in, whose calls on
+# torch's C++ exceptions, unwound by libgcc_s through Keel's frames on every
+# error an op raises, crash the process. build_wheel builds this tree's with it;
+# scripts/gpu-bundle.sh its baselines, so that they are linked as this tree's is.
+zig_wheel() {
+  local src="$1" out="$2" arch="${3:-}" host cc libgcc
   host="$(uname -m)"
   arch="${arch:-$host}"
-  if [ "$arch" = "$host" ]; then cc="${CC:-cc}" out="$_root/dist"; else cc="$arch-linux-gnu-gcc" out="$_root/target/wheel-$arch"; fi
-  plat="manylinux_${KEEL_GLIBC/./_}_$arch"
+  if [ "$arch" = "$host" ]; then cc="${CC:-cc}"; else cc="$arch-linux-gnu-gcc"; fi
   _build_tools || return 1
   libgcc="$("$cc" -print-file-name=libgcc_s.so.1)" || return 1
-  case "$libgcc" in /*) ;; *) echo "build_wheel: $cc finds no libgcc_s.so.1" >&2; return 1 ;; esac
+  case "$libgcc" in /*) ;; *) echo "zig_wheel: $cc finds no libgcc_s.so.1" >&2; return 1 ;; esac
   # setuptools' build/ keeps files of earlier builds, which it packs again.
-  rm -rf "$out" "$_root/build"
+  rm -rf "$out" "$src/build"
   CARGO="$BUILD_VENV/bin/cargo-zigbuild" CARGO_ZIGBUILD_PYTHON_PATH="$BUILD_VENV/bin/python" \
     CARGO_BUILD_TARGET="$arch-unknown-linux-gnu.$KEEL_GLIBC" \
-    RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C link-arg=$libgcc" KEEL_WHEEL_PLATFORM="$plat" \
-    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$out" "$_root" || return 1
+    RUSTFLAGS="${RUSTFLAGS:+$RUSTFLAGS }-C link-arg=$libgcc" \
+    KEEL_WHEEL_PLATFORM="manylinux_${KEEL_GLIBC/./_}_$arch" \
+    python3 -m pip wheel -q --disable-pip-version-check --no-deps -w "$out" "$src" || return 1
   WHEEL="$(ls "$out"/keel-*.whl)"
+}
+
+# `build_wheel [ARCH]` builds this tree's wheel once (Rust cdylib inside, tied to
+# no torch or Python version) and sets $WHEEL: for this machine,
+# dist/keel-0.1.0-py3-none-manylinux_2_28_<arch>.whl; for another ARCH, the same
+# under target/wheel-ARCH/. It fails unless auditwheel agrees with the tag.
+build_wheel() {
+  local arch="${1:-$(uname -m)}" out plat
+  out="$_root/dist"
+  [ "$arch" = "$(uname -m)" ] || out="$_root/target/wheel-$arch"
+  plat="manylinux_${KEEL_GLIBC/./_}_$arch"
+  zig_wheel "$_root" "$out" "$arch" || return 1
   # auditwheel's verdict on the tag the wheel claims (it fails where it disagrees).
   "$BUILD_VENV/bin/auditwheel" show "$WHEEL" 2>/dev/null | tr '\n' ' ' |
     grep -q "is consistent with the following platform tag: \"$plat\"" || {
