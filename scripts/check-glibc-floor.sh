@@ -18,19 +18,8 @@ _build_tools
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 
-python3 - "$work" <<'EOF' || { echo "SKIPPED: Debian 11's libc6 and libgcc-s1 could not be downloaded"; exit 0; }
-import gzip, sys, urllib.request
-mirror, work = "http://deb.debian.org/debian", sys.argv[1]
-index = gzip.decompress(urllib.request.urlopen(f"{mirror}/dists/bullseye/main/binary-amd64/Packages.gz", timeout=60).read())
-want = {"libc6", "libgcc-s1"}
-for entry in index.decode("utf-8", "replace").split("\n\n"):
-    fields = dict(l.split(": ", 1) for l in entry.splitlines() if ": " in l and not l.startswith(" "))
-    if fields.get("Package") in want:
-        want.discard(fields["Package"])
-        data = urllib.request.urlopen(f"{mirror}/{fields['Filename']}", timeout=120).read()
-        open(f"{work}/{fields['Package']}.deb", "wb").write(data)
-sys.exit(1 if want else 0)
-EOF
+python3 scripts/debian.py debs bullseye amd64 "$work" libc6 libgcc-s1 ||
+  { echo "SKIPPED: Debian 11's libc6 and libgcc-s1 could not be downloaded"; exit 0; }
 for deb in "$work"/*.deb; do dpkg-deb -x "$deb" "$work/root"; done
 lib="$work/root/lib/x86_64-linux-gnu"
 

@@ -17,15 +17,10 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 source scripts/torch-env.sh
-source scripts/apt.sh
+source scripts/aarch64-tools.sh
 skip() { echo "SKIPPED (aarch64 wheel): $*"; exit 0; }
 [ "$(uname -m)" = x86_64 ] || skip "this cross-tests from x86_64"
-command -v qemu-aarch64 >/dev/null || apt_install qemu-user >/dev/null 2>&1 || true
-command -v aarch64-linux-gnu-gcc >/dev/null || apt_install gcc-aarch64-linux-gnu libc6-dev-arm64-cross >/dev/null 2>&1 || true
-command -v qemu-aarch64 >/dev/null || skip "no qemu-aarch64, and it could not be installed"
-command -v aarch64-linux-gnu-gcc >/dev/null || skip "no aarch64-linux-gnu-gcc (its libgcc_s), and it could not be installed"
-rustup target list --installed 2>/dev/null | grep -qx aarch64-unknown-linux-gnu ||
-  rustup target add aarch64-unknown-linux-gnu >/dev/null 2>&1 || skip "rustup could not add the aarch64 target"
+aarch64_tools || skip "$AARCH64_MISSING"
 
 build_wheel aarch64
 echo "$WHEEL"
@@ -36,32 +31,11 @@ if [ ! -f "$env/.ready" ]; then
   rm -rf "$env"
   mkdir -p "$env/debs"
   # Debian 12's arm64 CPython and what it and torch load, by Depends.
-  python3 - "$env/debs" <<'EOF' || skip "Debian's arm64 packages could not be downloaded"
-import lzma, re, sys, urllib.request
-mirror, out = "http://deb.debian.org/debian", sys.argv[1]
-index = lzma.decompress(urllib.request.urlopen(f"{mirror}/dists/bookworm/main/binary-arm64/Packages.xz", timeout=120).read())
-packages = {}
-for entry in index.decode("utf-8", "replace").split("\n\n"):
-    fields = dict(l.split(": ", 1) for l in entry.splitlines() if ": " in l and not l.startswith(" "))
-    if "Package" in fields:
-        packages[fields["Package"]] = fields
-# Packages whose files nothing here runs (configuration, data, the package tools).
-unneeded = {"debconf", "debconf-2.0", "tzdata", "media-types", "mime-support", "perl-base", "dpkg",
-            "install-info", "readline-common", "netbase", "libc-bin", "gcc-12-base"}
-todo, seen = ["python3.11-minimal", "libpython3.11-stdlib", "libc6", "libstdc++6", "libgcc-s1"], set()
-while todo:
-    name = todo.pop()
-    if name in seen or name in unneeded or name not in packages:
-        continue
-    seen.add(name)
-    for field in ("Pre-Depends", "Depends"):
-        for dep in packages[name].get(field, "").split(","):
-            if dep.strip():
-                todo.append(re.split(r"[\s(:]", dep.split("|")[0].strip())[0])
-for name in sorted(seen):
-    data = urllib.request.urlopen(f"{mirror}/{packages[name]['Filename']}", timeout=120).read()
-    open(f"{out}/{name}.deb", "wb").write(data)
-EOF
+  # Packages whose files nothing here runs (configuration, data, the package tools).
+  unneeded=debconf,debconf-2.0,tzdata,media-types,mime-support,perl-base,dpkg,install-info,readline-common,netbase,libc-bin,gcc-12-base
+  python3 scripts/debian.py debs bookworm arm64 "$env/debs" --depends --unneeded "$unneeded" \
+    python3.11-minimal libpython3.11-stdlib libc6 libstdc++6 libgcc-s1 ||
+    skip "Debian's arm64 packages could not be downloaded"
   for deb in "$env"/debs/*.deb; do dpkg-deb -x "$deb" "$sysroot"; done
   rm -rf "$env/debs"
   # torch and the tests' tools, aarch64 wheels for CPython 3.11, no resolver:

@@ -20,21 +20,13 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-source scripts/apt.sh
+source scripts/aarch64-tools.sh
 target=aarch64-unknown-linux-gnu
 # Tests that cannot pass under qemu-user (see above).
 qemu_skips=(prefault::tests::populates_fresh_memory prefault::tests::probe_faults_the_frame_at_the_chosen_end)
 skip() { echo "SKIPPED (aarch64): $*"; exit 0; }
 
-if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
-  rustup target add "$target" >/dev/null 2>&1 || skip "rustup could not add the $target target"
-fi
-if ! command -v aarch64-linux-gnu-gcc >/dev/null || ! command -v aarch64-linux-gnu-g++ >/dev/null \
-  || ! command -v qemu-aarch64 >/dev/null; then
-  apt_install gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user || true
-  command -v aarch64-linux-gnu-gcc >/dev/null || skip "no aarch64-linux-gnu-gcc (cross linker), and it could not be installed"
-  command -v qemu-aarch64 >/dev/null || skip "no qemu-aarch64, and it could not be installed"
-fi
+aarch64_tools || skip "$AARCH64_MISSING"
 
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
 export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64 -L /usr/aarch64-linux-gnu"

@@ -27,32 +27,8 @@ if [ -z "$(interpreter)" ] || [ ! -f "$prefix/.ready" ]; then
   work="$(mktemp -d)"
   trap 'rm -rf "$work"' EXIT
   # Newest first: Debian's Sources index of each suite names the orig tarballs.
-  python3 - "$work" > "$work/found" <<'EOF' || skip "no CPython source could be downloaded from Debian"
-import lzma, sys, urllib.request
-mirror = "http://deb.debian.org/debian"
-work = sys.argv[1]
-for pkg in ("python3.14", "python3.13"):
-    for suite in ("sid", "trixie"):
-        try:
-            index = lzma.decompress(urllib.request.urlopen(f"{mirror}/dists/{suite}/main/source/Sources.xz", timeout=60).read())
-        except OSError:
-            continue
-        for entry in index.decode("utf-8", "replace").split("\n\n"):
-            fields = dict(l.split(": ", 1) for l in entry.splitlines() if ": " in l and not l.startswith(" "))
-            if fields.get("Package") != pkg:
-                continue
-            names = {l.split()[-1] for l in entry.splitlines() if l.startswith(" ") and l.endswith(".orig.tar.xz")}
-            for name in sorted(names, reverse=True):
-                try:
-                    data = urllib.request.urlopen(f"{mirror}/{fields['Directory']}/{name}", timeout=120).read()
-                except OSError:
-                    continue  # the index can name files the mirror no longer holds
-                with open(f"{work}/src.tar.xz", "wb") as f:
-                    f.write(data)
-                print(f"{suite} {name}")
-                sys.exit(0)
-sys.exit(1)
-EOF
+  python3 scripts/debian.py orig "$work/src.tar.xz" python3.14:sid,trixie python3.13:sid,trixie > "$work/found" ||
+    skip "no CPython source could be downloaded from Debian"
   echo "building free-threaded CPython from Debian $(cat "$work/found")"
   # The modules pip and the tests need (ssl, zlib, ctypes, lzma, bz2, sqlite3).
   apt_install libssl-dev zlib1g-dev libffi-dev liblzma-dev libbz2-dev libsqlite3-dev >/dev/null 2>&1 || true
