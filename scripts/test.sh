@@ -89,9 +89,9 @@ fi
 step "cargo doc (public items documented)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
-step "build the wheel once (manylinux_2_28: linked against glibc 2.28's symbols, as torch's wheels are), and load its library under Debian 11's glibc 2.31"
+step "build the sdist, and from it the wheel once (manylinux_2_28: linked against glibc 2.28's symbols, as torch's wheels are), and load its library under Debian 11's glibc 2.31"
 build_wheel
-echo "$WHEEL"
+echo "$SDIST"; echo "$WHEEL"
 bash scripts/check-glibc-floor.sh "$WHEEL"
 
 # Each entry is a torch version, with ":X.Y" to run it on that CPython (the

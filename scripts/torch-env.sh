@@ -103,17 +103,19 @@ torch_env() {
 # torch does, not only where glibc is as new as the machine that built it.
 KEEL_GLIBC="${KEEL_GLIBC:-2.28}"
 
-# The tools build_wheel links with, pinned, in .venv-build (made once):
-# cargo-zigbuild and zig (which carries every glibc's symbol versions), and
-# auditwheel, which reads the built wheel's platform back. Sets $BUILD_VENV.
+# The tools build_wheel links with, pinned, in .venv-build (made once, and again
+# when the pins change): cargo-zigbuild and zig (which carries every glibc's
+# symbol versions), auditwheel, which reads the built wheel's platform back, and
+# build, which makes the sdist. Sets $BUILD_VENV.
+_BUILD_PINS="cargo-zigbuild==0.24.1 ziglang==0.17.1 auditwheel==6.8.2 build==1.6.1"
 _build_tools() {
   BUILD_VENV="$_root/.venv-build"
-  [ -f "$BUILD_VENV/.ready" ] && return 0
+  [ "$(cat "$BUILD_VENV/.ready" 2>/dev/null)" = "$_BUILD_PINS" ] && return 0
   rm -rf "$BUILD_VENV"
   python3 -m venv "$BUILD_VENV" || return 1
-  "$BUILD_VENV/bin/pip" install -q --disable-pip-version-check \
-    cargo-zigbuild==0.24.1 ziglang==0.17.1 auditwheel==6.8.2 || return 1
-  touch "$BUILD_VENV/.ready"
+  # shellcheck disable=SC2086 # the pins are words
+  "$BUILD_VENV/bin/pip" install -q --disable-pip-version-check $_BUILD_PINS || return 1
+  echo "$_BUILD_PINS" > "$BUILD_VENV/.ready"
 }
 
 # `zig_wheel SRC OUT [ARCH]`: the wheel of the tree SRC, into OUT (emptied
@@ -142,16 +144,29 @@ zig_wheel() {
   WHEEL="$(ls "$out"/keel-*.whl)"
 }
 
-# `build_wheel [ARCH]` builds this tree's wheel once (Rust cdylib inside, tied to
-# no torch or Python version) and sets $WHEEL: for this machine,
-# dist/keel-0.1.0-py3-none-manylinux_2_28_<arch>.whl; for another ARCH, the same
-# under target/wheel-ARCH/. It fails unless auditwheel agrees with the tag.
+# `build_wheel [ARCH]` builds this tree's sdist, then from it the wheel (Rust
+# cdylib inside, tied to no torch or Python version), as `python -m build` does,
+# so that every wheel tested proves the sdist complete; sets $SDIST and $WHEEL:
+# for this machine, dist/keel-0.1.0.tar.gz and
+# dist/keel-0.1.0-py3-none-manylinux_2_28_<arch>.whl; for another ARCH, the
+# wheel under target/wheel-ARCH/. It fails unless auditwheel agrees with the tag.
 build_wheel() {
-  local arch="${1:-$(uname -m)}" out plat
+  local arch="${1:-$(uname -m)}" out plat src="$_root/target/sdist"
   out="$_root/dist"
   [ "$arch" = "$(uname -m)" ] || out="$_root/target/wheel-$arch"
   plat="manylinux_${KEEL_GLIBC/./_}_$arch"
-  zig_wheel "$_root" "$out" "$arch" || return 1
+  _build_tools || return 1
+  # setuptools adds to the sdist every file its last SOURCES.txt listed: only what
+  # MANIFEST.in names now, so that a file it lacks fails the build here.
+  rm -rf "$src" "$_root/python/keel.egg-info" && mkdir -p "$src/tree" || return 1
+  "$BUILD_VENV/bin/python" -m build -q --sdist --outdir "$src" "$_root" > "$src/log" 2>&1 ||
+    { cat "$src/log" >&2; echo "build_wheel: the sdist did not build" >&2; return 1; }
+  SDIST="$(ls "$src"/keel-*.tar.gz)"
+  # Unpacked in one place (tar keeps the files' times), so that cargo finds its
+  # earlier build of the same sources in target/ and compiles only what changed.
+  tar -xzf "$SDIST" -C "$src/tree" --strip-components=1 || return 1
+  CARGO_TARGET_DIR="$_root/target" zig_wheel "$src/tree" "$out" "$arch" || return 1
+  if [ "$arch" = "$(uname -m)" ]; then cp "$SDIST" "$out/" && SDIST="$out/$(basename "$SDIST")"; fi
   # auditwheel's verdict on the tag the wheel claims (it fails where it disagrees).
   "$BUILD_VENV/bin/auditwheel" show "$WHEEL" 2>/dev/null | tr '\n' ' ' |
     grep -q "is consistent with the following platform tag: \"$plat\"" || {

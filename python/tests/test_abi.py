@@ -105,3 +105,16 @@ def test_package_is_marked_typed():
     import os
 
     assert os.path.isfile(os.path.join(os.path.dirname(keel.__file__), "py.typed"))
+
+
+def test_installed_distribution_carries_its_license():
+    """The wheel names its license (Apache-2.0, as Cargo.toml) and carries the
+    text, which the license asks of every copy."""
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("keel")
+    assert dist.metadata["License-Expression"] == "Apache-2.0"
+    files = [f for f in dist.files or () if f.name == "LICENSE"]
+    assert len(files) == 1, dist.files
+    text = files[0].read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
