@@ -2,7 +2,9 @@
 """Debian's packages and sources, fetched from deb.debian.org, for the test
 scripts that need another system's files without installing them: glibc 2.31
 (check-glibc-floor.sh), an arm64 CPython (test-aarch64-wheel.sh), CPython's
-source (test-freethreaded.sh). Standard library only.
+source (test-freethreaded.sh). Standard library only. `--mirror URL` (before
+the command) reads another archive of Debian's layout instead: Ubuntu's,
+whose python3.14 source is on its mirror where Debian's is not.
 
     debian.py debs SUITE ARCH OUT PKG... [--depends] [--unneeded PKG,...]
         Writes OUT/PKG.deb for each PKG; with --depends, for every package
@@ -22,7 +24,8 @@ import re
 import sys
 import urllib.request
 
-MIRROR = "http://deb.debian.org/debian"
+DEBIAN = "http://deb.debian.org/debian"
+MIRROR = DEBIAN  # the archive read: --mirror
 
 
 def fetch(path, timeout=120):
@@ -112,7 +115,9 @@ def orig(args):
 
 
 def main():
+    global MIRROR
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mirror", default=DEBIAN)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("debs")
     p.add_argument("suite")
@@ -127,6 +132,7 @@ def main():
     p.add_argument("specs", nargs="+", metavar="PKG:SUITE[,SUITE...]")
     p.set_defaults(run=orig)
     args = parser.parse_args()
+    MIRROR = args.mirror.rstrip("/")
     try:
         args.run(args)
     except (OSError, lzma.LZMAError) as e:  # urllib's errors among them

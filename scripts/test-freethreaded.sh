@@ -4,9 +4,11 @@
 #
 # No free-threaded interpreter comes from PyPI or from this machine's packages,
 # and python.org is out of reach here, so this builds one (`./configure
-# --disable-gil`, about 5 minutes on 2 cores) from Debian's source of CPython:
-# python3.14's, else python3.13's, the first orig tarball that downloads from
-# sid or trixie. The interpreter and its torch venv are kept (.venv-freethreaded/,
+# --disable-gil`, about 5 minutes on 2 cores) from a Debian-format archive's
+# source of CPython, the first orig tarball that downloads of: Debian's
+# python3.14 (sid, trixie), Ubuntu's python3.14 (resolute), Debian's python3.13.
+# With 3.14t the tests run under torch 2.15 on; with 3.13t, 2.12 (the last
+# torch with cp313t wheels). The interpreter and its torch venv are kept (.venv-freethreaded/,
 # and torch_env's .venv-torch-latest-py3.Xt/) for the next run. Where no source downloads or the
 # build fails, it says so and exits 0: the step is skipped, not failed.
 #
@@ -26,10 +28,16 @@ if [ -z "$(interpreter)" ] || [ ! -f "$prefix/.ready" ]; then
   rm -rf "$prefix"
   work="$(mktemp -d)"
   trap 'rm -rf "$work"' EXIT
-  # Newest first: Debian's Sources index of each suite names the orig tarballs.
-  python3 scripts/debian.py orig "$work/src.tar.xz" python3.14:sid,trixie python3.13:sid,trixie > "$work/found" ||
-    skip "no CPython source could be downloaded from Debian"
-  echo "building free-threaded CPython from Debian $(cat "$work/found")"
+  # Newest first: the Sources index of each suite names the orig tarballs.
+  # Debian's python3.14 tarballs are named in its index but missing from its
+  # mirror (sessions 72-74), so Ubuntu's (the same archive layout) comes next.
+  get() { python3 scripts/debian.py "$@" > "$work/found"; }
+  if get orig "$work/src.tar.xz" python3.14:sid,trixie; then from=Debian
+  elif get --mirror http://archive.ubuntu.com/ubuntu orig "$work/src.tar.xz" python3.14:resolute; then from=Ubuntu
+  elif get orig "$work/src.tar.xz" python3.13:sid,trixie; then from=Debian
+  else skip "no CPython source could be downloaded from Debian or Ubuntu"
+  fi
+  echo "building free-threaded CPython from $from $(cat "$work/found")"
   # The modules pip and the tests need (ssl, zlib, ctypes, lzma, bz2, sqlite3).
   apt_install libssl-dev zlib1g-dev libffi-dev liblzma-dev libbz2-dev libsqlite3-dev >/dev/null 2>&1 || true
   tar -xf "$work/src.tar.xz" -C "$work"

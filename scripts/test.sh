@@ -144,7 +144,7 @@ for cap in avx2 default; do
     python/tests/test_fused_add_rms_norm_inplace.py python/tests/test_layouts.py python/tests/test_mixed_precision.py)
 done
 
-step "python tests on free-threaded CPython with the GIL off (built from Debian's source; skipped, saying why, where it cannot be)"
+step "python tests on free-threaded CPython with the GIL off (3.14t and the newest torch, built from Ubuntu's source of it, else 3.13t from Debian's; skipped, saying why, where it cannot be)"
 bash scripts/test-freethreaded.sh "$WHEEL"
 
 printf '\n=== every test passed, in %s\n' "$(clock)"

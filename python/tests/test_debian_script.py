@@ -137,3 +137,27 @@ def test_orig_skips_a_tarball_the_mirror_lost_and_fails_when_none_downloads(mirr
     assert out.read_bytes() == b"pool/main/p/python3.13/python3.13_3.13.5.orig.tar.xz"
     with pytest.raises(SystemExit, match="no orig tarball"):
         run(monkeypatch, "orig", str(out), "python3.14:sid,trixie")
+
+
+def test_mirror_names_the_archive_every_download_reads_and_defaults_to_debians(monkeypatch, tmp_path):
+    """Through the real fetch and index, on a stand-in for urlopen: every URL
+    starts with --mirror's archive, else Debian's."""
+    import io
+    import lzma
+
+    urls = []
+
+    def urlopen(url, timeout):
+        urls.append(url)
+        return io.BytesIO(lzma.compress(PACKAGES.encode()) if url.endswith("Packages.xz") else b"deb")
+
+    monkeypatch.setattr(debian.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(debian, "MIRROR", debian.MIRROR)  # restored after the test
+    run(monkeypatch, "--mirror", "http://archive.ubuntu.com/ubuntu/", "debs", "resolute", "amd64", str(tmp_path), "zlib1g")
+    assert urls == ["http://archive.ubuntu.com/ubuntu/dists/resolute/main/binary-amd64/Packages.xz",
+                    "http://archive.ubuntu.com/ubuntu/pool/main/z/zlib/zlib1g_1.2.13_arm64.deb"]
+    urls.clear()
+    run(monkeypatch, "debs", "bookworm", "arm64", str(tmp_path), "zlib1g")
+    assert urls == ["http://deb.debian.org/debian/dists/bookworm/main/binary-arm64/Packages.xz",
+                    "http://deb.debian.org/debian/pool/main/z/zlib/zlib1g_1.2.13_arm64.deb"]
+    assert (tmp_path / "zlib1g.deb").read_bytes() == b"deb"
