@@ -74,9 +74,14 @@ def closure(packages, roots, unneeded=()):
 
 
 def newest_orig(lines):
-    """The .orig.tar.xz files a Sources stanza lists, newest name first."""
+    """The .orig.tar.xz files a Sources stanza lists, newest first."""
     names = {line.split()[-1] for line in lines if line.startswith(" ") and line.endswith(".orig.tar.xz")}
-    return sorted(names, reverse=True)
+    return sorted(names, key=version_key, reverse=True)
+
+
+def version_key(name):
+    """Orders file names by the numbers in them as numbers: 3.14.10 after 3.14.9."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
 
 
 def debs(args):
@@ -99,18 +104,18 @@ def orig(args):
                 text = index(suite, "source/Sources")
             except OSError:
                 continue
-            for fields, lines in stanzas(text):
-                if fields.get("Package") != pkg:
-                    continue
-                for name in newest_orig(lines):
-                    try:
-                        data = fetch(f"{fields['Directory']}/{name}")
-                    except OSError:
-                        continue  # the index can name files the mirror no longer holds
-                    with open(args.out, "wb") as f:
-                        f.write(data)
-                    print(f"{suite} {name}")
-                    return
+            # A suite can hold several versions of a package, a stanza each.
+            found = [(name, fields["Directory"]) for fields, lines in stanzas(text)
+                     if fields.get("Package") == pkg for name in newest_orig(lines)]
+            for name, directory in sorted(found, key=lambda f: version_key(f[0]), reverse=True):
+                try:
+                    data = fetch(f"{directory}/{name}")
+                except OSError:
+                    continue  # the index can name files the mirror no longer holds
+                with open(args.out, "wb") as f:
+                    f.write(data)
+                print(f"{suite} {name}")
+                return
     sys.exit(f"debian.py: no orig tarball of {', '.join(args.specs)} could be downloaded")
 
 

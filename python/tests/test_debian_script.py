@@ -56,6 +56,11 @@ Files:
  89ab 22100000 python3.13_3.13.9.orig.tar.xz
  cdef 300000 python3.13_3.13.9-1.debian.tar.xz
 
+Package: python3.13
+Directory: pool/main/p/python3.13
+Files:
+ 0123 22000000 python3.13_3.13.15.orig.tar.xz
+
 Package: python3.12
 Directory: pool/main/p/python3.12
 Files:
@@ -91,23 +96,29 @@ def test_closure_follows_depends_through_cycles_but_not_into_unneeded_or_virtual
 def test_newest_orig_lists_only_orig_tarballs_newest_first():
     _, lines = next(debian.stanzas(SOURCES))
     assert debian.newest_orig(lines) == ["python3.13_3.13.9.orig.tar.xz", "python3.13_3.13.5.orig.tar.xz"]
+    # By the numbers, not the characters: 3.14.10 after 3.14.9.
+    names = ["python3.14_3.14.9.orig.tar.xz", "python3.14_3.14.10.orig.tar.xz", "python3.14_3.14.8.orig.tar.xz"]
+    assert sorted(names, key=debian.version_key, reverse=True) == [names[1], names[0], names[2]]
 
 
 @pytest.fixture
 def mirror(monkeypatch):
     """A mirror of the two indexes above: fetch answers a pool path with the
-    path's bytes and fails on any other, as the mirror does for a file it lost."""
-    fetched = []
+    path's bytes and fails on any other, and on the versions in ``lost``, as
+    the mirror does for a file it lost."""
+    class Mirror:
+        fetched = []
+        lost = {"3.13.9"}
 
     def fetch(path, timeout=120):
-        if not path.startswith("pool/") or path.endswith("3.13.9.orig.tar.xz"):
+        if not path.startswith("pool/") or any(path.endswith(f"_{v}.orig.tar.xz") for v in Mirror.lost):
             raise OSError(f"404 {path}")
-        fetched.append(path)
+        Mirror.fetched.append(path)
         return path.encode()
 
     monkeypatch.setattr(debian, "fetch", fetch)
     monkeypatch.setattr(debian, "index", lambda suite, name: SOURCES if name == "source/Sources" else PACKAGES)
-    return fetched
+    return Mirror
 
 
 def run(monkeypatch, *argv):
@@ -132,9 +143,14 @@ def test_debs_fails_naming_a_package_the_suite_lacks(mirror, monkeypatch, tmp_pa
 
 def test_orig_skips_a_tarball_the_mirror_lost_and_fails_when_none_downloads(mirror, monkeypatch, tmp_path, capsys):
     out = tmp_path / "src.tar.xz"
+    # The newest across the package's stanzas first (3.13.15 has a stanza of its own);
+    # with it lost too, past 3.13.9 (lost), the next: 3.13.5.
     run(monkeypatch, "orig", str(out), "python3.14:sid", "python3.13:sid,trixie")
+    assert capsys.readouterr().out == "sid python3.13_3.13.15.orig.tar.xz\n"
+    assert out.read_bytes() == b"pool/main/p/python3.13/python3.13_3.13.15.orig.tar.xz"
+    mirror.lost.add("3.13.15")
+    run(monkeypatch, "orig", str(out), "python3.13:sid")
     assert capsys.readouterr().out == "sid python3.13_3.13.5.orig.tar.xz\n"
-    assert out.read_bytes() == b"pool/main/p/python3.13/python3.13_3.13.5.orig.tar.xz"
     with pytest.raises(SystemExit, match="no orig tarball"):
         run(monkeypatch, "orig", str(out), "python3.14:sid,trixie")
 
