@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function
 
-from . import _autograd, _twice
+from . import _autograd, _ce_forms, _twice
 from ._common import heads_contiguous, nograd, rows_in_place
 
 # A tensor argument that overrides __torch_function__ (a subclass, torch.fx's
@@ -235,6 +235,8 @@ def cross_entropy(
     ignore_index: int = _IGNORE_INDEX,
     label_smoothing: float = _LABEL_SMOOTHING,
     reduction: str = _REDUCTION,
+    *,
+    weight: Optional[Tensor] = None,
 ) -> Tensor:
     """Fused cross-entropy: ``F.cross_entropy(logits, target, ...)`` with the same arguments.
 
@@ -253,21 +255,40 @@ def cross_entropy(
             value raises a RuntimeError (on CUDA this check synchronises the stream, in
             the forward only: the backward trusts the targets the forward checked; during
             CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
-            instead).
-        ignore_index: rows with this target contribute no loss and no gradient.
+            instead). Or, as torch, probabilities: a float tensor shaped like
+            ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too,
+            built on the op with torch's elementwise ops (``keel._ce_forms``, which
+            gives the costs: not faster than torch's).
+        ignore_index: rows with this target contribute no loss and no gradient (class
+            indices only: with probabilities, one other than the default raises, as in torch).
         label_smoothing: in ``[0, 1]``, as in torch.
         reduction: ``"mean"`` (over the rows not ignored; NaN when all are),
             ``"sum"`` or ``"none"`` (``[N]`` losses; target's shape for the other layouts).
+        weight: optional ``[V]`` float weight of each class, on ``logits``' device
+            (keyword only), as torch's ``weight``: a row's loss is scaled by its
+            target's weight, label smoothing weights each class's term, and
+            ``"mean"`` divides by the sum of the weights of the rows not ignored.
+            Applied in float32 (float64 for float64 logits) to the fused op's
+            per-row results (``keel._ce_forms``), at the op's speed; with label
+            smoothing, the op runs twice, with a matrix-vector product.
 
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16
         and bfloat16 logits, as torch's (computed in float32 from the logits as they
         are: no float32 copy). Differentiable in ``logits``.
     """
-    if _has_torch_function(logits, target) and _overridden(logits, target):
-        return _handle(cross_entropy, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
+    if _has_torch_function(logits, target, weight) and _overridden(logits, target, weight):
+        kw = {} if weight is None else {"weight": weight}
+        return _handle(cross_entropy, (logits, target, weight), logits, target, ignore_index, label_smoothing, reduction, **kw)
+    if _probabilities(logits, target):
+        _ce_forms.check_probabilities(_CE, logits, target, ignore_index, _IGNORE_INDEX)
+        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, logits.shape[logits.dim() > 1])
+        return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)
     if _other_layout(logits, target):
-        return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction)
+        return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight)
+    if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
+        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _classes(logits))
+        return _as_cross_entropy(_ce_forms.weighted, logits, target, weight, ignore_index, label_smoothing, reduction)[0]
     if _transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:
@@ -289,6 +310,35 @@ def cross_entropy(
     return _call(_cross_entropy, _CROSS_ENTROPY, None, logits, target, ignore_index, label_smoothing, reduction)
 
 
+_CE = "keel::cross_entropy"
+
+
+def _probabilities(logits, target) -> bool:
+    """Whether cross_entropy's target holds probabilities (a float tensor), as
+    torch takes them (:func:`_ce_forms.probabilities`). Logits that are not dense
+    go on to the op, which refuses them, naming the argument."""
+    return isinstance(logits, Tensor) and isinstance(target, Tensor) and target.dtype.is_floating_point and _dense(logits)
+
+
+def _classes(logits: Tensor) -> int:
+    """The classes of ``[N, C]`` logits (their last dim; 0-dim logits, which the op
+    refuses, have none)."""
+    return logits.shape[-1] if logits.dim() > 0 else 0
+
+
+def _as_cross_entropy(form, *args):
+    """`form(cross_entropy_with_lse, *args)`, one of torch's forms built on that op
+    (``_ce_forms``), for :func:`cross_entropy`: an error of that op's own checks
+    (of the logits or the targets) names ``keel::cross_entropy``, the op called."""
+    try:
+        return form(cross_entropy_with_lse, *args)
+    except RuntimeError as err:
+        renamed = as_called(err, "keel::cross_entropy_with_lse", _CE)
+        if renamed is None:
+            raise
+        raise renamed from None
+
+
 def _other_layout(logits, target) -> bool:
     """Whether cross_entropy's logits take one of torch's layouts other than
     ``[N, V]`` (:func:`_cross_entropy_as_rows`). Nested and other non-strided
@@ -302,7 +352,7 @@ def _other_layout(logits, target) -> bool:
     )
 
 
-def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight):
     """:func:`cross_entropy` of torch's layouts other than ``[N, V]``, as rows: ``[V]``
     with a 0-dim target is one row; ``[N, V, d1, ...]`` with target ``[N, d1, ...]``
     (classes in dim 1) is ``[N d1 ..., V]`` (a copy, unless the classes were moved to
@@ -319,7 +369,7 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
     # The row count from the target, not -1: with no classes, -1 would be ambiguous
     # and reshape would raise its own error instead of the op's.
     rows = logits.unsqueeze(0) if one_row else logits.movedim(1, -1).reshape(target.numel(), logits.shape[1])
-    loss = cross_entropy(rows, target.reshape(-1), ignore_index, label_smoothing, reduction)
+    loss = cross_entropy(rows, target.reshape(-1), ignore_index, label_smoothing, reduction, weight=weight)
     return loss.reshape(want) if reduction == "none" else loss
 
 
@@ -329,16 +379,24 @@ def cross_entropy_with_lse(
     ignore_index: int = _IGNORE_INDEX,
     label_smoothing: float = _LABEL_SMOOTHING,
     reduction: str = _REDUCTION,
+    *,
+    weight: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """:func:`cross_entropy`, and each row's log-sum-exp of ``logits``.
 
-    The same arguments and loss as :func:`cross_entropy`. The second result is
+    The same arguments (``[N, V]`` logits, ``[N]`` target) and loss as
+    :func:`cross_entropy`. The second result is
     ``torch.logsumexp(logits, -1)`` (``[N]``, float32, or float64 for float64 logits),
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
     """
-    if _has_torch_function(logits, target) and _overridden(logits, target):
-        return _handle(cross_entropy_with_lse, (logits, target), logits, target, ignore_index, label_smoothing, reduction)
+    if _has_torch_function(logits, target, weight) and _overridden(logits, target, weight):
+        kw = {} if weight is None else {"weight": weight}
+        args = (logits, target, ignore_index, label_smoothing, reduction)
+        return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
+    if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
+        _ce_forms.check("keel::cross_entropy_with_lse", logits, weight, label_smoothing, reduction, _classes(logits))
+        return _ce_forms.weighted(cross_entropy_with_lse, logits, target, weight, ignore_index, label_smoothing, reduction)
     if _autocast_on() and not _transformed():
         # The op itself: its autocast kernel returns a float32 loss (``_autocast``).
         args = (logits, target, ignore_index, label_smoothing, reduction)

@@ -249,16 +249,18 @@ class SwiGLU(nn.Module):
 
 
 class CrossEntropyLoss(nn.Module):
-    """Keel's ``torch.nn.CrossEntropyLoss`` for class indices: ``[N, V]`` logits and
-    ``[N]`` targets, or torch's other layouts (``[V]`` with a 0-dim target; ``[N, V, d1,
-    ...]``, classes in dim 1, with ``[N, d1, ...]``), as :func:`keel.cross_entropy` takes them.
+    """Keel's ``torch.nn.CrossEntropyLoss``: ``[N, V]`` logits and ``[N]`` class indices,
+    or torch's other layouts (``[V]`` with a 0-dim target; ``[N, V, d1, ...]``, classes in
+    dim 1, with ``[N, d1, ...]``), or probabilities (a float target shaped like the
+    logits), as :func:`keel.cross_entropy` takes them.
 
     The same ``ignore_index``, ``reduction`` and ``label_smoothing`` as torch, through
     :func:`keel.cross_entropy` (fused: forward + backward allocate one logits-sized buffer).
-    The constructor's signature is torch's. Class weights and probability targets are
-    not supported: a ``weight`` other than ``None`` is refused here (as are torch's
-    deprecated ``size_average`` and ``reduce``), and targets that are not int64 class indices raise a
-    RuntimeError naming ``target``. For a language model's ``[B, S, V]`` logits, flatten
+    The constructor's signature is torch's. ``weight`` (one float weight per class) is
+    kept as a buffer, as torch keeps it (it follows ``.to()`` and is in the
+    ``state_dict``), and applied as :func:`keel.cross_entropy`'s ``weight``. Integer
+    targets other than int64 raise a RuntimeError naming ``target``; torch's deprecated
+    ``size_average`` and ``reduce`` are refused here. For a language model's ``[B, S, V]`` logits, flatten
     (``loss_fn(logits.view(-1, vocab), labels.view(-1))``) or pass
     ``logits.transpose(1, 2)`` as for torch: neither copies the logits.
     """
@@ -273,8 +275,8 @@ class CrossEntropyLoss(nn.Module):
         label_smoothing: float = 0.0,
     ) -> None:
         super().__init__()
-        if weight is not None:
-            raise ValueError("keel.nn.CrossEntropyLoss: argument 'weight': class weights are not supported")
+        if weight is not None and not isinstance(weight, Tensor):
+            raise TypeError(f"keel.nn.CrossEntropyLoss: argument 'weight' must be a Tensor or None, got {type(weight).__name__}")
         if size_average is not None or reduce is not None:
             raise ValueError(
                 "keel.nn.CrossEntropyLoss: arguments 'size_average' and 'reduce' (deprecated in torch) are not "
@@ -284,12 +286,14 @@ class CrossEntropyLoss(nn.Module):
             raise ValueError(
                 f"keel.nn.CrossEntropyLoss: argument 'reduction' must be \"mean\", \"sum\" or \"none\", got {reduction!r}"
             )
+        self.register_buffer("weight", weight)
+        self.weight: Optional[Tensor]
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction)
+        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction, weight=self.weight)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction}, label_smoothing={self.label_smoothing}"

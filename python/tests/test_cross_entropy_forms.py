@@ -1,0 +1,342 @@
+"""keel.cross_entropy in torch's forms that the fused op does not take itself,
+against F.cross_entropy: class weights (``weight=``; every reduction, with and
+without label smoothing and ignored rows, torch's other layouts,
+keel.cross_entropy_with_lse, keel.nn's module with the weight a buffer, autocast,
+torch.compile, gradcheck, bad weights) and probability targets (with and without
+weights and label smoothing, gradients in logits and target, layouts, bad ones)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import keel
+from conftest import TOL, devices, dtypes_for, make
+from test_cross_entropy import REDUCTIONS, targets
+
+
+def class_weights(v, device, dtype=torch.float32, seed=7):
+    """Weights in [0.25, 2.25): far enough from 1 that a loss without them differs."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(v, generator=g, dtype=torch.float64) * 2 + 0.25).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("n,v", [(1, 1), (5, 7), (64, 1000), (3, 32000)])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_weighted_loss_and_gradient_match_torch(device, n, v, reduction, label_smoothing):
+    for dtype in dtypes_for(device):
+        x = make((n, v), dtype, device, 0, 4.0)
+        t = targets(n, v, device)
+        if n == 1:
+            t[0] = 0
+        # The weights in the logits' dtype, as torch takes them: the reference sees the same values.
+        w = class_weights(v, device, dtype)
+        xr = x.double().clone().requires_grad_()
+        want = F.cross_entropy(xr, t, weight=w.double(), label_smoothing=label_smoothing, reduction=reduction)
+        g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
+        want.backward(g.double())
+        atol, rtol = TOL[dtype]
+        xk = x.clone().requires_grad_()
+        loss = keel.cross_entropy(xk, t, -100, label_smoothing, reduction, weight=w)
+        assert loss.shape == want.shape and loss.dtype == dtype
+        torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
+        loss.backward(g)
+        torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_weight_of_another_float_dtype_is_applied_in_float32(device):
+    x = make((16, 50), torch.bfloat16, device, 0, 3.0)
+    t = targets(16, 50, device)
+    w = class_weights(50, device, torch.float64)
+    want = F.cross_entropy(x.double(), t, weight=w, label_smoothing=0.1)
+    got = keel.cross_entropy(x, t, label_smoothing=0.1, weight=w)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want, atol=0.1, rtol=0.032)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_weights_change_the_loss(device):
+    """Not a loss that ignores them: doubling one class's weight moves "sum" by that class's rows."""
+    x, t = make((8, 5), torch.float64, device, 0), torch.tensor([0, 1, 2, 3, 4, 0, 1, 2], device=device)
+    w = torch.ones(5, dtype=torch.float64, device=device)
+    plain = keel.cross_entropy(x, t, reduction="none")
+    w[2] = 3.0
+    weighted = keel.cross_entropy(x, t, reduction="none", weight=w)
+    torch.testing.assert_close(weighted, plain * torch.where(t == 2, 3.0, 1.0))
+    # "mean" divides by the weights' sum over the rows: (sum of w_t l_t) / (6 + 2 * 3).
+    torch.testing.assert_close(keel.cross_entropy(x, t, weight=w), weighted.sum() / 12)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_mean_divides_by_the_weights_of_rows_not_ignored(device):
+    x = make((6, 4), torch.float64, device, 0)
+    t = torch.tensor([1, -100, 2, 1, -100, 3], device=device)
+    w = torch.tensor([5.0, 0.5, 2.0, 0.0], dtype=torch.float64, device=device)
+    for ls in (0.0, 0.3):
+        want = F.cross_entropy(x, t, weight=w, label_smoothing=ls)
+        torch.testing.assert_close(keel.cross_entropy(x, t, label_smoothing=ls, weight=w), want)
+    # Every row ignored, or every weight of the targets 0: 0 / 0, NaN as torch.
+    for tt, ww in ((torch.full_like(t, -100), w), (torch.full_like(t, 3), w)):
+        got, want = keel.cross_entropy(x, tt, weight=ww), F.cross_entropy(x, tt, weight=ww)
+        assert want.isnan() and got.isnan()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_other_layouts_take_the_weight_of_dim_1(device):
+    w = class_weights(7, device)
+    x = make((2, 7, 3), torch.float32, device, 0, 2.0)  # [N, V, d1]
+    t = torch.randint(0, 7, (2, 3), generator=torch.Generator().manual_seed(1)).to(device)
+    t[0, 1] = -100
+    for reduction in REDUCTIONS:
+        for ls in (0.0, 0.2):
+            xk, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+            got = keel.cross_entropy(xk, t, label_smoothing=ls, reduction=reduction, weight=w)
+            want = F.cross_entropy(xr, t, weight=w, label_smoothing=ls, reduction=reduction)
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+            want.sum().backward()
+            torch.testing.assert_close(xk.grad, xr.grad)
+    one = make((7,), torch.float32, device, 3)  # [V] with a 0-dim target
+    target = torch.tensor(4, device=device)
+    torch.testing.assert_close(keel.cross_entropy(one, target, weight=w), F.cross_entropy(one, target, weight=w))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_with_lse_takes_the_weight(device):
+    x = make((9, 40), torch.float32, device, 0, 3.0)
+    t = targets(9, 40, device)
+    w = class_weights(40, device)
+    xk, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss, lse = keel.cross_entropy_with_lse(xk, t, label_smoothing=0.1, weight=w)
+    live = t != -100
+    want = F.cross_entropy(xr, t, weight=w, label_smoothing=0.1)
+    want_lse = torch.logsumexp(xr, -1) * live
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(lse, want_lse)
+    (loss + 0.3 * lse.square().sum()).backward()
+    (want + 0.3 * want_lse.square().sum()).backward()
+    torch.testing.assert_close(xk.grad, xr.grad)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_gradcheck(device):
+    x = make((4, 6), torch.float64, device, 0).requires_grad_()
+    t = torch.tensor([0, 5, -100, 2], device=device)
+    w = class_weights(6, device, torch.float64)
+    for reduction in REDUCTIONS:
+        assert torch.autograd.gradcheck(
+            lambda x: keel.cross_entropy(x, t, label_smoothing=0.2, reduction=reduction, weight=w), (x,)
+        )
+
+
+@pytest.mark.parametrize("device", devices())
+def test_nn_module_keeps_the_weight_as_a_buffer(device):
+    w = class_weights(13, "cpu")
+    x = torch.randn(9, 13, device=device)
+    t = targets(9, 13, device, ignore_index=3)
+    ours = keel.nn.CrossEntropyLoss(w, ignore_index=3, label_smoothing=0.1).to(device)
+    theirs = torch.nn.CrossEntropyLoss(w, ignore_index=3, label_smoothing=0.1).to(device)
+    assert ours.weight.device == x.device and list(ours.state_dict()) == ["weight"]
+    xk, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    loss, want = ours(xk, t), theirs(xr, t)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(xk.grad, xr.grad)
+    # A state_dict from torch's module loads into Keel's.
+    fresh = keel.nn.CrossEntropyLoss(torch.ones(13), ignore_index=3, label_smoothing=0.1).to(device)
+    fresh.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(fresh(x, t), theirs(x, t))
+    with pytest.raises(TypeError, match="keel.nn.CrossEntropyLoss: argument 'weight' must be a Tensor or None"):
+        keel.nn.CrossEntropyLoss([1.0, 2.0])
+
+
+def test_autocast_loss_is_float32_as_torch():
+    x = make((12, 30), torch.float32, "cpu", 0, 3.0)
+    t = targets(12, 30, "cpu")
+    w = class_weights(30, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ torch.eye(30)  # bfloat16 under autocast
+        got = keel.cross_entropy(h, t, label_smoothing=0.1, weight=w)
+        want = F.cross_entropy(h, t, weight=w, label_smoothing=0.1)
+    assert h.dtype == torch.bfloat16 and got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_compile_matches_eager(device):
+    torch._dynamo.reset()
+
+    def f(h, w, t, cw):
+        return keel.cross_entropy(h @ w, t, label_smoothing=0.05, weight=cw)
+
+    w, cw = torch.randn(16, 50, device=device), class_weights(50, device)
+    h = torch.randn(8, 16, device=device, requires_grad=True)
+    t = targets(8, 50, device)
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(h, w, t, cw)
+    torch.testing.assert_close(out, f(h, w, t, cw))
+    out.backward()
+    g = h.grad.clone()
+    h.grad = None
+    f(h, w, t, cw).backward()
+    torch.testing.assert_close(g, h.grad)
+
+
+BAD_WEIGHT = [
+    ("weight shape", dict(weight=torch.ones(4)), r"keel::cross_entropy: argument 'weight' must have shape \[5\] \(one weight per class\), got shape \[4\]"),
+    ("weight 2-D", dict(weight=torch.ones(1, 5)), r"keel::cross_entropy: argument 'weight' must have shape \[5\]"),
+    ("weight int", dict(weight=torch.ones(5, dtype=torch.int64)), r"keel::cross_entropy: argument 'weight' must be a floating-point tensor, got torch.int64"),
+    ("weight device", dict(weight=torch.ones(5, device="meta")), r"keel::cross_entropy: argument 'weight' must be on the device of 'logits' \(cpu\), got meta"),
+    ("weight list", dict(weight=[1.0] * 5), r"keel::cross_entropy: argument 'weight' must be a Tensor or None, got list"),
+    ("weight sparse", dict(weight=torch.ones(5).to_sparse()), r"keel::cross_entropy: argument 'weight' must be a dense \(strided\) tensor"),
+    ("reduction", dict(weight=torch.ones(5), reduction="avg"), r"keel::cross_entropy: argument 'reduction' must be \"mean\", \"sum\" or \"none\", got \"avg\""),
+    ("label_smoothing", dict(weight=torch.ones(5), label_smoothing=1.5), r"keel::cross_entropy: argument 'label_smoothing' must be in \[0, 1\], got 1.5"),
+    ("label_smoothing NaN", dict(weight=torch.ones(5), label_smoothing=float("nan")), r"keel::cross_entropy: argument 'label_smoothing' must be in \[0, 1\], got NaN"),
+    ("label_smoothing str", dict(weight=torch.ones(5), label_smoothing="0.1"), r"keel::cross_entropy: argument 'label_smoothing' must be a float, got str"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", [b[1:] for b in BAD_WEIGHT], ids=[b[0] for b in BAD_WEIGHT])
+def test_bad_weight_raises_runtime_error_naming_op_and_argument(kw, msg):
+    x, t = torch.randn(3, 5), torch.tensor([0, 4, 1])
+    with pytest.raises(RuntimeError, match=msg):
+        keel.cross_entropy(x, t, **kw)
+    with pytest.raises(RuntimeError, match=msg.replace("cross_entropy", "cross_entropy_with_lse", 1)):
+        keel.cross_entropy_with_lse(x, t, **kw)
+
+
+def test_bad_logits_or_target_with_a_weight_name_the_op_called():
+    w = torch.ones(5)
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'target' holds 5 at row 1, out of range"):
+        keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 5, 1]), weight=w)
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'logits' must be float32, float16, bfloat16 or float64, got torch.int64"):
+        keel.cross_entropy(torch.ones(3, 5, dtype=torch.int64), torch.tensor([0, 4, 1]), weight=w)
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy_with_lse: argument 'target' holds 5 at row 1"):
+        keel.cross_entropy_with_lse(torch.randn(3, 5), torch.tensor([0, 5, 1]), weight=w)
+
+
+def probabilities(shape, device, dtype=torch.float32, seed=5):
+    """Rows of probabilities over dim 1 (the classes, as torch), some of them one-hot."""
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(shape, generator=g, dtype=torch.float64) * 2, 1 if len(shape) > 1 else 0)
+    if len(shape) == 2 and shape[0] > 1:
+        p[0] = 0
+        p[0, shape[1] - 1] = 1
+    return p.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("n,v", [(1, 1), (5, 7), (64, 1000), (3, 32000)])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_probability_targets_match_torch(device, n, v, reduction, label_smoothing, weighted):
+    for dtype in dtypes_for(device):
+        x = make((n, v), dtype, device, 0, 4.0)
+        p = probabilities((n, v), device, dtype)
+        w = class_weights(v, device, dtype) if weighted else None
+        xr, pr = x.double().clone().requires_grad_(), p.double().clone().requires_grad_()
+        wr = None if w is None else w.double()
+        want = F.cross_entropy(xr, pr, weight=wr, label_smoothing=label_smoothing, reduction=reduction)
+        g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
+        want.backward(g.double())
+        atol, rtol = TOL[dtype]
+        xk, pk = x.clone().requires_grad_(), p.clone().requires_grad_()
+        loss = keel.cross_entropy(xk, pk, label_smoothing=label_smoothing, reduction=reduction, weight=w)
+        assert loss.shape == want.shape and loss.dtype == dtype
+        torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
+        loss.backward(g)
+        torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+        # The target's gradient, g w (lse - x_c), is a difference of terms up to
+        # m = |g| |w| (|lse| + |x|): two roundings of size m in the dtype (torch's own
+        # float16 and bfloat16 results miss the float64 one by more than Keel's).
+        m = g.abs().max().double() * (1 if w is None else w.abs().max().double())
+        m = m * (xr.detach().abs().max() + torch.logsumexp(xr.detach(), -1).abs().max())
+        unit = torch.finfo(dtype).eps / 2
+        torch.testing.assert_close(pk.grad.double(), pr.grad, atol=max(atol, 2 * unit * m.item()), rtol=rtol * 2)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_probability_targets_in_other_layouts(device):
+    x = make((2, 7, 3, 2), torch.float32, device, 0, 2.0)  # [N, V, d1, d2]
+    p = torch.softmax(make((2, 7, 3, 2), torch.float32, device, 1), 1)
+    w = class_weights(7, device)
+    for reduction in REDUCTIONS:
+        for kw in (dict(), dict(label_smoothing=0.2, weight=w)):
+            xk, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+            got = keel.cross_entropy(xk, p, reduction=reduction, **kw)
+            want = F.cross_entropy(xr, p, reduction=reduction, **kw)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want)
+            got.sum().backward()
+            want.sum().backward()
+            torch.testing.assert_close(xk.grad, xr.grad)
+    one, q = make((7,), torch.float32, device, 3), torch.softmax(make((7,), torch.float32, device, 4), 0)  # [V]
+    torch.testing.assert_close(keel.cross_entropy(one, q, weight=w), F.cross_entropy(one, q, weight=w))
+    # The module takes them too.
+    m, ref = keel.nn.CrossEntropyLoss(w, label_smoothing=0.1), torch.nn.CrossEntropyLoss(w, label_smoothing=0.1)
+    torch.testing.assert_close(m(x, p), ref(x, p))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_probability_targets_of_no_rows_mean_nan_as_torch(device):
+    x, p = torch.randn(0, 5, device=device), torch.rand(0, 5, device=device)
+    assert keel.cross_entropy(x, p).isnan() and F.cross_entropy(x, p).isnan()
+    assert keel.cross_entropy(x, p, reduction="sum") == 0
+    assert keel.cross_entropy(x, p, reduction="none").shape == (0,)
+
+
+def test_probability_targets_gradcheck():
+    x = make((4, 6), torch.float64, "cpu", 0).requires_grad_()
+    p = probabilities((4, 6), "cpu", torch.float64).requires_grad_()
+    w = class_weights(6, "cpu", torch.float64)
+    for reduction in REDUCTIONS:
+        assert torch.autograd.gradcheck(
+            lambda x, p: keel.cross_entropy(x, p, label_smoothing=0.2, reduction=reduction, weight=w), (x, p)
+        )
+
+
+def test_probability_targets_compile():
+    torch._dynamo.reset()
+
+    def f(h, w, p):
+        return keel.cross_entropy(h @ w, p, label_smoothing=0.05)
+
+    w, p = torch.randn(16, 50), probabilities((8, 50), "cpu")
+    h = torch.randn(8, 16, requires_grad=True)
+    out = torch.compile(f, fullgraph=True)(h, w, p)
+    torch.testing.assert_close(out, f(h, w, p))
+
+
+BAD_PROBABILITIES = [
+    ("shape", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 4)), r"keel::cross_entropy: argument 'target' of probabilities \(a float tensor\) must have the shape of 'logits' \[3, 5\], got shape \[3, 4\]"),
+    ("device", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5, device="meta")), r"keel::cross_entropy: argument 'target' must be on the device of 'logits' \(cpu\), got meta"),
+    ("sparse", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5).to_sparse()), r"keel::cross_entropy: argument 'target' must be a dense \(strided\) tensor"),
+    ("sparse logits", lambda: keel.cross_entropy(torch.randn(3, 5).to_sparse(), torch.rand(3, 5)), r"keel::cross_entropy: argument 'logits' is a torch.sparse_coo tensor"),
+    ("no classes", lambda: keel.cross_entropy(torch.randn(3, 0), torch.rand(3, 0)), r"keel::cross_entropy: argument 'logits' must have at least one class for probability targets, got shape \[3, 0\]"),
+    ("int logits", lambda: keel.cross_entropy(torch.ones(3, 5, dtype=torch.int64), torch.rand(3, 5)), r"keel::cross_entropy: argument 'logits' must be float32, float16, bfloat16 or float64, got torch.int64"),
+    ("weight shape", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), weight=torch.ones(3)), r"keel::cross_entropy: argument 'weight' must have shape \[5\]"),
+    ("ignore_index", lambda: keel.nn.CrossEntropyLoss(ignore_index=0)(torch.randn(3, 5), torch.rand(3, 5)), r"keel::cross_entropy: argument 'ignore_index' applies to class indices only, not to probabilities \(a float target\), got 0"),
+    ("reduction", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), reduction="avg"), r"keel::cross_entropy: argument 'reduction' must be"),
+    ("label_smoothing", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), label_smoothing=-0.1), r"keel::cross_entropy: argument 'label_smoothing' must be in \[0, 1\], got -0.1"),
+]
+
+
+@pytest.mark.parametrize("call,msg", [b[1:] for b in BAD_PROBABILITIES], ids=[b[0] for b in BAD_PROBABILITIES])
+def test_bad_probability_targets_raise_naming_op_and_argument(call, msg):
+    with pytest.raises(RuntimeError, match=msg):
+        call()
+
+
+def test_torch_func_grad_and_vmap_match_torch():
+    x = make((4, 6), torch.float64, "cpu", 0)
+    w = class_weights(6, "cpu", torch.float64)
+    for target in (torch.tensor([0, 5, -100, 2]), probabilities((4, 6), "cpu", torch.float64)):
+        got = torch.func.grad(lambda x: keel.cross_entropy(x, target, label_smoothing=0.1, weight=w))(x)
+        want = torch.func.grad(lambda x: F.cross_entropy(x, target, label_smoothing=0.1, weight=w))(x)
+        torch.testing.assert_close(got, want)
+        xs = make((3, 4, 6), torch.float64, "cpu", 1)
+        got = torch.vmap(lambda x: keel.cross_entropy(x, target, weight=w))(xs)
+        torch.testing.assert_close(got, torch.vmap(lambda x: F.cross_entropy(x, target, weight=w))(xs))
