@@ -10,10 +10,12 @@ whose python3.14 source is on its mirror where Debian's is not.
         Writes OUT/PKG.deb for each PKG; with --depends, for every package
         they need (Pre-Depends and Depends, first alternative, transitively)
         too, but those named by --unneeded.
-    debian.py orig OUT PKG:SUITE[,SUITE...]...
+    debian.py orig OUT PKG:SUITE[,SUITE...][@MIRROR]...
         Writes OUT, the newest .orig.tar.xz of the first PKG with one in the
         first SUITE of its own whose mirror still holds it, and prints
-        "SUITE FILE".
+        "SUITE FILE MIRROR". A spec's @MIRROR reads that archive for it (else
+        --mirror's); each suite's index is read once per archive, however
+        many specs name it.
 
 Exits 1, saying why on stderr, where the mirror cannot be reached or a
 package or tarball is not there: the callers skip their step then.
@@ -28,9 +30,9 @@ DEBIAN = "http://deb.debian.org/debian"
 MIRROR = DEBIAN  # the archive read: --mirror
 
 
-def fetch(path, timeout=120):
-    """The bytes at PATH on the mirror."""
-    with urllib.request.urlopen(f"{MIRROR}/{path}", timeout=timeout) as r:
+def fetch(path, mirror=None, timeout=120):
+    """The bytes at PATH on `mirror` (an archive's URL; None: --mirror's)."""
+    with urllib.request.urlopen(f"{mirror or MIRROR}/{path}", timeout=timeout) as r:
         return r.read()
 
 
@@ -44,9 +46,16 @@ def stanzas(text):
             yield fields, lines
 
 
-def index(suite, name):
-    """A suite's index, e.g. name "binary-arm64/Packages", decompressed."""
-    return lzma.decompress(fetch(f"dists/{suite}/main/{name}.xz")).decode("utf-8", "replace")
+def index(suite, name, mirror=None):
+    """A suite's index, e.g. name "binary-arm64/Packages", decompressed; read
+    once per archive in a run (Sources indexes run to tens of MB)."""
+    key = (mirror or MIRROR, suite, name)
+    if key not in _INDEXES:
+        _INDEXES[key] = lzma.decompress(fetch(f"dists/{suite}/main/{name}.xz", mirror)).decode("utf-8", "replace")
+    return _INDEXES[key]
+
+
+_INDEXES = {}
 
 
 def depends(fields):
@@ -73,10 +82,9 @@ def closure(packages, roots, unneeded=()):
     return seen
 
 
-def newest_orig(lines):
-    """The .orig.tar.xz files a Sources stanza lists, newest first."""
-    names = {line.split()[-1] for line in lines if line.startswith(" ") and line.endswith(".orig.tar.xz")}
-    return sorted(names, key=version_key, reverse=True)
+def orig_names(lines):
+    """The .orig.tar.xz files a Sources stanza lists."""
+    return {line.split()[-1] for line in lines if line.startswith(" ") and line.endswith(".orig.tar.xz")}
 
 
 def version_key(name):
@@ -98,23 +106,25 @@ def debs(args):
 
 def orig(args):
     for spec in args.specs:
+        spec, _, mirror = spec.partition("@")
+        mirror = mirror.rstrip("/") or MIRROR
         pkg, suites = spec.split(":", 1)
         for suite in suites.split(","):
             try:
-                text = index(suite, "source/Sources")
+                text = index(suite, "source/Sources", mirror)
             except OSError:
                 continue
-            # A suite can hold several versions of a package, a stanza each.
+            # A suite can hold several versions of a package, a stanza each: newest first.
             found = [(name, fields["Directory"]) for fields, lines in stanzas(text)
-                     if fields.get("Package") == pkg for name in newest_orig(lines)]
+                     if fields.get("Package") == pkg for name in orig_names(lines)]
             for name, directory in sorted(found, key=lambda f: version_key(f[0]), reverse=True):
                 try:
-                    data = fetch(f"{directory}/{name}")
+                    data = fetch(f"{directory}/{name}", mirror)
                 except OSError:
                     continue  # the index can name files the mirror no longer holds
                 with open(args.out, "wb") as f:
                     f.write(data)
-                print(f"{suite} {name}")
+                print(f"{suite} {name} {mirror}")
                 return
     sys.exit(f"debian.py: no orig tarball of {', '.join(args.specs)} could be downloaded")
 
@@ -134,7 +144,7 @@ def main():
     p.set_defaults(run=debs)
     p = sub.add_parser("orig")
     p.add_argument("out")
-    p.add_argument("specs", nargs="+", metavar="PKG:SUITE[,SUITE...]")
+    p.add_argument("specs", nargs="+", metavar="PKG:SUITE[,SUITE...][@MIRROR]")
     p.set_defaults(run=orig)
     args = parser.parse_args()
     MIRROR = args.mirror.rstrip("/")

@@ -31,13 +31,11 @@ if [ -z "$(interpreter)" ] || [ ! -f "$prefix/.ready" ]; then
   # Newest first: the Sources index of each suite names the orig tarballs.
   # Debian's python3.14 tarballs are named in its index but missing from its
   # mirror (sessions 72-74), so Ubuntu's (the same archive layout) comes next.
-  get() { python3 scripts/debian.py "$@" > "$work/found"; }
-  if get orig "$work/src.tar.xz" python3.14:sid,trixie; then from=Debian
-  elif get --mirror http://archive.ubuntu.com/ubuntu orig "$work/src.tar.xz" python3.14:resolute; then from=Ubuntu
-  elif get orig "$work/src.tar.xz" python3.13:sid,trixie; then from=Debian
-  else skip "no CPython source could be downloaded from Debian or Ubuntu"
-  fi
-  echo "building free-threaded CPython from $from $(cat "$work/found")"
+  # One run, so that each suite's Sources index is downloaded once.
+  python3 scripts/debian.py orig "$work/src.tar.xz" python3.14:sid,trixie \
+    python3.14:resolute@http://archive.ubuntu.com/ubuntu python3.13:sid,trixie > "$work/found" ||
+    skip "no CPython source could be downloaded from Debian or Ubuntu"
+  echo "building free-threaded CPython from $(cat "$work/found")"
   # The modules pip and the tests need (ssl, zlib, ctypes, lzma, bz2, sqlite3).
   apt_install libssl-dev zlib1g-dev libffi-dev liblzma-dev libbz2-dev libsqlite3-dev >/dev/null 2>&1 || true
   tar -xf "$work/src.tar.xz" -C "$work"

@@ -93,9 +93,9 @@ def test_closure_follows_depends_through_cycles_but_not_into_unneeded_or_virtual
     assert "gcc-12-base" in debian.closure(packages(), ["libc6"])
 
 
-def test_newest_orig_lists_only_orig_tarballs_newest_first():
+def test_orig_names_lists_only_orig_tarballs_and_version_key_orders_them_newest_first():
     _, lines = next(debian.stanzas(SOURCES))
-    assert debian.newest_orig(lines) == ["python3.13_3.13.9.orig.tar.xz", "python3.13_3.13.5.orig.tar.xz"]
+    assert debian.orig_names(lines) == {"python3.13_3.13.9.orig.tar.xz", "python3.13_3.13.5.orig.tar.xz"}
     # By the numbers, not the characters: 3.14.10 after 3.14.9.
     names = ["python3.14_3.14.9.orig.tar.xz", "python3.14_3.14.10.orig.tar.xz", "python3.14_3.14.8.orig.tar.xz"]
     assert sorted(names, key=debian.version_key, reverse=True) == [names[1], names[0], names[2]]
@@ -108,16 +108,18 @@ def mirror(monkeypatch):
     the mirror does for a file it lost."""
     class Mirror:
         fetched = []
+        mirrors = []
         lost = {"3.13.9"}
 
-    def fetch(path, timeout=120):
+    def fetch(path, mirror=None, timeout=120):
+        Mirror.mirrors.append(mirror)
         if not path.startswith("pool/") or any(path.endswith(f"_{v}.orig.tar.xz") for v in Mirror.lost):
             raise OSError(f"404 {path}")
         Mirror.fetched.append(path)
         return path.encode()
 
     monkeypatch.setattr(debian, "fetch", fetch)
-    monkeypatch.setattr(debian, "index", lambda suite, name: SOURCES if name == "source/Sources" else PACKAGES)
+    monkeypatch.setattr(debian, "index", lambda suite, name, mirror=None: SOURCES if name == "source/Sources" else PACKAGES)
     return Mirror
 
 
@@ -146,11 +148,11 @@ def test_orig_skips_a_tarball_the_mirror_lost_and_fails_when_none_downloads(mirr
     # The newest across the package's stanzas first (3.13.15 has a stanza of its own);
     # with it lost too, past 3.13.9 (lost), the next: 3.13.5.
     run(monkeypatch, "orig", str(out), "python3.14:sid", "python3.13:sid,trixie")
-    assert capsys.readouterr().out == "sid python3.13_3.13.15.orig.tar.xz\n"
+    assert capsys.readouterr().out == "sid python3.13_3.13.15.orig.tar.xz http://deb.debian.org/debian\n"
     assert out.read_bytes() == b"pool/main/p/python3.13/python3.13_3.13.15.orig.tar.xz"
     mirror.lost.add("3.13.15")
     run(monkeypatch, "orig", str(out), "python3.13:sid")
-    assert capsys.readouterr().out == "sid python3.13_3.13.5.orig.tar.xz\n"
+    assert capsys.readouterr().out == "sid python3.13_3.13.5.orig.tar.xz http://deb.debian.org/debian\n"
     with pytest.raises(SystemExit, match="no orig tarball"):
         run(monkeypatch, "orig", str(out), "python3.14:sid,trixie")
 
@@ -177,3 +179,36 @@ def test_mirror_names_the_archive_every_download_reads_and_defaults_to_debians(m
     assert urls == ["http://deb.debian.org/debian/dists/bookworm/main/binary-arm64/Packages.xz",
                     "http://deb.debian.org/debian/pool/main/z/zlib/zlib1g_1.2.13_arm64.deb"]
     assert (tmp_path / "zlib1g.deb").read_bytes() == b"deb"
+
+
+def test_orig_reads_each_spec_from_its_own_mirror_and_each_index_once(monkeypatch, tmp_path, capsys):
+    """Through the real index, on a stand-in for urlopen: a spec's @MIRROR is the
+    archive of its index and tarball; a suite's index is read once per archive."""
+    import io
+    import lzma
+
+    urls = []
+
+    def urlopen(url, timeout):
+        urls.append(url)
+        if url.endswith("Sources.xz"):
+            return io.BytesIO(lzma.compress(SOURCES.encode()))
+        if "python3.14" in url or "debian.org" in url and "3.13.15" in url:
+            raise OSError(f"404 {url}")
+        return io.BytesIO(url.encode())
+
+    monkeypatch.setattr(debian.urllib.request, "urlopen", urlopen)
+    monkeypatch.setattr(debian, "_INDEXES", {})
+    out = tmp_path / "src.tar.xz"
+    ubuntu = "http://archive.ubuntu.com/ubuntu"
+    run(monkeypatch, "orig", str(out), "python3.14:sid,trixie", f"python3.14:resolute@{ubuntu}/", "python3.13:sid,trixie")
+    assert capsys.readouterr().out == "sid python3.13_3.13.9.orig.tar.xz http://deb.debian.org/debian\n"
+    indexes = [u for u in urls if u.endswith("Sources.xz")]
+    assert indexes == [
+        "http://deb.debian.org/debian/dists/sid/main/source/Sources.xz",
+        "http://deb.debian.org/debian/dists/trixie/main/source/Sources.xz",
+        f"{ubuntu}/dists/resolute/main/source/Sources.xz",
+    ]
+    run(monkeypatch, "orig", str(out), f"python3.13:resolute@{ubuntu}")
+    assert capsys.readouterr().out == f"resolute python3.13_3.13.15.orig.tar.xz {ubuntu}\n"
+    assert out.read_bytes() == f"{ubuntu}/pool/main/p/python3.13/python3.13_3.13.15.orig.tar.xz".encode()
