@@ -155,6 +155,18 @@ def _softmax(x):
     return torch.softmax(x, -1)
 
 
+def _cross_entropy_weight(x, t, w):
+    return F.cross_entropy(x, t, weight=w)
+
+
+def _keel_cross_entropy_weight(x, t, w):
+    return keel.cross_entropy(x, t, weight=w)
+
+
+def _cross_entropy_probs(x, p):
+    return F.cross_entropy(x, p)
+
+
 def _rope_neox(q, cos, sin):
     half = cos.shape[-1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]
@@ -230,6 +242,27 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
                     F.cross_entropy, 3 * n * v * es, bandwidth_bound=False, grad_args=(0,))
 
     mk["cross_entropy fwd+bwd"] = ce
+
+    # torch's forms the op does not take itself, built on it by the typed API
+    # (keel._ce_forms): class weights, and probability targets (which the
+    # forward reads too).
+    def ce_weight():
+        c = ce()
+        wcls = (torch.rand(v, generator=g) + 0.5).to(dtype).to(device)
+        c.name, c.args = "cross_entropy weight fwd+bwd", c.args + (wcls,)
+        c.keel, c.torch = _keel_cross_entropy_weight, _cross_entropy_weight
+        return c
+
+    mk["cross_entropy weight fwd+bwd"] = ce_weight
+
+    def ce_probs():
+        c = ce()
+        probs = torch.softmax(torch.randn(n, v, generator=g), -1).to(dtype).to(device)
+        c.name, c.args, c.nbytes = "cross_entropy probs fwd+bwd", (c.args[0], probs), 4 * n * v * es
+        c.torch = _cross_entropy_probs
+        return c
+
+    mk["cross_entropy probs fwd+bwd"] = ce_probs
 
     def rope():
         bq, s, heads, d = sh["rope"]
