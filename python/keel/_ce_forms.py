@@ -27,7 +27,8 @@ against ``F.cross_entropy`` with the same arguments in the same process:
 
 - weights: the op's time (2.9x torch's speed in float32, 3.2x in bfloat16);
 - weights and label smoothing: the op twice and a matrix-vector product, two
-  more logits-sized buffers in the backward (1.5x torch's speed);
+  more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
+  targets are checked (a synchronisation) by each of the two calls;
 - probabilities: the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
   elementwise ops (float32 at torch's speed; bfloat16 0.4x, the float32 copies
   of targets and products). A fused kernel taking the target's row would read

@@ -160,8 +160,12 @@ def test_autocast_loss_is_float32_as_torch():
         h = x @ torch.eye(30)  # bfloat16 under autocast
         got = keel.cross_entropy(h, t, label_smoothing=0.1, weight=w)
         want = F.cross_entropy(h, t, weight=w, label_smoothing=0.1)
+        p = torch.softmax(x.flip(0), -1)
+        got_p, want_p = keel.cross_entropy(h, p, weight=w), F.cross_entropy(h, p, weight=w)
     assert h.dtype == torch.bfloat16 and got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert got_p.dtype == want_p.dtype == torch.float32
+    torch.testing.assert_close(got_p, want_p, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", devices())
