@@ -24,25 +24,37 @@ def targets(n, v, device, ignore_index=-100, seed=0):
     return t.to(device)
 
 
+def class_weights(v, device, dtype=torch.float32, seed=7):
+    """Weights in [0.25, 2.25): far enough from 1 that a loss without them differs."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(v, generator=g, dtype=torch.float64) * 2 + 0.25).to(dtype).to(device)
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("n,v", [(1, 1), (5, 7), (64, 1000), (3, 32000)])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_loss_and_gradient_match_torch(device, n, v, reduction, label_smoothing):
+@pytest.mark.parametrize("weighted", [False, True])
+def test_loss_and_gradient_match_torch(device, n, v, reduction, label_smoothing, weighted):
+    """With class weights (``weight=``, test_cross_entropy_forms.py) too."""
     for dtype in dtypes_for(device):
         x = make((n, v), dtype, device, 0, 4.0)
         t = targets(n, v, device)
         if n == 1:
             t[0] = 0
+        # The weights in the logits' dtype, as torch takes them: the reference sees the same values.
+        kw = dict(weight=class_weights(v, device, dtype)) if weighted else {}
         xr = x.double().clone().requires_grad_()
-        want = F.cross_entropy(xr, t, label_smoothing=label_smoothing, reduction=reduction)
+        ref_kw = {k: w.double() for k, w in kw.items()}
+        want = F.cross_entropy(xr, t, label_smoothing=label_smoothing, reduction=reduction, **ref_kw)
         g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
         want.backward(g.double())
         atol, rtol = TOL[dtype]
-        # keel.cross_entropy keeps the lse for the backward; the op itself recomputes it.
-        for op in (keel.cross_entropy, torch.ops.keel.cross_entropy):
+        # keel.cross_entropy keeps the lse for the backward; the op itself recomputes it
+        # (and takes no weights: the typed API applies them).
+        for op in (keel.cross_entropy,) if weighted else (keel.cross_entropy, torch.ops.keel.cross_entropy):
             xk = x.clone().requires_grad_()
-            loss = op(xk, t, -100, label_smoothing, reduction)
+            loss = op(xk, t, -100, label_smoothing, reduction, **kw)
             assert loss.shape == want.shape and loss.dtype == dtype
             # Each loss is lse - x_t: cancellation of terms of size |x|, so atol scales with it.
             torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)

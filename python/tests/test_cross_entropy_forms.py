@@ -1,6 +1,6 @@
 """keel.cross_entropy in torch's forms that the fused op does not take itself,
-against F.cross_entropy: class weights (``weight=``; every reduction, with and
-without label smoothing and ignored rows, torch's other layouts,
+against F.cross_entropy: class weights (``weight=``; every reduction, dtype, label
+smoothing and ignored rows in test_cross_entropy.py; here torch's other layouts,
 keel.cross_entropy_with_lse, keel.nn's module with the weight a buffer, autocast,
 torch.compile, gradcheck, bad weights) and probability targets (with and without
 weights and label smoothing, gradients in logits and target, layouts, bad ones)."""
@@ -10,38 +10,7 @@ import torch.nn.functional as F
 
 import keel
 from conftest import TOL, devices, dtypes_for, make
-from test_cross_entropy import REDUCTIONS, targets
-
-
-def class_weights(v, device, dtype=torch.float32, seed=7):
-    """Weights in [0.25, 2.25): far enough from 1 that a loss without them differs."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.rand(v, generator=g, dtype=torch.float64) * 2 + 0.25).to(dtype).to(device)
-
-
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("n,v", [(1, 1), (5, 7), (64, 1000), (3, 32000)])
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_weighted_loss_and_gradient_match_torch(device, n, v, reduction, label_smoothing):
-    for dtype in dtypes_for(device):
-        x = make((n, v), dtype, device, 0, 4.0)
-        t = targets(n, v, device)
-        if n == 1:
-            t[0] = 0
-        # The weights in the logits' dtype, as torch takes them: the reference sees the same values.
-        w = class_weights(v, device, dtype)
-        xr = x.double().clone().requires_grad_()
-        want = F.cross_entropy(xr, t, weight=w.double(), label_smoothing=label_smoothing, reduction=reduction)
-        g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
-        want.backward(g.double())
-        atol, rtol = TOL[dtype]
-        xk = x.clone().requires_grad_()
-        loss = keel.cross_entropy(xk, t, -100, label_smoothing, reduction, weight=w)
-        assert loss.shape == want.shape and loss.dtype == dtype
-        torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
-        loss.backward(g)
-        torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+from test_cross_entropy import REDUCTIONS, class_weights, targets
 
 
 @pytest.mark.parametrize("device", devices())
