@@ -43,6 +43,26 @@ from torch import Tensor
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def classes(logits: Tensor) -> int:
+    """The classes of logits in torch's layouts (``[C]``, ``[N, C]``, ``[N, C, d1,
+    ...]``: dim 1, or dim 0 of one row); 0 for 0-dim logits, which the op refuses."""
+    return logits.shape[1 if logits.dim() > 1 else 0] if logits.dim() > 0 else 0
+
+
+def loss_shape(logits: Tensor) -> tuple:
+    """The shape of ``reduction="none"``'s losses for logits in torch's layouts:
+    ``()`` for ``[C]``, else ``[N, d1, ...]``."""
+    return () if logits.dim() == 1 else (logits.shape[0],) + tuple(logits.shape[2:])
+
+
+def as_rows(t: Tensor, rows: int) -> Tensor:
+    """`t` (logits, or probabilities shaped like them) in torch's layouts as
+    ``[rows, C]``: ``[C]`` is one row; ``[N, C, d1, ...]`` moves the classes last
+    (a copy, unless that is a view already). `rows` is given, not -1: with no
+    classes, -1 would be ambiguous."""
+    return t.unsqueeze(0) if t.dim() == 1 else t.movedim(1, -1).reshape(rows, t.shape[1])
+
+
 def _refuse(op: str, arg: str, msg: str) -> None:
     raise RuntimeError(f"{op}: argument '{arg}' {msg}")
 
@@ -99,11 +119,11 @@ def weighted(
         # softmax(x) - 1 / C: no gradient through lse, which would take a softmax of
         # its own), and a matrix-vector product, rounded to the logits' dtype once
         # (its error is s / C of it: under that rounding of the loss).
-        classes = logits.shape[-1]
+        c = logits.shape[-1]
         total = w.sum()
         uniform = with_lse(logits, target, ignore_index, 1.0, "none")[0]
-        rest = torch.mv(logits, (total / classes - w).to(logits.dtype)).to(acc)
-        smooth = (label_smoothing * total / classes) * uniform.to(acc) + torch.where(live, rest * (label_smoothing / classes), 0.0)
+        rest = torch.mv(logits, (total / c - w).to(logits.dtype)).to(acc)
+        smooth = (label_smoothing * total / c) * uniform.to(acc) + torch.where(live, rest * (label_smoothing / c), 0.0)
         loss = loss + smooth
     return _reduce(loss, reduction, w_t.sum, losses.dtype), lse
 
@@ -126,7 +146,7 @@ def check_probabilities(op: str, logits: Tensor, target: Tensor, ignore_index, d
             f"of probabilities (a float tensor) must have the shape of 'logits' {list(logits.shape)}, "
             f"got shape {list(target.shape)}",
         )
-    if logits.dim() == 0 or logits.shape[1 if logits.dim() > 1 else 0] == 0:
+    if classes(logits) == 0:
         _refuse(op, "logits", f"must have at least one class for probability targets, got shape {list(logits.shape)}")
 
 
@@ -141,11 +161,9 @@ def probabilities(
     """The loss of `logits` against the probabilities `target` (same shape: ``[C]``,
     ``[N, C]`` or ``[N, C, d1, ...]``, classes in dim 1, as torch), differentiable
     in both; arguments checked already (:func:`check`, :func:`check_probabilities`)."""
-    one_row = logits.dim() == 1
-    classes = logits.shape[0 if one_row else 1]
-    shape = () if one_row else (logits.shape[0],) + tuple(logits.shape[2:])
-    rows = logits.reshape(1, classes) if one_row else logits.movedim(1, -1).reshape(-1, classes)
-    p = target.reshape(1, classes) if one_row else target.movedim(1, -1).reshape(-1, classes)
+    shape = loss_shape(logits)
+    rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
+    c = rows.shape[1]
     # sum_c a_c (lse - x_c) with a = w q, A = sum(a): A (lse - mean(x)) + sum_c (A / C - a_c) x_c.
     # lse - mean(x) is the op's loss with label smoothing 1, for any target (class 0,
     # which no row ignores); its gradient, softmax(x) - 1 / C, needs no softmax of
@@ -156,11 +174,11 @@ def probabilities(
     # In float32: the target's gradient, w (lse - x_c), is then summed from its terms unrounded.
     a = p.to(acc)
     if label_smoothing != 0:
-        a = a * (1.0 - label_smoothing) + label_smoothing / classes
+        a = a * (1.0 - label_smoothing) + label_smoothing / c
     if weight is not None:
         a = a * weight.to(acc)
     total = a.sum(-1)
-    loss = total * losses.to(acc) + (rows * (total[:, None] / classes - a)).sum(-1, dtype=acc)
+    loss = total * losses.to(acc) + (rows * (total[:, None] / c - a)).sum(-1, dtype=acc)
     if reduction == "none":
         return loss.reshape(shape).to(losses.dtype)
     return _reduce(loss, reduction, lambda: loss.shape[0], losses.dtype)

@@ -282,12 +282,12 @@ def cross_entropy(
         return _handle(cross_entropy, (logits, target, weight), logits, target, ignore_index, label_smoothing, reduction, **kw)
     if _probabilities(logits, target):
         _ce_forms.check_probabilities(_CE, logits, target, ignore_index, _IGNORE_INDEX)
-        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, logits.shape[logits.dim() > 1])
+        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
         return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)
     if _other_layout(logits, target):
         return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
-        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _classes(logits))
+        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
         return _as_cross_entropy(_ce_forms.weighted, logits, target, weight, ignore_index, label_smoothing, reduction)[0]
     if _transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
@@ -318,12 +318,6 @@ def _probabilities(logits, target) -> bool:
     torch takes them (:func:`_ce_forms.probabilities`). Logits that are not dense
     go on to the op, which refuses them, naming the argument."""
     return isinstance(logits, Tensor) and isinstance(target, Tensor) and target.dtype.is_floating_point and _dense(logits)
-
-
-def _classes(logits: Tensor) -> int:
-    """The classes of ``[N, C]`` logits (their last dim; 0-dim logits, which the op
-    refuses, have none)."""
-    return logits.shape[-1] if logits.dim() > 0 else 0
 
 
 def _as_cross_entropy(form, *args):
@@ -359,7 +353,7 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
     dim 1 by a view such as ``transpose(1, 2)``) with the target flattened. Losses
     (``"none"``) come back in the target's shape, as torch's do."""
     one_row = logits.dim() == 1
-    want = () if one_row else (logits.shape[0],) + tuple(logits.shape[2:])
+    want = _ce_forms.loss_shape(logits)
     if tuple(target.shape) != want:
         layout = "[V]" if one_row else "[N, V, d1, ...] (classes in dim 1)"
         raise RuntimeError(
@@ -368,7 +362,7 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
         )
     # The row count from the target, not -1: with no classes, -1 would be ambiguous
     # and reshape would raise its own error instead of the op's.
-    rows = logits.unsqueeze(0) if one_row else logits.movedim(1, -1).reshape(target.numel(), logits.shape[1])
+    rows = _ce_forms.as_rows(logits, target.numel())
     loss = cross_entropy(rows, target.reshape(-1), ignore_index, label_smoothing, reduction, weight=weight)
     return loss.reshape(want) if reduction == "none" else loss
 
@@ -395,7 +389,9 @@ def cross_entropy_with_lse(
         args = (logits, target, ignore_index, label_smoothing, reduction)
         return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
-        _ce_forms.check("keel::cross_entropy_with_lse", logits, weight, label_smoothing, reduction, _classes(logits))
+        _ce_forms.check(
+            "keel::cross_entropy_with_lse", logits, weight, label_smoothing, reduction, _ce_forms.classes(logits)
+        )
         return _ce_forms.weighted(cross_entropy_with_lse, logits, target, weight, ignore_index, label_smoothing, reduction)
     if _autocast_on() and not _transformed():
         # The op itself: its autocast kernel returns a float32 loss (``_autocast``).
