@@ -1,10 +1,12 @@
 //! criterion: fused cross_entropy on CPU, forward (mean loss, keeping each
 //! row's log-sum-exp) and backward (recomputing the lse, and given it), every
-//! dtype, on rayon's pool; every 8th row ignored. Throughput counts the logits
-//! read (and, backward, the gradient written).
+//! dtype, on rayon's pool; every 8th row ignored. Then the same against
+//! probability targets (`probs/...`: a target row as long as each logits row,
+//! read by the forward and the backward). Throughput counts the logits (and
+//! targets) read and, backward, the gradient written.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{Acc, Element, Par};
-use keel::ops::cross_entropy::{backward_cpu, forward_cpu, Options, Reduction};
+use keel::ops::cross_entropy::{backward_cpu, backward_probs_cpu, forward_cpu, forward_probs_cpu, Options, Reduction};
 use std::hint::black_box;
 
 mod common;
@@ -31,6 +33,19 @@ fn bench<T: Element>(c: &mut Criterion) {
         });
         g.bench_function(BenchmarkId::new("bwd_lse", &id), |bn| {
             bn.iter(|| backward_cpu(&grad, black_box(&x), &target, Some(&lse), &mut dx, vocab, opts, par).unwrap())
+        });
+        // Probability targets: non-negative, each row summing to about 1.
+        let p: Vec<T> = data::<T>(n, 1).iter().map(|v| T::from_f64(v.to_f64().abs() * 2.0 / vocab as f64)).collect();
+        let mean = Reduction::Mean;
+        g.throughput(bytes::<T>(2 * n));
+        g.bench_function(BenchmarkId::new("probs/fwd", &id), |bn| {
+            bn.iter(|| forward_probs_cpu(black_box(&x), &p, &mut loss, Some(&mut lse), vocab, 0.0, mean, par).unwrap())
+        });
+        g.throughput(bytes::<T>(3 * n));
+        g.bench_function(BenchmarkId::new("probs/bwd_lse", &id), |bn| {
+            bn.iter(|| {
+                backward_probs_cpu(&grad, black_box(&x), &p, Some(&lse), &mut dx, vocab, 0.0, mean, par).unwrap()
+            })
         });
     }
     g.finish();

@@ -15,6 +15,7 @@
 
 mod capability;
 pub mod cross_entropy;
+pub mod cross_entropy_probs;
 mod element;
 mod error;
 pub mod fused_add_rms_norm;

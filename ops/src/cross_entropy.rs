@@ -3,10 +3,12 @@
 //!
 //! `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100,
 //! float label_smoothing=0.0, str reduction="mean") -> Tensor` for logits
-//! `[N, V]` and int64 `target[N]`, as `torch.nn.functional.cross_entropy`.
-//! `cross_entropy_with_lse` (same arguments) also returns each row's
-//! log-sum-exp (`[N]`, float32, or float64 for float64 logits; 0 for ignored
-//! rows). `cross_entropy_backward(grad, logits, target, ignore_index,
+//! `[N, V]` and int64 `target[N]`, as `torch.nn.functional.cross_entropy`;
+//! or, as torch also takes them, probabilities: a `target` of the logits'
+//! dtype and shape (CPU only; `ignore_index` must be the default there, as
+//! torch requires). `cross_entropy_with_lse` (same arguments) also returns each
+//! row's log-sum-exp (`[N]`, float32, or float64 for float64 logits; 0 for
+//! ignored rows). `cross_entropy_backward(grad, logits, target, ignore_index,
 //! label_smoothing, reduction, lse=None) -> grad_logits` takes that lse, or
 //! recomputes it from the logits (fused either way: nothing logits-sized is
 //! saved by the forward). On CUDA, given the lse it does not check the
@@ -20,8 +22,12 @@ use keel::ops::cross_entropy::{Options, Reduction};
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 /// The checked logits and target (both contiguous), what the checks found,
-/// and the options.
-type Checked = (Tensor, Tensor, Rows, Options);
+/// the options, and whether the target holds probabilities (a float tensor
+/// shaped like the logits) rather than class indices.
+type Checked = (Tensor, Tensor, Rows, Options, bool);
+
+/// torch's `ignore_index` default, the only one it takes with probabilities.
+const IGNORE_INDEX: i64 = -100;
 
 /// Checks logits, target and the options; returns the two tensors contiguous
 /// ([`checks::dense`]).
@@ -32,14 +38,20 @@ fn check(op: &'static str, logits: Tensor, target: Tensor, ii: i64, ls: f64, red
         return Err(invalid(op, "logits", format!("must have 2 dims [N, V], got shape {s:?}")));
     }
     checks::same_device(op, "target", &target, "logits", c.device)?;
-    if target.dtype()? != ScalarType::I64 {
+    let probs = matches!(target.dtype()?, ScalarType::F16 | ScalarType::BF16 | ScalarType::F32 | ScalarType::F64);
+    if probs {
+        check_probabilities(op, &target, &c, s, ii)?;
+    } else if target.dtype()? != ScalarType::I64 {
         return Err(invalid(
             op,
             "target",
-            format!("must have dtype torch.int64 (class indices), got {}", target.dtype()?),
+            format!(
+                "must have dtype torch.int64 (class indices) or the logits' {} (probabilities), got {}",
+                c.dtype,
+                target.dtype()?
+            ),
         ));
-    }
-    if target.sizes()? != [s[0]] {
+    } else if target.sizes()? != [s[0]] {
         return Err(invalid(
             op,
             "target",
@@ -50,7 +62,28 @@ fn check(op: &'static str, logits: Tensor, target: Tensor, ii: i64, ls: f64, red
     let reduction = Reduction::parse(op, reduction).map_err(check_err)?;
     let opts = Options { ignore_index: ii, label_smoothing: ls, reduction };
     keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, c.cols, &opts).map_err(check_err)?;
-    Ok((checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?, c, opts))
+    Ok((checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?, c, opts, probs))
+}
+
+/// Checks a target of probabilities (a float tensor) against the logits
+/// (`sizes`): their dtype and shape, on CPU (or Meta), with the default
+/// `ignore_index` (`ii`).
+fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i64) -> Result<()> {
+    checks::same_dtype(op, "target", target, "logits", c.dtype)?;
+    if target.sizes()? != sizes {
+        let msg = format!("of probabilities must have the logits' shape {sizes:?}, got {:?}", target.sizes()?);
+        return Err(invalid(op, "target", msg));
+    }
+    if ii != IGNORE_INDEX {
+        let msg = format!("applies to class indices only, not to probabilities (a float target), got {ii}");
+        return Err(invalid(op, "ignore_index", msg));
+    }
+    if c.device.kind == DeviceType::Cuda {
+        let msg = "of probabilities (a float target) is taken on CPU only: on CUDA, keel.cross_entropy computes \
+                   that form with torch's ops";
+        return Err(invalid(op, "target", msg));
+    }
+    Ok(())
 }
 
 fn loss_shape(c: &Rows, reduction: Reduction) -> Vec<i64> {
@@ -77,10 +110,23 @@ fn forward(
     (logits, target, ii, ls, reduction): (Tensor, Tensor, i64, f64, String),
     with_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (logits, target, c, opts) = check(op, logits, target, ii, ls, &reduction)?;
+    let (logits, target, c, opts, probs) = check(op, logits, target, ii, ls, &reduction)?;
     let out = Tensor::empty(&loss_shape(&c, opts.reduction), c.dtype, c.device)?;
     let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
     match c.device.kind {
+        DeviceType::Cpu if probs => with_float_type!(c.dtype, T => {
+            // SAFETY: checked contiguous CPU tensors (logits and target of T); `out` and `lse`
+            // (of T's accumulation type) are fresh.
+            let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
+            let l = match &lse {
+                // SAFETY: as above.
+                Some(l) => Some(unsafe { l.as_mut_slice::<<T as Element>::Acc>()? }),
+                None => None,
+            };
+            let (cols, r) = (c.cols, opts.reduction);
+            with_torch_par(|par| keel::ops::cross_entropy::forward_probs_cpu(x, p, y, l, cols, ls, r, par))
+                .map_err(kernel_err_as(op))?
+        }),
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
             // SAFETY: checked contiguous CPU tensors (logits of T, target of i64); `out` and `lse`
             // (of T's accumulation type) are fresh.
@@ -180,7 +226,7 @@ impl BoxedOp for CrossEntropyBackward {
 
     fn run((grad, logits, target, ii, ls, reduction, lse): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let (logits, target, c, opts) = check(op, logits, target, ii, ls, &reduction)?;
+        let (logits, target, c, opts, probs) = check(op, logits, target, ii, ls, &reduction)?;
         checks::same_device(op, "grad", &grad, "logits", c.device)?;
         checks::same_dtype(op, "grad", &grad, "logits", c.dtype)?;
         let want = loss_shape(&c, opts.reduction);
@@ -191,6 +237,20 @@ impl BoxedOp for CrossEntropyBackward {
         let lse = lse.map(|l| check_lse(op, l, &c)).transpose()?;
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
+            DeviceType::Cpu if probs => with_float_type!(c.dtype, T => {
+                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type); `grad_logits` is fresh.
+                let (g, x, p, dx) = unsafe {
+                    (grad.as_slice::<T>()?, logits.as_slice::<T>()?, target.as_slice::<T>()?, grad_logits.as_mut_slice::<T>()?)
+                };
+                let l = match &lse {
+                    // SAFETY: as above.
+                    Some(l) => Some(unsafe { l.as_slice::<<T as Element>::Acc>()? }),
+                    None => None,
+                };
+                let (cols, r) = (c.cols, opts.reduction);
+                with_torch_par(|par| keel::ops::cross_entropy::backward_probs_cpu(g, x, p, l, dx, cols, ls, r, par))
+                    .map_err(kernel_err)?
+            }),
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
                 // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type); `grad_logits` is fresh.
                 let (g, x, t, dx) = unsafe {

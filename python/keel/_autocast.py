@@ -59,6 +59,8 @@ def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction
     (lse - x[t]) + ls (lse - mean(x))``; reduced as the op reduces (``"mean"``
     over the rows not ignored, NaN when all are). Reads one logit a row, and every
     logit once where ``label_smoothing`` is not 0 (a float32 sum, no copy)."""
+    if target.dtype.is_floating_point:
+        return _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction)
     kept = target != ignore_index
     picked = logits.gather(-1, torch.where(kept, target, 0).unsqueeze(-1)).squeeze(-1).float()
     rows = lse - picked
@@ -70,6 +72,20 @@ def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction
         return rows
     total = rows.sum()
     return total if reduction == "sum" else total / kept.sum()
+
+
+def _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction):
+    """:func:`_loss_from_lse` for probabilities `target` (shaped like the logits):
+    ``(1 - ls) (sum(p) lse - sum(p x)) + ls (lse - mean(x))`` in float32, from
+    float32 copies of both (torch's autocast copies the logits too)."""
+    x, p = logits.float(), target.float()
+    rows = (1 - label_smoothing) * (p.sum(-1) * lse - (x * p).sum(-1))
+    if label_smoothing != 0:
+        rows = rows + label_smoothing * (lse - x.mean(-1))
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total if reduction == "sum" else total / rows.shape[0]
 
 
 def _kernel(name):

@@ -158,7 +158,8 @@ def _cross_entropy_lse_backward(ctx, grad, grad_lse):
         g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse)
     if grad_lse is not None:
         # d lse / d x = softmax(x) (for a z-loss, say); an ignored row's lse is the constant 0.
-        live = (target != ctx.args[0]).to(lse.dtype)
+        # (With probabilities as the target, no row is ignored.)
+        live = 1.0 if target.dtype.is_floating_point else (target != ctx.args[0]).to(lse.dtype)
         # softmax, not exp(logits - lse): lse's rounding would be a relative error
         # of every probability, 2^-24 |lse| in float32.
         p = torch.softmax(logits.to(lse.dtype), -1) * (grad_lse.to(lse.dtype) * live)[:, None]

@@ -1,12 +1,16 @@
-"""torch's forms of cross-entropy that the fused op does not take itself, for
+"""torch's forms of cross-entropy beyond the fused op's class indices, for
 :func:`keel.cross_entropy`: class weights (``weight=``) and probability targets
 (a float target shaped like the logits).
 
-Both are built on the op's per-row results (``cross_entropy_with_lse`` with
-``reduction="none"``: each row's ``lse - x_t`` and its log-sum-exp ``lse``), so
-no log-softmax is made, on every device and dtype the op takes, with its
-autograd, ``torch.compile`` and autocast. ``C`` is the classes, ``s`` the label
-smoothing, ``w`` the weights (1 where none are given), as ``F.cross_entropy``:
+On CPU the op takes probabilities itself, with no weights, a target of the
+logits' dtype that needs no gradient (:func:`fused`): its kernel reads each
+row of logits and of targets once in the forward and once in the backward.
+Every other case is built here on the op's per-row results
+(``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
+and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
+dtype the op takes, with its autograd, ``torch.compile`` and autocast. ``C`` is
+the classes, ``s`` the label smoothing, ``w`` the weights (1 where none are
+given), as ``F.cross_entropy``:
 
 - class indices: row loss ``(1 - s) w_t (lse - x_t) + s / C * sum_c w_c (lse - x_c)``
   (0 for an ignored row); ``"mean"`` divides the sum by ``sum w_t`` over the rows
@@ -29,10 +33,11 @@ against ``F.cross_entropy`` with the same arguments in the same process:
 - weights and label smoothing: the op twice and a matrix-vector product, two
   more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
   targets are checked (a synchronisation) by each of the two calls;
-- probabilities: the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
+- probabilities built here (CUDA; weights; a target needing a gradient or of
+  another dtype): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
   elementwise ops (float32 at torch's speed; bfloat16 0.4x, the float32 copies
-  of targets and products). A fused kernel taking the target's row would read
-  each once; it does not exist yet.
+  of targets and products). The fused kernel's figures: ``docs/BENCHMARKS.md``,
+  session 76.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -163,6 +168,10 @@ def probabilities(
     in both; arguments checked already (:func:`check`, :func:`check_probabilities`)."""
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
+    if fused(rows, p, weight):
+        # The op itself takes the target's rows (one read of each).
+        loss = with_lse(rows, p, -100, label_smoothing, reduction)[0]
+        return loss.reshape(shape) if reduction == "none" else loss
     c = rows.shape[1]
     # sum_c a_c (lse - x_c) with a = w q, A = sum(a): A (lse - mean(x)) + sum_c (A / C - a_c) x_c.
     # lse - mean(x) is the op's loss with label smoothing 1, for any target (class 0,
@@ -182,6 +191,14 @@ def probabilities(
     if reduction == "none":
         return loss.reshape(shape).to(losses.dtype)
     return _reduce(loss, reduction, lambda: loss.shape[0], losses.dtype)
+
+
+def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
+    """Whether the op takes the probabilities `p` itself (its fused kernel): on
+    CPU, with no class weights, `p` of the logits' dtype and needing no gradient.
+    Elsewhere :func:`probabilities` builds the loss from the op's log-sum-exp with
+    torch's ops."""
+    return weight is None and rows.device.type == "cpu" and p.dtype == rows.dtype and not p.requires_grad
 
 
 def _reduce(loss: Tensor, reduction: str, mean_over: Callable[[], object], dtype: torch.dtype) -> Tensor:

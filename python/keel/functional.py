@@ -256,9 +256,11 @@ def cross_entropy(
             the forward only: the backward trusts the targets the forward checked; during
             CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
             instead). Or, as torch, probabilities: a float tensor shaped like
-            ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too,
-            built on the op with torch's elementwise ops (``keel._ce_forms``, which
-            gives the costs: not faster than torch's).
+            ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
+            on CPU, with no ``weight``, a target of the logits' dtype that needs no
+            gradient goes to the op's fused kernel (one read of each row of logits and
+            targets a pass); other cases are built on the op with torch's elementwise
+            ops (``keel._ce_forms``, which gives the costs: not faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
             indices only: with probabilities, one other than the default raises, as in torch).
         label_smoothing: in ``[0, 1]``, as in torch.

@@ -131,10 +131,18 @@ def test_autocast_loss_is_float32_as_torch():
         want = F.cross_entropy(h, t, weight=w, label_smoothing=0.1)
         p = torch.softmax(x.flip(0), -1)
         got_p, want_p = keel.cross_entropy(h, p, weight=w), F.cross_entropy(h, p, weight=w)
+        # bfloat16 probabilities and no weight: the op's fused kernel, through the typed
+        # API and through torch.ops (whose autocast kernel gives the float32 loss).
+        pb = p.bfloat16()
+        fused = [keel.cross_entropy(h, pb, label_smoothing=0.1), torch.ops.keel.cross_entropy(h, pb, -100, 0.1, "sum")]
+        want_fused = [F.cross_entropy(h, pb, label_smoothing=0.1), F.cross_entropy(h, pb, label_smoothing=0.1, reduction="sum")]
     assert h.dtype == torch.bfloat16 and got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert got_p.dtype == want_p.dtype == torch.float32
     torch.testing.assert_close(got_p, want_p, atol=1e-4, rtol=1e-4)
+    for got_f, want_f in zip(fused, want_fused):
+        assert got_f.dtype == want_f.dtype == torch.float32
+        torch.testing.assert_close(got_f, want_f, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -205,7 +213,10 @@ def probabilities(shape, device, dtype=torch.float32, seed=5):
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_probability_targets_match_torch(device, n, v, reduction, label_smoothing, weighted):
+@pytest.mark.parametrize("target_grad", [True, False])
+def test_probability_targets_match_torch(device, n, v, reduction, label_smoothing, weighted, target_grad):
+    """Against torch in float64; on CPU with no weights and a target that needs no
+    gradient, the op's fused kernel takes the target (``_ce_forms.fused``)."""
     for dtype in dtypes_for(device):
         x = make((n, v), dtype, device, 0, 4.0)
         p = probabilities((n, v), device, dtype)
@@ -216,12 +227,14 @@ def test_probability_targets_match_torch(device, n, v, reduction, label_smoothin
         g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
         want.backward(g.double())
         atol, rtol = TOL[dtype]
-        xk, pk = x.clone().requires_grad_(), p.clone().requires_grad_()
+        xk, pk = x.clone().requires_grad_(), p.clone().requires_grad_(target_grad)
         loss = keel.cross_entropy(xk, pk, label_smoothing=label_smoothing, reduction=reduction, weight=w)
         assert loss.shape == want.shape and loss.dtype == dtype
         torch.testing.assert_close(loss.double(), want, atol=atol * 10, rtol=rtol * 2)
         loss.backward(g)
         torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+        if not target_grad:
+            continue
         # The target's gradient, g w (lse - x_c), is a difference of terms up to
         # m = |g| |w| (|lse| + |x|): two roundings of size m in the dtype (torch's own
         # float16 and bfloat16 results miss the float64 one by more than Keel's).
@@ -269,6 +282,9 @@ def test_probability_targets_gradcheck():
         assert torch.autograd.gradcheck(
             lambda x, p: keel.cross_entropy(x, p, label_smoothing=0.2, reduction=reduction, weight=w), (x, p)
         )
+        # The fused kernel (no weight, a target with no gradient), and its second derivative.
+        fused = lambda x: keel.cross_entropy(x, p.detach(), label_smoothing=0.2, reduction=reduction)  # noqa: E731
+        assert torch.autograd.gradcheck(fused, (x,)) and torch.autograd.gradgradcheck(fused, (x,))
 
 
 def test_probability_targets_compile():
@@ -306,10 +322,46 @@ def test_bad_probability_targets_raise_naming_op_and_argument(call, msg):
 def test_torch_func_grad_and_vmap_match_torch():
     x = make((4, 6), torch.float64, "cpu", 0)
     w = class_weights(6, "cpu", torch.float64)
-    for target in (torch.tensor([0, 5, -100, 2]), probabilities((4, 6), "cpu", torch.float64)):
+    p = probabilities((4, 6), "cpu", torch.float64)
+    for target, w in ((torch.tensor([0, 5, -100, 2]), w), (p, w), (p, None)):  # (p, None): the fused kernel
         got = torch.func.grad(lambda x: keel.cross_entropy(x, target, label_smoothing=0.1, weight=w))(x)
         want = torch.func.grad(lambda x: F.cross_entropy(x, target, label_smoothing=0.1, weight=w))(x)
         torch.testing.assert_close(got, want)
         xs = make((3, 4, 6), torch.float64, "cpu", 1)
         got = torch.vmap(lambda x: keel.cross_entropy(x, target, weight=w))(xs)
         torch.testing.assert_close(got, torch.vmap(lambda x: F.cross_entropy(x, target, weight=w))(xs))
+
+
+def test_the_op_takes_probabilities_of_the_logits_dtype_on_cpu():
+    """torch.ops.keel's cross_entropy ops take a float target of the logits' dtype and
+    shape (the fused kernel); the backward given the forward's lse and without it."""
+    x, p = make((4, 9), torch.float32, "cpu", 0, 3.0), probabilities((4, 9), "cpu")
+    loss, lse = torch.ops.keel.cross_entropy_with_lse(x, p, -100, 0.1, "none")
+    torch.testing.assert_close(loss, F.cross_entropy(x, p, label_smoothing=0.1, reduction="none"))
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1))
+    torch.testing.assert_close(torch.ops.keel.cross_entropy(x, p), F.cross_entropy(x, p))
+    g = make((4,), torch.float32, "cpu", 2)
+    xr = x.clone().requires_grad_()
+    F.cross_entropy(xr, p, label_smoothing=0.1, reduction="none").backward(g)
+    for given in (None, lse):
+        torch.testing.assert_close(torch.ops.keel.cross_entropy_backward(g, x, p, -100, 0.1, "none", given), xr.grad)
+    bad = [
+        (lambda: torch.ops.keel.cross_entropy(x, p.double()), r"keel::cross_entropy: argument 'target' has dtype torch.float64 but 'logits' has torch.float32"),
+        (lambda: torch.ops.keel.cross_entropy(x, p[:, :5]), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' shape \[4, 9\], got \[4, 5\]"),
+        (lambda: torch.ops.keel.cross_entropy(x, p, 0), r"keel::cross_entropy: argument 'ignore_index' applies to class indices only, not to probabilities \(a float target\), got 0"),
+        (lambda: torch.ops.keel.cross_entropy(x, p.int()), r"keel::cross_entropy: argument 'target' must have dtype torch.int64 \(class indices\) or the logits' torch.float32 \(probabilities\), got torch.int32"),
+        (lambda: torch.ops.keel.cross_entropy_backward(g, x, p.half(), -100, 0.1, "none"), r"keel::cross_entropy_backward: argument 'target' has dtype torch.float16"),
+    ]
+    for call, msg in bad:
+        with pytest.raises(RuntimeError, match=msg):
+            call()
+
+
+@pytest.mark.parametrize("device", devices()[1:])
+def test_cuda_probabilities_go_through_torch_ops(device):
+    """On CUDA the op refuses a float target (no kernel for it there yet); keel.cross_entropy
+    builds that form from the op's log-sum-exp with torch's ops instead."""
+    x, p = make((4, 9), torch.float32, device, 0), probabilities((4, 9), device)
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'target' of probabilities \(a float target\) is taken on CPU only"):
+        torch.ops.keel.cross_entropy(x, p)
+    torch.testing.assert_close(keel.cross_entropy(x, p), F.cross_entropy(x, p))

@@ -67,6 +67,43 @@ pub fn backward_cpu<T: Element>(
     Ok(keel_cpu::cross_entropy::backward(grad, logits, target, lse, grad_logits, cols, opts, par)?)
 }
 
+/// CPU forward against probability targets `target` (`[rows, cols]`, as the
+/// logits; see [`keel_cpu::cross_entropy_probs`]): the loss (`rows` values for
+/// [`Reduction::None`], else one; `"mean"` over all rows), and each row's
+/// log-sum-exp into `lse` when given.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_probs_cpu<T: Element>(
+    logits: &[T],
+    target: &[T],
+    out: &mut [T],
+    lse: Option<&mut [T::Acc]>,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+    par: Par<'_>,
+) -> Result<()> {
+    use keel_cpu::cross_entropy_probs::forward;
+    Ok(forward(logits, target, out, lse, cols, label_smoothing, reduction, par)?)
+}
+
+/// CPU backward of [`forward_probs_cpu`]: `grad_logits`, given the forward's
+/// `lse` (trusted, as [`backward_cpu`] trusts it) or recomputing it.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_probs_cpu<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[T],
+    lse: Option<&[T::Acc]>,
+    grad_logits: &mut [T],
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+    par: Par<'_>,
+) -> Result<()> {
+    use keel_cpu::cross_entropy_probs::backward;
+    Ok(backward(grad, logits, target, lse, grad_logits, cols, label_smoothing, reduction, par)?)
+}
+
 /// f32 elements of device scratch the CUDA entry points need: the row losses
 /// and two counters.
 pub fn scratch_len(rows: usize) -> usize {

@@ -1,0 +1,284 @@
+//! Fused cross-entropy over logits `[n, v]` and probability targets `[n, v]`
+//! ("soft labels", as distillation uses them): torch's
+//! `F.cross_entropy(logits, p)` with a float `p` shaped like the logits.
+//!
+//! With label smoothing `eps` the target is `q = (1 - eps) p + eps / v`, and
+//! a row's loss is `sum_j q_j (lse - x_j) = A lse - (1 - eps) sum_j p_j x_j -
+//! eps mean(x)`, `A = sum_j q_j = (1 - eps) sum_j p_j + eps` (torch does not
+//! require `sum_j p_j = 1`, nor does this). `"mean"` divides the sum by the
+//! rows; no row is ignored (torch refuses `ignore_index` with probabilities).
+//! The gradient is `dx_j = g (A softmax(x)_j - q_j)`.
+//!
+//! Fused as [`crate::cross_entropy`] is: the forward reads each row of the
+//! logits and of the target once from memory (the max, the exp-sum, then the
+//! dot products from cache) and can hand back each row's `lse`; the backward
+//! takes that `lse` (or recomputes it) and writes the gradient in one pass
+//! over both rows. Nothing logits-sized is made but the gradient.
+use crate::cross_entropy::{Reduction, LSE_TRUSTED_BELOW};
+use crate::element::{Acc, Element};
+use crate::error::{check_len, Error, Result};
+use crate::par::Par;
+use crate::rows::{next_row, row_and_next, Blocks, Split};
+use crate::simd::{dispatch, prefetch_part, sum_map, sum_pairs};
+use crate::softmax::{exp_into, exp_sum, row_max};
+
+const OP_FWD: &str = "cross_entropy";
+const OP_BWD: &str = "cross_entropy_backward";
+
+/// Checks the lengths and the label smoothing; returns the number of rows.
+pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, label_smoothing: f64) -> Result<usize> {
+    if !(0.0..=1.0).contains(&label_smoothing) {
+        return Err(Error::Shape {
+            op,
+            arg: "label_smoothing",
+            msg: format!("must be in [0, 1], got {label_smoothing}"),
+        });
+    }
+    if cols == 0 {
+        return Err(Error::Shape { op, arg: "logits", msg: "must have at least one class (v > 0)".into() });
+    }
+    if !logits.is_multiple_of(cols) {
+        return Err(Error::Shape {
+            op,
+            arg: "logits",
+            msg: format!("length {logits} is not a multiple of v = {cols}"),
+        });
+    }
+    check_len(op, "target", target, logits)?;
+    Ok(logits / cols)
+}
+
+/// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
+/// and, when `lse` is given (`rows` values), each row's log-sum-exp, which
+/// [`backward`] can take instead of recomputing it.
+#[allow(clippy::too_many_arguments)]
+pub fn forward<T: Element>(
+    logits: &[T],
+    target: &[T],
+    out: &mut [T],
+    lse: Option<&mut [T::Acc]>,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check(OP_FWD, logits.len(), target.len(), cols, label_smoothing)?;
+    check_len(OP_FWD, "out", out.len(), reduction.out_len(rows))?;
+    if let Some(l) = &lse {
+        check_len(OP_FWD, "lse", l.len(), rows)?;
+    }
+    let mut losses = vec![[0f64; 2]; rows];
+    if rows > 0 {
+        let blocks = Blocks::new(&par, rows, cols);
+        let ls = Split::new(&mut losses, blocks.per);
+        par.for_each(blocks.count, &|b| {
+            let mut l = ls.get(b);
+            let r = blocks.rows(b);
+            let (x, p) = (&logits[r.start * cols..r.end * cols], &target[r.start * cols..r.end * cols]);
+            dispatch(
+                #[inline(always)]
+                || {
+                    for (i, l) in l.iter_mut().enumerate() {
+                        let (x, ahead) = row_and_next(x, i, cols);
+                        *l = row_loss(x, &p[i * cols..][..cols], label_smoothing, ahead);
+                    }
+                },
+            );
+        });
+    }
+    if let Some(lse) = lse {
+        lse.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
+    }
+    let sum = || losses.iter().map(|l| l[0]).sum::<f64>();
+    match reduction {
+        Reduction::None => out.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
+        Reduction::Sum => out[0] = T::from_f64(sum()),
+        Reduction::Mean => out[0] = T::from_f64(sum() / rows as f64),
+    }
+    Ok(())
+}
+
+/// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
+/// [`Reduction::None`], else one) and the forward's inputs; with the
+/// forward's `lse`, the max pass is skipped (f32 and f64 rows whose `|lse|`
+/// is [`LSE_TRUSTED_BELOW`] or more recompute theirs, as
+/// [`crate::cross_entropy::backward`] does).
+#[allow(clippy::too_many_arguments)]
+pub fn backward<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[T],
+    lse: Option<&[T::Acc]>,
+    grad_logits: &mut [T],
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+    par: Par<'_>,
+) -> Result<()> {
+    let rows = check(OP_BWD, logits.len(), target.len(), cols, label_smoothing)?;
+    check_len(OP_BWD, "grad", grad.len(), reduction.out_len(rows))?;
+    check_len(OP_BWD, "grad_logits", grad_logits.len(), logits.len())?;
+    if let Some(l) = lse {
+        check_len(OP_BWD, "lse", l.len(), rows)?;
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let row_grad = |i: usize| -> f64 {
+        match reduction {
+            Reduction::None => grad[i].to_f64(),
+            Reduction::Sum => grad[0].to_f64(),
+            Reduction::Mean => grad[0].to_f64() / rows as f64,
+        }
+    };
+    let blocks = Blocks::new(&par, rows, cols);
+    let dxs = Split::new(grad_logits, blocks.per * cols);
+    par.for_each(blocks.count, &|b| {
+        let mut dx = dxs.get(b);
+        let r = blocks.rows(b);
+        let (x, p) = (&logits[r.start * cols..r.end * cols], &target[r.start * cols..r.end * cols]);
+        let mut scratch = vec![T::Acc::ZERO; cols];
+        dispatch(
+            #[inline(always)]
+            || {
+                for i in 0..r.len() {
+                    let row = r.start + i;
+                    let (x, ahead) = row_and_next(x, i, cols);
+                    let (dx, ahead_w) = dx[i * cols..].split_at_mut(cols);
+                    let ahead = (ahead, next_row(ahead_w, cols));
+                    let lse = lse.map(|l| l[row]);
+                    let p = &p[i * cols..][..cols];
+                    row_grad_into(x, p, dx, &mut scratch, row_grad(row), label_smoothing, lse, ahead);
+                }
+            },
+        );
+    });
+    Ok(())
+}
+
+/// One row's loss, `A lse - (1 - eps) sum(p x) - eps mean(x)`, and its `lse`,
+/// in f64 from `Acc` sums.
+#[inline(always)]
+fn row_loss<T: Element>(x: &[T], p: &[T], eps: f64, ahead: &[T]) -> [f64; 2] {
+    let one = T::Acc::ONE;
+    let m = row_max(x, one);
+    let s = exp_sum(x, one, m, ahead);
+    let lse = m.to_f64() + s.to_f64().ln();
+    let dot = sum_pairs(p, x, |p, x| p * x).to_f64();
+    let total = sum_map(p, |p| p).to_f64();
+    let mut loss = (1.0 - eps) * (total * lse - dot);
+    if eps > 0.0 {
+        // eps (lse - mean(x)), from the mean of the row, not eps lse - eps
+        // mean(x) apart: the same value, one rounding less to cancel.
+        loss += eps * (lse - sum_map(x, |v| v).to_f64() / x.len() as f64);
+    }
+    [loss, lse]
+}
+
+/// One row's gradient, `dx_j = g A e_j / s - g (1 - eps) p_j - g eps / v`,
+/// with `e = exp(x - m)` and `s` its sum: `m` is the given `lse` (then `s =
+/// 1`) for f32 and f64 rows where it can be trusted (see
+/// [`LSE_TRUSTED_BELOW`]), else the row's max or, for bf16 and f16, the given
+/// `lse`, with `e` in a scratch row and `s` summed there (the rounding of the
+/// `lse` cancels in `e / s`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn row_grad_into<T: Element>(
+    x: &[T],
+    p: &[T],
+    dx: &mut [T],
+    scratch: &mut [T::Acc],
+    g: f64,
+    eps: f64,
+    lse: Option<T::Acc>,
+    (ahead, ahead_w): (&[T], &[T]),
+) {
+    let one = T::Acc::ONE;
+    let total = (1.0 - eps) * sum_map(p, |p| p).to_f64() + eps;
+    let gp = T::Acc::from_f64(g * (1.0 - eps));
+    let off = T::Acc::from_f64(g * eps / x.len() as f64);
+    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
+    let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
+    let lse = lse.filter(|&l| narrow || (l < lim && l > T::Acc::ZERO - lim));
+    if let (Some(m), false) = (lse, narrow) {
+        let ga = T::Acc::from_f64(g * total);
+        let f = |x: T, p: T| T::from_acc((x.to_acc() - m).exp_nonpos() * ga - (p.to_acc() * gp + off));
+        map2_into(x, p, dx, f, ahead, ahead_w);
+        return;
+    }
+    let m = lse.unwrap_or_else(|| row_max(x, one));
+    let s = exp_into(x, scratch, one, m, ahead, ahead_w);
+    let ga = T::Acc::from_f64(g * total / s.to_f64());
+    for ((d, &e), &p) in dx.iter_mut().zip(scratch.iter()).zip(p) {
+        *d = T::from_acc(e * ga - (p.to_acc() * gp + off));
+    }
+}
+
+/// `dx_i = f(x_i, p_i)` in parts of 32, prefetching the next row's input
+/// (`ahead`) and output (`ahead_w`) as it goes, as `exp_into` does.
+#[inline(always)]
+fn map2_into<T: Element>(x: &[T], p: &[T], dx: &mut [T], f: impl Fn(T, T) -> T, ahead: &[T], ahead_w: &[T]) {
+    const W: usize = 32;
+    let (cx, cp, cd) = (x.chunks_exact(W), p.chunks_exact(W), dx.chunks_exact_mut(W));
+    let at = x.len() - cx.remainder().len();
+    for (k, ((cx, cp), cd)) in cx.zip(cp).zip(cd).enumerate() {
+        prefetch_part::<T, false>(ahead, k, W);
+        prefetch_part::<T, true>(ahead_w, k, W);
+        for i in 0..W {
+            cd[i] = f(cx[i], cp[i]);
+        }
+    }
+    for ((d, &x), &p) in dx[at..].iter_mut().zip(&x[at..]).zip(&p[at..]) {
+        *d = f(x, p);
+    }
+}
+
+/// Reference forward in f64: the reduced loss (`rows` values for `None`).
+pub fn forward_ref<T: Element>(logits: &[T], target: &[T], cols: usize, eps: f64, reduction: Reduction) -> Vec<f64> {
+    let mut losses = vec![];
+    for (x, p) in logits.chunks(cols).zip(target.chunks(cols)) {
+        let lse = lse_ref(x);
+        let loss = x.iter().zip(p).map(|(x, p)| {
+            let q = (1.0 - eps) * p.to_f64() + eps / cols as f64;
+            q * (lse - x.to_f64())
+        });
+        losses.push(loss.sum());
+    }
+    let rows = losses.len() as f64;
+    match reduction {
+        Reduction::None => losses,
+        Reduction::Sum => vec![losses.iter().sum()],
+        Reduction::Mean => vec![losses.iter().sum::<f64>() / rows],
+    }
+}
+
+/// Reference backward in f64.
+pub fn backward_ref<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[T],
+    cols: usize,
+    eps: f64,
+    reduction: Reduction,
+) -> Vec<f64> {
+    let rows = logits.len() / cols;
+    let mut out = vec![];
+    for (i, (x, p)) in logits.chunks(cols).zip(target.chunks(cols)).enumerate() {
+        let g = match reduction {
+            Reduction::None => grad[i].to_f64(),
+            Reduction::Sum => grad[0].to_f64(),
+            Reduction::Mean => grad[0].to_f64() / rows as f64,
+        };
+        let lse = lse_ref(x);
+        let q: Vec<f64> = p.iter().map(|p| (1.0 - eps) * p.to_f64() + eps / cols as f64).collect();
+        let total: f64 = q.iter().sum();
+        out.extend(x.iter().zip(&q).map(|(x, q)| g * (total * (x.to_f64() - lse).exp() - q)));
+    }
+    out
+}
+
+/// A row's log-sum-exp in f64.
+fn lse_ref<T: Element>(x: &[T]) -> f64 {
+    let m = x.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, f64::max);
+    m + x.iter().map(|v| (v.to_f64() - m).exp()).sum::<f64>().ln()
+}

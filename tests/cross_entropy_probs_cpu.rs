@@ -1,0 +1,144 @@
+//! Property tests: the CPU fused cross-entropy against probability targets
+//! (loss, each row's log-sum-exp, and the gradient, recomputing the lse and
+//! given it) against the f64 reference for every reduction, with and without
+//! label smoothing, targets that sum to 1 and ones that do not, every dtype,
+//! sequential and on rayon; plus a known value and bad arguments.
+mod common;
+
+use common::{assert_close_floor, sum_scale, to_elems, Tol};
+use keel::cpu::{bf16, f16, Acc, Element, Par};
+use keel::ops::cross_entropy::{backward_probs_cpu, forward_probs_cpu, Reduction};
+use keel_cpu::cross_entropy_probs::{backward_ref, forward_ref};
+use proptest::prelude::*;
+
+#[allow(clippy::type_complexity)]
+fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<f64>, bool, f64, f64)> {
+    (0usize..=7, 1usize..=300, prop_oneof![Just(0.0), 0.0f64..=1.0]).prop_flat_map(|(rows, cols, ls)| {
+        let x = prop::collection::vec(prop_oneof![-5.0f64..5.0, -40.0f64..40.0], rows * cols);
+        let p = prop::collection::vec(prop_oneof![Just(0.0), 0.0f64..1.0], rows * cols);
+        (Just(rows), Just(cols), x, p, any::<bool>(), Just(ls), -2.0f64..2.0)
+    })
+}
+
+/// `p` as `T`, each row scaled to sum to 1 when `normalise` (and it can).
+fn targets<T: Element>(p: &[f64], cols: usize, normalise: bool) -> Vec<T> {
+    let mut p = p.to_vec();
+    if normalise {
+        for row in p.chunks_mut(cols) {
+            let s: f64 = row.iter().sum();
+            if s > 0.0 {
+                row.iter_mut().for_each(|v| *v /= s);
+            }
+        }
+    }
+    to_elems::<T>(&p)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], p: &[f64], normalise: bool, ls: f64, g: f64) {
+    let (x, p) = (to_elems::<T>(x), targets::<T>(p, cols, normalise));
+    // Terms of size |x| (times the row's target sum, at most `cols`) enter
+    // each loss: compare relative to that scale.
+    let psum = p.chunks(cols.max(1)).map(|r| r.iter().map(|v| v.to_f64()).sum::<f64>()).fold(1.0f64, f64::max);
+    let floor = x.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs())) * psum;
+    for reduction in [Reduction::None, Reduction::Mean, Reduction::Sum] {
+        let n = reduction.out_len(rows);
+        let grad = to_elems::<T>(&(0..n).map(|i| g + i as f64 * 0.25).collect::<Vec<_>>());
+        let want = forward_ref(&x, &p, cols, ls, reduction);
+        let want_dx = backward_ref(&grad, &x, &p, cols, ls, reduction);
+        for par in [Par::Seq, Par::Rayon] {
+            let (mut out, mut lse) = (vec![T::default(); n], vec![T::Acc::ONE; rows]);
+            forward_probs_cpu(&x, &p, &mut out, Some(&mut lse), cols, ls, reduction, par).unwrap();
+            for (i, (l, xr)) in lse.iter().zip(x.chunks(cols)).enumerate() {
+                let want = lse_ref(xr);
+                let bound = if T::NAME == "f64" { 1e-12 } else { 1e-6 } * (1.0 + want.abs());
+                assert!((l.to_f64() - want).abs() <= bound, "lse [{}] row {i}: {} vs {want}", T::NAME, l.to_f64());
+            }
+            if reduction == Reduction::Mean && rows == 0 {
+                assert!(out[0].to_f64().is_nan(), "mean over no rows is NaN, as torch");
+                continue;
+            }
+            assert_close_floor(
+                &out,
+                &want,
+                2.0 * sum_scale::<T>(cols * rows.max(1)),
+                floor * if reduction == Reduction::None { 1.0 } else { rows as f64 },
+                &format!("{reduction:?} loss"),
+            );
+            for (how, lse) in [("", None), (" given the lse", Some(lse.as_slice()))] {
+                let mut dx = vec![T::default(); rows * cols];
+                backward_probs_cpu(&grad, &x, &p, lse, &mut dx, cols, ls, reduction, par).unwrap();
+                assert_close_floor(
+                    &dx,
+                    &want_dx,
+                    2.0 * sum_scale::<T>(cols),
+                    (g.abs() + 1.0) * psum,
+                    &format!("{reduction:?} grad{how}"),
+                );
+            }
+        }
+    }
+}
+
+/// A row's log-sum-exp in f64.
+fn lse_ref<T: Element>(x: &[T]) -> f64 {
+    let m = x.iter().map(|v| v.to_f64()).fold(f64::NEG_INFINITY, f64::max);
+    m + x.iter().map(|v| (v.to_f64() - m).exp()).sum::<f64>().ln()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+
+    #[test]
+    fn f32_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<f32>(rows, cols, &x, &p, norm, ls, g); }
+
+    #[test]
+    fn f64_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<f64>(rows, cols, &x, &p, norm, ls, g); }
+
+    #[test]
+    fn f16_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<f16>(rows, cols, &x, &p, norm, ls, g); }
+
+    #[test]
+    fn bf16_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<bf16>(rows, cols, &x, &p, norm, ls, g); }
+}
+
+#[test]
+fn known_values() {
+    // Uniform logits over 4 classes: each row's lse is ln 4; a one-hot row
+    // loses ln 4, a row of halves (sum 1) too, a row of zeros nothing.
+    let x = [0f32; 12];
+    let p = [0.0, 1.0, 0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0];
+    let mut out = [0f32; 3];
+    let mut lse = [f32::NAN; 3];
+    forward_probs_cpu(&x, &p, &mut out, Some(&mut lse), 4, 0.0, Reduction::None, Par::Seq).unwrap();
+    let l4 = 4f32.ln();
+    assert_eq!(lse, [l4; 3]);
+    assert!((out[0] - l4).abs() < 1e-6 && (out[1] - l4).abs() < 1e-6 && out[2] == 0.0, "{out:?}");
+    // dx = g (A softmax - q): 1/4 - p at sum 1; 0 where the target is all zeros.
+    let mut dx = [9f32; 12];
+    backward_probs_cpu(&[1.0f32; 3], &x, &p, Some(&lse), &mut dx, 4, 0.0, Reduction::None, Par::Seq).unwrap();
+    let want = [0.25, -0.75, 0.25, 0.25, -0.25, 0.25, -0.25, 0.25, 0.0, 0.0, 0.0, 0.0];
+    assert!(dx.iter().zip(want).all(|(d, w)| (d - w).abs() < 1e-6), "{dx:?}");
+    // Full label smoothing ignores the target: the loss is lse - mean(x) = ln 4.
+    let mut mean = [0f32];
+    forward_probs_cpu(&x, &p, &mut mean, None, 4, 1.0, Reduction::Mean, Par::Seq).unwrap();
+    assert!((mean[0] - l4).abs() < 1e-6, "{mean:?}");
+}
+
+#[test]
+fn bad_arguments_are_errors() {
+    let err = |r: keel::Result<()>| r.unwrap_err().to_string();
+    let mut out = [0f32];
+    let x = [0f32; 8];
+    assert!(err(forward_probs_cpu(&x, &[0f32; 4], &mut out, None, 4, 0.0, Reduction::Sum, Par::Seq))
+        .contains("cross_entropy: argument 'target' has length 4, expected 8"));
+    assert!(err(forward_probs_cpu(&x, &x, &mut out, None, 4, -0.5, Reduction::Sum, Par::Seq))
+        .contains("'label_smoothing': must be in [0, 1]"));
+    assert!(err(forward_probs_cpu(&x, &x, &mut out, None, 3, 0.0, Reduction::Sum, Par::Seq))
+        .contains("'logits': length 8 is not a multiple of v = 3"));
+    assert!(err(forward_probs_cpu(&x, &x, &mut out, Some(&mut [0f32; 3]), 4, 0.0, Reduction::Sum, Par::Seq))
+        .contains("'lse' has length 3, expected 2"));
+    let mut dx = [0f32; 8];
+    assert!(err(backward_probs_cpu(&[1.0f32; 2], &x, &x, None, &mut dx, 4, 0.0, Reduction::Sum, Par::Seq))
+        .contains("cross_entropy_backward: argument 'grad' has length 2, expected 1"));
+}
