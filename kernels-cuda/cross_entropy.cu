@@ -152,3 +152,111 @@ extern "C" __global__ void cross_entropy_count(const int64_t* target, int* statu
 KEEL_CROSS_ENTROPY(f32, float)
 KEEL_CROSS_ENTROPY(f16, __half)
 KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
+
+// Against probabilities: target p [rows, cols] of T (the logits' dtype), q =
+// (1 - ls) p + ls / cols, no row ignored (kernels-cpu/src/cross_entropy_probs.rs).
+//   cross_entropy_probs_rows_*: one block per row, one read of x and p: the
+//     online max and sum of exp, with sum(p x), sum(p) and sum(x); loss[row]
+//     (f32) = (1 - ls) (sum(p) lse - sum(p x)) + ls (lse - mean(x)), and
+//     lse[row] when lse is not null.
+//   cross_entropy_probs_reduce_*: one block; the row losses cast to T ("none"),
+//     or their mean over the rows (NaN for none) or sum.
+//   cross_entropy_probs_bwd_*: one block per row: sum(p) (with the max and sum
+//     of exp where the forward's lse is not given or not trusted, as
+//     cross_entropy_bwd_*), then dx = g (A exp(x - m) / s - (1 - ls) p - ls /
+//     cols), A = (1 - ls) sum(p) + ls, in one more read of x and p.
+template <typename T>
+__device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const T* __restrict__ p,
+                                              float* __restrict__ loss, float* __restrict__ lse, int64_t rows,
+                                              int cols, float ls) {
+  __shared__ float scratch[128];
+  constexpr bool Fast = FastMath<T>::value;
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(p);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    float m = -INFINITY, s = 0.f, dot = 0.f, ps = 0.f, sx = 0.f;
+    row_each2(x + row * cols, p + row * cols, cols, vec, [&](int, float v, float q) {
+      online_add<Fast>(v, m, s);
+      dot += q * v;
+      ps += q;
+      sx += v;
+    });
+    const float bm = block_max(m, scratch);
+    // As row_max_sumexp: each thread's sum moved to the block's maximum.
+    const float4 sums = block_sum4(make_float4(s * exp_<Fast>(m - bm), dot, ps, sx), scratch);
+    if (threadIdx.x == 0) {
+      const float l = bm + logf(sums.x);
+      loss[row] = (1.f - ls) * (sums.z * l - sums.y) + ls * (l - sums.w / cols);
+      if (lse) lse[row] = l;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_probs_reduce(const float* __restrict__ loss, T* __restrict__ out, int64_t rows,
+                                                int reduction) {
+  __shared__ float scratch[32];
+  if (reduction == 0) {
+    for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) out[i] = from_f32<T>(loss[i]);
+    return;
+  }
+  float s = 0.f;
+  for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) s += loss[i];
+  s = block_sum(s, scratch);
+  if (threadIdx.x == 0) out[0] = from_f32<T>(reduction == 1 ? s / (float)rows : s);
+}
+
+template <typename T>
+__device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T* __restrict__ x,
+                                             const T* __restrict__ p, const float* __restrict__ lse,
+                                             T* __restrict__ dx, int64_t rows, int cols, float ls, int reduction) {
+  __shared__ float scratch[64];
+  constexpr bool Fast = FastMath<T>::value;
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(p) && aligned16(dx);
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const T* xr = x + row * cols;
+    const T* pr = p + row * cols;
+    float g = to_f32(grad[reduction == 0 ? row : 0]);
+    if (reduction == 1) g /= (float)rows;
+    // The same for every thread of the block: all take one branch.
+    const bool trusted = lse && fabsf(lse[row]) < 64.f;
+    float m, s, ps = 0.f;
+    if (trusted) {
+      row_each(pr, cols, vec, [&](int, float q) { ps += q; });
+      ps = block_sum(ps, scratch);
+      m = lse[row];
+      s = 1.f;
+    } else {
+      float mt = -INFINITY, st = 0.f;
+      row_each2(xr, pr, cols, vec, [&](int, float v, float q) {
+        online_add<Fast>(v, mt, st);
+        ps += q;
+      });
+      m = block_max(mt, scratch);
+      const float2 sums = block_sum2(make_float2(st * exp_<Fast>(mt - m), ps), scratch);
+      s = sums.x;
+      ps = sums.y;
+    }
+    const float ga = g * ((1.f - ls) * ps + ls) / s, gp = g * (1.f - ls), off = g * ls / cols;
+    row_map2(xr, pr, dx + row * cols, cols, vec,
+             [&](int, float v, float q) { return exp_<Fast>(v - m) * ga - (q * gp + off); });
+  }
+}
+
+#define KEEL_CROSS_ENTROPY_PROBS(SUFFIX, T)                                                                    \
+  extern "C" __global__ void cross_entropy_probs_rows_##SUFFIX(const T* x, const T* p, float* loss,           \
+                                                               float* lse, int64_t rows, int cols, float ls) { \
+    ce_probs_rows<T>(x, p, loss, lse, rows, cols, ls);                                                         \
+  }                                                                                                            \
+  extern "C" __global__ void cross_entropy_probs_reduce_##SUFFIX(const float* loss, T* out, int64_t rows,     \
+                                                                 int reduction) {                             \
+    ce_probs_reduce<T>(loss, out, rows, reduction);                                                            \
+  }                                                                                                            \
+  extern "C" __global__ void cross_entropy_probs_bwd_##SUFFIX(const T* grad, const T* x, const T* p,          \
+                                                              const float* lse, T* dx, int64_t rows, int cols, \
+                                                              float ls, int reduction) {                      \
+    ce_probs_bwd<T>(grad, x, p, lse, dx, rows, cols, ls, reduction);                                           \
+  }
+
+KEEL_CROSS_ENTROPY_PROBS(f32, float)
+KEEL_CROSS_ENTROPY_PROBS(f16, __half)
+KEEL_CROSS_ENTROPY_PROBS(bf16, __nv_bfloat16)

@@ -1,5 +1,5 @@
 //! CUDA layer_norm, fused_add_rms_norm, the gated activations, softmax,
-//! cross_entropy and rotary_embedding against the
+//! cross_entropy (class indices and probabilities) and rotary_embedding against the
 //! CPU kernels (themselves checked against f64 references), and
 //! cross_entropy inside CUDA graph capture. Skips, saying why, where no GPU
 //! is usable.
@@ -134,6 +134,33 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
             let mut dx = zeros(n);
             cross_entropy::backward_cuda(&s, &up(&s, &grad), &xd, &td, l, &mut dx, cols, opts).unwrap();
             close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("cross_entropy {reduction:?} grad{how}"));
+        }
+    }
+    // cross_entropy against probabilities (about 1 a row, some zeros), label smoothing 0.1
+    let probs: Vec<T> = data::<T>(n, 17)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| T::from_f64(if i % 5 == 2 { 0.0 } else { (v.to_f64().abs() + 0.1) * 1.6 / cols as f64 }))
+        .collect();
+    let pd = up(&s, &probs);
+    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
+        let what = format!("cross_entropy probs {reduction:?}");
+        let m = reduction.out_len(rows);
+        let (mut out, mut lse) = (zeros(m), s.alloc_zeros::<f32>(rows).unwrap());
+        cross_entropy::forward_probs_cuda(&s, &xd, &pd, &mut out, Some(&mut lse), cols, 0.1, reduction).unwrap();
+        let (mut want, mut wlse) = (cpu(m), vec![T::Acc::ZERO; rows]);
+        cross_entropy::forward_probs_cpu(&x, &probs, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
+            .unwrap();
+        close(&s.clone_dtoh(&out).unwrap(), &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
+        let wlse: Vec<f32> = wlse.iter().map(|v| v.to_f64() as f32).collect();
+        close(&s.clone_dtoh(&lse).unwrap(), &wlse, 1e-5, &format!("{what} lse"));
+        let grad = data::<T>(m, 19);
+        let mut wdx = cpu(n);
+        cross_entropy::backward_probs_cpu(&grad, &x, &probs, None, &mut wdx, cols, 0.1, reduction, Par::Seq).unwrap();
+        for (how, l) in [("", None), (" given the lse", Some(&lse))] {
+            let mut dx = zeros(n);
+            cross_entropy::backward_probs_cuda(&s, &up(&s, &grad), &xd, &pd, l, &mut dx, cols, 0.1, reduction).unwrap();
+            close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("{what} grad{how}"));
         }
     }
     let bad: Vec<i64> = (0..rows).map(|i| if i == rows - 1 { cols as i64 } else { 0 }).collect();

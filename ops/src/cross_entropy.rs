@@ -5,8 +5,9 @@
 //! float label_smoothing=0.0, str reduction="mean") -> Tensor` for logits
 //! `[N, V]` and int64 `target[N]`, as `torch.nn.functional.cross_entropy`;
 //! or, as torch also takes them, probabilities: a `target` of the logits'
-//! dtype and shape (CPU only; `ignore_index` must be the default there, as
-//! torch requires). `cross_entropy_with_lse` (same arguments) also returns each
+//! dtype and shape (`ignore_index` must be the default there, as torch
+//! requires; on CUDA nothing is synchronised for them: no target can be out
+//! of range). `cross_entropy_with_lse` (same arguments) also returns each
 //! row's log-sum-exp (`[N]`, float32, or float64 for float64 logits; 0 for
 //! ignored rows). `cross_entropy_backward(grad, logits, target, ignore_index,
 //! label_smoothing, reduction, lse=None) -> grad_logits` takes that lse, or
@@ -66,8 +67,7 @@ fn check(op: &'static str, logits: Tensor, target: Tensor, ii: i64, ls: f64, red
 }
 
 /// Checks a target of probabilities (a float tensor) against the logits
-/// (`sizes`): their dtype and shape, on CPU (or Meta), with the default
-/// `ignore_index` (`ii`).
+/// (`sizes`): their dtype and shape, with the default `ignore_index` (`ii`).
 fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i64) -> Result<()> {
     checks::same_dtype(op, "target", target, "logits", c.dtype)?;
     if target.sizes()? != sizes {
@@ -77,11 +77,6 @@ fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i
     if ii != IGNORE_INDEX {
         let msg = format!("applies to class indices only, not to probabilities (a float target), got {ii}");
         return Err(invalid(op, "ignore_index", msg));
-    }
-    if c.device.kind == DeviceType::Cuda {
-        let msg = "of probabilities (a float target) is taken on CPU only: on CUDA, keel.cross_entropy computes \
-                   that form with torch's ops";
-        return Err(invalid(op, "target", msg));
     }
     Ok(())
 }
@@ -145,6 +140,25 @@ fn forward(
             let scratch = Tensor::empty(&[n], ScalarType::F32, c.device)?;
             let (px, pt, po, ps) = (ptr(Some(&logits))?, ptr(Some(&target))?, ptr(Some(&out))?, ptr(Some(&scratch))?);
             let pl = ptr(lse.as_ref())?;
+            if probs {
+                let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
+                // SAFETY: checked contiguous CUDA tensors on the guarded device (target of the
+                // logits' dtype and shape); `out`, `lse` (f32) and `scratch` are fresh.
+                unsafe {
+                    keel::ops::cross_entropy::forward_probs_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        dtype,
+                        (px, pt, po, pl, ps),
+                        rows,
+                        cols,
+                        ls,
+                        r,
+                    )
+                }
+                .map_err(kernel_err_as(op))?;
+                return Ok((out, lse));
+            }
             // SAFETY: checked contiguous CUDA tensors on the guarded device; `out`, `lse` (f32) and
             // `scratch` are fresh.
             unsafe {
@@ -264,6 +278,29 @@ impl BoxedOp for CrossEntropyBackward {
                 with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, l, dx, c.cols, opts, par))
                     .map_err(kernel_err)?
             }),
+            DeviceType::Cuda if probs => {
+                let call = CudaCall::new(op, c.device)?;
+                let dtype = checks::cuda_dtype(c.dtype)?;
+                let (pg, px, pt, pl) =
+                    (ptr(Some(&grad))?, ptr(Some(&logits))?, ptr(Some(&target))?, ptr(lse.as_ref())?);
+                let pd = ptr(Some(&grad_logits))?;
+                let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
+                // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32, target of
+                // the logits' dtype and shape); `grad_logits` is fresh.
+                unsafe {
+                    keel::ops::cross_entropy::backward_probs_cuda_raw(
+                        &call.gpu,
+                        &call.stream,
+                        dtype,
+                        (pg, px, pt, pl, pd),
+                        rows,
+                        cols,
+                        ls,
+                        r,
+                    )
+                }
+                .map_err(kernel_err)?
+            }
             DeviceType::Cuda => {
                 let call = CudaCall::new(op, c.device)?;
                 let dtype = checks::cuda_dtype(c.dtype)?;

@@ -2,9 +2,10 @@
 :func:`keel.cross_entropy`: class weights (``weight=``) and probability targets
 (a float target shaped like the logits).
 
-On CPU the op takes probabilities itself, with no weights, a target of the
-logits' dtype that needs no gradient (:func:`fused`): its kernel reads each
-row of logits and of targets once in the forward and once in the backward.
+The op takes probabilities itself where there are no weights and the target
+has the logits' dtype and needs no gradient (:func:`fused`): its kernels (CPU
+and CUDA) read each row of logits and of targets once in the forward and once
+in the backward.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
 and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
@@ -33,7 +34,7 @@ against ``F.cross_entropy`` with the same arguments in the same process:
 - weights and label smoothing: the op twice and a matrix-vector product, two
   more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
   targets are checked (a synchronisation) by each of the two calls;
-- probabilities built here (CUDA; weights; a target needing a gradient or of
+- probabilities built here (weights; a target needing a gradient or of
   another dtype): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
   elementwise ops (float32 at torch's speed; bfloat16 0.4x, the float32 copies
   of targets and products). The fused kernel's figures: ``docs/BENCHMARKS.md``,
@@ -194,11 +195,10 @@ def probabilities(
 
 
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
-    """Whether the op takes the probabilities `p` itself (its fused kernel): on
-    CPU, with no class weights, `p` of the logits' dtype and needing no gradient.
-    Elsewhere :func:`probabilities` builds the loss from the op's log-sum-exp with
-    torch's ops."""
-    return weight is None and rows.device.type == "cpu" and p.dtype == rows.dtype and not p.requires_grad
+    """Whether the op takes the probabilities `p` itself (its fused kernel): with
+    no class weights, `p` of the logits' dtype and needing no gradient. Elsewhere
+    :func:`probabilities` builds the loss from the op's log-sum-exp with torch's ops."""
+    return weight is None and p.dtype == rows.dtype and not p.requires_grad
 
 
 def _reduce(loss: Tensor, reduction: str, mean_over: Callable[[], object], dtype: torch.dtype) -> Tensor:

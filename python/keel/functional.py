@@ -257,7 +257,7 @@ def cross_entropy(
             CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
             instead). Or, as torch, probabilities: a float tensor shaped like
             ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
-            on CPU, with no ``weight``, a target of the logits' dtype that needs no
+            with no ``weight``, a target of the logits' dtype that needs no
             gradient goes to the op's fused kernel (one read of each row of logits and
             targets a pass); other cases are built on the op with torch's elementwise
             ops (``keel._ce_forms``, which gives the costs: not faster than torch's).

@@ -358,10 +358,27 @@ def test_the_op_takes_probabilities_of_the_logits_dtype_on_cpu():
 
 
 @pytest.mark.parametrize("device", devices()[1:])
-def test_cuda_probabilities_go_through_torch_ops(device):
-    """On CUDA the op refuses a float target (no kernel for it there yet); keel.cross_entropy
-    builds that form from the op's log-sum-exp with torch's ops instead."""
-    x, p = make((4, 9), torch.float32, device, 0), probabilities((4, 9), device)
-    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'target' of probabilities \(a float target\) is taken on CPU only"):
-        torch.ops.keel.cross_entropy(x, p)
-    torch.testing.assert_close(keel.cross_entropy(x, p), F.cross_entropy(x, p))
+def test_cuda_op_takes_probabilities(device):
+    """The CUDA kernels against probabilities, through torch.ops and the typed API
+    (fused: no weight, a target of the logits' dtype with no gradient)."""
+    for dtype in dtypes_for(device):
+        x, p = make((6, 1000), dtype, device, 0, 3.0), probabilities((6, 1000), device, dtype)
+        atol, rtol = TOL[dtype]
+        xr = x.double().requires_grad_()
+        want = F.cross_entropy(xr, p.double(), label_smoothing=0.1, reduction="none")
+        g = make((6,), dtype, device, 2)
+        want.backward(g.double())
+        loss, lse = torch.ops.keel.cross_entropy_with_lse(x, p, -100, 0.1, "none")
+        torch.testing.assert_close(loss.double(), want.detach(), atol=atol * 10, rtol=rtol * 2)
+        torch.testing.assert_close(lse.double(), torch.logsumexp(x.double(), -1), atol=1e-5, rtol=1e-5)
+        for given in (None, lse):
+            dx = torch.ops.keel.cross_entropy_backward(g, x, p, -100, 0.1, "none", given)
+            torch.testing.assert_close(dx.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+        xk = x.clone().requires_grad_()
+        got = keel.cross_entropy(xk, p, label_smoothing=0.1)
+        got.backward()
+        xr.grad = None
+        want = F.cross_entropy(xr, p.double(), label_smoothing=0.1)
+        want.backward()
+        torch.testing.assert_close(got.double(), want.detach(), atol=atol * 10, rtol=rtol * 2)
+        torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
