@@ -243,9 +243,9 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
 
     mk["cross_entropy fwd+bwd"] = ce
 
-    # torch's forms the op does not take itself, built on it by the typed API
-    # (keel._ce_forms): class weights, and probability targets (which the
-    # forward reads too).
+    # torch's other forms through the typed API: class weights (built on the
+    # op by keel._ce_forms), and probability targets (the op's fused kernel
+    # for these, which reads the target rows too).
     def ce_weight():
         c = ce()
         wcls = (torch.rand(v, generator=g) + 0.5).to(dtype).to(device)

@@ -19,7 +19,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, Error, Result};
 use crate::par::Par;
 use crate::rows::{next_row, row_and_next, Blocks, Split};
-use crate::simd::{dispatch, prefetch_part, sum_map, sum_pairs};
+use crate::simd::{dispatch, prefetch_part, sum_map, sums3};
 use crate::softmax::{exp_into, exp_sum, row_max};
 
 const OP_FWD: &str = "cross_entropy";
@@ -164,8 +164,9 @@ fn row_loss<T: Element>(x: &[T], p: &[T], eps: f64, ahead: &[T]) -> [f64; 2] {
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
     let lse = m.to_f64() + s.to_f64().ln();
-    let dot = sum_pairs(p, x, |p, x| p * x).to_f64();
-    let total = sum_map(p, |p| p).to_f64();
+    // sum(p x) and sum(p) in one pass (x is the third slice too, unused).
+    let (dot, total) = sums3(p, x, x, |p, x, _| (p * x, p));
+    let (dot, total) = (dot.to_f64(), total.to_f64());
     let mut loss = (1.0 - eps) * (total * lse - dot);
     if eps > 0.0 {
         // eps (lse - mean(x)), from the mean of the row, not eps lse - eps

@@ -66,6 +66,8 @@ def as_rows(t: Tensor, rows: int) -> Tensor:
     ``[rows, C]``: ``[C]`` is one row; ``[N, C, d1, ...]`` moves the classes last
     (a copy, unless that is a view already). `rows` is given, not -1: with no
     classes, -1 would be ambiguous."""
+    if t.dim() == 2:
+        return t  # already rows (movedim and reshape would cost two views a call)
     return t.unsqueeze(0) if t.dim() == 1 else t.movedim(1, -1).reshape(rows, t.shape[1])
 
 
