@@ -85,7 +85,15 @@ pub struct Options {
 /// Checks the shapes and options; `target` values are checked by [`check_targets`].
 /// Returns the number of rows.
 pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, opts: &Options) -> Result<usize> {
-    let ls = opts.label_smoothing;
+    let rows = check_rows(op, logits, cols, opts.label_smoothing)?;
+    check_len(op, "target", target, rows)?;
+    Ok(rows)
+}
+
+/// The checks of both target forms (class indices here, probabilities in
+/// `cross_entropy_probs`): `ls` in `[0, 1]`, `cols > 0`, and `logits` whole
+/// rows of `cols`. Returns the number of rows.
+pub(crate) fn check_rows(op: &'static str, logits: usize, cols: usize, ls: f64) -> Result<usize> {
     if !(0.0..=1.0).contains(&ls) {
         return Err(Error::Shape { op, arg: "label_smoothing", msg: format!("must be in [0, 1], got {ls}") });
     }
@@ -99,9 +107,7 @@ pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, opts: 
             msg: format!("length {logits} is not a multiple of v = {cols}"),
         });
     }
-    let rows = logits / cols;
-    check_len(op, "target", target, rows)?;
-    Ok(rows)
+    Ok(logits / cols)
 }
 
 /// Errors on the first target outside `[0, cols)` that is not `ignore_index`;
@@ -166,16 +172,28 @@ pub fn forward<T: Element>(
             );
         });
     }
+    write_losses(&losses, out, lse, opts.reduction, count);
+    Ok(())
+}
+
+/// The end of both forwards: each row's `[loss, lse]` (f64) to `lse` when
+/// given, and the losses reduced into `out` (`"mean"` divides by `count`).
+pub(crate) fn write_losses<T: Element>(
+    losses: &[[f64; 2]],
+    out: &mut [T],
+    lse: Option<&mut [T::Acc]>,
+    reduction: Reduction,
+    count: usize,
+) {
     if let Some(lse) = lse {
-        lse.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
+        lse.iter_mut().zip(losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
     }
     let sum = || losses.iter().map(|l| l[0]).sum::<f64>();
-    match opts.reduction {
-        Reduction::None => out.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
+    match reduction {
+        Reduction::None => out.iter_mut().zip(losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
         Reduction::Sum => out[0] = T::from_f64(sum()),
         Reduction::Mean => out[0] = T::from_f64(sum() / count as f64),
     }
-    Ok(())
 }
 
 /// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for

@@ -14,9 +14,9 @@
 //! dot products from cache) and can hand back each row's `lse`; the backward
 //! takes that `lse` (or recomputes it) and writes the gradient in one pass
 //! over both rows. Nothing logits-sized is made but the gradient.
-use crate::cross_entropy::{Reduction, LSE_TRUSTED_BELOW};
+use crate::cross_entropy::{check_rows, write_losses, Reduction, LSE_TRUSTED_BELOW};
 use crate::element::{Acc, Element};
-use crate::error::{check_len, Error, Result};
+use crate::error::{check_len, Result};
 use crate::par::Par;
 use crate::rows::{next_row, row_and_next, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, sum_map, sums3};
@@ -27,25 +27,9 @@ const OP_BWD: &str = "cross_entropy_backward";
 
 /// Checks the lengths and the label smoothing; returns the number of rows.
 pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, label_smoothing: f64) -> Result<usize> {
-    if !(0.0..=1.0).contains(&label_smoothing) {
-        return Err(Error::Shape {
-            op,
-            arg: "label_smoothing",
-            msg: format!("must be in [0, 1], got {label_smoothing}"),
-        });
-    }
-    if cols == 0 {
-        return Err(Error::Shape { op, arg: "logits", msg: "must have at least one class (v > 0)".into() });
-    }
-    if !logits.is_multiple_of(cols) {
-        return Err(Error::Shape {
-            op,
-            arg: "logits",
-            msg: format!("length {logits} is not a multiple of v = {cols}"),
-        });
-    }
+    let rows = check_rows(op, logits, cols, label_smoothing)?;
     check_len(op, "target", target, logits)?;
-    Ok(logits / cols)
+    Ok(rows)
 }
 
 /// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
@@ -86,15 +70,7 @@ pub fn forward<T: Element>(
             );
         });
     }
-    if let Some(lse) = lse {
-        lse.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
-    }
-    let sum = || losses.iter().map(|l| l[0]).sum::<f64>();
-    match reduction {
-        Reduction::None => out.iter_mut().zip(&losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
-        Reduction::Sum => out[0] = T::from_f64(sum()),
-        Reduction::Mean => out[0] = T::from_f64(sum() / rows as f64),
-    }
+    write_losses(&losses, out, lse, reduction, rows);
     Ok(())
 }
 
