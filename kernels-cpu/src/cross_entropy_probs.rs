@@ -21,6 +21,8 @@ use crate::par::Par;
 use crate::rows::{next_row, row_and_next, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, sum_map, sums3};
 use crate::softmax::{exp_into, exp_sum, row_max};
+use crate::wide::cast;
+use crate::widen;
 
 const OP_FWD: &str = "cross_entropy";
 const OP_BWD: &str = "cross_entropy_backward";
@@ -59,12 +61,14 @@ pub fn forward<T: Element>(
             let mut l = ls.get(b);
             let r = blocks.rows(b);
             let (x, p) = (&logits[r.start * cols..r.end * cols], &target[r.start * cols..r.end * cols]);
+            let (mut wp, mut wx) = (Vec::new(), Vec::new());
             dispatch(
                 #[inline(always)]
                 || {
                     for (i, l) in l.iter_mut().enumerate() {
                         let (x, ahead) = row_and_next(x, i, cols);
-                        *l = row_loss(x, &p[i * cols..][..cols], label_smoothing, ahead);
+                        let wide = (&mut wp, &mut wx);
+                        *l = row_loss(x, &p[i * cols..][..cols], label_smoothing, ahead, wide);
                     }
                 },
             );
@@ -113,7 +117,7 @@ pub fn backward<T: Element>(
         let mut dx = dxs.get(b);
         let r = blocks.rows(b);
         let (x, p) = (&logits[r.start * cols..r.end * cols], &target[r.start * cols..r.end * cols]);
-        let mut scratch = vec![T::Acc::ZERO; cols];
+        let (mut scratch, mut wide) = (vec![T::Acc::ZERO; cols], Vec::new());
         dispatch(
             #[inline(always)]
             || {
@@ -122,9 +126,9 @@ pub fn backward<T: Element>(
                     let (x, ahead) = row_and_next(x, i, cols);
                     let (dx, ahead_w) = dx[i * cols..].split_at_mut(cols);
                     let ahead = (ahead, next_row(ahead_w, cols));
-                    let lse = lse.map(|l| l[row]);
                     let p = &p[i * cols..][..cols];
-                    row_grad_into(x, p, dx, &mut scratch, row_grad(row), label_smoothing, lse, ahead);
+                    let lse = lse.map(|l| l[row]);
+                    row_grad_into(x, p, dx, (&mut scratch, &mut wide), row_grad(row), label_smoothing, lse, ahead);
                 }
             },
         );
@@ -135,21 +139,35 @@ pub fn backward<T: Element>(
 /// One row's loss, `A lse - (1 - eps) sum(p x) - eps mean(x)`, and its `lse`,
 /// in f64 from `Acc` sums.
 #[inline(always)]
-fn row_loss<T: Element>(x: &[T], p: &[T], eps: f64, ahead: &[T]) -> [f64; 2] {
+fn row_loss<T: Element>(x: &[T], p: &[T], eps: f64, ahead: &[T], wide: (&mut Vec<f32>, &mut Vec<f32>)) -> [f64; 2] {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
     let lse = m.to_f64() + s.to_f64().ln();
-    // sum(p x) and sum(p) in one pass (x is the third slice too, unused).
-    let (dot, total) = sums3(p, x, x, |p, x, _| (p * x, p));
-    let (dot, total) = (dot.to_f64(), total.to_f64());
+    // f16 on x86: both rows widened by `vcvtph2ps` (exactly) for the sums,
+    // as in the backward (`row_grad_into`): the software widening of
+    // subnormal targets took the forward 213 ms at `[4096, 32000]` (bf16: 37).
+    let (wp, wx) = wide;
+    let (dot, total, sum_x) = match (widen::to_f32(p, wp), widen::to_f32(x, wx)) {
+        (Some(p), Some(x)) => dots(p, x, eps),
+        _ => dots(p, x, eps),
+    };
     let mut loss = (1.0 - eps) * (total * lse - dot);
     if eps > 0.0 {
         // eps (lse - mean(x)), from the mean of the row, not eps lse - eps
         // mean(x) apart: the same value, one rounding less to cancel.
-        loss += eps * (lse - sum_map(x, |v| v).to_f64() / x.len() as f64);
+        loss += eps * (lse - sum_x / x.len() as f64);
     }
     [loss, lse]
+}
+
+/// `sum(p x)` and `sum(p)` in one pass (x is the third slice too, unused),
+/// and `sum(x)` where label smoothing takes it (else 0).
+#[inline(always)]
+fn dots<T: Element>(p: &[T], x: &[T], eps: f64) -> (f64, f64, f64) {
+    let (dot, total) = sums3(p, x, x, |p, x, _| (p * x, p));
+    let sum_x = if eps > 0.0 { sum_map(x, |v| v).to_f64() } else { 0.0 };
+    (dot.to_f64(), total.to_f64(), sum_x)
 }
 
 /// One row's gradient, `dx_j = g A e_j / s - g (1 - eps) p_j - g eps / v`,
@@ -164,14 +182,24 @@ fn row_grad_into<T: Element>(
     x: &[T],
     p: &[T],
     dx: &mut [T],
-    scratch: &mut [T::Acc],
+    (scratch, wide): (&mut [T::Acc], &mut Vec<f32>),
     g: f64,
     eps: f64,
     lse: Option<T::Acc>,
     (ahead, ahead_w): (&[T], &[T]),
 ) {
     let one = T::Acc::ONE;
-    let total = (1.0 - eps) * sum_map(p, |p| p).to_f64() + eps;
+    // f16 on x86: the target widened once by `vcvtph2ps` (exactly) for both
+    // of its passes. The software widening meets subnormal targets (under
+    // 6.1e-5, common in a vocabulary's probabilities) with arithmetic on f32
+    // denormals, microcode assists on Intel: the backward took 380 ms at
+    // `[4096, 32000]` (bf16: 60).
+    let wide_p = widen::to_f32(p, wide);
+    let total = match wide_p {
+        Some(w) => f64::from(target_sum(w)),
+        None => target_sum(p).to_f64(),
+    };
+    let total = (1.0 - eps) * total + eps;
     let gp = T::Acc::from_f64(g * (1.0 - eps));
     let off = T::Acc::from_f64(g * eps / x.len() as f64);
     let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
@@ -186,9 +214,23 @@ fn row_grad_into<T: Element>(
     let m = lse.unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
     let ga = T::Acc::from_f64(g * total / s.to_f64());
-    for ((d, &e), &p) in dx.iter_mut().zip(scratch.iter()).zip(p) {
-        *d = T::from_acc(e * ga - (p.to_acc() * gp + off));
+    // In `T::Acc` in place, then narrowed by the CPU's conversion
+    // instruction where it has one (not rounded value by value).
+    let affine = |e: &mut T::Acc, p: T::Acc| *e = *e * ga - (p * gp + off);
+    match wide_p {
+        // `T::Acc` is f32 where the target was widened.
+        Some(p) => scratch.iter_mut().zip(cast::<f32, T::Acc>(p)).for_each(|(e, &p)| affine(e, p)),
+        None => scratch.iter_mut().zip(p).for_each(|(e, p)| affine(e, p.to_acc())),
     }
+    T::from_acc_slice(scratch, dx);
+}
+
+/// `sum(p)`, by `sums3`'s loop: `sum_map`'s compiled to two lanes here for
+/// bf16, the first read of the target row (the backward 60 -> 47 ms at
+/// `[4096, 32000]`; prefetching the next row's target changed nothing).
+#[inline(always)]
+fn target_sum<T: Element>(p: &[T]) -> T::Acc {
+    sums3(p, p, p, |p, _, _| (p, T::Acc::ZERO)).0
 }
 
 /// `dx_i = f(x_i, p_i)` in parts of 32, prefetching the next row's input
