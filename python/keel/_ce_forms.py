@@ -2,10 +2,12 @@
 :func:`keel.cross_entropy`: class weights (``weight=``) and probability targets
 (a float target shaped like the logits).
 
-The op takes probabilities itself where there are no weights and the target
-has the logits' dtype and needs no gradient (:func:`fused`): its kernels (CPU
-and CUDA) read each row of logits and of targets once in the forward and once
-in the backward.
+The op takes probabilities itself where the target has the logits' dtype and
+neither it nor the weights need a gradient (:func:`fused`; class weights and
+label smoothing are then folded into the target, :func:`folded`, except for
+16-bit targets under autocast): its kernels
+(CPU and CUDA) read each row of logits and of targets once in the forward and
+once in the backward.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
 and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
@@ -34,11 +36,12 @@ against ``F.cross_entropy`` with the same arguments in the same process:
 - weights and label smoothing: the op twice and a matrix-vector product, two
   more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
   targets are checked (a synchronisation) by each of the two calls;
-- probabilities built here (weights; a target needing a gradient or of
-  another dtype): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
+- probabilities built here (a target or weights needing a gradient; a target
+  of another dtype): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
   elementwise ops (float32 at torch's speed; bfloat16 0.4x, the float32 copies
   of targets and products). The fused kernel's figures: ``docs/BENCHMARKS.md``,
-  session 76.
+  session 76; with weights folded into the target (session 77, a 2-core Xeon,
+  ``[4096, 32000]``): 2.6-3.3x torch's speed, 2.3-5.2x the composite's.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -172,7 +175,10 @@ def probabilities(
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     if fused(rows, p, weight):
-        # The op itself takes the target's rows (one read of each).
+        # The op itself takes the target's rows (one read of each), the weights
+        # and the label smoothing folded into them where there are weights.
+        if weight is not None:
+            p, label_smoothing = folded(p, weight, label_smoothing), 0.0
         loss = with_lse(rows, p, -100, label_smoothing, reduction)[0]
         return loss.reshape(shape) if reduction == "none" else loss
     c = rows.shape[1]
@@ -197,10 +203,35 @@ def probabilities(
 
 
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
-    """Whether the op takes the probabilities `p` itself (its fused kernel): with
-    no class weights, `p` of the logits' dtype and needing no gradient. Elsewhere
-    :func:`probabilities` builds the loss from the op's log-sum-exp with torch's ops."""
-    return weight is None and p.dtype == rows.dtype and not p.requires_grad
+    """Whether the op takes the probabilities `p` itself (its fused kernel): `p`
+    of the logits' dtype, and neither `p` nor the class weights (if any) needing
+    a gradient; with weights, not for 16-bit targets under autocast. Elsewhere :func:`probabilities` builds the loss from the op's
+    log-sum-exp with torch's ops."""
+    if p.dtype != rows.dtype or p.requires_grad:
+        return False
+    if weight is None:
+        return True
+    # Weights are folded into the target, rounded to its dtype: as torch's own
+    # float16 and bfloat16 losses round it, but not under autocast, where torch's
+    # loss is float32 from a float32 target (a bfloat16 fold moved a loss by 3e-4).
+    narrow = p.dtype in (torch.float16, torch.bfloat16)
+    return not weight.requires_grad and not (narrow and torch._C._is_any_autocast_enabled())
+
+
+def folded(p: Tensor, weight: Tensor, label_smoothing: float) -> Tensor:
+    """The target ``a = w q`` with ``q = (1 - s) p + s / C``, in `p`'s dtype, for
+    the op with no label smoothing: its row loss ``sum_c a_c (lse - x_c)`` and
+    gradient ``A softmax(x) - a`` (``A = sum_c a_c``), and ``"mean"`` over the
+    rows, are then torch's with ``weight`` and ``label_smoothing``. One
+    elementwise pass over `p` (``p * w'``, or ``addcmul``); ``w (1 - s)`` and ``w s
+    / C`` are rounded to `p`'s dtype first, as torch's own ``target * weight`` is
+    in that dtype."""
+    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+    w = weight.to(acc)
+    scale = (w * (1.0 - label_smoothing)).to(p.dtype)
+    if label_smoothing == 0:
+        return p * scale
+    return torch.addcmul((w * (label_smoothing / p.shape[1])).to(p.dtype), p, scale)
 
 
 def _reduce(loss: Tensor, reduction: str, mean_over: Callable[[], object], dtype: torch.dtype) -> Tensor:

@@ -257,10 +257,12 @@ def cross_entropy(
             CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
             instead). Or, as torch, probabilities: a float tensor shaped like
             ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
-            with no ``weight``, a target of the logits' dtype that needs no
-            gradient goes to the op's fused kernel (one read of each row of logits and
-            targets a pass); other cases are built on the op with torch's elementwise
-            ops (``keel._ce_forms``, which gives the costs: not faster than torch's).
+            a target of the logits' dtype that needs no gradient (nor does ``weight``)
+            goes to the op's fused kernel (one read of each row of logits and
+            targets a pass; class weights are folded into the target first, one
+            more pass over it); other cases are built on the op with torch's
+            elementwise ops (``keel._ce_forms``, which gives the costs: not faster
+            than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
             indices only: with probabilities, one other than the default raises, as in torch).
         label_smoothing: in ``[0, 1]``, as in torch.
@@ -270,9 +272,10 @@ def cross_entropy(
             (keyword only), as torch's ``weight``: a row's loss is scaled by its
             target's weight, label smoothing weights each class's term, and
             ``"mean"`` divides by the sum of the weights of the rows not ignored.
-            Applied in float32 (float64 for float64 logits) to the fused op's
-            per-row results (``keel._ce_forms``), at the op's speed; with label
-            smoothing, the op runs twice, with a matrix-vector product.
+            With class indices, applied in float32 (float64 for float64 logits) to
+            the fused op's per-row results (``keel._ce_forms``), at the op's speed;
+            with label smoothing, the op runs twice, with a matrix-vector product.
+            With probabilities, folded into the target (see ``target``).
 
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16

@@ -132,15 +132,24 @@ def test_autocast_loss_is_float32_as_torch():
         p = torch.softmax(x.flip(0), -1)
         got_p, want_p = keel.cross_entropy(h, p, weight=w), F.cross_entropy(h, p, weight=w)
         # bfloat16 probabilities and no weight: the op's fused kernel, through the typed
-        # API and through torch.ops (whose autocast kernel gives the float32 loss).
+        # API and through torch.ops (whose autocast kernel gives the float32 loss); with
+        # weights, the composite, in float32 as torch (not folded into a bfloat16 target).
         pb = p.bfloat16()
-        fused = [keel.cross_entropy(h, pb, label_smoothing=0.1), torch.ops.keel.cross_entropy(h, pb, -100, 0.1, "sum")]
-        want_fused = [F.cross_entropy(h, pb, label_smoothing=0.1), F.cross_entropy(h, pb, label_smoothing=0.1, reduction="sum")]
+        bf16_targets = [
+            keel.cross_entropy(h, pb, label_smoothing=0.1),
+            torch.ops.keel.cross_entropy(h, pb, -100, 0.1, "sum"),
+            keel.cross_entropy(h, pb, label_smoothing=0.1, weight=w),
+        ]
+        want_bf16 = [
+            F.cross_entropy(h, pb, label_smoothing=0.1),
+            F.cross_entropy(h, pb, label_smoothing=0.1, reduction="sum"),
+            F.cross_entropy(h, pb, label_smoothing=0.1, weight=w),
+        ]
     assert h.dtype == torch.bfloat16 and got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert got_p.dtype == want_p.dtype == torch.float32
     torch.testing.assert_close(got_p, want_p, atol=1e-4, rtol=1e-4)
-    for got_f, want_f in zip(fused, want_fused):
+    for got_f, want_f in zip(bf16_targets, want_bf16):
         assert got_f.dtype == want_f.dtype == torch.float32
         torch.testing.assert_close(got_f, want_f, atol=1e-4, rtol=1e-4)
 
@@ -215,8 +224,8 @@ def probabilities(shape, device, dtype=torch.float32, seed=5):
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("target_grad", [True, False])
 def test_probability_targets_match_torch(device, n, v, reduction, label_smoothing, weighted, target_grad):
-    """Against torch in float64; on CPU with no weights and a target that needs no
-    gradient, the op's fused kernel takes the target (``_ce_forms.fused``)."""
+    """Against torch in float64; where the target needs no gradient, the op's fused
+    kernel takes it (``_ce_forms.fused``), with the weights folded in where given."""
     for dtype in dtypes_for(device):
         x = make((n, v), dtype, device, 0, 4.0)
         p = probabilities((n, v), device, dtype)
@@ -282,9 +291,30 @@ def test_probability_targets_gradcheck():
         assert torch.autograd.gradcheck(
             lambda x, p: keel.cross_entropy(x, p, label_smoothing=0.2, reduction=reduction, weight=w), (x, p)
         )
-        # The fused kernel (no weight, a target with no gradient), and its second derivative.
-        fused = lambda x: keel.cross_entropy(x, p.detach(), label_smoothing=0.2, reduction=reduction)  # noqa: E731
-        assert torch.autograd.gradcheck(fused, (x,)) and torch.autograd.gradgradcheck(fused, (x,))
+        # The fused kernel (a target with no gradient, with and without weights folded
+        # into it), and its second derivative.
+        for weight in (None, w):
+            fused = lambda x: keel.cross_entropy(x, p.detach(), label_smoothing=0.2, reduction=reduction, weight=weight)  # noqa: E731
+            assert torch.autograd.gradcheck(fused, (x,)) and torch.autograd.gradgradcheck(fused, (x,))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_probability_targets_weight_gradient(device):
+    """Weights that need a gradient take the composite (the fused kernel folds them
+    into the target, which has none): the weights' gradient is torch's."""
+    for dtype in dtypes_for(device):
+        x = make((6, 40), dtype, device, 0, 3.0)
+        p = probabilities((6, 40), device, dtype)
+        for label_smoothing in (0.0, 0.1):
+            wk = class_weights(40, device, dtype).requires_grad_()
+            wr = wk.detach().double().requires_grad_()
+            got = keel.cross_entropy(x, p, weight=wk, label_smoothing=label_smoothing, reduction="sum")
+            want = F.cross_entropy(x.double(), p.double(), weight=wr, label_smoothing=label_smoothing, reduction="sum")
+            atol, rtol = TOL[dtype]
+            torch.testing.assert_close(got.double(), want, atol=atol * 10, rtol=rtol * 2)
+            got.backward()
+            want.backward()
+            torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10, rtol=rtol * 2)
 
 
 def test_probability_targets_compile():
@@ -323,7 +353,7 @@ def test_torch_func_grad_and_vmap_match_torch():
     x = make((4, 6), torch.float64, "cpu", 0)
     w = class_weights(6, "cpu", torch.float64)
     p = probabilities((4, 6), "cpu", torch.float64)
-    for target, w in ((torch.tensor([0, 5, -100, 2]), w), (p, w), (p, None)):  # (p, None): the fused kernel
+    for target, w in ((torch.tensor([0, 5, -100, 2]), w), (p, w), (p, None)):  # (p, ...): the fused kernel
         got = torch.func.grad(lambda x: keel.cross_entropy(x, target, label_smoothing=0.1, weight=w))(x)
         want = torch.func.grad(lambda x: F.cross_entropy(x, target, label_smoothing=0.1, weight=w))(x)
         torch.testing.assert_close(got, want)
