@@ -174,12 +174,13 @@ def probabilities(
     in both; arguments checked already (:func:`check`, :func:`check_probabilities`)."""
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
+    out = result_dtype(logits, target, weight)
     if fused(rows, p, weight):
         # The op itself takes the target's rows (one read of each), the weights
         # and the label smoothing folded into them where there are weights.
         if weight is not None:
             p, label_smoothing = folded(p, weight, label_smoothing), 0.0
-        loss = with_lse(rows, p, -100, label_smoothing, reduction)[0]
+        loss = with_lse(rows, p, -100, label_smoothing, reduction)[0].to(out)
         return loss.reshape(shape) if reduction == "none" else loss
     c = rows.shape[1]
     # sum_c a_c (lse - x_c) with a = w q, A = sum(a): A (lse - mean(x)) + sum_c (A / C - a_c) x_c.
@@ -188,7 +189,7 @@ def probabilities(
     # its own, as a gradient through the lse would.
     zeros = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
     losses = with_lse(rows, zeros, -1, 1.0, "none")[0]
-    acc = torch.float64 if rows.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if torch.float64 in (rows.dtype, out) else torch.float32
     # In float32: the target's gradient, w (lse - x_c), is then summed from its terms unrounded.
     a = p.to(acc)
     if label_smoothing != 0:
@@ -198,8 +199,31 @@ def probabilities(
     total = a.sum(-1)
     loss = total * losses.to(acc) + (rows * (total[:, None] / c - a)).sum(-1, dtype=acc)
     if reduction == "none":
-        return loss.reshape(shape).to(losses.dtype)
-    return _reduce(loss, reduction, lambda: loss.shape[0], losses.dtype)
+        return loss.reshape(shape).to(out)
+    return _reduce(loss, reduction, lambda: loss.shape[0], out)
+
+
+def result_dtype(logits: Tensor, target: Tensor, weight: Optional[Tensor]) -> torch.dtype:
+    """The dtype of torch's loss against probabilities: the promotion of the
+    logits', the target's and the weights' dtypes (``-(log_softmax(x) * q * w)``
+    in torch's elementwise ops: bfloat16 logits and a float32 target give a
+    float32 loss), with float16 and bfloat16 counted as float32 under autocast
+    on the logits' device, which casts them."""
+    dtypes = [logits.dtype, target.dtype] + ([] if weight is None else [weight.dtype])
+    if _autocast(logits.device):
+        dtypes = [torch.float32 if d in (torch.float16, torch.bfloat16) else d for d in dtypes]
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
+
+
+def _autocast(device: torch.device) -> bool:
+    """Whether autocast is on for `device`'s type (off for types it does not know)."""
+    try:
+        return torch.is_autocast_enabled(device.type)
+    except RuntimeError:
+        return False
 
 
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
@@ -215,7 +239,7 @@ def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     # float16 and bfloat16 losses round it, but not under autocast, where torch's
     # loss is float32 from a float32 target (a bfloat16 fold moved a loss by 3e-4).
     narrow = p.dtype in (torch.float16, torch.bfloat16)
-    return not weight.requires_grad and not (narrow and torch._C._is_any_autocast_enabled())
+    return not weight.requires_grad and not (narrow and _autocast(p.device))
 
 
 def folded(p: Tensor, weight: Tensor, label_smoothing: float) -> Tensor:

@@ -280,7 +280,9 @@ def cross_entropy(
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16
         and bfloat16 logits, as torch's (computed in float32 from the logits as they
-        are: no float32 copy). Differentiable in ``logits``.
+        are: no float32 copy). With probabilities, torch's dtype: the promotion of
+        the logits', the target's and the weights' (bfloat16 logits and a float32
+        target give a float32 loss). Differentiable in ``logits``.
     """
     if _has_torch_function(logits, target, weight) and _overridden(logits, target, weight):
         kw = {} if weight is None else {"weight": weight}
