@@ -1,0 +1,235 @@
+//! Fused cross-entropy against probability targets ("soft labels": a float
+//! target `[rows, cols]` shaped like the logits, of their dtype), as
+//! `torch.nn.functional.cross_entropy(logits, p)` computes it; see
+//! [`keel_cpu::cross_entropy_probs`] for the formulas. Re-exported by
+//! [`crate::ops::cross_entropy`], whose class-index entry points these mirror.
+//!
+//! CUDA: one block per row, as for class indices, but no synchronisation: no
+//! target can be out of range.
+#[cfg(doc)]
+use super::{backward_cpu, backward_cuda_raw, scratch_len};
+use super::{reduction_code, scratch, single_block, Reduction, MODULE};
+use crate::cpu::{Element, Par};
+use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
+use crate::error::Result;
+use crate::ops::{check_cols, check_len};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use std::sync::Arc;
+
+/// CPU forward against probability targets `target` (`[rows, cols]`, as the
+/// logits; see [`keel_cpu::cross_entropy_probs`]): the loss (`rows` values for
+/// [`Reduction::None`], else one; `"mean"` over all rows), and each row's
+/// log-sum-exp into `lse` when given.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_probs_cpu<T: Element>(
+    logits: &[T],
+    target: &[T],
+    out: &mut [T],
+    lse: Option<&mut [T::Acc]>,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+    par: Par<'_>,
+) -> Result<()> {
+    use keel_cpu::cross_entropy_probs::forward;
+    Ok(forward(logits, target, out, lse, cols, label_smoothing, reduction, par)?)
+}
+
+/// CPU backward of [`forward_probs_cpu`]: `grad_logits`, given the forward's
+/// `lse` (trusted, as [`backward_cpu`] trusts it) or recomputing it.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_probs_cpu<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[T],
+    lse: Option<&[T::Acc]>,
+    grad_logits: &mut [T],
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+    par: Par<'_>,
+) -> Result<()> {
+    use keel_cpu::cross_entropy_probs::backward;
+    Ok(backward(grad, logits, target, lse, grad_logits, cols, label_smoothing, reduction, par)?)
+}
+
+fn check_probs_dims(op: &'static str, rows: usize, cols: usize, label_smoothing: f64) -> Result<()> {
+    check_cols(op, rows, cols)?;
+    keel_cpu::cross_entropy_probs::check(op, rows * cols, rows * cols, cols, label_smoothing)?;
+    Ok(())
+}
+
+/// CUDA forward against probability targets (see [`forward_probs_cpu`]) on
+/// raw device pointers. No synchronisation: no target is out of range. `lse`
+/// is 0, or where each row's log-sum-exp is written (`rows` f32s).
+///
+/// # Safety
+/// `logits` and `target` (`rows * cols` of `dtype` each), `out`
+/// (`reduction.out_len(rows)` of `dtype`), `scratch` ([`scratch_len`] f32s)
+/// and a non-zero `lse` must be device addresses on `stream`'s device; `out`,
+/// `lse` and `scratch` must not overlap anything else.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn forward_probs_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    (logits, target, out, lse, scratch): (u64, u64, u64, u64, u64),
+    rows: usize,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+) -> Result<()> {
+    let t = Stream { gpu, stream };
+    // SAFETY: forwarded from this function's contract.
+    unsafe { forward_probs_on(&t, dtype, (logits, target, out, lse, scratch), rows, cols, label_smoothing, reduction) }
+}
+
+/// [`forward_probs_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`forward_probs_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn forward_probs_on(
+    t: &dyn Target,
+    dtype: DType,
+    (logits, target, out, lse, scratch): (u64, u64, u64, u64, u64),
+    rows: usize,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+) -> Result<()> {
+    check_probs_dims("cross_entropy", rows, cols, label_smoothing)?;
+    let (r, c) = (Arg::I64(rows as i64), Arg::I32(cols as i32));
+    if rows > 0 {
+        let ls = Arg::F32(label_smoothing as f32);
+        let args = [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ls];
+        // SAFETY: matches cross_entropy_probs_rows_*; pointers per our contract.
+        unsafe { launch_rows(t, MODULE, "cross_entropy_probs_rows", dtype, rows, cols, &args)? };
+    }
+    let args = [Arg::Ptr(scratch), Arg::Ptr(out), r, Arg::I32(reduction_code(reduction))];
+    let name = format!("cross_entropy_probs_reduce_{}", dtype.suffix());
+    // SAFETY: matches cross_entropy_probs_reduce_*; pointers per our contract.
+    unsafe { t.launch(MODULE, &name, single_block(), &args) }
+}
+
+/// CUDA backward of [`forward_probs_cuda_raw`]: `grad_logits` given the
+/// forward's `lse` (`rows` f32s, trusted as [`backward_cuda_raw`] trusts it)
+/// or, where `lse` is 0, recomputing it. No synchronisation.
+///
+/// # Safety
+/// As [`forward_probs_cuda_raw`], with `grad` (`reduction.out_len(rows)` of
+/// `dtype`) in place of `out`, `lse` an input, and `grad_logits` (`rows *
+/// cols`) not overlapping the inputs.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn backward_probs_cuda_raw(
+    gpu: &Gpu,
+    stream: &CudaStream,
+    dtype: DType,
+    (grad, logits, target, lse, grad_logits): (u64, u64, u64, u64, u64),
+    rows: usize,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+) -> Result<()> {
+    let t = Stream { gpu, stream };
+    let ptrs = (grad, logits, target, lse, grad_logits);
+    // SAFETY: forwarded from this function's contract.
+    unsafe { backward_probs_on(&t, dtype, ptrs, rows, cols, label_smoothing, reduction) }
+}
+
+/// [`backward_probs_cuda_raw`] on any [`Target`].
+///
+/// # Safety
+/// As [`backward_probs_cuda_raw`], on `t`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn backward_probs_on(
+    t: &dyn Target,
+    dtype: DType,
+    (grad, logits, target, lse, grad_logits): (u64, u64, u64, u64, u64),
+    rows: usize,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+) -> Result<()> {
+    check_probs_dims("cross_entropy_backward", rows, cols, label_smoothing)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(grad),
+        Arg::Ptr(logits),
+        Arg::Ptr(target),
+        Arg::Ptr(lse),
+        Arg::Ptr(grad_logits),
+        Arg::I64(rows as i64),
+        Arg::I32(cols as i32),
+        Arg::F32(label_smoothing as f32),
+        Arg::I32(reduction_code(reduction)),
+    ];
+    // SAFETY: matches cross_entropy_probs_bwd_*; pointers per our contract.
+    unsafe { launch_rows(t, MODULE, "cross_entropy_probs_bwd", dtype, rows, cols, &args) }
+}
+
+/// CUDA forward against probability targets on `cudarc` buffers, launched on
+/// `stream` (no synchronisation); each row's log-sum-exp into `lse` when
+/// given.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_probs_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    logits: &CudaSlice<T>,
+    target: &CudaSlice<T>,
+    out: &mut CudaSlice<T>,
+    lse: Option<&mut CudaSlice<f32>>,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), cols, label_smoothing)?;
+    check_len(OP, "out", out.len(), reduction.out_len(rows))?;
+    if let Some(l) = &lse {
+        check_len(OP, "lse", l.len(), rows)?;
+    }
+    let gpu = gpu(stream.context().ordinal())?;
+    let sc = scratch(stream, rows)?;
+    let (pl, _g1) = logits.device_ptr(stream);
+    let (pt, _g2) = target.device_ptr(stream);
+    let (po, _g3) = out.device_ptr_mut(stream);
+    let (ps, _g4) = sc.device_ptr(stream);
+    let (pe, _g5) = lse.map(|l| l.device_ptr_mut(stream)).unzip();
+    let ptrs = (pl, pt, po, pe.unwrap_or(0), ps);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { forward_probs_cuda_raw(&gpu, stream, T::DTYPE, ptrs, rows, cols, label_smoothing, reduction) }
+}
+
+/// CUDA backward of [`forward_probs_cuda`] on `cudarc` buffers, launched on
+/// `stream`, given the forward's `lse` or recomputing it.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_probs_cuda<T: CudaElement>(
+    stream: &Arc<CudaStream>,
+    grad: &CudaSlice<T>,
+    logits: &CudaSlice<T>,
+    target: &CudaSlice<T>,
+    lse: Option<&CudaSlice<f32>>,
+    grad_logits: &mut CudaSlice<T>,
+    cols: usize,
+    label_smoothing: f64,
+    reduction: Reduction,
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), cols, label_smoothing)?;
+    check_len(OP, "grad", grad.len(), reduction.out_len(rows))?;
+    check_len(OP, "grad_logits", grad_logits.len(), logits.len())?;
+    if let Some(l) = lse {
+        check_len(OP, "lse", l.len(), rows)?;
+    }
+    let gpu = gpu(stream.context().ordinal())?;
+    let (pg, _g1) = grad.device_ptr(stream);
+    let (pl, _g2) = logits.device_ptr(stream);
+    let (pt, _g3) = target.device_ptr(stream);
+    let (pd, _g4) = grad_logits.device_ptr_mut(stream);
+    let (pe, _g5) = lse.map(|l| l.device_ptr(stream)).unzip();
+    let ptrs = (pg, pl, pt, pe.unwrap_or(0), pd);
+    // SAFETY: lengths checked above; the buffers live on this stream's device.
+    unsafe { backward_probs_cuda_raw(&gpu, stream, T::DTYPE, ptrs, rows, cols, label_smoothing, reduction) }
+}
