@@ -264,6 +264,16 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
 
     mk["cross_entropy probs fwd+bwd"] = ce_probs
 
+    def ce_probs_weight():
+        # Weights folded into the target (keel._ce_forms.folded), then the fused kernel.
+        c = ce_probs()
+        wcls = (torch.rand(v, generator=g) + 0.5).to(dtype).to(device)
+        c.name, c.args = "cross_entropy probs weight fwd+bwd", c.args + (wcls,)
+        c.keel, c.torch = _keel_cross_entropy_weight, _cross_entropy_weight
+        return c
+
+    mk["cross_entropy probs weight fwd+bwd"] = ce_probs_weight
+
     def rope():
         bq, s, heads, d = sh["rope"]
         q = rnd(bq, s, heads, d)
