@@ -168,10 +168,11 @@ def probabilities(
     weight: Optional[Tensor],
     label_smoothing: float,
     reduction: str,
-) -> Tensor:
+) -> Tuple[Tensor, Tensor]:
     """The loss of `logits` against the probabilities `target` (same shape: ``[C]``,
     ``[N, C]`` or ``[N, C, d1, ...]``, classes in dim 1, as torch), differentiable
-    in both; arguments checked already (:func:`check`, :func:`check_probabilities`)."""
+    in both, and each row's log-sum-exp (float32, or float64 for float64 logits);
+    arguments checked already (:func:`check`, :func:`check_probabilities`)."""
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
@@ -180,15 +181,16 @@ def probabilities(
         # and the label smoothing folded into them where there are weights.
         if weight is not None:
             p, label_smoothing = folded(p, weight, label_smoothing), 0.0
-        loss = with_lse(rows, p, -100, label_smoothing, reduction)[0].to(out)
-        return loss.reshape(shape) if reduction == "none" else loss
+        loss, lse = with_lse(rows, p, -100, label_smoothing, reduction)
+        loss = loss.to(out)
+        return (loss.reshape(shape) if reduction == "none" else loss), lse
     c = rows.shape[1]
     # sum_c a_c (lse - x_c) with a = w q, A = sum(a): A (lse - mean(x)) + sum_c (A / C - a_c) x_c.
     # lse - mean(x) is the op's loss with label smoothing 1, for any target (class 0,
     # which no row ignores); its gradient, softmax(x) - 1 / C, needs no softmax of
     # its own, as a gradient through the lse would.
     zeros = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
-    losses = with_lse(rows, zeros, -1, 1.0, "none")[0]
+    losses, lse = with_lse(rows, zeros, -1, 1.0, "none")
     acc = torch.float64 if torch.float64 in (rows.dtype, out) else torch.float32
     # In float32: the target's gradient, w (lse - x_c), is then summed from its terms unrounded.
     a = p.to(acc)
@@ -199,8 +201,8 @@ def probabilities(
     total = a.sum(-1)
     loss = total * losses.to(acc) + (rows * (total[:, None] / c - a)).sum(-1, dtype=acc)
     if reduction == "none":
-        return loss.reshape(shape).to(out)
-    return _reduce(loss, reduction, lambda: loss.shape[0], out)
+        return loss.reshape(shape).to(out), lse
+    return _reduce(loss, reduction, lambda: loss.shape[0], out), lse
 
 
 def result_dtype(logits: Tensor, target: Tensor, weight: Optional[Tensor]) -> torch.dtype:

@@ -290,7 +290,7 @@ def cross_entropy(
     if _probabilities(logits, target):
         _ce_forms.check_probabilities(_CE, logits, target, ignore_index, _IGNORE_INDEX)
         _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
-        return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)
+        return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)[0]
     if _other_layout(logits, target):
         return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
@@ -385,8 +385,8 @@ def cross_entropy_with_lse(
 ) -> Tuple[Tensor, Tensor]:
     """:func:`cross_entropy`, and each row's log-sum-exp of ``logits``.
 
-    The same arguments (``[N, V]`` logits, ``[N]`` target) and loss as
-    :func:`cross_entropy`. The second result is
+    The same arguments (``[N, V]`` logits; ``[N]`` class indices or ``[N, V]``
+    probabilities, with or without ``weight``) and loss as :func:`cross_entropy`. The second result is
     ``torch.logsumexp(logits, -1)`` (``[N]``, float32, or float64 for float64 logits),
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
@@ -395,6 +395,13 @@ def cross_entropy_with_lse(
         kw = {} if weight is None else {"weight": weight}
         args = (logits, target, ignore_index, label_smoothing, reduction)
         return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
+    if weight is not None and _probabilities(logits, target) and logits.dim() == 2:
+        # Probabilities with class weights: as in cross_entropy (folded into the
+        # target for the op where that is exact, else built on it).
+        op = "keel::cross_entropy_with_lse"
+        _ce_forms.check_probabilities(op, logits, target, ignore_index, _IGNORE_INDEX)
+        _ce_forms.check(op, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
+        return _ce_forms.probabilities(cross_entropy_with_lse, logits, target, weight, label_smoothing, reduction)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
         _ce_forms.check(
             "keel::cross_entropy_with_lse", logits, weight, label_smoothing, reduction, _ce_forms.classes(logits)

@@ -89,6 +89,27 @@ def test_with_lse_takes_the_weight(device):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("weight_grad", [False, True])  # folded into the target; the composite
+def test_with_lse_takes_probabilities_and_the_weight(device, weight_grad):
+    x = make((9, 40), torch.float32, device, 0, 3.0)
+    p = probabilities((9, 40), device)
+    wk = class_weights(40, device).requires_grad_(weight_grad)
+    wr = wk.detach().clone().requires_grad_(weight_grad)
+    xk, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for reduction in REDUCTIONS:
+        loss, lse = keel.cross_entropy_with_lse(xk, p, label_smoothing=0.1, reduction=reduction, weight=wk)
+        want = F.cross_entropy(xr, p, weight=wr, label_smoothing=0.1, reduction=reduction)
+        want_lse = torch.logsumexp(xr, -1)
+        torch.testing.assert_close(loss, want)
+        torch.testing.assert_close(lse, want_lse)
+        (loss.sum() + 0.3 * lse.square().sum()).backward()
+        (want.sum() + 0.3 * want_lse.square().sum()).backward()
+        torch.testing.assert_close(xk.grad, xr.grad)
+        if weight_grad:
+            torch.testing.assert_close(wk.grad, wr.grad)
+
+
+@pytest.mark.parametrize("device", devices())
 def test_gradcheck(device):
     x = make((4, 6), torch.float64, device, 0).requires_grad_()
     t = torch.tensor([0, 5, -100, 2], device=device)
