@@ -5,7 +5,8 @@
 The op takes probabilities itself where the target has the logits' dtype and
 neither it nor the weights need a gradient (:func:`fused`; class weights and
 label smoothing are then folded into the target, :func:`folded`, except for
-16-bit targets under autocast): its kernels
+16-bit targets under autocast), and float32 targets of 16-bit logits rounded to
+their dtype (:func:`widened`, outside autocast): its kernels
 (CPU and CUDA) read each row of logits and of targets once in the forward and
 once in the backward.
 Every other case is built here on the op's per-row results
@@ -37,7 +38,7 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
   targets are checked (a synchronisation) by each of the two calls;
 - probabilities built here (a target or weights needing a gradient; a target
-  of another dtype): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
+  of another dtype, but for float32 targets of 16-bit logits): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
   elementwise ops (float32 at torch's speed; bfloat16 0.4x, the float32 copies
   of targets and products). The fused kernel's figures: ``docs/BENCHMARKS.md``,
   session 76; with weights folded into the target (session 77, a 2-core Xeon,
@@ -176,14 +177,21 @@ def probabilities(
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
-    if fused(rows, p, weight):
+    if fused(rows, p, weight) or widened(rows, p, weight):
         # The op itself takes the target's rows (one read of each), the weights
         # and the label smoothing folded into them where there are weights.
+        p = p.to(rows.dtype)
         if weight is not None:
             p, label_smoothing = folded(p, weight, label_smoothing), 0.0
-        loss, lse = with_lse(rows, p, -100, label_smoothing, reduction)
-        loss = loss.to(out)
-        return (loss.reshape(shape) if reduction == "none" else loss), lse
+        if out == rows.dtype or reduction == "none":
+            loss, lse = with_lse(rows, p, -100, label_smoothing, reduction)
+            loss = loss.to(out)
+            return (loss.reshape(shape) if reduction == "none" else loss), lse
+        # A wider loss than the logits (float32 weights or target): the rows'
+        # losses summed in it, as torch sums its float32 terms, not the op's sum
+        # rounded to the logits' dtype (a bfloat16 mean is 2^-9 off).
+        losses, lse = with_lse(rows, p, -100, label_smoothing, "none")
+        return (torch.sum if reduction == "sum" else torch.mean)(losses, dtype=out), lse
     c = rows.shape[1]
     # sum_c a_c (lse - x_c) with a = w q, A = sum(a): A (lse - mean(x)) + sum_c (A / C - a_c) x_c.
     # lse - mean(x) is the op's loss with label smoothing 1, for any target (class 0,
@@ -192,6 +200,14 @@ def probabilities(
     zeros = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
     losses, lse = with_lse(rows, zeros, -1, 1.0, "none")
     acc = torch.float64 if torch.float64 in (rows.dtype, out) else torch.float32
+    if losses.dtype != acc:
+        # 16-bit logits: the op's loss rounded to their dtype carries the gradient;
+        # its value is taken from the float32 lse and a float32 sum of the row (one
+        # read, no copy), or that rounding would be most of the loss's error (a
+        # float32 loss from bfloat16 logits and a float32 target was 4x torch's).
+        exact = lse.detach().to(acc) - rows.detach().sum(-1, dtype=acc) / c
+        wide = losses.to(acc)
+        losses = wide + (exact - wide.detach())
     # In float32: the target's gradient, w (lse - x_c), is then summed from its terms unrounded.
     a = p.to(acc)
     if label_smoothing != 0:
@@ -242,6 +258,23 @@ def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     # loss is float32 from a float32 target (a bfloat16 fold moved a loss by 3e-4).
     narrow = p.dtype in (torch.float16, torch.bfloat16)
     return not weight.requires_grad and not (narrow and _autocast(p.device))
+
+
+def widened(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
+    """Whether the fused op takes float32 probabilities `p` rounded to the dtype
+    of float16 or bfloat16 logits `rows` (a student's logits against a teacher's
+    float32 probabilities): neither `p` nor the weights need a gradient, and
+    autocast is off (under it, the composite's float32 loss is torch's). torch's
+    own gradient rounds ``g p`` to the logits' dtype (its log_softmax's input):
+    an error of the same size. The loss stays float32, as torch's (see
+    :func:`probabilities`)."""
+    return (
+        rows.dtype in (torch.float16, torch.bfloat16)
+        and p.dtype == torch.float32
+        and not p.requires_grad
+        and (weight is None or not weight.requires_grad)
+        and not _autocast(p.device)
+    )
 
 
 def folded(p: Tensor, weight: Tensor, label_smoothing: float) -> Tensor:

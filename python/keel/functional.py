@@ -260,7 +260,8 @@ def cross_entropy(
             a target of the logits' dtype that needs no gradient (nor does ``weight``)
             goes to the op's fused kernel (one read of each row of logits and
             targets a pass; class weights are folded into the target first, one
-            more pass over it); other cases are built on the op with torch's
+            more pass over it), and so does a float32 one for float16 or bfloat16
+            logits, rounded to their dtype first (outside autocast); other cases are built on the op with torch's
             elementwise ops (``keel._ce_forms``, which gives the costs: not faster
             than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class

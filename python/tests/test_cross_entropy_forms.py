@@ -276,6 +276,8 @@ def test_probability_targets_match_torch(device, n, v, reduction, label_smoothin
 
 MIXED = [  # logits, target, weight (None: no weight)
     (torch.bfloat16, torch.float32, None),
+    (torch.bfloat16, torch.float32, torch.float32),
+    (torch.float16, torch.float32, None),
     (torch.bfloat16, torch.bfloat16, torch.float32),
     (torch.bfloat16, torch.bfloat16, torch.float64),
     (torch.float16, torch.bfloat16, None),
@@ -287,25 +289,32 @@ MIXED = [  # logits, target, weight (None: no weight)
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("xd,pd,wd", MIXED, ids=[" ".join(str(d)[6:] for d in m if d) for m in MIXED])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_probability_targets_of_other_dtypes_promote_as_torch(device, xd, pd, wd, reduction):
+@pytest.mark.parametrize("target_grad", [True, False])
+def test_probability_targets_of_other_dtypes_promote_as_torch(device, xd, pd, wd, reduction, target_grad):
     """The loss has torch's dtype, the promotion of the logits', the target's and
     the weights' (bfloat16 logits and a float32 target: a float32 loss), and its
     value is torch's in float64 within the tolerance of the narrowest dtype; each
-    gradient has its input's dtype."""
+    gradient has its input's dtype. A float32 target for 16-bit logits with no
+    gradient goes to the fused kernel rounded to their dtype (``_ce_forms.widened``)."""
     x = make((5, 300), xd, device, 0, 3.0)
     p = probabilities((5, 300), device, pd)
     w = None if wd is None else class_weights(300, device, wd)
     want_dtype = F.cross_entropy(x, p, weight=w, reduction=reduction).dtype
-    xk, pk = x.clone().requires_grad_(), p.clone().requires_grad_()
+    xk, pk = x.clone().requires_grad_(), p.clone().requires_grad_(target_grad)
     got = keel.cross_entropy(xk, pk, weight=w, label_smoothing=0.1, reduction=reduction)
     assert got.dtype == want_dtype
     xr, pr = x.double().requires_grad_(), p.double().requires_grad_()
     want = F.cross_entropy(xr, pr, weight=None if w is None else w.double(), label_smoothing=0.1, reduction=reduction)
     atol, rtol = max(TOL[xd], TOL[pd])
     torch.testing.assert_close(got.double(), want, atol=atol * 10, rtol=rtol * 2)
+    if pd != xd and target_grad:
+        # Built on the op (the target's dtype is not the logits' and it needs a
+        # gradient): the loss's value in the wider dtype from the op's float32 lse,
+        # not from its loss rounded to the logits' dtype.
+        torch.testing.assert_close(got.double(), want.detach(), atol=1e-6, rtol=2e-6)
     got.sum().backward()
     want.sum().backward()
-    assert xk.grad.dtype == xd and pk.grad.dtype == pd
+    assert xk.grad.dtype == xd and (not target_grad or pk.grad.dtype == pd)
     torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
 
 
