@@ -38,11 +38,13 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
   targets are checked (a synchronisation) by each of the two calls;
 - probabilities built here (a target or weights needing a gradient; a target
-  of another dtype, but for float32 targets of 16-bit logits): the op, and ``sum_c (A / C - a_c) x_c`` in float32 by torch's
-  elementwise ops (float32 at torch's speed; bfloat16 0.4x, the float32 copies
-  of targets and products). The fused kernel's figures: ``docs/BENCHMARKS.md``,
-  session 76; with weights folded into the target (session 77, a 2-core Xeon,
-  ``[4096, 32000]``): 2.6-3.3x torch's speed, 2.3-5.2x the composite's.
+  of another dtype, but for float32 targets of 16-bit logits): the op, and
+  ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
+  at torch's speed; bfloat16 0.4x, the float32 copies of targets and
+  products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
+  with weights folded into the target, and float32 targets of 16-bit logits
+  (session 77, a 2-core Xeon, ``[4096, 32000]``): 2.6-4.4x torch's speed,
+  2.3-5.2x the composite's.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -180,9 +182,9 @@ def probabilities(
     if fused(rows, p, weight) or widened(rows, p, weight):
         # The op itself takes the target's rows (one read of each), the weights
         # and the label smoothing folded into them where there are weights.
-        p = p.to(rows.dtype)
         if weight is not None:
             p, label_smoothing = folded(p, weight, label_smoothing), 0.0
+        p = p.to(rows.dtype)  # a float32 target of 16-bit logits (folded first: one rounding)
         if out == rows.dtype or reduction == "none":
             loss, lse = with_lse(rows, p, -100, label_smoothing, reduction)
             loss = loss.to(out)
@@ -247,8 +249,9 @@ def _autocast(device: torch.device) -> bool:
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     """Whether the op takes the probabilities `p` itself (its fused kernel): `p`
     of the logits' dtype, and neither `p` nor the class weights (if any) needing
-    a gradient; with weights, not for 16-bit targets under autocast. Elsewhere :func:`probabilities` builds the loss from the op's
-    log-sum-exp with torch's ops."""
+    a gradient; with weights, not for 16-bit targets under autocast. Elsewhere
+    :func:`probabilities` builds the loss from the op's log-sum-exp with torch's
+    ops (but see :func:`widened`)."""
     if p.dtype != rows.dtype or p.requires_grad:
         return False
     if weight is None:
@@ -278,7 +281,8 @@ def widened(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
 
 
 def folded(p: Tensor, weight: Tensor, label_smoothing: float) -> Tensor:
-    """The target ``a = w q`` with ``q = (1 - s) p + s / C``, in `p`'s dtype, for
+    """The target ``a = w q`` with ``q = (1 - s) p + s / C``, in `p`'s dtype (the
+    caller rounds a float32 one for 16-bit logits after), for
     the op with no label smoothing: its row loss ``sum_c a_c (lse - x_c)`` and
     gradient ``A softmax(x) - a`` (``A = sum_c a_c``), and ``"mean"`` over the
     rows, are then torch's with ``weight`` and ``label_smoothing``. One
