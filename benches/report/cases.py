@@ -246,14 +246,14 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
     # torch's other forms through the typed API: class weights (built on the
     # op by keel._ce_forms), and probability targets (the op's fused kernel
     # for these, which reads the target rows too).
-    def ce_weight():
-        c = ce()
+    def weighted(c, name):
+        # The same case with a class weight vector passed as weight=.
         wcls = (torch.rand(v, generator=g) + 0.5).to(dtype).to(device)
-        c.name, c.args = "cross_entropy weight fwd+bwd", c.args + (wcls,)
+        c.name, c.args = name, c.args + (wcls,)
         c.keel, c.torch = _keel_cross_entropy_weight, _cross_entropy_weight
         return c
 
-    mk["cross_entropy weight fwd+bwd"] = ce_weight
+    mk["cross_entropy weight fwd+bwd"] = lambda: weighted(ce(), "cross_entropy weight fwd+bwd")
 
     def ce_probs():
         c = ce()
@@ -264,15 +264,8 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
 
     mk["cross_entropy probs fwd+bwd"] = ce_probs
 
-    def ce_probs_weight():
-        # Weights folded into the target (keel._ce_forms.folded), then the fused kernel.
-        c = ce_probs()
-        wcls = (torch.rand(v, generator=g) + 0.5).to(dtype).to(device)
-        c.name, c.args = "cross_entropy probs weight fwd+bwd", c.args + (wcls,)
-        c.keel, c.torch = _keel_cross_entropy_weight, _cross_entropy_weight
-        return c
-
-    mk["cross_entropy probs weight fwd+bwd"] = ce_probs_weight
+    # Weights folded into the target (keel._ce_forms.folded), then the fused kernel.
+    mk["cross_entropy probs weight fwd+bwd"] = lambda: weighted(ce_probs(), "cross_entropy probs weight fwd+bwd")
 
     def rope():
         bq, s, heads, d = sh["rope"]

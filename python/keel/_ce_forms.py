@@ -6,7 +6,7 @@ The op takes probabilities itself where the target has the logits' dtype and
 neither it nor the weights need a gradient (:func:`fused`; class weights and
 label smoothing are then folded into the target, :func:`folded`, except for
 16-bit targets under autocast), and float32 targets of 16-bit logits rounded to
-their dtype (:func:`widened`, outside autocast): its kernels
+their dtype (outside autocast): its kernels
 (CPU and CUDA) read each row of logits and of targets once in the forward and
 once in the backward.
 Every other case is built here on the op's per-row results
@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 REDUCTIONS = ("mean", "sum", "none")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def classes(logits: Tensor) -> int:
@@ -142,11 +143,20 @@ def weighted(
     return _reduce(loss, reduction, w_t.sum, losses.dtype), lse
 
 
-def check_probabilities(op: str, logits: Tensor, target: Tensor, ignore_index, default_ignore_index: int) -> None:
+def check_probabilities(
+    op: str,
+    logits: Tensor,
+    target: Tensor,
+    ignore_index,
+    default_ignore_index: int,
+    weight: Optional[Tensor],
+    label_smoothing,
+    reduction,
+) -> None:
     """Raises a RuntimeError naming `op` and the argument where a float `target`
     (probabilities) is not shaped like `logits` on its device, the logits have
     no classes to take them, or `ignore_index` is not the default (torch refuses
-    it for probabilities)."""
+    it for probabilities); then :func:`check` of the other arguments."""
     if ignore_index != default_ignore_index:
         _refuse(op, "ignore_index", f"applies to class indices only, not to probabilities (a float target), got {ignore_index}")
     if target.layout != torch.strided or target.is_nested:
@@ -162,6 +172,7 @@ def check_probabilities(op: str, logits: Tensor, target: Tensor, ignore_index, d
         )
     if classes(logits) == 0:
         _refuse(op, "logits", f"must have at least one class for probability targets, got shape {list(logits.shape)}")
+    check(op, logits, weight, label_smoothing, reduction, classes(logits))
 
 
 def probabilities(
@@ -175,11 +186,11 @@ def probabilities(
     """The loss of `logits` against the probabilities `target` (same shape: ``[C]``,
     ``[N, C]`` or ``[N, C, d1, ...]``, classes in dim 1, as torch), differentiable
     in both, and each row's log-sum-exp (float32, or float64 for float64 logits);
-    arguments checked already (:func:`check`, :func:`check_probabilities`)."""
+    arguments checked already (:func:`check_probabilities`)."""
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
-    if fused(rows, p, weight) or widened(rows, p, weight):
+    if fused(rows, p, weight):
         # The op itself takes the target's rows (one read of each), the weights
         # and the label smoothing folded into them where there are weights.
         if weight is not None:
@@ -247,37 +258,25 @@ def _autocast(device: torch.device) -> bool:
 
 
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
-    """Whether the op takes the probabilities `p` itself (its fused kernel): `p`
-    of the logits' dtype, and neither `p` nor the class weights (if any) needing
-    a gradient; with weights, not for 16-bit targets under autocast. Elsewhere
-    :func:`probabilities` builds the loss from the op's log-sum-exp with torch's
-    ops (but see :func:`widened`)."""
-    if p.dtype != rows.dtype or p.requires_grad:
+    """Whether the op takes the probabilities `p` itself (its fused kernel): with
+    neither `p` nor the class weights (if any) needing a gradient, `p` of the
+    logits' dtype (with weights, not 16-bit under autocast), or float32 `p` for
+    float16 or bfloat16 logits outside autocast, rounded to their dtype.
+    Elsewhere :func:`probabilities` builds the loss from the op's log-sum-exp
+    with torch's ops.
+
+    Weights are folded into the target (:func:`folded`), rounded to its dtype as
+    torch's own float16 and bfloat16 losses round it; under autocast torch's loss
+    is float32 from a float32 target (a bfloat16 fold moved a loss by 3e-4). A
+    float32 target of 16-bit logits (a student's logits against a teacher's
+    probabilities) rounded to their dtype: torch's own gradient rounds ``g p`` to
+    that dtype (its log_softmax's input), an error of the same size; the loss
+    stays float32, as torch's (see :func:`probabilities`)."""
+    if p.requires_grad or (weight is not None and weight.requires_grad):
         return False
-    if weight is None:
-        return True
-    # Weights are folded into the target, rounded to its dtype: as torch's own
-    # float16 and bfloat16 losses round it, but not under autocast, where torch's
-    # loss is float32 from a float32 target (a bfloat16 fold moved a loss by 3e-4).
-    narrow = p.dtype in (torch.float16, torch.bfloat16)
-    return not weight.requires_grad and not (narrow and _autocast(p.device))
-
-
-def widened(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
-    """Whether the fused op takes float32 probabilities `p` rounded to the dtype
-    of float16 or bfloat16 logits `rows` (a student's logits against a teacher's
-    float32 probabilities): neither `p` nor the weights need a gradient, and
-    autocast is off (under it, the composite's float32 loss is torch's). torch's
-    own gradient rounds ``g p`` to the logits' dtype (its log_softmax's input):
-    an error of the same size. The loss stays float32, as torch's (see
-    :func:`probabilities`)."""
-    return (
-        rows.dtype in (torch.float16, torch.bfloat16)
-        and p.dtype == torch.float32
-        and not p.requires_grad
-        and (weight is None or not weight.requires_grad)
-        and not _autocast(p.device)
-    )
+    if p.dtype == rows.dtype:
+        return weight is None or not (p.dtype in _HALF and _autocast(p.device))
+    return rows.dtype in _HALF and p.dtype == torch.float32 and not _autocast(p.device)
 
 
 def folded(p: Tensor, weight: Tensor, label_smoothing: float) -> Tensor:

@@ -261,9 +261,9 @@ def cross_entropy(
             goes to the op's fused kernel (one read of each row of logits and
             targets a pass; class weights are folded into the target first, one
             more pass over it), and so does a float32 one for float16 or bfloat16
-            logits, rounded to their dtype first (outside autocast); other cases are built on the op with torch's
-            elementwise ops (``keel._ce_forms``, which gives the costs: not faster
-            than torch's).
+            logits, rounded to their dtype first (outside autocast); other cases
+            are built on the op with torch's elementwise ops (``keel._ce_forms``,
+            which gives the costs: not faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
             indices only: with probabilities, one other than the default raises, as in torch).
         label_smoothing: in ``[0, 1]``, as in torch.
@@ -289,8 +289,7 @@ def cross_entropy(
         kw = {} if weight is None else {"weight": weight}
         return _handle(cross_entropy, (logits, target, weight), logits, target, ignore_index, label_smoothing, reduction, **kw)
     if _probabilities(logits, target):
-        _ce_forms.check_probabilities(_CE, logits, target, ignore_index, _IGNORE_INDEX)
-        _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
+        _ce_forms.check_probabilities(_CE, logits, target, ignore_index, _IGNORE_INDEX, weight, label_smoothing, reduction)
         return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)[0]
     if _other_layout(logits, target):
         return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight)
@@ -387,7 +386,8 @@ def cross_entropy_with_lse(
     """:func:`cross_entropy`, and each row's log-sum-exp of ``logits``.
 
     The same arguments (``[N, V]`` logits; ``[N]`` class indices or ``[N, V]``
-    probabilities, with or without ``weight``) and loss as :func:`cross_entropy`. The second result is
+    probabilities, with or without ``weight``) and loss as
+    :func:`cross_entropy`. The second result is
     ``torch.logsumexp(logits, -1)`` (``[N]``, float32, or float64 for float64 logits),
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
     (``loss + z * lse.square().mean()``). Both results are differentiable in ``logits``.
@@ -400,8 +400,7 @@ def cross_entropy_with_lse(
         # Probabilities with class weights: as in cross_entropy (folded into the
         # target for the op where that is exact, else built on it).
         op = "keel::cross_entropy_with_lse"
-        _ce_forms.check_probabilities(op, logits, target, ignore_index, _IGNORE_INDEX)
-        _ce_forms.check(op, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
+        _ce_forms.check_probabilities(op, logits, target, ignore_index, _IGNORE_INDEX, weight, label_smoothing, reduction)
         return _ce_forms.probabilities(cross_entropy_with_lse, logits, target, weight, label_smoothing, reduction)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
         _ce_forms.check(

@@ -295,7 +295,7 @@ def test_probability_targets_of_other_dtypes_promote_as_torch(device, xd, pd, wd
     the weights' (bfloat16 logits and a float32 target: a float32 loss), and its
     value is torch's in float64 within the tolerance of the narrowest dtype; each
     gradient has its input's dtype. A float32 target for 16-bit logits with no
-    gradient goes to the fused kernel rounded to their dtype (``_ce_forms.widened``)."""
+    gradient goes to the fused kernel rounded to their dtype (``_ce_forms.fused``)."""
     x = make((5, 300), xd, device, 0, 3.0)
     p = probabilities((5, 300), device, pd)
     w = None if wd is None else class_weights(300, device, wd)
