@@ -2,7 +2,8 @@
 //! row's log-sum-exp) and backward (recomputing the lse, and given it), every
 //! dtype, on rayon's pool; every 8th row ignored. Then the same against
 //! probability targets (`probs/...`: a target row as long as each logits row,
-//! read by the forward and the backward). Throughput counts the logits (and
+//! read by the forward and the backward), and with class weights and label
+//! smoothing 0.1 (`probs_weight/...`). Throughput counts the logits (and
 //! targets) read and, backward, the gradient written.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{Acc, Element, Par};
@@ -39,12 +40,29 @@ fn bench<T: Element>(c: &mut Criterion) {
         let mean = Reduction::Mean;
         g.throughput(bytes::<T>(2 * n));
         g.bench_function(BenchmarkId::new("probs/fwd", &id), |bn| {
-            bn.iter(|| forward_probs_cpu(black_box(&x), &p, &mut loss, Some(&mut lse), vocab, 0.0, mean, par).unwrap())
+            bn.iter(|| {
+                forward_probs_cpu(black_box(&x), &p, None, &mut loss, Some(&mut lse), vocab, 0.0, mean, par).unwrap()
+            })
         });
         g.throughput(bytes::<T>(3 * n));
         g.bench_function(BenchmarkId::new("probs/bwd_lse", &id), |bn| {
             bn.iter(|| {
-                backward_probs_cpu(&grad, black_box(&x), &p, Some(&lse), &mut dx, vocab, 0.0, mean, par).unwrap()
+                backward_probs_cpu(&grad, black_box(&x), &p, None, Some(&lse), &mut dx, vocab, 0.0, mean, par).unwrap()
+            })
+        });
+        // With class weights (read beside each row, from cache) and label smoothing.
+        let w: Vec<T> = data::<T>(vocab, 2).iter().map(|v| T::from_f64(v.to_f64().abs() + 0.5)).collect();
+        let w = Some(&w[..]);
+        g.throughput(bytes::<T>(2 * n));
+        g.bench_function(BenchmarkId::new("probs_weight/fwd", &id), |bn| {
+            bn.iter(|| {
+                forward_probs_cpu(black_box(&x), &p, w, &mut loss, Some(&mut lse), vocab, 0.1, mean, par).unwrap()
+            })
+        });
+        g.throughput(bytes::<T>(3 * n));
+        g.bench_function(BenchmarkId::new("probs_weight/bwd_lse", &id), |bn| {
+            bn.iter(|| {
+                backward_probs_cpu(&grad, black_box(&x), &p, w, Some(&lse), &mut dx, vocab, 0.1, mean, par).unwrap()
             })
         });
     }

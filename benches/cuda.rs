@@ -101,22 +101,29 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
         // Probability targets (no synchronisation): the target rows are read too.
         let p: Vec<T> = data::<T>(n, 1).iter().map(|v| T::from_f64(v.to_f64().abs() * 2.0 / vocab as f64)).collect();
         let (p, mean) = (up(&p), cross_entropy::Reduction::Mean);
-        g.throughput(bytes::<T>(2 * n));
-        g.bench_function(BenchmarkId::new("cross_entropy/probs/fwd", &id), |bn| {
-            bn.iter_custom(|it| {
-                timed(s, it, || {
-                    cross_entropy::forward_probs_cuda(s, &x, &p, &mut loss, Some(&mut lse), vocab, 0.0, mean).unwrap()
+        // Without and with class weights (and label smoothing 0.1).
+        let w: Vec<T> = data::<T>(vocab, 2).iter().map(|v| T::from_f64(v.to_f64().abs() + 0.5)).collect();
+        let w = up(&w);
+        for (name, w, ls) in [("cross_entropy/probs", None, 0.0), ("cross_entropy/probs_weight", Some(&w), 0.1)] {
+            g.throughput(bytes::<T>(2 * n));
+            g.bench_function(BenchmarkId::new(format!("{name}/fwd"), &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        let lse = Some(&mut lse);
+                        cross_entropy::forward_probs_cuda(s, &x, &p, w, &mut loss, lse, vocab, ls, mean).unwrap()
+                    })
                 })
-            })
-        });
-        g.throughput(bytes::<T>(3 * n));
-        g.bench_function(BenchmarkId::new("cross_entropy/probs/bwd_lse", &id), |bn| {
-            bn.iter_custom(|it| {
-                timed(s, it, || {
-                    cross_entropy::backward_probs_cuda(s, &grad, &x, &p, Some(&lse), &mut dx, vocab, 0.0, mean).unwrap()
+            });
+            g.throughput(bytes::<T>(3 * n));
+            g.bench_function(BenchmarkId::new(format!("{name}/bwd_lse"), &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        let lse = Some(&lse);
+                        cross_entropy::backward_probs_cuda(s, &grad, &x, &p, w, lse, &mut dx, vocab, ls, mean).unwrap()
+                    })
                 })
-            })
-        });
+            });
+        }
     }
     for (batch, seq) in BATCH_SEQ {
         let shape = rotary::Shape { batch, seq, heads: 32, head_dim: 128, rotary_dim: 128 };

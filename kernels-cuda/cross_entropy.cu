@@ -165,27 +165,40 @@ KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
 //     of exp where the forward's lse is not given or not trusted, as
 //     cross_entropy_bwd_*), then dx = g (A exp(x - m) / s - (1 - ls) p - ls /
 //     cols), A = (1 - ls) sum(p) + ls, in one more read of x and p.
+// Class weights w [cols] (of T; null for none) make the target a = w q: the
+// sums take a for q (loss = sum(a) lse - sum(a x)), A = sum(a), and dx = g (A
+// exp(x - m) / s - a), w read beside each element (a row's worth, from cache).
 template <typename T>
 __device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const T* __restrict__ p,
-                                              float* __restrict__ loss, float* __restrict__ lse, int64_t rows,
-                                              int cols, float ls) {
+                                              const T* __restrict__ w, float* __restrict__ loss,
+                                              float* __restrict__ lse, int64_t rows, int cols, float ls) {
   __shared__ float scratch[128];
   constexpr bool Fast = FastMath<T>::value;
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(p);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     float m = -INFINITY, s = 0.f, dot = 0.f, ps = 0.f, sx = 0.f;
-    row_each2(x + row * cols, p + row * cols, cols, vec, [&](int, float v, float q) {
-      online_add<Fast>(v, m, s);
-      dot += q * v;
-      ps += q;
-      sx += v;
-    });
+    if (w) {
+      const float c1 = 1.f - ls, c0 = ls / cols;
+      row_each2(x + row * cols, p + row * cols, cols, vec, [&](int j, float v, float q) {
+        online_add<Fast>(v, m, s);
+        const float a = to_f32(w[j]) * (q * c1 + c0);
+        dot += a * v;
+        ps += a;
+      });
+    } else {
+      row_each2(x + row * cols, p + row * cols, cols, vec, [&](int, float v, float q) {
+        online_add<Fast>(v, m, s);
+        dot += q * v;
+        ps += q;
+        sx += v;
+      });
+    }
     const float bm = block_max(m, scratch);
     // As row_max_sumexp: each thread's sum moved to the block's maximum.
     const float4 sums = block_sum4(make_float4(s * exp_<Fast>(m - bm), dot, ps, sx), scratch);
     if (threadIdx.x == 0) {
       const float l = bm + logf(sums.x);
-      loss[row] = (1.f - ls) * (sums.z * l - sums.y) + ls * (l - sums.w / cols);
+      loss[row] = w ? sums.z * l - sums.y : (1.f - ls) * (sums.z * l - sums.y) + ls * (l - sums.w / cols);
       if (lse) lse[row] = l;
     }
   }
@@ -207,8 +220,9 @@ __device__ __forceinline__ void ce_probs_reduce(const float* __restrict__ loss, 
 
 template <typename T>
 __device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T* __restrict__ x,
-                                             const T* __restrict__ p, const float* __restrict__ lse,
-                                             T* __restrict__ dx, int64_t rows, int cols, float ls, int reduction) {
+                                             const T* __restrict__ p, const T* __restrict__ w,
+                                             const float* __restrict__ lse, T* __restrict__ dx, int64_t rows,
+                                             int cols, float ls, int reduction) {
   __shared__ float scratch[64];
   constexpr bool Fast = FastMath<T>::value;
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(p) && aligned16(dx);
@@ -219,42 +233,54 @@ __device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T
     if (reduction == 1) g /= (float)rows;
     // The same for every thread of the block: all take one branch.
     const bool trusted = lse && fabsf(lse[row]) < 64.f;
+    const float c1 = 1.f - ls, c0 = ls / cols;
+    // The target's sum: sum(p), or sum(a) with weights.
+    const auto term = [&](int j, float q) { return w ? to_f32(w[j]) * (q * c1 + c0) : q; };
     float m, s, ps = 0.f;
     if (trusted) {
-      row_each(pr, cols, vec, [&](int, float q) { ps += q; });
+      row_each(pr, cols, vec, [&](int j, float q) { ps += term(j, q); });
       ps = block_sum(ps, scratch);
       m = lse[row];
       s = 1.f;
     } else {
       float mt = -INFINITY, st = 0.f;
-      row_each2(xr, pr, cols, vec, [&](int, float v, float q) {
+      row_each2(xr, pr, cols, vec, [&](int j, float v, float q) {
         online_add<Fast>(v, mt, st);
-        ps += q;
+        ps += term(j, q);
       });
       m = block_max(mt, scratch);
       const float2 sums = block_sum2(make_float2(st * exp_<Fast>(mt - m), ps), scratch);
       s = sums.x;
       ps = sums.y;
     }
-    const float ga = g * ((1.f - ls) * ps + ls) / s, gp = g * (1.f - ls), off = g * ls / cols;
-    row_map2(xr, pr, dx + row * cols, cols, vec,
-             [&](int, float v, float q) { return exp_<Fast>(v - m) * ga - (q * gp + off); });
+    const float gp = g * c1, off = g * c0;
+    if (w) {
+      const float ga = g * ps / s;
+      row_map2(xr, pr, dx + row * cols, cols, vec,
+               [&](int j, float v, float q) { return exp_<Fast>(v - m) * ga - to_f32(w[j]) * (q * gp + off); });
+    } else {
+      const float ga = g * (c1 * ps + ls) / s;
+      row_map2(xr, pr, dx + row * cols, cols, vec,
+               [&](int, float v, float q) { return exp_<Fast>(v - m) * ga - (q * gp + off); });
+    }
   }
 }
 
 #define KEEL_CROSS_ENTROPY_PROBS(SUFFIX, T)                                                                    \
-  extern "C" __global__ void cross_entropy_probs_rows_##SUFFIX(const T* x, const T* p, float* loss,           \
-                                                               float* lse, int64_t rows, int cols, float ls) { \
-    ce_probs_rows<T>(x, p, loss, lse, rows, cols, ls);                                                         \
+  extern "C" __global__ void cross_entropy_probs_rows_##SUFFIX(const T* x, const T* p, const T* w,           \
+                                                               float* loss, float* lse, int64_t rows,         \
+                                                               int cols, float ls) {                          \
+    ce_probs_rows<T>(x, p, w, loss, lse, rows, cols, ls);                                                      \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_probs_reduce_##SUFFIX(const float* loss, T* out, int64_t rows,     \
                                                                  int reduction) {                             \
     ce_probs_reduce<T>(loss, out, rows, reduction);                                                            \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_probs_bwd_##SUFFIX(const T* grad, const T* x, const T* p,          \
-                                                              const float* lse, T* dx, int64_t rows, int cols, \
-                                                              float ls, int reduction) {                      \
-    ce_probs_bwd<T>(grad, x, p, lse, dx, rows, cols, ls, reduction);                                           \
+                                                              const T* w, const float* lse, T* dx,            \
+                                                              int64_t rows, int cols, float ls,               \
+                                                              int reduction) {                                \
+    ce_probs_bwd<T>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                        \
   }
 
 KEEL_CROSS_ENTROPY_PROBS(f32, float)

@@ -1,8 +1,9 @@
 //! Property tests: the CPU fused cross-entropy against probability targets
 //! (loss, each row's log-sum-exp, and the gradient, recomputing the lse and
 //! given it) against the f64 reference for every reduction, with and without
-//! label smoothing, targets that sum to 1 and ones that do not, every dtype,
-//! sequential and on rayon; plus a known value and bad arguments.
+//! label smoothing, with and without class weights, targets that sum to 1
+//! and ones that do not, every dtype, sequential and on rayon; plus known
+//! values and bad arguments.
 mod common;
 
 use common::{assert_close_floor, sum_scale, to_elems, Tol};
@@ -11,12 +12,15 @@ use keel::ops::cross_entropy::{backward_probs_cpu, forward_probs_cpu, Reduction}
 use keel_cpu::cross_entropy_probs::{backward_ref, forward_ref};
 use proptest::prelude::*;
 
+/// Rows, columns, logits, targets, whether to normalise them, label
+/// smoothing, the loss gradient, and class weights (none, or in [0, 4)).
 #[allow(clippy::type_complexity)]
-fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<f64>, bool, f64, f64)> {
+fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<f64>, bool, f64, f64, Option<Vec<f64>>)> {
     (0usize..=7, 1usize..=300, prop_oneof![Just(0.0), 0.0f64..=1.0]).prop_flat_map(|(rows, cols, ls)| {
         let x = prop::collection::vec(prop_oneof![-5.0f64..5.0, -40.0f64..40.0], rows * cols);
         let p = prop::collection::vec(prop_oneof![Just(0.0), 0.0f64..1.0], rows * cols);
-        (Just(rows), Just(cols), x, p, any::<bool>(), Just(ls), -2.0f64..2.0)
+        let w = prop::option::of(prop::collection::vec(prop_oneof![Just(0.0), 0.0f64..4.0], cols));
+        (Just(rows), Just(cols), x, p, any::<bool>(), Just(ls), -2.0f64..2.0, w)
     })
 }
 
@@ -35,20 +39,32 @@ fn targets<T: Element>(p: &[f64], cols: usize, normalise: bool) -> Vec<T> {
 }
 
 #[allow(clippy::too_many_arguments)]
-fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], p: &[f64], normalise: bool, ls: f64, g: f64) {
+fn check<T: Tol>(
+    rows: usize,
+    cols: usize,
+    x: &[f64],
+    p: &[f64],
+    normalise: bool,
+    ls: f64,
+    g: f64,
+    w: Option<Vec<f64>>,
+) {
     let (x, p) = (to_elems::<T>(x), targets::<T>(p, cols, normalise));
-    // Terms of size |x| (times the row's target sum, at most `cols`) enter
-    // each loss: compare relative to that scale.
-    let psum = p.chunks(cols.max(1)).map(|r| r.iter().map(|v| v.to_f64()).sum::<f64>()).fold(1.0f64, f64::max);
+    let w = w.map(|w| to_elems::<T>(&w));
+    let w = w.as_deref();
+    // Terms of size |x| (times the row's target sum, at most `cols`, times
+    // the largest weight) enter each loss: compare relative to that scale.
+    let wmax = w.map_or(1.0, |w| w.iter().fold(1.0f64, |m, v| m.max(v.to_f64())));
+    let psum = wmax * p.chunks(cols.max(1)).map(|r| r.iter().map(|v| v.to_f64()).sum::<f64>()).fold(1.0f64, f64::max);
     let floor = x.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs())) * psum;
     for reduction in [Reduction::None, Reduction::Mean, Reduction::Sum] {
         let n = reduction.out_len(rows);
         let grad = to_elems::<T>(&(0..n).map(|i| g + i as f64 * 0.25).collect::<Vec<_>>());
-        let want = forward_ref(&x, &p, cols, ls, reduction);
-        let want_dx = backward_ref(&grad, &x, &p, cols, ls, reduction);
+        let want = forward_ref(&x, &p, w, cols, ls, reduction);
+        let want_dx = backward_ref(&grad, &x, &p, w, cols, ls, reduction);
         for par in [Par::Seq, Par::Rayon] {
             let (mut out, mut lse) = (vec![T::default(); n], vec![T::Acc::ONE; rows]);
-            forward_probs_cpu(&x, &p, &mut out, Some(&mut lse), cols, ls, reduction, par).unwrap();
+            forward_probs_cpu(&x, &p, w, &mut out, Some(&mut lse), cols, ls, reduction, par).unwrap();
             for (i, (l, xr)) in lse.iter().zip(x.chunks(cols)).enumerate() {
                 let want = lse_ref(xr);
                 let bound = if T::NAME == "f64" { 1e-12 } else { 1e-6 } * (1.0 + want.abs());
@@ -67,7 +83,7 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], p: &[f64], normalise: bool
             );
             for (how, lse) in [("", None), (" given the lse", Some(lse.as_slice()))] {
                 let mut dx = vec![T::default(); rows * cols];
-                backward_probs_cpu(&grad, &x, &p, lse, &mut dx, cols, ls, reduction, par).unwrap();
+                backward_probs_cpu(&grad, &x, &p, w, lse, &mut dx, cols, ls, reduction, par).unwrap();
                 assert_close_floor(
                     &dx,
                     &want_dx,
@@ -90,16 +106,16 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
-    fn f32_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<f32>(rows, cols, &x, &p, norm, ls, g); }
+    fn f32_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f32>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
-    fn f64_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<f64>(rows, cols, &x, &p, norm, ls, g); }
+    fn f64_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f64>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
-    fn f16_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<f16>(rows, cols, &x, &p, norm, ls, g); }
+    fn f16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f16>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
-    fn bf16_matches_reference((rows, cols, x, p, norm, ls, g) in case()) { check::<bf16>(rows, cols, &x, &p, norm, ls, g); }
+    fn bf16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<bf16>(rows, cols, &x, &p, norm, ls, g, w); }
 }
 
 #[test]
@@ -110,19 +126,31 @@ fn known_values() {
     let p = [0.0, 1.0, 0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0];
     let mut out = [0f32; 3];
     let mut lse = [f32::NAN; 3];
-    forward_probs_cpu(&x, &p, &mut out, Some(&mut lse), 4, 0.0, Reduction::None, Par::Seq).unwrap();
+    forward_probs_cpu(&x, &p, None, &mut out, Some(&mut lse), 4, 0.0, Reduction::None, Par::Seq).unwrap();
     let l4 = 4f32.ln();
     assert_eq!(lse, [l4; 3]);
     assert!((out[0] - l4).abs() < 1e-6 && (out[1] - l4).abs() < 1e-6 && out[2] == 0.0, "{out:?}");
     // dx = g (A softmax - q): 1/4 - p at sum 1; 0 where the target is all zeros.
     let mut dx = [9f32; 12];
-    backward_probs_cpu(&[1.0f32; 3], &x, &p, Some(&lse), &mut dx, 4, 0.0, Reduction::None, Par::Seq).unwrap();
+    backward_probs_cpu(&[1.0f32; 3], &x, &p, None, Some(&lse), &mut dx, 4, 0.0, Reduction::None, Par::Seq).unwrap();
     let want = [0.25, -0.75, 0.25, 0.25, -0.25, 0.25, -0.25, 0.25, 0.0, 0.0, 0.0, 0.0];
     assert!(dx.iter().zip(want).all(|(d, w)| (d - w).abs() < 1e-6), "{dx:?}");
     // Full label smoothing ignores the target: the loss is lse - mean(x) = ln 4.
     let mut mean = [0f32];
-    forward_probs_cpu(&x, &p, &mut mean, None, 4, 1.0, Reduction::Mean, Par::Seq).unwrap();
+    forward_probs_cpu(&x, &p, None, &mut mean, None, 4, 1.0, Reduction::Mean, Par::Seq).unwrap();
     assert!((mean[0] - l4).abs() < 1e-6, "{mean:?}");
+    // Class weights [1, 3, 1, 1], one-hot on class 1: a = [0, 3, 0, 0], the
+    // loss 3 ln 4, dx = A softmax - a = 0.75 - a; smoothing 1 with them, a =
+    // w / 4: the loss (sum w / 4) ln 4 = 1.5 ln 4.
+    let (w, p1) = ([1.0f32, 3.0, 1.0, 1.0], [0.0f32, 1.0, 0.0, 0.0]);
+    let mut one = [0f32];
+    forward_probs_cpu(&x[..4], &p1, Some(&w), &mut one, None, 4, 0.0, Reduction::Sum, Par::Seq).unwrap();
+    assert!((one[0] - 3.0 * l4).abs() < 1e-5, "{one:?}");
+    forward_probs_cpu(&x[..4], &p1, Some(&w), &mut one, None, 4, 1.0, Reduction::Sum, Par::Seq).unwrap();
+    assert!((one[0] - 1.5 * l4).abs() < 1e-5, "{one:?}");
+    let mut dx = [9f32; 4];
+    backward_probs_cpu(&[1.0f32], &x[..4], &p1, Some(&w), None, &mut dx, 4, 0.0, Reduction::Sum, Par::Seq).unwrap();
+    assert!(dx.iter().zip([0.75, -2.25, 0.75, 0.75]).all(|(d, w)| (d - w).abs() < 1e-6), "{dx:?}");
 }
 
 #[test]
@@ -130,15 +158,20 @@ fn bad_arguments_are_errors() {
     let err = |r: keel::Result<()>| r.unwrap_err().to_string();
     let mut out = [0f32];
     let x = [0f32; 8];
-    assert!(err(forward_probs_cpu(&x, &[0f32; 4], &mut out, None, 4, 0.0, Reduction::Sum, Par::Seq))
+    assert!(err(forward_probs_cpu(&x, &[0f32; 4], None, &mut out, None, 4, 0.0, Reduction::Sum, Par::Seq))
         .contains("cross_entropy: argument 'target' has length 4, expected 8"));
-    assert!(err(forward_probs_cpu(&x, &x, &mut out, None, 4, -0.5, Reduction::Sum, Par::Seq))
+    assert!(err(forward_probs_cpu(&x, &x, None, &mut out, None, 4, -0.5, Reduction::Sum, Par::Seq))
         .contains("'label_smoothing': must be in [0, 1]"));
-    assert!(err(forward_probs_cpu(&x, &x, &mut out, None, 3, 0.0, Reduction::Sum, Par::Seq))
+    assert!(err(forward_probs_cpu(&x, &x, None, &mut out, None, 3, 0.0, Reduction::Sum, Par::Seq))
         .contains("'logits': length 8 is not a multiple of v = 3"));
-    assert!(err(forward_probs_cpu(&x, &x, &mut out, Some(&mut [0f32; 3]), 4, 0.0, Reduction::Sum, Par::Seq))
+    assert!(err(forward_probs_cpu(&x, &x, None, &mut out, Some(&mut [0f32; 3]), 4, 0.0, Reduction::Sum, Par::Seq))
         .contains("'lse' has length 3, expected 2"));
+    assert!(err(forward_probs_cpu(&x, &x, Some(&[1f32; 3]), &mut out, None, 4, 0.0, Reduction::Sum, Par::Seq))
+        .contains("cross_entropy: argument 'weight' has length 3, expected 4"));
     let mut dx = [0f32; 8];
-    assert!(err(backward_probs_cpu(&[1.0f32; 2], &x, &x, None, &mut dx, 4, 0.0, Reduction::Sum, Par::Seq))
+    assert!(err(backward_probs_cpu(&[1.0f32; 2], &x, &x, None, None, &mut dx, 4, 0.0, Reduction::Sum, Par::Seq))
         .contains("cross_entropy_backward: argument 'grad' has length 2, expected 1"));
+    let w = Some(&[1f32; 5][..]);
+    assert!(err(backward_probs_cpu(&[1.0f32], &x, &x, w, None, &mut dx, 4, 0.0, Reduction::Sum, Par::Seq))
+        .contains("cross_entropy_backward: argument 'weight' has length 5, expected 4"));
 }

@@ -136,30 +136,37 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
             close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("cross_entropy {reduction:?} grad{how}"));
         }
     }
-    // cross_entropy against probabilities (about 1 a row, some zeros), label smoothing 0.1
+    // cross_entropy against probabilities (about 1 a row, some zeros), label
+    // smoothing 0.1, with and without class weights (in [0.25, 2))
     let probs: Vec<T> = data::<T>(n, 17)
         .iter()
         .enumerate()
         .map(|(i, v)| T::from_f64(if i % 5 == 2 { 0.0 } else { (v.to_f64().abs() + 0.1) * 1.6 / cols as f64 }))
         .collect();
     let pd = up(&s, &probs);
-    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
-        let what = format!("cross_entropy probs {reduction:?}");
+    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let wd = up(&s, &weights);
+    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
+    for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, false), (r, true)]) {
+        let what = format!("cross_entropy probs {reduction:?} weighted {w}");
+        let (w, wd) = (w.then_some(&weights[..]), w.then_some(&wd));
         let m = reduction.out_len(rows);
         let (mut out, mut lse) = (zeros(m), s.alloc_zeros::<f32>(rows).unwrap());
-        cross_entropy::forward_probs_cuda(&s, &xd, &pd, &mut out, Some(&mut lse), cols, 0.1, reduction).unwrap();
+        cross_entropy::forward_probs_cuda(&s, &xd, &pd, wd, &mut out, Some(&mut lse), cols, 0.1, reduction).unwrap();
         let (mut want, mut wlse) = (cpu(m), vec![T::Acc::ZERO; rows]);
-        cross_entropy::forward_probs_cpu(&x, &probs, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
+        cross_entropy::forward_probs_cpu(&x, &probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
             .unwrap();
         close(&s.clone_dtoh(&out).unwrap(), &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
         let wlse: Vec<f32> = wlse.iter().map(|v| v.to_f64() as f32).collect();
         close(&s.clone_dtoh(&lse).unwrap(), &wlse, 1e-5, &format!("{what} lse"));
         let grad = data::<T>(m, 19);
         let mut wdx = cpu(n);
-        cross_entropy::backward_probs_cpu(&grad, &x, &probs, None, &mut wdx, cols, 0.1, reduction, Par::Seq).unwrap();
+        cross_entropy::backward_probs_cpu(&grad, &x, &probs, w, None, &mut wdx, cols, 0.1, reduction, Par::Seq)
+            .unwrap();
         for (how, l) in [("", None), (" given the lse", Some(&lse))] {
             let mut dx = zeros(n);
-            cross_entropy::backward_probs_cuda(&s, &up(&s, &grad), &xd, &pd, l, &mut dx, cols, 0.1, reduction).unwrap();
+            let g = up(&s, &grad);
+            cross_entropy::backward_probs_cuda(&s, &g, &xd, &pd, wd, l, &mut dx, cols, 0.1, reduction).unwrap();
             close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("{what} grad{how}"));
         }
     }

@@ -9,6 +9,12 @@
 //! rows; no row is ignored (torch refuses `ignore_index` with probabilities).
 //! The gradient is `dx_j = g (A softmax(x)_j - q_j)`.
 //!
+//! Class weights `w` (`[v]`, torch's `weight=`) make the target `a = w q`:
+//! a row's loss `sum_j a_j (lse - x_j) = A lse - sum_j a_j x_j` with `A =
+//! sum_j a_j`, its gradient `g (A softmax(x)_j - a_j)`, and `"mean"` still
+//! over the rows (torch's, for probabilities). `a` is made in the sums, in
+//! `T::Acc`, not stored.
+//!
 //! Fused as [`crate::cross_entropy`] is: the forward reads each row of the
 //! logits and of the target once from memory (the max, the exp-sum, then the
 //! dot products from cache) and can hand back each row's `lse`; the backward
@@ -27,20 +33,54 @@ use crate::widen;
 const OP_FWD: &str = "cross_entropy";
 const OP_BWD: &str = "cross_entropy_backward";
 
-/// Checks the lengths and the label smoothing; returns the number of rows.
-pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, label_smoothing: f64) -> Result<usize> {
+/// Checks the lengths (the target's, and the weights', `cols`, where there
+/// are weights) and the label smoothing; returns the number of rows.
+pub fn check(
+    op: &'static str,
+    logits: usize,
+    target: usize,
+    weight: Option<usize>,
+    cols: usize,
+    label_smoothing: f64,
+) -> Result<usize> {
     let rows = check_rows(op, logits, cols, label_smoothing)?;
     check_len(op, "target", target, logits)?;
+    if let Some(w) = weight {
+        check_len(op, "weight", w, cols)?;
+    }
     Ok(rows)
+}
+
+/// Class weights as the rows' sums read them: as `T`, and as f32 where the
+/// rows are widened to f32 for their sums (f16 on x86, [`widen::to_f32`]).
+#[derive(Clone, Copy)]
+struct Weights<'a, T> {
+    w: &'a [T],
+    wide: Option<&'a [f32]>,
+}
+
+impl<'a, T: 'static> Weights<'a, T> {
+    /// `w`, widened into `buf` where rows are.
+    fn new(w: &'a [T], buf: &'a mut Vec<f32>) -> Self {
+        Weights { w, wide: widen::to_f32(w, buf) }
+    }
+}
+
+/// Whether a row widened to f32 can be read with the weights `w` (none, or
+/// widened too).
+fn widened_with<T>(w: Option<Weights<'_, T>>) -> bool {
+    w.is_none_or(|w| w.wide.is_some())
 }
 
 /// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
 /// and, when `lse` is given (`rows` values), each row's log-sum-exp, which
-/// [`backward`] can take instead of recomputing it.
+/// [`backward`] can take instead of recomputing it; `weight`, the class
+/// weights (`cols` values) where given.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<T: Element>(
     logits: &[T],
     target: &[T],
+    weight: Option<&[T]>,
     out: &mut [T],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
@@ -48,12 +88,14 @@ pub fn forward<T: Element>(
     reduction: Reduction,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check(OP_FWD, logits.len(), target.len(), cols, label_smoothing)?;
+    let rows = check(OP_FWD, logits.len(), target.len(), weight.map(<[T]>::len), cols, label_smoothing)?;
     check_len(OP_FWD, "out", out.len(), reduction.out_len(rows))?;
     if let Some(l) = &lse {
         check_len(OP_FWD, "lse", l.len(), rows)?;
     }
     let mut losses = vec![[0f64; 2]; rows];
+    let mut buf = Vec::new();
+    let w = weight.map(|w| Weights::new(w, &mut buf));
     if rows > 0 {
         let blocks = Blocks::new(&par, rows, cols);
         let ls = Split::new(&mut losses, blocks.per);
@@ -68,7 +110,7 @@ pub fn forward<T: Element>(
                     for (i, l) in l.iter_mut().enumerate() {
                         let (x, ahead) = row_and_next(x, i, cols);
                         let wide = (&mut wp, &mut wx);
-                        *l = row_loss(x, &p[i * cols..][..cols], label_smoothing, ahead, wide);
+                        *l = row_loss(x, &p[i * cols..][..cols], w, label_smoothing, ahead, wide);
                     }
                 },
             );
@@ -79,7 +121,8 @@ pub fn forward<T: Element>(
 }
 
 /// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
-/// [`Reduction::None`], else one) and the forward's inputs; with the
+/// [`Reduction::None`], else one) and the forward's inputs (`weight` as
+/// there); with the
 /// forward's `lse`, the max pass is skipped (f32 and f64 rows whose `|lse|`
 /// is [`LSE_TRUSTED_BELOW`] or more recompute theirs, as
 /// [`crate::cross_entropy::backward`] does).
@@ -88,6 +131,7 @@ pub fn backward<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[T],
+    weight: Option<&[T]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
@@ -95,7 +139,7 @@ pub fn backward<T: Element>(
     reduction: Reduction,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check(OP_BWD, logits.len(), target.len(), cols, label_smoothing)?;
+    let rows = check(OP_BWD, logits.len(), target.len(), weight.map(<[T]>::len), cols, label_smoothing)?;
     check_len(OP_BWD, "grad", grad.len(), reduction.out_len(rows))?;
     check_len(OP_BWD, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
@@ -111,6 +155,8 @@ pub fn backward<T: Element>(
             Reduction::Mean => grad[0].to_f64() / rows as f64,
         }
     };
+    let mut buf = Vec::new();
+    let w = weight.map(|w| Weights::new(w, &mut buf));
     let blocks = Blocks::new(&par, rows, cols);
     let dxs = Split::new(grad_logits, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
@@ -128,7 +174,8 @@ pub fn backward<T: Element>(
                     let ahead = (ahead, next_row(ahead_w, cols));
                     let p = &p[i * cols..][..cols];
                     let lse = lse.map(|l| l[row]);
-                    row_grad_into(x, p, dx, (&mut scratch, &mut wide), row_grad(row), label_smoothing, lse, ahead);
+                    let bufs = (&mut scratch[..], &mut wide);
+                    row_grad_into(x, p, w, dx, bufs, row_grad(row), label_smoothing, lse, ahead);
                 }
             },
         );
@@ -136,10 +183,17 @@ pub fn backward<T: Element>(
     Ok(())
 }
 
-/// One row's loss, `A lse - (1 - eps) sum(p x) - eps mean(x)`, and its `lse`,
-/// in f64 from `Acc` sums.
+/// One row's loss, `A lse - (1 - eps) sum(p x) - eps mean(x)` (with weights,
+/// `A lse - sum(a x)`), and its `lse`, in f64 from `Acc` sums.
 #[inline(always)]
-fn row_loss<T: Element>(x: &[T], p: &[T], eps: f64, ahead: &[T], wide: (&mut Vec<f32>, &mut Vec<f32>)) -> [f64; 2] {
+fn row_loss<T: Element>(
+    x: &[T],
+    p: &[T],
+    w: Option<Weights<'_, T>>,
+    eps: f64,
+    ahead: &[T],
+    wide: (&mut Vec<f32>, &mut Vec<f32>),
+) -> [f64; 2] {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
@@ -148,9 +202,21 @@ fn row_loss<T: Element>(x: &[T], p: &[T], eps: f64, ahead: &[T], wide: (&mut Vec
     // as in the backward (`row_grad_into`): the software widening of
     // subnormal targets took the forward 213 ms at `[4096, 32000]` (bf16: 37).
     let (wp, wx) = wide;
-    let (dot, total, sum_x) = match (widen::to_f32(p, wp), widen::to_f32(x, wx)) {
-        (Some(p), Some(x)) => dots(p, x, eps),
-        _ => dots(p, x, eps),
+    let rows32 = match (widened_with(w), widen::to_f32(p, wp), widen::to_f32(x, wx)) {
+        (true, Some(p), Some(x)) => Some((p, x)),
+        _ => None,
+    };
+    if let Some(w) = w {
+        let c = (1.0 - eps, eps / x.len() as f64);
+        let (dot, total) = match (rows32, w.wide) {
+            (Some((p, x)), Some(w)) => weighted_dots(p, x, w, c),
+            _ => weighted_dots(p, x, w.w, c),
+        };
+        return [total * lse - dot, lse];
+    }
+    let (dot, total, sum_x) = match rows32 {
+        Some((p, x)) => dots(p, x, eps),
+        None => dots(p, x, eps),
     };
     let mut loss = (1.0 - eps) * (total * lse - dot);
     if eps > 0.0 {
@@ -170,7 +236,27 @@ fn dots<T: Element>(p: &[T], x: &[T], eps: f64) -> (f64, f64, f64) {
     (dot.to_f64(), total.to_f64(), sum_x)
 }
 
+/// `sum(a x)` and `sum(a)` in one pass, `a = w (c.0 p + c.1)` (the weighted,
+/// smoothed target: `c = (1 - eps, eps / v)`).
+#[inline(always)]
+fn weighted_dots<T: Element>(p: &[T], x: &[T], w: &[T], (c1, c0): (f64, f64)) -> (f64, f64) {
+    let (c1, c0) = (T::Acc::from_f64(c1), T::Acc::from_f64(c0));
+    let (dot, total) = sums3(p, x, w, |p, x, w| {
+        let a = w * (p * c1 + c0);
+        (a * x, a)
+    });
+    (dot.to_f64(), total.to_f64())
+}
+
+/// `sum(a)` as [`weighted_dots`] makes it, for the backward.
+#[inline(always)]
+fn weighted_sum<T: Element>(p: &[T], w: &[T], (c1, c0): (f64, f64)) -> f64 {
+    let (c1, c0) = (T::Acc::from_f64(c1), T::Acc::from_f64(c0));
+    sums3(p, w, w, |p, w, _| (w * (p * c1 + c0), T::Acc::ZERO)).0.to_f64()
+}
+
 /// One row's gradient, `dx_j = g A e_j / s - g (1 - eps) p_j - g eps / v`,
+/// (with weights, `g A e_j / s - w_j (g (1 - eps) p_j + g eps / v)`),
 /// with `e = exp(x - m)` and `s` its sum: `m` is the given `lse` (then `s =
 /// 1`) for f32 and f64 rows where it can be trusted (see
 /// [`LSE_TRUSTED_BELOW`]), else the row's max or, for bf16 and f16, the given
@@ -181,6 +267,7 @@ fn dots<T: Element>(p: &[T], x: &[T], eps: f64) -> (f64, f64, f64) {
 fn row_grad_into<T: Element>(
     x: &[T],
     p: &[T],
+    w: Option<Weights<'_, T>>,
     dx: &mut [T],
     (scratch, wide): (&mut [T::Acc], &mut Vec<f32>),
     g: f64,
@@ -194,12 +281,14 @@ fn row_grad_into<T: Element>(
     // 6.1e-5, common in a vocabulary's probabilities) with arithmetic on f32
     // denormals, microcode assists on Intel: the backward took 380 ms at
     // `[4096, 32000]` (bf16: 60).
-    let wide_p = widen::to_f32(p, wide);
-    let total = match wide_p {
-        Some(w) => f64::from(target_sum(w)),
-        None => target_sum(p).to_f64(),
+    let wide_p = widen::to_f32(p, wide).filter(|_| widened_with(w));
+    let c = (1.0 - eps, eps / x.len() as f64);
+    let total = match (w, wide_p) {
+        (None, Some(p)) => (1.0 - eps) * f64::from(target_sum(p)) + eps,
+        (None, None) => (1.0 - eps) * target_sum(p).to_f64() + eps,
+        (Some(Weights { wide: Some(w), .. }), Some(p)) => weighted_sum(p, w, c),
+        (Some(w), _) => weighted_sum(p, w.w, c),
     };
-    let total = (1.0 - eps) * total + eps;
     let gp = T::Acc::from_f64(g * (1.0 - eps));
     let off = T::Acc::from_f64(g * eps / x.len() as f64);
     let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
@@ -207,8 +296,14 @@ fn row_grad_into<T: Element>(
     let lse = lse.filter(|&l| narrow || (l < lim && l > T::Acc::ZERO - lim));
     if let (Some(m), false) = (lse, narrow) {
         let ga = T::Acc::from_f64(g * total);
-        let f = |x: T, p: T| T::from_acc((x.to_acc() - m).exp_nonpos() * ga - (p.to_acc() * gp + off));
-        map2_into(x, p, dx, f, ahead, ahead_w);
+        let e = |x: T| (x.to_acc() - m).exp_nonpos() * ga;
+        match w {
+            Some(w) => {
+                let f = |x: T, p: T, w: T| T::from_acc(e(x) - w.to_acc() * (p.to_acc() * gp + off));
+                map3_into(x, p, w.w, dx, f, ahead, ahead_w);
+            }
+            None => map3_into(x, p, p, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w),
+        }
         return;
     }
     let m = lse.unwrap_or_else(|| row_max(x, one));
@@ -217,10 +312,19 @@ fn row_grad_into<T: Element>(
     // In `T::Acc` in place, then narrowed by the CPU's conversion
     // instruction where it has one (not rounded value by value).
     let affine = |e: &mut T::Acc, p: T::Acc| *e = *e * ga - (p * gp + off);
-    match wide_p {
-        // `T::Acc` is f32 where the target was widened.
-        Some(p) => scratch.iter_mut().zip(cast::<f32, T::Acc>(p)).for_each(|(e, &p)| affine(e, p)),
-        None => scratch.iter_mut().zip(p).for_each(|(e, p)| affine(e, p.to_acc())),
+    let weighted = |e: &mut T::Acc, p: T::Acc, w: T::Acc| *e = *e * ga - w * (p * gp + off);
+    // `T::Acc` is f32 where the target was widened.
+    match (w, wide_p) {
+        (None, Some(p)) => scratch.iter_mut().zip(cast::<f32, T::Acc>(p)).for_each(|(e, &p)| affine(e, p)),
+        (None, None) => scratch.iter_mut().zip(p).for_each(|(e, p)| affine(e, p.to_acc())),
+        (Some(Weights { wide: Some(w), .. }), Some(p)) => {
+            let pw = cast::<f32, T::Acc>(p).iter().zip(cast::<f32, T::Acc>(w));
+            scratch.iter_mut().zip(pw).for_each(|(e, (&p, &w))| weighted(e, p, w));
+        }
+        (Some(w), _) => {
+            let pw = p.iter().zip(w.w);
+            scratch.iter_mut().zip(pw).for_each(|(e, (p, w))| weighted(e, p.to_acc(), w.to_acc()));
+        }
     }
     T::from_acc_slice(scratch, dx);
 }
@@ -233,35 +337,49 @@ fn target_sum<T: Element>(p: &[T]) -> T::Acc {
     sums3(p, p, p, |p, _, _| (p, T::Acc::ZERO)).0
 }
 
-/// `dx_i = f(x_i, p_i)` in parts of 32, prefetching the next row's input
-/// (`ahead`) and output (`ahead_w`) as it goes, as `exp_into` does.
+/// `dx_i = f(x_i, p_i, w_i)` in parts of 32, prefetching the next row's
+/// input (`ahead`) and output (`ahead_w`) as it goes, as `exp_into` does
+/// (`w` is `p` again where there are no weights: `f` does not read it).
 #[inline(always)]
-fn map2_into<T: Element>(x: &[T], p: &[T], dx: &mut [T], f: impl Fn(T, T) -> T, ahead: &[T], ahead_w: &[T]) {
+fn map3_into<T: Element>(
+    x: &[T],
+    p: &[T],
+    w: &[T],
+    dx: &mut [T],
+    f: impl Fn(T, T, T) -> T,
+    ahead: &[T],
+    ahead_w: &[T],
+) {
     const W: usize = 32;
-    let (cx, cp, cd) = (x.chunks_exact(W), p.chunks_exact(W), dx.chunks_exact_mut(W));
+    let (cx, cp, cw, cd) = (x.chunks_exact(W), p.chunks_exact(W), w.chunks_exact(W), dx.chunks_exact_mut(W));
     let at = x.len() - cx.remainder().len();
-    for (k, ((cx, cp), cd)) in cx.zip(cp).zip(cd).enumerate() {
+    for (k, (((cx, cp), cw), cd)) in cx.zip(cp).zip(cw).zip(cd).enumerate() {
         prefetch_part::<T, false>(ahead, k, W);
         prefetch_part::<T, true>(ahead_w, k, W);
         for i in 0..W {
-            cd[i] = f(cx[i], cp[i]);
+            cd[i] = f(cx[i], cp[i], cw[i]);
         }
     }
-    for ((d, &x), &p) in dx[at..].iter_mut().zip(&x[at..]).zip(&p[at..]) {
-        *d = f(x, p);
+    let rest = x[at..].iter().zip(&p[at..]).zip(&w[at..]);
+    for (d, ((&x, &p), &w)) in dx[at..].iter_mut().zip(rest) {
+        *d = f(x, p, w);
     }
 }
 
 /// Reference forward in f64: the reduced loss (`rows` values for `None`).
-pub fn forward_ref<T: Element>(logits: &[T], target: &[T], cols: usize, eps: f64, reduction: Reduction) -> Vec<f64> {
+pub fn forward_ref<T: Element>(
+    logits: &[T],
+    target: &[T],
+    weight: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+    reduction: Reduction,
+) -> Vec<f64> {
     let mut losses = vec![];
     for (x, p) in logits.chunks(cols).zip(target.chunks(cols)) {
         let lse = lse_ref(x);
-        let loss = x.iter().zip(p).map(|(x, p)| {
-            let q = (1.0 - eps) * p.to_f64() + eps / cols as f64;
-            q * (lse - x.to_f64())
-        });
-        losses.push(loss.sum());
+        let a = target_ref(p, weight, eps);
+        losses.push(x.iter().zip(a).map(|(x, a)| a * (lse - x.to_f64())).sum());
     }
     let rows = losses.len() as f64;
     match reduction {
@@ -276,6 +394,7 @@ pub fn backward_ref<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[T],
+    weight: Option<&[T]>,
     cols: usize,
     eps: f64,
     reduction: Reduction,
@@ -289,11 +408,17 @@ pub fn backward_ref<T: Element>(
             Reduction::Mean => grad[0].to_f64() / rows as f64,
         };
         let lse = lse_ref(x);
-        let q: Vec<f64> = p.iter().map(|p| (1.0 - eps) * p.to_f64() + eps / cols as f64).collect();
+        let q = target_ref(p, weight, eps);
         let total: f64 = q.iter().sum();
         out.extend(x.iter().zip(&q).map(|(x, q)| g * (total * (x.to_f64() - lse).exp() - q)));
     }
     out
+}
+
+/// A row's target in f64: `w ((1 - eps) p + eps / v)` (`w` 1 where none).
+fn target_ref<T: Element>(p: &[T], weight: Option<&[T]>, eps: f64) -> Vec<f64> {
+    let (w, v) = (|j: usize| weight.map_or(1.0, |w| w[j].to_f64()), p.len() as f64);
+    p.iter().enumerate().map(|(j, p)| w(j) * ((1.0 - eps) * p.to_f64() + eps / v)).collect()
 }
 
 /// A row's log-sum-exp in f64.

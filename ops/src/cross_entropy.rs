@@ -2,15 +2,19 @@
 //! `keel::cross_entropy_backward`.
 //!
 //! `cross_entropy(Tensor logits, Tensor target, int ignore_index=-100,
-//! float label_smoothing=0.0, str reduction="mean") -> Tensor` for logits
-//! `[N, V]` and int64 `target[N]`, as `torch.nn.functional.cross_entropy`;
-//! or, as torch also takes them, probabilities: a `target` of the logits'
-//! dtype and shape (`ignore_index` must be the default there, as torch
-//! requires; on CUDA nothing is synchronised for them: no target can be out
-//! of range). `cross_entropy_with_lse` (same arguments) also returns each
+//! float label_smoothing=0.0, str reduction="mean", Tensor? weight=None) ->
+//! Tensor` for logits `[N, V]` and int64 `target[N]`, as
+//! `torch.nn.functional.cross_entropy`; or, as torch also takes them,
+//! probabilities: a `target` of the logits' dtype and shape (`ignore_index`
+//! must be the default there, as torch requires; on CUDA nothing is
+//! synchronised for them: no target can be out of range), with class weights
+//! `weight` (`[V]`, the logits' dtype) where given, read by the kernels
+//! beside each row. With class indices the op takes no weights (an error
+//! says so): `keel.cross_entropy` weights its per-row losses in Python.
+//! `cross_entropy_with_lse` (same arguments) also returns each
 //! row's log-sum-exp (`[N]`, float32, or float64 for float64 logits; 0 for
 //! ignored rows). `cross_entropy_backward(grad, logits, target, ignore_index,
-//! label_smoothing, reduction, lse=None) -> grad_logits` takes that lse, or
+//! label_smoothing, reduction, lse=None, weight=None) -> grad_logits` takes that lse, or
 //! recomputes it from the logits (fused either way: nothing logits-sized is
 //! saved by the forward). On CUDA, given the lse it does not check the
 //! targets again (no synchronisation): they are the forward's, which did
@@ -22,17 +26,33 @@ use keel::cpu::Element;
 use keel::ops::cross_entropy::{Options, Reduction};
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
-/// The checked logits and target (both contiguous), what the checks found,
-/// the options, and whether the target holds probabilities (a float tensor
-/// shaped like the logits) rather than class indices.
-type Checked = (Tensor, Tensor, Rows, Options, bool);
+/// The checked arguments: logits, target and weights contiguous.
+struct Checked {
+    logits: Tensor,
+    target: Tensor,
+    /// Class weights, given only with probabilities.
+    weight: Option<Tensor>,
+    /// What the checks found of the logits.
+    c: Rows,
+    opts: Options,
+    /// Whether the target holds probabilities (a float tensor shaped like
+    /// the logits) rather than class indices.
+    probs: bool,
+}
+
+/// The arguments the forward ops share: logits, target, ignore_index,
+/// label_smoothing, reduction, weight.
+type Args = (Tensor, Tensor, i64, f64, String, Option<Tensor>);
 
 /// torch's `ignore_index` default, the only one it takes with probabilities.
 const IGNORE_INDEX: i64 = -100;
 
-/// Checks logits, target and the options; returns the two tensors contiguous
-/// ([`checks::dense`]).
-fn check(op: &'static str, logits: Tensor, target: Tensor, ii: i64, ls: f64, reduction: &str) -> Result<Checked> {
+/// Checks logits, target, the options and the weights; returns the tensors
+/// contiguous ([`checks::dense`]).
+fn check(
+    op: &'static str,
+    (logits, target, ii, ls, reduction, weight): (Tensor, Tensor, i64, f64, &str, Option<Tensor>),
+) -> Result<Checked> {
     let c = checks::strided_rows_of(op, "logits", &logits)?;
     let s = logits.sizes()?;
     if s.len() != 2 {
@@ -63,7 +83,17 @@ fn check(op: &'static str, logits: Tensor, target: Tensor, ii: i64, ls: f64, red
     let reduction = Reduction::parse(op, reduction).map_err(check_err)?;
     let opts = Options { ignore_index: ii, label_smoothing: ls, reduction };
     keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, c.cols, &opts).map_err(check_err)?;
-    Ok((checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?, c, opts, probs))
+    let weight = match weight {
+        Some(_) if !probs => {
+            let msg = "is taken by the op with probabilities (a float target) only; with class indices, \
+                       keel.cross_entropy(..., weight=) weights the op's per-row losses";
+            return Err(invalid(op, "weight", msg));
+        }
+        Some(w) => Some(checks::param(op, "weight", w, &c)?),
+        None => None,
+    };
+    let (logits, target) = (checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?);
+    Ok(Checked { logits, target, weight, c, opts, probs })
 }
 
 /// Checks a target of probabilities (a float tensor) against the logits
@@ -102,24 +132,26 @@ fn lse_dtype(dtype: ScalarType) -> ScalarType {
 /// the lse when `with_lse`.
 fn forward(
     op: &'static str,
-    (logits, target, ii, ls, reduction): (Tensor, Tensor, i64, f64, String),
+    (logits, target, ii, ls, reduction, weight): Args,
     with_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (logits, target, c, opts, probs) = check(op, logits, target, ii, ls, &reduction)?;
+    let Checked { logits, target, weight, c, opts, probs } = check(op, (logits, target, ii, ls, &reduction, weight))?;
     let out = Tensor::empty(&loss_shape(&c, opts.reduction), c.dtype, c.device)?;
     let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
     match c.device.kind {
         DeviceType::Cpu if probs => with_float_type!(c.dtype, T => {
-            // SAFETY: checked contiguous CPU tensors (logits and target of T); `out` and `lse`
-            // (of T's accumulation type) are fresh.
+            // SAFETY: checked contiguous CPU tensors (logits, target and weight of T); `out` and
+            // `lse` (of T's accumulation type) are fresh.
             let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
+            // SAFETY: as above.
+            let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
             let l = match &lse {
                 // SAFETY: as above.
                 Some(l) => Some(unsafe { l.as_mut_slice::<<T as Element>::Acc>()? }),
                 None => None,
             };
             let (cols, r) = (c.cols, opts.reduction);
-            with_torch_par(|par| keel::ops::cross_entropy::forward_probs_cpu(x, p, y, l, cols, ls, r, par))
+            with_torch_par(|par| keel::ops::cross_entropy::forward_probs_cpu(x, p, w, y, l, cols, ls, r, par))
                 .map_err(kernel_err_as(op))?
         }),
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -139,17 +171,18 @@ fn forward(
             let n = keel::ops::cross_entropy::scratch_len(c.rows) as i64;
             let scratch = Tensor::empty(&[n], ScalarType::F32, c.device)?;
             let (px, pt, po, ps) = (ptr(Some(&logits))?, ptr(Some(&target))?, ptr(Some(&out))?, ptr(Some(&scratch))?);
-            let pl = ptr(lse.as_ref())?;
+            let (pl, pw) = (ptr(lse.as_ref())?, ptr(weight.as_ref())?);
             if probs {
                 let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
                 // SAFETY: checked contiguous CUDA tensors on the guarded device (target of the
-                // logits' dtype and shape); `out`, `lse` (f32) and `scratch` are fresh.
+                // logits' dtype and shape, weight of their dtype, [V]); `out`, `lse` (f32) and
+                // `scratch` are fresh.
                 unsafe {
                     keel::ops::cross_entropy::forward_probs_cuda_raw(
                         &call.gpu,
                         &call.stream,
                         dtype,
-                        (px, pt, po, pl, ps),
+                        (px, pt, pw, po, pl, ps),
                         rows,
                         cols,
                         ls,
@@ -188,7 +221,7 @@ pub(crate) struct CrossEntropy;
 
 impl BoxedOp for CrossEntropy {
     const NAME: &'static str = "cross_entropy";
-    type Args = (Tensor, Tensor, i64, f64, String);
+    type Args = Args;
     type Out = (Tensor,);
 
     fn run(args: Self::Args) -> Result<Self::Out> {
@@ -201,7 +234,7 @@ pub(crate) struct CrossEntropyWithLse;
 
 impl BoxedOp for CrossEntropyWithLse {
     const NAME: &'static str = "cross_entropy_with_lse";
-    type Args = (Tensor, Tensor, i64, f64, String);
+    type Args = Args;
     type Out = (Tensor, Tensor);
 
     fn run(args: Self::Args) -> Result<Self::Out> {
@@ -235,12 +268,13 @@ pub(crate) struct CrossEntropyBackward;
 
 impl BoxedOp for CrossEntropyBackward {
     const NAME: &'static str = "cross_entropy_backward";
-    type Args = (Tensor, Tensor, Tensor, i64, f64, String, Option<Tensor>);
+    type Args = (Tensor, Tensor, Tensor, i64, f64, String, Option<Tensor>, Option<Tensor>);
     type Out = (Tensor,);
 
-    fn run((grad, logits, target, ii, ls, reduction, lse): Self::Args) -> Result<Self::Out> {
+    fn run((grad, logits, target, ii, ls, reduction, lse, weight): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let (logits, target, c, opts, probs) = check(op, logits, target, ii, ls, &reduction)?;
+        let Checked { logits, target, weight, c, opts, probs } =
+            check(op, (logits, target, ii, ls, &reduction, weight))?;
         checks::same_device(op, "grad", &grad, "logits", c.device)?;
         checks::same_dtype(op, "grad", &grad, "logits", c.dtype)?;
         let want = loss_shape(&c, opts.reduction);
@@ -252,17 +286,20 @@ impl BoxedOp for CrossEntropyBackward {
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
             DeviceType::Cpu if probs => with_float_type!(c.dtype, T => {
-                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type); `grad_logits` is fresh.
+                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type, weight of
+                // T); `grad_logits` is fresh.
                 let (g, x, p, dx) = unsafe {
                     (grad.as_slice::<T>()?, logits.as_slice::<T>()?, target.as_slice::<T>()?, grad_logits.as_mut_slice::<T>()?)
                 };
+                // SAFETY: as above.
+                let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
                 let l = match &lse {
                     // SAFETY: as above.
                     Some(l) => Some(unsafe { l.as_slice::<<T as Element>::Acc>()? }),
                     None => None,
                 };
                 let (cols, r) = (c.cols, opts.reduction);
-                with_torch_par(|par| keel::ops::cross_entropy::backward_probs_cpu(g, x, p, l, dx, cols, ls, r, par))
+                with_torch_par(|par| keel::ops::cross_entropy::backward_probs_cpu(g, x, p, w, l, dx, cols, ls, r, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -283,16 +320,16 @@ impl BoxedOp for CrossEntropyBackward {
                 let dtype = checks::cuda_dtype(c.dtype)?;
                 let (pg, px, pt, pl) =
                     (ptr(Some(&grad))?, ptr(Some(&logits))?, ptr(Some(&target))?, ptr(lse.as_ref())?);
-                let pd = ptr(Some(&grad_logits))?;
+                let (pd, pw) = (ptr(Some(&grad_logits))?, ptr(weight.as_ref())?);
                 let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
                 // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32, target of
-                // the logits' dtype and shape); `grad_logits` is fresh.
+                // the logits' dtype and shape, weight of their dtype, [V]); `grad_logits` is fresh.
                 unsafe {
                     keel::ops::cross_entropy::backward_probs_cuda_raw(
                         &call.gpu,
                         &call.stream,
                         dtype,
-                        (pg, px, pt, pl, pd),
+                        (pg, px, pt, pw, pl, pd),
                         rows,
                         cols,
                         ls,

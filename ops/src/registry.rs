@@ -49,11 +49,11 @@ ops! {
     crate::softmax::Softmax => "softmax(Tensor input, float scale=1.0) -> Tensor",
     crate::softmax::SoftmaxBackward => "softmax_backward(Tensor grad_out, Tensor output, float scale) -> Tensor",
     crate::cross_entropy::CrossEntropy =>
-        "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor",
+        "cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\", Tensor? weight=None) -> Tensor",
     crate::cross_entropy::CrossEntropyWithLse =>
-        "cross_entropy_with_lse(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> (Tensor, Tensor)",
+        "cross_entropy_with_lse(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\", Tensor? weight=None) -> (Tensor, Tensor)",
     crate::cross_entropy::CrossEntropyBackward =>
-        "cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, Tensor? lse=None) -> Tensor",
+        "cross_entropy_backward(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, Tensor? lse=None, Tensor? weight=None) -> Tensor",
     crate::rotary::RotaryEmbedding =>
         "rotary_embedding(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
     crate::rotary::RotaryEmbeddingInplace =>

@@ -472,24 +472,28 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     }
 
     // cross_entropy against probabilities (rows summing to about 1, some
-    // zeros), label smoothing 0.1, each reduction
+    // zeros), label smoothing 0.1, each reduction, with and without class
+    // weights (in [0.25, 2))
     let probs: Vec<T> = data::<T>(n, 17)
         .iter()
         .enumerate()
         .map(|(i, v)| T::from_f64(if i % 5 == 2 { 0.0 } else { (v.to_f64().abs() + 0.1) * 1.6 / cols as f64 }))
         .collect();
-    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
+    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
+    for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, None), (r, Some(&weights[..]))]) {
         let m = reduction.out_len(rows);
         let grad = data::<T>(m, 19);
-        let what = format!("cross_entropy probs {reduction:?} {c:?}");
+        let what = format!("cross_entropy probs {reduction:?} weighted {} {c:?}", w.is_some());
         let (mut want, mut wlse) = (cpu(m), vec![T::Acc::ZERO; rows]);
-        cross_entropy::forward_probs_cpu(&x, &probs, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
+        cross_entropy::forward_probs_cpu(&x, &probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
             .unwrap();
         let got = both::<T>(sm, &what, |t| {
             let (xd, pd, od) = (up(&x), up(&probs), z(m));
+            let wd = w.map(&up);
             let (sd, ld) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<f32>(rows, 0));
-            let (px, pp) = (xd.addr(), pd.addr());
-            let ptrs = (px, pp, od.addr(), ld.addr(), sd.addr());
+            let (px, pp, pw) = (xd.addr(), pd.addr(), wd.as_ref().map_or(0, |w| w.addr()));
+            let ptrs = (px, pp, pw, od.addr(), ld.addr(), sd.addr());
             unsafe { cross_entropy::forward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
             let lse = ld.to_vec();
             for (i, (a, b)) in lse.iter().zip(&wlse).enumerate() {
@@ -500,7 +504,7 @@ fn softmax_and_ce<T: Dt>(c: Case) {
             let mut grads = vec![];
             for l in [0, ld.addr()] {
                 let (gd, dxd) = (up(&grad), z(n));
-                let ptrs = (gd.addr(), px, pp, l, dxd.addr());
+                let ptrs = (gd.addr(), px, pp, pw, l, dxd.addr());
                 unsafe { cross_entropy::backward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
                 grads.push(dxd.to_vec());
             }
@@ -508,7 +512,8 @@ fn softmax_and_ce<T: Dt>(c: Case) {
         });
         close(&got[0], &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
         let mut wdx = cpu(n);
-        cross_entropy::backward_probs_cpu(&grad, &x, &probs, None, &mut wdx, cols, 0.1, reduction, Par::Seq).unwrap();
+        cross_entropy::backward_probs_cpu(&grad, &x, &probs, w, None, &mut wdx, cols, 0.1, reduction, Par::Seq)
+            .unwrap();
         close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
         close(&got[2], &wdx, 4.0 * tol, &format!("{what} grad given the lse"));
     }

@@ -1,7 +1,9 @@
 //! Fused cross-entropy against probability targets ("soft labels": a float
 //! target `[rows, cols]` shaped like the logits, of their dtype), as
 //! `torch.nn.functional.cross_entropy(logits, p)` computes it; see
-//! [`keel_cpu::cross_entropy_probs`] for the formulas. Re-exported by
+//! [`keel_cpu::cross_entropy_probs`] for the formulas. Class weights
+//! (torch's `weight=`, `cols` of the logits' dtype) are optional: `None` on
+//! the CPU, a 0 pointer on CUDA. Re-exported by
 //! [`crate::ops::cross_entropy`], whose class-index entry points these mirror.
 //!
 //! CUDA: one block per row, as for class indices, but no synchronisation: no
@@ -19,11 +21,13 @@ use std::sync::Arc;
 /// CPU forward against probability targets `target` (`[rows, cols]`, as the
 /// logits; see [`keel_cpu::cross_entropy_probs`]): the loss (`rows` values for
 /// [`Reduction::None`], else one; `"mean"` over all rows), and each row's
-/// log-sum-exp into `lse` when given.
+/// log-sum-exp into `lse` when given; `weight`, the class weights (`cols`)
+/// where given.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_probs_cpu<T: Element>(
     logits: &[T],
     target: &[T],
+    weight: Option<&[T]>,
     out: &mut [T],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
@@ -32,7 +36,7 @@ pub fn forward_probs_cpu<T: Element>(
     par: Par<'_>,
 ) -> Result<()> {
     use keel_cpu::cross_entropy_probs::forward;
-    Ok(forward(logits, target, out, lse, cols, label_smoothing, reduction, par)?)
+    Ok(forward(logits, target, weight, out, lse, cols, label_smoothing, reduction, par)?)
 }
 
 /// CPU backward of [`forward_probs_cpu`]: `grad_logits`, given the forward's
@@ -42,6 +46,7 @@ pub fn backward_probs_cpu<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[T],
+    weight: Option<&[T]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
@@ -50,21 +55,23 @@ pub fn backward_probs_cpu<T: Element>(
     par: Par<'_>,
 ) -> Result<()> {
     use keel_cpu::cross_entropy_probs::backward;
-    Ok(backward(grad, logits, target, lse, grad_logits, cols, label_smoothing, reduction, par)?)
+    Ok(backward(grad, logits, target, weight, lse, grad_logits, cols, label_smoothing, reduction, par)?)
 }
 
 fn check_probs_dims(op: &'static str, rows: usize, cols: usize, label_smoothing: f64) -> Result<()> {
     check_cols(op, rows, cols)?;
-    keel_cpu::cross_entropy_probs::check(op, rows * cols, rows * cols, cols, label_smoothing)?;
+    keel_cpu::cross_entropy_probs::check(op, rows * cols, rows * cols, None, cols, label_smoothing)?;
     Ok(())
 }
 
 /// CUDA forward against probability targets (see [`forward_probs_cpu`]) on
 /// raw device pointers. No synchronisation: no target is out of range. `lse`
-/// is 0, or where each row's log-sum-exp is written (`rows` f32s).
+/// is 0, or where each row's log-sum-exp is written (`rows` f32s); `weight`
+/// is 0, or the class weights (`cols` of `dtype`).
 ///
 /// # Safety
-/// `logits` and `target` (`rows * cols` of `dtype` each), `out`
+/// `logits` and `target` (`rows * cols` of `dtype` each), a non-zero
+/// `weight` (`cols` of `dtype`), `out`
 /// (`reduction.out_len(rows)` of `dtype`), `scratch` ([`scratch_len`] f32s)
 /// and a non-zero `lse` must be device addresses on `stream`'s device; `out`,
 /// `lse` and `scratch` must not overlap anything else.
@@ -73,15 +80,16 @@ pub unsafe fn forward_probs_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
     dtype: DType,
-    (logits, target, out, lse, scratch): (u64, u64, u64, u64, u64),
+    (logits, target, weight, out, lse, scratch): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
     label_smoothing: f64,
     reduction: Reduction,
 ) -> Result<()> {
     let t = Stream { gpu, stream };
+    let ptrs = (logits, target, weight, out, lse, scratch);
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_probs_on(&t, dtype, (logits, target, out, lse, scratch), rows, cols, label_smoothing, reduction) }
+    unsafe { forward_probs_on(&t, dtype, ptrs, rows, cols, label_smoothing, reduction) }
 }
 
 /// [`forward_probs_cuda_raw`] on any [`Target`].
@@ -92,7 +100,7 @@ pub unsafe fn forward_probs_cuda_raw(
 pub(crate) unsafe fn forward_probs_on(
     t: &dyn Target,
     dtype: DType,
-    (logits, target, out, lse, scratch): (u64, u64, u64, u64, u64),
+    (logits, target, weight, out, lse, scratch): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
     label_smoothing: f64,
@@ -102,7 +110,7 @@ pub(crate) unsafe fn forward_probs_on(
     let (r, c) = (Arg::I64(rows as i64), Arg::I32(cols as i32));
     if rows > 0 {
         let ls = Arg::F32(label_smoothing as f32);
-        let args = [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ls];
+        let args = [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(weight), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ls];
         // SAFETY: matches cross_entropy_probs_rows_*; pointers per our contract.
         unsafe { launch_rows(t, MODULE, "cross_entropy_probs_rows", dtype, rows, cols, &args)? };
     }
@@ -118,21 +126,21 @@ pub(crate) unsafe fn forward_probs_on(
 ///
 /// # Safety
 /// As [`forward_probs_cuda_raw`], with `grad` (`reduction.out_len(rows)` of
-/// `dtype`) in place of `out`, `lse` an input, and `grad_logits` (`rows *
-/// cols`) not overlapping the inputs.
+/// `dtype`) in place of `out`, `lse` an input, `weight` as there, and
+/// `grad_logits` (`rows * cols`) not overlapping the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward_probs_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
     dtype: DType,
-    (grad, logits, target, lse, grad_logits): (u64, u64, u64, u64, u64),
+    (grad, logits, target, weight, lse, grad_logits): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
     label_smoothing: f64,
     reduction: Reduction,
 ) -> Result<()> {
     let t = Stream { gpu, stream };
-    let ptrs = (grad, logits, target, lse, grad_logits);
+    let ptrs = (grad, logits, target, weight, lse, grad_logits);
     // SAFETY: forwarded from this function's contract.
     unsafe { backward_probs_on(&t, dtype, ptrs, rows, cols, label_smoothing, reduction) }
 }
@@ -145,7 +153,7 @@ pub unsafe fn backward_probs_cuda_raw(
 pub(crate) unsafe fn backward_probs_on(
     t: &dyn Target,
     dtype: DType,
-    (grad, logits, target, lse, grad_logits): (u64, u64, u64, u64, u64),
+    (grad, logits, target, weight, lse, grad_logits): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
     label_smoothing: f64,
@@ -159,6 +167,7 @@ pub(crate) unsafe fn backward_probs_on(
         Arg::Ptr(grad),
         Arg::Ptr(logits),
         Arg::Ptr(target),
+        Arg::Ptr(weight),
         Arg::Ptr(lse),
         Arg::Ptr(grad_logits),
         Arg::I64(rows as i64),
@@ -172,12 +181,13 @@ pub(crate) unsafe fn backward_probs_on(
 
 /// CUDA forward against probability targets on `cudarc` buffers, launched on
 /// `stream` (no synchronisation); each row's log-sum-exp into `lse` when
-/// given.
+/// given; `weight`, the class weights (`cols`) where given.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_probs_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<T>,
+    weight: Option<&CudaSlice<T>>,
     out: &mut CudaSlice<T>,
     lse: Option<&mut CudaSlice<f32>>,
     cols: usize,
@@ -185,7 +195,8 @@ pub fn forward_probs_cuda<T: CudaElement>(
     reduction: Reduction,
 ) -> Result<()> {
     const OP: &str = "cross_entropy";
-    let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), cols, label_smoothing)?;
+    let wl = weight.map(|w| w.len());
+    let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), wl, cols, label_smoothing)?;
     check_len(OP, "out", out.len(), reduction.out_len(rows))?;
     if let Some(l) = &lse {
         check_len(OP, "lse", l.len(), rows)?;
@@ -197,7 +208,8 @@ pub fn forward_probs_cuda<T: CudaElement>(
     let (po, _g3) = out.device_ptr_mut(stream);
     let (ps, _g4) = sc.device_ptr(stream);
     let (pe, _g5) = lse.map(|l| l.device_ptr_mut(stream)).unzip();
-    let ptrs = (pl, pt, po, pe.unwrap_or(0), ps);
+    let (pw, _g6) = weight.map(|w| w.device_ptr(stream)).unzip();
+    let ptrs = (pl, pt, pw.unwrap_or(0), po, pe.unwrap_or(0), ps);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
     unsafe { forward_probs_cuda_raw(&gpu, stream, T::DTYPE, ptrs, rows, cols, label_smoothing, reduction) }
 }
@@ -210,6 +222,7 @@ pub fn backward_probs_cuda<T: CudaElement>(
     grad: &CudaSlice<T>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<T>,
+    weight: Option<&CudaSlice<T>>,
     lse: Option<&CudaSlice<f32>>,
     grad_logits: &mut CudaSlice<T>,
     cols: usize,
@@ -217,7 +230,8 @@ pub fn backward_probs_cuda<T: CudaElement>(
     reduction: Reduction,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
-    let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), cols, label_smoothing)?;
+    let wl = weight.map(|w| w.len());
+    let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), wl, cols, label_smoothing)?;
     check_len(OP, "grad", grad.len(), reduction.out_len(rows))?;
     check_len(OP, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
@@ -229,7 +243,8 @@ pub fn backward_probs_cuda<T: CudaElement>(
     let (pt, _g3) = target.device_ptr(stream);
     let (pd, _g4) = grad_logits.device_ptr_mut(stream);
     let (pe, _g5) = lse.map(|l| l.device_ptr(stream)).unzip();
-    let ptrs = (pg, pl, pt, pe.unwrap_or(0), pd);
+    let (pw, _g6) = weight.map(|w| w.device_ptr(stream)).unzip();
+    let ptrs = (pg, pl, pt, pw.unwrap_or(0), pe.unwrap_or(0), pd);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
     unsafe { backward_probs_cuda_raw(&gpu, stream, T::DTYPE, ptrs, rows, cols, label_smoothing, reduction) }
 }
