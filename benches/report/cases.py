@@ -264,7 +264,7 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
 
     mk["cross_entropy probs fwd+bwd"] = ce_probs
 
-    # Weights folded into the target (keel._ce_forms.folded), then the fused kernel.
+    # Class weights read by the fused kernels beside the target rows.
     mk["cross_entropy probs weight fwd+bwd"] = lambda: weighted(ce_probs(), "cross_entropy probs weight fwd+bwd")
 
     def rope():

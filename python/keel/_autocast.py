@@ -30,14 +30,19 @@ _WITH_LSE = "cross_entropy_with_lse"
 
 
 def float32_loss(op_name, logits, target, ignore_index=_IGNORE_INDEX, label_smoothing=_LABEL_SMOOTHING,
-                 reduction=_REDUCTION):
+                 reduction=_REDUCTION, weight=None):
     """``cross_entropy_with_lse(...)`` below autocast, its loss in float32 where the
     logits are half precision: ``(loss, lse)``. Errors name op `op_name` (the op
-    the caller asked for)."""
+    the caller asked for). Class weights (with probabilities) go to the op in the
+    logits' dtype, as autocast casts arguments (its kernel's gradient rounds to
+    that dtype anyway), and into the float32 value as they are."""
+    cast = weight
+    if weight is not None and logits.dtype in _HALF and weight.dtype.is_floating_point:
+        cast = weight.to(logits.dtype)
     try:
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
             loss, lse = torch.ops.keel.cross_entropy_with_lse.default(
-                logits, target, ignore_index, label_smoothing, reduction
+                logits, target, ignore_index, label_smoothing, reduction, cast
             )
     except RuntimeError as err:
         renamed = as_called(err, f"keel::{_WITH_LSE}", f"keel::{op_name}") if op_name != _WITH_LSE else None
@@ -47,20 +52,20 @@ def float32_loss(op_name, logits, target, ignore_index=_IGNORE_INDEX, label_smoo
     if logits.dtype not in _HALF:
         return loss, lse
     with torch.no_grad():
-        exact = _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction)
+        exact = _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction, weight)
     wide = loss.float()
     # The value of `exact`, the gradient of the op's loss (its fused backward).
     return wide + (exact - wide.detach()), lse
 
 
-def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction):
+def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction, weight):
     """The loss in float32 from each row's float32 log-sum-exp `lse` (0 where the
     target is `ignore_index`): ``lse - x[t]``, with label smoothing ``(1 - ls)
     (lse - x[t]) + ls (lse - mean(x))``; reduced as the op reduces (``"mean"``
     over the rows not ignored, NaN when all are). Reads one logit a row, and every
     logit once where ``label_smoothing`` is not 0 (a float32 sum, no copy)."""
     if target.dtype.is_floating_point:
-        return _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction)
+        return _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction, weight)
     kept = target != ignore_index
     picked = logits.gather(-1, torch.where(kept, target, 0).unsqueeze(-1)).squeeze(-1).float()
     rows = lse - picked
@@ -74,13 +79,18 @@ def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction
     return total if reduction == "sum" else total / kept.sum()
 
 
-def _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction):
+def _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction, weight):
     """:func:`_loss_from_lse` for probabilities `target` (shaped like the logits):
     ``(1 - ls) (sum(p) lse - sum(p x)) + ls (lse - mean(x))`` in float32, from
-    float32 copies of both (torch's autocast copies the logits too)."""
+    float32 copies of both (torch's autocast copies the logits too); with class
+    weights, ``sum(a) lse - sum(a x)``, ``a = w ((1 - ls) p + ls / C)``."""
     x, p = logits.float(), target.float()
-    rows = (1 - label_smoothing) * (p.sum(-1) * lse - (x * p).sum(-1))
-    if label_smoothing != 0:
+    if weight is not None:
+        a = (p * (1 - label_smoothing) + label_smoothing / x.shape[-1]) * weight.float()
+        rows = a.sum(-1) * lse - (x * a).sum(-1)
+    else:
+        rows = (1 - label_smoothing) * (p.sum(-1) * lse - (x * p).sum(-1))
+    if weight is None and label_smoothing != 0:
         rows = rows + label_smoothing * (lse - x.mean(-1))
     if reduction == "none":
         return rows

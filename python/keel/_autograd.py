@@ -124,38 +124,59 @@ def _softmax_backward(ctx, grad):
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, reduction = inputs
-    ctx.save_for_backward(logits, target)
+    logits, target, ignore_index, label_smoothing, reduction, weight = inputs
+    ctx.save_for_backward(logits, target, weight)
     ctx.args = (ignore_index, label_smoothing, reduction)
 
 
 def _cross_entropy_backward(ctx, grad):
-    logits, target = ctx.saved_tensors
+    logits, target, weight = ctx.saved_tensors
+    gw = _ce_weight_grad(ctx, grad, logits, target, weight, None)
     if _twice.wanted():
-        loss = lambda t: _twice.cross_entropy(t, target, *ctx.args)[0]  # noqa: E731
-        return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], None, None, None, None
-    g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args)
-    return _grad(ctx, 0, g), None, None, None, None
+        loss = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)[0]  # noqa: E731
+        return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], None, None, None, None, gw
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None, None, gw
+    g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, None, weight)
+    return g, None, None, None, None, gw
+
+
+def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
+    """The gradient of the class weights (probabilities only: the op takes no
+    weights with class indices), where they need one: each row's
+    ``g q_c (lse - x_c)`` summed over the rows, ``q = (1 - s) p + s / C``, in
+    float32 (float64 for float64 logits); `lse` recomputed where None."""
+    if weight is None or grad is None or not ctx.needs_input_grad[5]:
+        return None
+    _, label_smoothing, reduction = ctx.args
+    acc = acc_dtype(logits)
+    x, rows = logits.to(acc), logits.shape[0]
+    lse = torch.logsumexp(x, -1) if lse is None else lse.to(acc)
+    q = target.to(acc) * (1.0 - label_smoothing) + label_smoothing / x.shape[1]
+    g = grad.to(acc) / (rows if reduction == "mean" else 1)
+    g = g if reduction == "none" else g.expand(rows)
+    return (g[:, None] * q * (lse[:, None] - x)).sum(0).to(weight.dtype)
 
 
 def _cross_entropy_lse_setup(ctx, inputs, output):
-    logits, target, ignore_index, label_smoothing, reduction = inputs
-    ctx.save_for_backward(logits, target, output[1])
+    logits, target, ignore_index, label_smoothing, reduction, weight = inputs
+    ctx.save_for_backward(logits, target, output[1], weight)
     ctx.args = (ignore_index, label_smoothing, reduction)
     ctx.set_materialize_grads(False)
 
 
 def _cross_entropy_lse_backward(ctx, grad, grad_lse):
-    logits, target, lse = ctx.saved_tensors
+    logits, target, lse, weight = ctx.saved_tensors
+    gw = _ce_weight_grad(ctx, grad, logits, target, weight, lse)
     if not ctx.needs_input_grad[0] or (grad is None and grad_lse is None):
-        return None, None, None, None, None
+        return None, None, None, None, None, gw
     if _twice.wanted():
-        both = lambda t: _twice.cross_entropy(t, target, *ctx.args)  # noqa: E731
-        return _twice.vjp(both, (logits,), (grad, grad_lse), ctx.needs_input_grad)[0], None, None, None, None
+        both = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)  # noqa: E731
+        return _twice.vjp(both, (logits,), (grad, grad_lse), ctx.needs_input_grad)[0], None, None, None, None, gw
     g = None
     if grad is not None:
         # The forward's lse: each row of logits is read once.
-        g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse)
+        g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse, weight)
     if grad_lse is not None:
         # d lse / d x = softmax(x) (for a z-loss, say); an ignored row's lse is the constant 0.
         # (With probabilities as the target, no row is ignored.)
@@ -164,7 +185,7 @@ def _cross_entropy_lse_backward(ctx, grad, grad_lse):
         # of every probability, 2^-24 |lse| in float32.
         p = torch.softmax(logits.to(lse.dtype), -1) * (grad_lse.to(lse.dtype) * live)[:, None]
         g = p.to(logits.dtype) if g is None else (g.to(lse.dtype) + p).to(logits.dtype)
-    return g, None, None, None, None
+    return g, None, None, None, None, gw
 
 
 def _rotary_setup(ctx, inputs, output):

@@ -2,13 +2,12 @@
 :func:`keel.cross_entropy`: class weights (``weight=``) and probability targets
 (a float target shaped like the logits).
 
-The op takes probabilities itself where the target has the logits' dtype and
-neither it nor the weights need a gradient (:func:`fused`; class weights and
-label smoothing are then folded into the target, :func:`folded`, except for
-16-bit targets under autocast), and float32 targets of 16-bit logits rounded to
-their dtype (outside autocast): its kernels
-(CPU and CUDA) read each row of logits and of targets once in the forward and
-once in the backward.
+The op takes probabilities itself, with their class weights (in the logits'
+dtype), where the target has the logits' dtype and neither it nor the weights
+need a gradient (:func:`fused`), and float32 targets of 16-bit logits rounded
+to their dtype (outside autocast): its kernels (CPU and CUDA) read each row of
+logits and of targets once in the forward and once in the backward, the
+weights beside them.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
 and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
@@ -42,9 +41,9 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
   at torch's speed; bfloat16 0.4x, the float32 copies of targets and
   products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
-  with weights folded into the target, and float32 targets of 16-bit logits
-  (session 77, a 2-core Xeon, ``[4096, 32000]``): 2.6-4.4x torch's speed,
-  2.3-5.2x the composite's.
+  float32 targets of 16-bit logits (session 77, a 2-core Xeon, ``[4096,
+  32000]``): 3.4-3.7x torch's speed, 4.4-4.5x the composite's; class weights
+  read by the kernels: session 78.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -191,19 +190,17 @@ def probabilities(
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
     if fused(rows, p, weight):
-        # The op itself takes the target's rows (one read of each), the weights
-        # and the label smoothing folded into them where there are weights.
-        if weight is not None:
-            p, label_smoothing = folded(p, weight, label_smoothing), 0.0
-        p = p.to(rows.dtype)  # a float32 target of 16-bit logits (folded first: one rounding)
+        # The op itself takes the target's rows (one read of each) and the weights
+        # (`with_lse` rounds them to the logits' dtype, but under autocast).
+        p = p.to(rows.dtype)  # a float32 target of 16-bit logits
         if out == rows.dtype or reduction == "none":
-            loss, lse = with_lse(rows, p, -100, label_smoothing, reduction)
+            loss, lse = with_lse(rows, p, -100, label_smoothing, reduction, weight)
             loss = loss.to(out)
             return (loss.reshape(shape) if reduction == "none" else loss), lse
         # A wider loss than the logits (float32 weights or target): the rows'
         # losses summed in it, as torch sums its float32 terms, not the op's sum
         # rounded to the logits' dtype (a bfloat16 mean is 2^-9 off).
-        losses, lse = with_lse(rows, p, -100, label_smoothing, "none")
+        losses, lse = with_lse(rows, p, -100, label_smoothing, "none", weight)
         return (torch.sum if reduction == "sum" else torch.mean)(losses, dtype=out), lse
     c = rows.shape[1]
     # sum_c a_c (lse - x_c) with a = w q, A = sum(a): A (lse - mean(x)) + sum_c (A / C - a_c) x_c.
@@ -260,40 +257,24 @@ def _autocast(device: torch.device) -> bool:
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     """Whether the op takes the probabilities `p` itself (its fused kernel): with
     neither `p` nor the class weights (if any) needing a gradient, `p` of the
-    logits' dtype (with weights, not 16-bit under autocast), or float32 `p` for
-    float16 or bfloat16 logits outside autocast, rounded to their dtype.
-    Elsewhere :func:`probabilities` builds the loss from the op's log-sum-exp
-    with torch's ops.
+    logits' dtype, or float32 `p` for float16 or bfloat16 logits outside
+    autocast, rounded to their dtype. Elsewhere :func:`probabilities` builds the
+    loss from the op's log-sum-exp with torch's ops.
 
-    Weights are folded into the target (:func:`folded`), rounded to its dtype as
-    torch's own float16 and bfloat16 losses round it; under autocast torch's loss
-    is float32 from a float32 target (a bfloat16 fold moved a loss by 3e-4). A
-    float32 target of 16-bit logits (a student's logits against a teacher's
-    probabilities) rounded to their dtype: torch's own gradient rounds ``g p`` to
-    that dtype (its log_softmax's input), an error of the same size; the loss
-    stays float32, as torch's (see :func:`probabilities`)."""
+    The kernels read the weights in the logits' dtype: float32 weights of 16-bit
+    logits are rounded to it, as torch's own float16 and bfloat16 losses round
+    ``target * weight``; under autocast the op's float32 value takes them as they
+    are (``_autocast``). A float32 target of 16-bit logits (a student's logits
+    against a teacher's probabilities) rounded to their dtype: torch's own
+    gradient rounds ``g p`` to that dtype (its log_softmax's input), an error of
+    the same size; the loss stays float32, as torch's (see
+    :func:`probabilities`). Not under autocast, whose float32 value would be
+    that of the rounded target."""
     if p.requires_grad or (weight is not None and weight.requires_grad):
         return False
     if p.dtype == rows.dtype:
-        return weight is None or not (p.dtype in _HALF and _autocast(p.device))
+        return True
     return rows.dtype in _HALF and p.dtype == torch.float32 and not _autocast(p.device)
-
-
-def folded(p: Tensor, weight: Tensor, label_smoothing: float) -> Tensor:
-    """The target ``a = w q`` with ``q = (1 - s) p + s / C``, in `p`'s dtype (the
-    caller rounds a float32 one for 16-bit logits after), for
-    the op with no label smoothing: its row loss ``sum_c a_c (lse - x_c)`` and
-    gradient ``A softmax(x) - a`` (``A = sum_c a_c``), and ``"mean"`` over the
-    rows, are then torch's with ``weight`` and ``label_smoothing``. One
-    elementwise pass over `p` (``p * w'``, or ``addcmul``); ``w (1 - s)`` and ``w s
-    / C`` are rounded to `p`'s dtype first, as torch's own ``target * weight`` is
-    in that dtype."""
-    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
-    w = weight.to(acc)
-    scale = (w * (1.0 - label_smoothing)).to(p.dtype)
-    if label_smoothing == 0:
-        return p * scale
-    return torch.addcmul((w * (label_smoothing / p.shape[1])).to(p.dtype), p, scale)
 
 
 def _reduce(loss: Tensor, reduction: str, mean_over: Callable[[], object], dtype: torch.dtype) -> Tensor:

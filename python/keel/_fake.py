@@ -131,16 +131,18 @@ _RULES = {
     "gelu_and_mul_backward": lambda grad_out, input, approximate="none": [_like(input)],
     "softmax": lambda input, scale=1.0: [_like(input)],
     "softmax_backward": lambda grad_out, output, scale: [_like(output)],
-    "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean": [
+    "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: [
         _loss(logits, reduction)
     ],
-    "cross_entropy_with_lse": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean": [
-        _loss(logits, reduction),
-        _lse(logits),
-    ],
-    "cross_entropy_backward": lambda grad, logits, target, ignore_index, label_smoothing, reduction, lse=None: [
-        _like(logits)
-    ],
+    "cross_entropy_with_lse": (
+        lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: [
+            _loss(logits, reduction),
+            _lse(logits),
+        ]
+    ),
+    "cross_entropy_backward": (
+        lambda grad, logits, target, ignore_index, label_smoothing, reduction, lse=None, weight=None: [_like(logits)]
+    ),
     "rotary_embedding": lambda x, cos, sin, interleaved=False: [_like(x)],
     "rotary_embedding_": lambda x, cos, sin, interleaved=False: [],
     "rotary_embedding_backward": lambda grad_out, cos, sin, interleaved: [_like(grad_out)],

@@ -160,12 +160,14 @@ def softmax_backward(grad, y, scale):
     return (scale * p * (g - (g * p).sum(-1, keepdim=True))).to(y.dtype)
 
 
-def cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
+def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """`F.cross_entropy` and each row's log-sum-exp (0 for ignored rows), in
-    Keel's accumulation dtype; the loss in the logits' dtype."""
+    Keel's accumulation dtype; the loss in the logits' dtype. `weight` (class
+    weights) as the op takes it: with probabilities."""
     a = logits.to(acc_dtype(logits))
     if target.dtype.is_floating_point:  # probabilities: no row is ignored
-        loss = F.cross_entropy(a, target.to(a.dtype), label_smoothing=label_smoothing, reduction=reduction)
+        w = None if weight is None else weight.to(a.dtype)
+        loss = F.cross_entropy(a, target.to(a.dtype), w, label_smoothing=label_smoothing, reduction=reduction)
         return loss.to(logits.dtype), torch.logsumexp(a, -1)
     loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)

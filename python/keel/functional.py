@@ -259,9 +259,9 @@ def cross_entropy(
             ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
             a target of the logits' dtype that needs no gradient (nor does ``weight``)
             goes to the op's fused kernel (one read of each row of logits and
-            targets a pass; class weights are folded into the target first, one
-            more pass over it), and so does a float32 one for float16 or bfloat16
-            logits, rounded to their dtype first (outside autocast); other cases
+            targets a pass, the class weights read beside them), and so does a
+            float32 one for float16 or bfloat16 logits, rounded to their dtype
+            first (outside autocast); other cases
             are built on the op with torch's elementwise ops (``keel._ce_forms``,
             which gives the costs: not faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
@@ -276,7 +276,9 @@ def cross_entropy(
             With class indices, applied in float32 (float64 for float64 logits) to
             the fused op's per-row results (``keel._ce_forms``), at the op's speed;
             with label smoothing, the op runs twice, with a matrix-vector product.
-            With probabilities, folded into the target (see ``target``).
+            With probabilities, read by the op's fused kernel (see ``target``),
+            in the logits' dtype (float32 weights of 16-bit logits rounded to it,
+            as torch's own 16-bit loss rounds ``target * weight``).
 
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16
@@ -328,11 +330,12 @@ def _probabilities(logits, target) -> bool:
 
 
 def _as_cross_entropy(form, *args):
-    """`form(cross_entropy_with_lse, *args)`, one of torch's forms built on that op
-    (``_ce_forms``), for :func:`cross_entropy`: an error of that op's own checks
-    (of the logits or the targets) names ``keel::cross_entropy``, the op called."""
+    """`form(_with_lse, *args)`, one of torch's forms built on the op
+    cross_entropy_with_lse (``_ce_forms``), for :func:`cross_entropy`: an error of
+    that op's own checks (of the logits or the targets) names
+    ``keel::cross_entropy``, the op called."""
     try:
-        return form(cross_entropy_with_lse, *args)
+        return form(_with_lse, *args)
     except RuntimeError as err:
         renamed = as_called(err, "keel::cross_entropy_with_lse", _CE)
         if renamed is None:
@@ -397,11 +400,11 @@ def cross_entropy_with_lse(
         args = (logits, target, ignore_index, label_smoothing, reduction)
         return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
     if weight is not None and _probabilities(logits, target) and logits.dim() == 2:
-        # Probabilities with class weights: as in cross_entropy (folded into the
-        # target for the op where that is exact, else built on it).
+        # Probabilities with class weights: as in cross_entropy (the op takes them
+        # where it takes the target, else the loss is built on it).
         op = "keel::cross_entropy_with_lse"
         _ce_forms.check_probabilities(op, logits, target, ignore_index, _IGNORE_INDEX, weight, label_smoothing, reduction)
-        return _ce_forms.probabilities(cross_entropy_with_lse, logits, target, weight, label_smoothing, reduction)
+        return _ce_forms.probabilities(_with_lse, logits, target, weight, label_smoothing, reduction)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
         _ce_forms.check(
             "keel::cross_entropy_with_lse", logits, weight, label_smoothing, reduction, _ce_forms.classes(logits)
@@ -418,13 +421,30 @@ def cross_entropy_with_lse(
     return _call(_cross_entropy_with_lse, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
 
 
+def _with_lse(logits, target, ignore_index, label_smoothing, reduction, weight=None):
+    """:func:`cross_entropy_with_lse` of ``[N, V]`` rows for ``_ce_forms``, which
+    checked the arguments already: with `weight` (class weights of
+    probabilities), the op itself takes them, in the logits' dtype (under
+    autocast, its autocast kernel casts them, and its float32 value takes them as
+    given)."""
+    if weight is None:
+        return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)
+    logits, target, weight = logits.contiguous(), target.contiguous(), weight.contiguous()
+    if _autocast_on() and not _transformed():
+        return _CROSS_ENTROPY_WITH_LSE[0](logits, target, ignore_index, label_smoothing, reduction, weight)
+    args = (logits, target, ignore_index, label_smoothing, reduction, weight.to(logits.dtype))
+    return _call(_cross_entropy, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, *args)
+
+
 def _cross_entropy_with_lse(op, logits, target, ignore_index, label_smoothing, reduction):
     return _cross_entropy(op, logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
 
 
-def _cross_entropy(op, logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy(op, logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """`op` (cross_entropy or cross_entropy_with_lse) with the trailing scalar
     arguments that equal their defaults left out (see `_call`)."""
+    if weight is not None:
+        return op(logits, target, ignore_index, label_smoothing, reduction, weight)
     if reduction == _REDUCTION:
         if label_smoothing.__class__ is float and label_smoothing == _LABEL_SMOOTHING:
             if ignore_index.__class__ is int and ignore_index == _IGNORE_INDEX:

@@ -89,7 +89,7 @@ def test_with_lse_takes_the_weight(device):
 
 
 @pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("weight_grad", [False, True])  # folded into the target; the composite
+@pytest.mark.parametrize("weight_grad", [False, True])  # the fused kernel reads them; the composite
 def test_with_lse_takes_probabilities_and_the_weight(device, weight_grad):
     x = make((9, 40), torch.float32, device, 0, 3.0)
     p = probabilities((9, 40), device)
@@ -152,19 +152,21 @@ def test_autocast_loss_is_float32_as_torch():
         want = F.cross_entropy(h, t, weight=w, label_smoothing=0.1)
         p = torch.softmax(x.flip(0), -1)
         got_p, want_p = keel.cross_entropy(h, p, weight=w), F.cross_entropy(h, p, weight=w)
-        # bfloat16 probabilities and no weight: the op's fused kernel, through the typed
-        # API and through torch.ops (whose autocast kernel gives the float32 loss); with
-        # weights, the composite, in float32 as torch (not folded into a bfloat16 target).
+        # bfloat16 probabilities: the op's fused kernel, through the typed API and
+        # through torch.ops (whose autocast kernel gives the float32 loss, with float32
+        # weights as given: the kernel gets them in bfloat16, the value does not).
         pb = p.bfloat16()
         bf16_targets = [
             keel.cross_entropy(h, pb, label_smoothing=0.1),
             torch.ops.keel.cross_entropy(h, pb, -100, 0.1, "sum"),
             keel.cross_entropy(h, pb, label_smoothing=0.1, weight=w),
+            torch.ops.keel.cross_entropy(h, pb, -100, 0.1, "none", w),
         ]
         want_bf16 = [
             F.cross_entropy(h, pb, label_smoothing=0.1),
             F.cross_entropy(h, pb, label_smoothing=0.1, reduction="sum"),
             F.cross_entropy(h, pb, label_smoothing=0.1, weight=w),
+            F.cross_entropy(h, pb, label_smoothing=0.1, weight=w, reduction="none"),
         ]
     assert h.dtype == torch.bfloat16 and got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -246,7 +248,7 @@ def probabilities(shape, device, dtype=torch.float32, seed=5):
 @pytest.mark.parametrize("target_grad", [True, False])
 def test_probability_targets_match_torch(device, n, v, reduction, label_smoothing, weighted, target_grad):
     """Against torch in float64; where the target needs no gradient, the op's fused
-    kernel takes it (``_ce_forms.fused``), with the weights folded in where given."""
+    kernel takes it (``_ce_forms.fused``), with the weights where given."""
     for dtype in dtypes_for(device):
         x = make((n, v), dtype, device, 0, 4.0)
         p = probabilities((n, v), device, dtype)
@@ -356,8 +358,8 @@ def test_probability_targets_gradcheck():
         assert torch.autograd.gradcheck(
             lambda x, p: keel.cross_entropy(x, p, label_smoothing=0.2, reduction=reduction, weight=w), (x, p)
         )
-        # The fused kernel (a target with no gradient, with and without weights folded
-        # into it), and its second derivative.
+        # The fused kernel (a target with no gradient, with and without weights),
+        # and its second derivative.
         for weight in (None, w):
             fused = lambda x: keel.cross_entropy(x, p.detach(), label_smoothing=0.2, reduction=reduction, weight=weight)  # noqa: E731
             assert torch.autograd.gradcheck(fused, (x,)) and torch.autograd.gradgradcheck(fused, (x,))
@@ -365,8 +367,8 @@ def test_probability_targets_gradcheck():
 
 @pytest.mark.parametrize("device", devices())
 def test_probability_targets_weight_gradient(device):
-    """Weights that need a gradient take the composite (the fused kernel folds them
-    into the target, which has none): the weights' gradient is torch's."""
+    """Weights that need a gradient take the composite (the typed API sends the
+    fused kernel none that do): the weights' gradient is torch's."""
     for dtype in dtypes_for(device):
         x = make((6, 40), dtype, device, 0, 3.0)
         p = probabilities((6, 40), device, dtype)
@@ -385,13 +387,19 @@ def test_probability_targets_weight_gradient(device):
 def test_probability_targets_compile():
     torch._dynamo.reset()
 
-    def f(h, w, p):
-        return keel.cross_entropy(h @ w, p, label_smoothing=0.05)
+    def f(h, w, p, cw):
+        return keel.cross_entropy(h @ w, p, label_smoothing=0.05, weight=cw)
 
     w, p = torch.randn(16, 50), probabilities((8, 50), "cpu")
-    h = torch.randn(8, 16, requires_grad=True)
-    out = torch.compile(f, fullgraph=True)(h, w, p)
-    torch.testing.assert_close(out, f(h, w, p))
+    for cw in (None, class_weights(50, "cpu")):  # the op with its weight argument too
+        h = torch.randn(8, 16, requires_grad=True)
+        hr = h.detach().clone().requires_grad_()
+        out = torch.compile(f, fullgraph=True)(h, w, p, cw)
+        want = F.cross_entropy(hr @ w, p, label_smoothing=0.05, weight=cw)
+        torch.testing.assert_close(out, want)
+        out.backward()
+        want.backward()
+        torch.testing.assert_close(h.grad, hr.grad)
 
 
 BAD_PROBABILITIES = [
@@ -477,3 +485,63 @@ def test_cuda_op_takes_probabilities(device):
         want.backward()
         torch.testing.assert_close(got.double(), want.detach(), atol=atol * 10, rtol=rtol * 2)
         torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_the_op_takes_class_weights_with_probabilities(device, reduction):
+    """torch.ops.keel's cross_entropy ops with their ``weight`` argument (the kernels
+    read the weights beside each row): loss, lse, the backward op given the lse and
+    without it, and autograd through the op, the weights' gradient included."""
+    for dtype in dtypes_for(device):
+        atol, rtol = TOL[dtype]
+        x, p = make((6, 300), dtype, device, 0, 3.0), probabilities((6, 300), device, dtype)
+        w = class_weights(300, device, dtype)
+        w[3] = 0
+        for ls in (0.0, 0.1):
+            xr, wr = x.double().clone().requires_grad_(), w.double().clone().requires_grad_()
+            want = F.cross_entropy(xr, p.double(), weight=wr, label_smoothing=ls, reduction=reduction)
+            g = make(want.shape, dtype, device, 2)
+            want.backward(g.double())
+            loss, lse = torch.ops.keel.cross_entropy_with_lse(x, p, -100, ls, reduction, w)
+            torch.testing.assert_close(loss.double(), want.detach(), atol=atol * 10, rtol=rtol * 2)
+            torch.testing.assert_close(lse.double(), torch.logsumexp(x.double(), -1), atol=1e-5, rtol=1e-5)
+            plain = torch.ops.keel.cross_entropy(x, p, -100, ls, reduction, w)
+            torch.testing.assert_close(plain, loss, atol=0, rtol=0)
+            for given in (None, lse):
+                dx = torch.ops.keel.cross_entropy_backward(g, x, p, -100, ls, reduction, given, w)
+                torch.testing.assert_close(dx.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+            for op in (torch.ops.keel.cross_entropy, torch.ops.keel.cross_entropy_with_lse):
+                xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+                out = op(xk, p, -100, ls, reduction, wk)
+                (out[0] if isinstance(out, tuple) else out).backward(g)
+                torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+                scale = wr.grad.abs().max().item()
+                torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10 * scale, rtol=rtol * 2)
+
+
+def test_the_ops_weights_gradcheck():
+    """Second derivatives through the op with weights (``_twice``), both inputs."""
+    x = make((4, 7), torch.float64, "cpu", 0).requires_grad_()
+    w = class_weights(7, "cpu", torch.float64).requires_grad_()
+    p = probabilities((4, 7), "cpu", torch.float64)
+    for reduction in REDUCTIONS:
+        op = lambda x, w: torch.ops.keel.cross_entropy(x, p, -100, 0.2, reduction, w)  # noqa: E731
+        assert torch.autograd.gradcheck(op, (x, w))
+        assert torch.autograd.gradgradcheck(op, (x, w))
+
+
+BAD_OP_WEIGHT = [
+    ("class indices", lambda x, p, w: torch.ops.keel.cross_entropy(x, torch.tensor([0, 1, 2, 3]), -100, 0.0, "mean", w), r"keel::cross_entropy: argument 'weight' is taken by the op with probabilities \(a float target\) only"),
+    ("dtype", lambda x, p, w: torch.ops.keel.cross_entropy(x, p, -100, 0.0, "mean", w.double()), r"keel::cross_entropy: argument 'weight' has dtype torch.float64 but 'logits' has torch.float32"),
+    ("shape", lambda x, p, w: torch.ops.keel.cross_entropy_with_lse(x, p, -100, 0.0, "mean", w[:5]), r"keel::cross_entropy_with_lse: argument 'weight' must have shape \[9\]"),
+    ("device", lambda x, p, w: torch.ops.keel.cross_entropy(x, p, -100, 0.0, "mean", w.to("meta")), r"keel::cross_entropy: argument 'weight' is on meta but 'logits' is on cpu"),
+    ("backward", lambda x, p, w: torch.ops.keel.cross_entropy_backward(torch.ones(()), x, p, -100, 0.0, "sum", None, w[None]), r"keel::cross_entropy_backward: argument 'weight' must have shape \[9\]"),
+]
+
+
+@pytest.mark.parametrize("call,msg", [b[1:] for b in BAD_OP_WEIGHT], ids=[b[0] for b in BAD_OP_WEIGHT])
+def test_the_ops_bad_weight_raises_naming_op_and_argument(call, msg):
+    x, p = make((4, 9), torch.float32, "cpu", 0), probabilities((4, 9), "cpu")
+    with pytest.raises(RuntimeError, match=msg):
+        call(x, p, class_weights(9, "cpu"))
