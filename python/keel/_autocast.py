@@ -90,8 +90,8 @@ def _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction
         rows = a.sum(-1) * lse - (x * a).sum(-1)
     else:
         rows = (1 - label_smoothing) * (p.sum(-1) * lse - (x * p).sum(-1))
-    if weight is None and label_smoothing != 0:
-        rows = rows + label_smoothing * (lse - x.mean(-1))
+        if label_smoothing != 0:
+            rows = rows + label_smoothing * (lse - x.mean(-1))
     if reduction == "none":
         return rows
     total = rows.sum()
