@@ -1,6 +1,7 @@
 //! criterion: fused cross_entropy on CPU, forward (mean loss, keeping each
 //! row's log-sum-exp) and backward (recomputing the lse, and given it), every
-//! dtype, on rayon's pool; every 8th row ignored. Then the same against
+//! dtype, on rayon's pool; every 8th row ignored; then with class weights
+//! and label smoothing 0.1 (`weight/...`). Then the same against
 //! probability targets (`probs/...`: a target row as long as each logits row,
 //! read by the forward and the backward), and with class weights and label
 //! smoothing 0.1 (`probs_weight/...`). Throughput counts the logits (and
@@ -26,14 +27,27 @@ fn bench<T: Element>(c: &mut Criterion) {
         let mut lse = vec![T::Acc::ZERO; rows];
         g.throughput(bytes::<T>(n));
         g.bench_function(BenchmarkId::new("fwd", &id), |bn| {
-            bn.iter(|| forward_cpu(black_box(&x), &target, &mut loss, Some(&mut lse), vocab, opts, par).unwrap())
+            bn.iter(|| forward_cpu(black_box(&x), &target, None, &mut loss, Some(&mut lse), vocab, opts, par).unwrap())
         });
         g.throughput(bytes::<T>(2 * n));
         g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
-            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, None, &mut dx, vocab, opts, par).unwrap())
+            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, None, None, &mut dx, vocab, opts, par).unwrap())
         });
         g.bench_function(BenchmarkId::new("bwd_lse", &id), |bn| {
-            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, Some(&lse), &mut dx, vocab, opts, par).unwrap())
+            bn.iter(|| {
+                backward_cpu(&grad, black_box(&x), &target, None, Some(&lse), &mut dx, vocab, opts, par).unwrap()
+            })
+        });
+        // Class weights (read beside each row, from cache) and label smoothing.
+        let w: Vec<T> = data::<T>(vocab, 2).iter().map(|v| T::from_f64(v.to_f64().abs() + 0.5)).collect();
+        let (w, smooth) = (Some(&w[..]), Options { label_smoothing: 0.1, ..opts });
+        g.throughput(bytes::<T>(n));
+        g.bench_function(BenchmarkId::new("weight/fwd", &id), |bn| {
+            bn.iter(|| forward_cpu(black_box(&x), &target, w, &mut loss, Some(&mut lse), vocab, smooth, par).unwrap())
+        });
+        g.throughput(bytes::<T>(2 * n));
+        g.bench_function(BenchmarkId::new("weight/bwd_lse", &id), |bn| {
+            bn.iter(|| backward_cpu(&grad, black_box(&x), &target, w, Some(&lse), &mut dx, vocab, smooth, par).unwrap())
         });
         // Probability targets: non-negative, each row summing to about 1.
         let p: Vec<T> = data::<T>(n, 1).iter().map(|v| T::from_f64(v.to_f64().abs() * 2.0 / vocab as f64)).collect();
@@ -50,9 +64,7 @@ fn bench<T: Element>(c: &mut Criterion) {
                 backward_probs_cpu(&grad, black_box(&x), &p, None, Some(&lse), &mut dx, vocab, 0.0, mean, par).unwrap()
             })
         });
-        // With class weights (read beside each row, from cache) and label smoothing.
-        let w: Vec<T> = data::<T>(vocab, 2).iter().map(|v| T::from_f64(v.to_f64().abs() + 0.5)).collect();
-        let w = Some(&w[..]);
+        // With the class weights and label smoothing.
         g.throughput(bytes::<T>(2 * n));
         g.bench_function(BenchmarkId::new("probs_weight/fwd", &id), |bn| {
             bn.iter(|| {

@@ -84,7 +84,7 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
         g.bench_function(BenchmarkId::new("cross_entropy/fwd", &id), |bn| {
             bn.iter_custom(|it| {
                 timed(s, it, || {
-                    cross_entropy::forward_cuda(s, &x, &target, &mut loss, Some(&mut lse), vocab, opts).unwrap()
+                    cross_entropy::forward_cuda(s, &x, &target, None, &mut loss, Some(&mut lse), vocab, opts).unwrap()
                 })
             })
         });
@@ -93,17 +93,36 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
             g.bench_function(BenchmarkId::new(name, &id), |bn| {
                 bn.iter_custom(|it| {
                     timed(s, it, || {
-                        cross_entropy::backward_cuda(s, &grad, &x, &target, lse, &mut dx, vocab, opts).unwrap()
+                        cross_entropy::backward_cuda(s, &grad, &x, &target, None, lse, &mut dx, vocab, opts).unwrap()
                     })
                 })
             });
         }
+        // Class weights (read beside each row) and label smoothing 0.1.
+        let w: Vec<T> = data::<T>(vocab, 2).iter().map(|v| T::from_f64(v.to_f64().abs() + 0.5)).collect();
+        let (w, smooth) = (up(&w), cross_entropy::Options { label_smoothing: 0.1, ..opts });
+        g.throughput(bytes::<T>(n));
+        g.bench_function(BenchmarkId::new("cross_entropy/weight/fwd", &id), |bn| {
+            bn.iter_custom(|it| {
+                timed(s, it, || {
+                    let lse = Some(&mut lse);
+                    cross_entropy::forward_cuda(s, &x, &target, Some(&w), &mut loss, lse, vocab, smooth).unwrap()
+                })
+            })
+        });
+        g.throughput(bytes::<T>(2 * n));
+        g.bench_function(BenchmarkId::new("cross_entropy/weight/bwd_lse", &id), |bn| {
+            bn.iter_custom(|it| {
+                timed(s, it, || {
+                    let (w, lse) = (Some(&w), Some(&lse));
+                    cross_entropy::backward_cuda(s, &grad, &x, &target, w, lse, &mut dx, vocab, smooth).unwrap()
+                })
+            })
+        });
         // Probability targets (no synchronisation): the target rows are read too.
         let p: Vec<T> = data::<T>(n, 1).iter().map(|v| T::from_f64(v.to_f64().abs() * 2.0 / vocab as f64)).collect();
         let (p, mean) = (up(&p), cross_entropy::Reduction::Mean);
-        // Without and with class weights (and label smoothing 0.1).
-        let w: Vec<T> = data::<T>(vocab, 2).iter().map(|v| T::from_f64(v.to_f64().abs() + 0.5)).collect();
-        let w = up(&w);
+        // Without and with the class weights (and label smoothing 0.1).
         for (name, w, ls) in [("cross_entropy/probs", None, 0.0), ("cross_entropy/probs_weight", Some(&w), 0.1)] {
             g.throughput(bytes::<T>(2 * n));
             g.bench_function(BenchmarkId::new(format!("{name}/fwd"), &id), |bn| {

@@ -1,5 +1,6 @@
 // Fused cross-entropy over logits [rows, cols] and int64 targets [rows], with
-// label smoothing ls and ignore_index; no log-softmax is stored.
+// label smoothing ls, ignore_index and class weights w ([cols] of T, or null);
+// no log-softmax is stored.
 //
 // Forward, two launches:
 //   cross_entropy_rows_*: one block per row, loss[row] (f32) =
@@ -7,10 +8,14 @@
 //     target (outside [0, cols) and not ignore_index). One read of the row:
 //     max, sum of exp and sum together (online softmax). When lse is not
 //     null, lse[row] = the row's log-sum-exp (0 for ignored and bad rows).
+//     With weights: (1 - ls) w[t] (lse - x[t]) + ls / cols (W lse - sum(w x)),
+//     W = sum(w), sum(w x) and W from the same read of the row (w beside it).
 //   cross_entropy_reduce_*: one block; counts the rows (status[0] = bad
-//     targets, status[1] = rows not ignored) and writes the output: the row
-//     losses cast to T (reduction 0 = "none"), or their mean (1) or sum (2)
-//     over the rows not ignored (NaN when a target is bad).
+//     targets, status[1] = the float bits of what "mean" divides by: the rows
+//     not ignored, or with weights the sum of their targets' weights) and
+//     writes the output: the row losses cast to T (reduction 0 = "none"), or
+//     their mean (1) or sum (2) over the rows not ignored (NaN when a target
+//     is bad).
 // Backward: cross_entropy_count (one block, the same status), then
 //   cross_entropy_bwd_*: one block per row, taking the row's lse from the
 //   forward, or recomputing it when lse is null or |lse| >= 64 (one read, as
@@ -18,7 +23,9 @@
 //   the gradient (one more read, and the write):
 //   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
 //   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
-//   ignored rows, NaN for bad ones.
+//   ignored rows, NaN for bad ones. With weights, g (A softmax(x) - ls / cols
+//   w[j]) - g (1 - ls) w[t] [j == t], A = (1 - ls) w[t] + ls W / cols (W
+//   summed once per block).
 // The caller reads status[0] back and raises an error when it is not 0; where
 // it cannot (during CUDA graph capture) the NaNs are the only sign.
 // exp is __expf for f16 and bf16 logits (common.cuh's FastMath; the lse then
@@ -29,29 +36,39 @@ using namespace keel;
 
 __device__ __forceinline__ bool bad_target(int64_t t, int cols) { return t < 0 || t >= cols; }
 
-// status[0] = bad targets, status[1] = rows not ignored (bad ones excluded).
-__device__ __forceinline__ void count_targets(const int64_t* __restrict__ target, int* __restrict__ status,
-                                              int64_t rows, int cols, int64_t ignore, float* scratch) {
+// The weight of a row's class t (in range): w[t], or 1 without weights.
+template <typename T>
+__device__ __forceinline__ float class_weight(const T* __restrict__ w, int64_t t) {
+  return w ? to_f32(w[t]) : 1.f;
+}
+
+// status[0] = bad targets, status[1] = the float bits of the rows not ignored
+// (bad ones excluded), or with weights of the sum of their targets' weights.
+template <typename T>
+__device__ __forceinline__ void count_targets(const int64_t* __restrict__ target, const T* __restrict__ w,
+                                              int* __restrict__ status, int64_t rows, int cols, int64_t ignore,
+                                              float* scratch) {
   float bad = 0.f, valid = 0.f;
   for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) {
     const int64_t t = target[i];
     if (t == ignore) continue;
-    if (bad_target(t, cols)) bad += 1.f; else valid += 1.f;
+    if (bad_target(t, cols)) bad += 1.f; else valid += class_weight(w, t);
   }
   bad = block_sum(bad, scratch);
   valid = block_sum(valid, scratch);
   if (threadIdx.x == 0) {
     status[0] = (int)bad;
-    status[1] = (int)valid;
+    status[1] = __float_as_int(valid);
   }
 }
 
 template <typename T>
 __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* __restrict__ target,
-                                        float* __restrict__ loss, float* __restrict__ lse, int64_t rows, int cols,
-                                        int64_t ignore, float ls) {
-  __shared__ float scratch[32];
-  const bool vec = cols % Pack<T>::N == 0 && aligned16(x);
+                                        const T* __restrict__ w, float* __restrict__ loss, float* __restrict__ lse,
+                                        int64_t rows, int cols, int64_t ignore, float ls) {
+  __shared__ float scratch[128];
+  constexpr bool Fast = FastMath<T>::value;
+  const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && (!w || aligned16(w));
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t t = target[row];
     if (t == ignore || bad_target(t, cols)) {
@@ -62,11 +79,29 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
       continue;
     }
     const T* xr = x + row * cols;
+    if (w && ls > 0.f) {
+      // sum(w x) and W with the max and sum of exp, as ce_probs_rows.
+      float m = -INFINITY, s = 0.f, dot = 0.f, ws = 0.f;
+      row_each2(xr, w, cols, vec, [&](int, float v, float q) {
+        online_add<Fast>(v, m, s);
+        dot += q * v;
+        ws += q;
+      });
+      const float bm = block_max(m, scratch);
+      const float4 sums = block_sum4(make_float4(s * exp_<Fast>(m - bm), dot, ws, 0.f), scratch);
+      if (threadIdx.x == 0) {
+        const float l = bm + logf(sums.x);
+        loss[row] = (1.f - ls) * to_f32(w[t]) * (l - to_f32(xr[t])) + ls / cols * (sums.z * l - sums.y);
+        if (lse) lse[row] = l;
+      }
+      continue;
+    }
     float sx = 0.f;
     const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch, ls > 0.f ? &sx : nullptr);
     if (threadIdx.x == 0) {
       const float l = ms.x + logf(ms.y);
-      loss[row] = l - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols;
+      // Without label smoothing, a weight scales the whole row's loss.
+      loss[row] = class_weight(w, t) * (l - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols);
       if (lse) lse[row] = l;
     }
   }
@@ -74,10 +109,10 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
 
 template <typename T>
 __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const int64_t* __restrict__ target,
-                                          int* __restrict__ status, T* __restrict__ out, int64_t rows, int cols,
-                                          int64_t ignore, int reduction) {
+                                          const T* __restrict__ w, int* __restrict__ status, T* __restrict__ out,
+                                          int64_t rows, int cols, int64_t ignore, int reduction) {
   __shared__ float scratch[32];
-  count_targets(target, status, rows, cols, ignore, scratch);
+  count_targets(target, w, status, rows, cols, ignore, scratch);
   if (reduction == 0) {
     for (int64_t i = threadIdx.x; i < rows; i += blockDim.x) out[i] = from_f32<T>(loss[i]);
     return;
@@ -87,7 +122,7 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const 
     const int64_t t = target[i];
     if (t != ignore) {  // a bad target's NaN loss makes the result NaN
       s += loss[i];
-      valid += 1.f;
+      valid += bad_target(t, cols) ? 1.f : class_weight(w, t);
     }
   }
   s = block_sum(s, scratch);
@@ -97,11 +132,20 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const 
 
 template <typename T>
 __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __restrict__ x,
-                                       const int64_t* __restrict__ target, const float* __restrict__ lse,
-                                       const int* __restrict__ status, T* __restrict__ dx, int64_t rows, int cols,
-                                       int64_t ignore, float ls, int reduction) {
+                                       const int64_t* __restrict__ target, const T* __restrict__ w,
+                                       const float* __restrict__ lse, const int* __restrict__ status,
+                                       T* __restrict__ dx, int64_t rows, int cols, int64_t ignore, float ls,
+                                       int reduction) {
   __shared__ float scratch[32];
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(dx);
+  // With weights and label smoothing: W = sum(w), once per block (the same
+  // condition for every thread).
+  const bool smooth_w = w && ls > 0.f;
+  float total = 0.f;
+  if (smooth_w) {
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) total += to_f32(w[j]);
+    total = block_sum(total, scratch);
+  }
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t t = target[row];
     const T* xr = x + row * cols;
@@ -112,41 +156,51 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
       continue;
     }
     float g = to_f32(grad[reduction == 0 ? row : 0]);
-    if (reduction == 1) g /= (float)status[1];
+    if (reduction == 1) g /= __int_as_float(status[1]);
     // exp(x - m) / s: m = lse and s = 1 when the forward left the lse and
     // |lse| < 64 (LSE_TRUSTED_BELOW in kernels-cpu/src/cross_entropy.rs: lse's
     // rounding is a relative error of every probability, 2^-24 |lse|); the
     // same for every thread of the block, so all of them take one branch.
     const bool trusted = lse && fabsf(lse[row]) < 64.f;
     const float2 ms = trusted ? make_float2(lse[row], 1.f) : row_max_sumexp(xr, cols, vec, 1.f, scratch);
+    const float wt = class_weight(w, t);
+    if (smooth_w) {
+      const float a = (1.f - ls) * wt + ls * total / cols;
+      const float gs = g * a / ms.y, off = g * ls / cols, hot = g * (1.f - ls) * wt;
+      row_map(xr, dr, cols, vec, [&](int j, float v) {
+        return exp_<FastMath<T>::value>(v - ms.x) * gs - off * to_f32(w[j]) - (j == t ? hot : 0.f);
+      });
+      continue;
+    }
+    // Without label smoothing a weight scales the row's gradient (1 without weights).
+    g *= wt;
     const float gs = g / ms.y, off = g * ls / cols, hot = g * (1.f - ls);
     row_map(xr, dr, cols, vec,
             [&](int j, float v) { return exp_<FastMath<T>::value>(v - ms.x) * gs - off - (j == t ? hot : 0.f); });
   }
 }
 
-extern "C" __global__ void cross_entropy_count(const int64_t* target, int* status, int64_t rows, int cols,
-                                               int64_t ignore) {
-  __shared__ float scratch[32];
-  count_targets(target, status, rows, cols, ignore, scratch);
-}
-
 #define KEEL_CROSS_ENTROPY(SUFFIX, T)                                                                          \
-  extern "C" __global__ void cross_entropy_rows_##SUFFIX(const T* x, const int64_t* target, float* loss,      \
-                                                         float* lse, int64_t rows, int cols, int64_t ignore,  \
-                                                         float ls) {                                          \
-    ce_rows<T>(x, target, loss, lse, rows, cols, ignore, ls);                                                  \
+  extern "C" __global__ void cross_entropy_rows_##SUFFIX(const T* x, const int64_t* target, const T* w,       \
+                                                         float* loss, float* lse, int64_t rows, int cols,     \
+                                                         int64_t ignore, float ls) {                          \
+    ce_rows<T>(x, target, w, loss, lse, rows, cols, ignore, ls);                                               \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_reduce_##SUFFIX(const float* loss, const int64_t* target,          \
-                                                           int* status, T* out, int64_t rows, int cols,       \
-                                                           int64_t ignore, int reduction) {                   \
-    ce_reduce<T>(loss, target, status, out, rows, cols, ignore, reduction);                                    \
+                                                           const T* w, int* status, T* out, int64_t rows,     \
+                                                           int cols, int64_t ignore, int reduction) {         \
+    ce_reduce<T>(loss, target, w, status, out, rows, cols, ignore, reduction);                                 \
+  }                                                                                                            \
+  extern "C" __global__ void cross_entropy_count_##SUFFIX(const int64_t* target, const T* w, int* status,     \
+                                                          int64_t rows, int cols, int64_t ignore) {           \
+    __shared__ float scratch[32];                                                                              \
+    count_targets<T>(target, w, status, rows, cols, ignore, scratch);                                          \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_bwd_##SUFFIX(const T* grad, const T* x, const int64_t* target,     \
-                                                        const float* lse, const int* status, T* dx,           \
-                                                        int64_t rows, int cols, int64_t ignore, float ls,     \
-                                                        int reduction) {                                      \
-    ce_bwd<T>(grad, x, target, lse, status, dx, rows, cols, ignore, ls, reduction);                            \
+                                                        const T* w, const float* lse, const int* status,      \
+                                                        T* dx, int64_t rows, int cols, int64_t ignore,        \
+                                                        float ls, int reduction) {                            \
+    ce_bwd<T>(grad, x, target, w, lse, status, dx, rows, cols, ignore, ls, reduction);                         \
   }
 
 KEEL_CROSS_ENTROPY(f32, float)

@@ -1,7 +1,8 @@
 //! Property tests: the CPU fused cross-entropy (loss, each row's log-sum-exp,
 //! and the gradient, recomputing the lse and given it) against the f64
-//! reference for every reduction, with ignored rows and label smoothing, every
-//! dtype, sequential and on rayon; plus torch's edge cases and bad targets.
+//! reference for every reduction, with ignored rows, label smoothing and class
+//! weights, every dtype, sequential and on rayon; plus torch's edge cases and
+//! bad targets.
 mod common;
 
 use common::{assert_close_floor, sum_scale, to_elems, Tol};
@@ -12,36 +13,49 @@ use proptest::prelude::*;
 
 const IGNORE: i64 = -100;
 
+/// Rows, columns, logits, targets, label smoothing, the loss gradient, and
+/// class weights (none, or 0 or in [0.25, 4)).
 #[allow(clippy::type_complexity)]
-fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<i64>, f64, f64)> {
+fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<i64>, f64, f64, Option<Vec<f64>>)> {
     (0usize..=7, 1usize..=300, prop_oneof![Just(0.0), 0.0f64..=1.0]).prop_flat_map(|(rows, cols, ls)| {
         let x = prop::collection::vec(prop_oneof![-5.0f64..5.0, -40.0f64..40.0], rows * cols);
         let t = prop::collection::vec(prop_oneof![3 => 0..cols as i64, 1 => Just(IGNORE)], rows);
-        (Just(rows), Just(cols), x, t, Just(ls), -2.0f64..2.0)
+        let w = prop::option::of(prop::collection::vec(prop_oneof![1 => Just(0.0), 4 => 0.25f64..4.0], cols));
+        (Just(rows), Just(cols), x, t, Just(ls), -2.0f64..2.0, w)
     })
 }
 
-fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], target: &[i64], ls: f64, g: f64) {
+#[allow(clippy::too_many_arguments)]
+fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], target: &[i64], ls: f64, g: f64, w: Option<Vec<f64>>) {
     let x = to_elems::<T>(x);
-    // Terms of size |x| enter each loss: compare relative to the row's scale.
-    let floor = x.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs()));
+    let w = w.map(|w| to_elems::<T>(&w));
+    let w = w.as_deref();
+    // Terms of size |x| (times the largest weight) enter each loss: compare
+    // relative to the row's scale. "mean" with weights divides by their sum
+    // over the targets, 0 (see below) or at least 0.25.
+    let wmax = w.map_or(1.0, |w| w.iter().fold(1.0f64, |m, v| m.max(v.to_f64())));
+    let floor = x.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs())) * wmax;
+    let over: f64 = target.iter().filter(|&&t| t != IGNORE).map(|&t| w.map_or(1.0, |w| w[t as usize].to_f64())).sum();
+    let mean_gain = if w.is_some() { 4.0 } else { 1.0 };
     for reduction in [Reduction::None, Reduction::Mean, Reduction::Sum] {
         let opts = Options { ignore_index: IGNORE, label_smoothing: ls, reduction };
         let n = reduction.out_len(rows);
         let grad = to_elems::<T>(&(0..n).map(|i| g + i as f64 * 0.25).collect::<Vec<_>>());
-        let want = forward_ref(&x, target, cols, opts);
-        let want_dx = backward_ref(&grad, &x, target, cols, opts);
+        let want = forward_ref(&x, target, w, cols, opts);
+        let want_dx = backward_ref(&grad, &x, target, w, cols, opts);
+        let gain = if reduction == Reduction::Mean { mean_gain } else { 1.0 };
         for par in [Par::Seq, Par::Rayon] {
             let (mut out, mut lse) = (vec![T::default(); n], vec![T::Acc::ONE; rows]);
-            forward_cpu(&x, target, &mut out, Some(&mut lse), cols, opts, par).unwrap();
+            forward_cpu(&x, target, w, &mut out, Some(&mut lse), cols, opts, par).unwrap();
             for (i, (l, xr)) in lse.iter().zip(x.chunks(cols)).enumerate() {
                 let want = if target[i] == IGNORE { 0.0 } else { lse_ref(xr) };
                 // Rounded once to `T::Acc` from an f64 sum of Acc terms.
                 let bound = if T::NAME == "f64" { 1e-12 } else { 1e-6 } * (1.0 + want.abs());
                 assert!((l.to_f64() - want).abs() <= bound, "lse [{}] row {i}: {} vs {want}", T::NAME, l.to_f64());
             }
-            if reduction == Reduction::Mean && target.iter().all(|&t| t == IGNORE) {
-                assert!(out[0].to_f64().is_nan(), "mean over no rows is NaN");
+            if reduction == Reduction::Mean && over == 0.0 {
+                // No rows, or only rows whose target weighs 0: 0/0 or x/0, as torch.
+                assert!(!out[0].to_f64().is_finite(), "mean over no weight is not finite: {}", out[0].to_f64());
                 continue;
             }
             let scale = 2.0 * sum_scale::<T>(cols * rows.max(1));
@@ -49,17 +63,17 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], target: &[i64], ls: f64, g
                 &out,
                 &want,
                 scale,
-                floor * if reduction == Reduction::None { 1.0 } else { rows as f64 },
+                floor * gain * if reduction == Reduction::None { 1.0 } else { rows as f64 },
                 &format!("{reduction:?} loss"),
             );
             for (how, lse) in [("", None), (" given the lse", Some(lse.as_slice()))] {
                 let mut dx = vec![T::default(); rows * cols];
-                backward_cpu(&grad, &x, target, lse, &mut dx, cols, opts, par).unwrap();
+                backward_cpu(&grad, &x, target, w, lse, &mut dx, cols, opts, par).unwrap();
                 assert_close_floor(
                     &dx,
                     &want_dx,
                     2.0 * sum_scale::<T>(cols),
-                    g.abs() + 1.0,
+                    (g.abs() + 1.0) * wmax * gain,
                     &format!("{reduction:?} grad{how}"),
                 );
             }
@@ -77,16 +91,16 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
-    fn f32_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f32>(rows, cols, &x, &t, ls, g); }
+    fn f32_matches_reference((rows, cols, x, t, ls, g, w) in case()) { check::<f32>(rows, cols, &x, &t, ls, g, w); }
 
     #[test]
-    fn f64_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f64>(rows, cols, &x, &t, ls, g); }
+    fn f64_matches_reference((rows, cols, x, t, ls, g, w) in case()) { check::<f64>(rows, cols, &x, &t, ls, g, w); }
 
     #[test]
-    fn f16_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<f16>(rows, cols, &x, &t, ls, g); }
+    fn f16_matches_reference((rows, cols, x, t, ls, g, w) in case()) { check::<f16>(rows, cols, &x, &t, ls, g, w); }
 
     #[test]
-    fn bf16_matches_reference((rows, cols, x, t, ls, g) in case()) { check::<bf16>(rows, cols, &x, &t, ls, g); }
+    fn bf16_matches_reference((rows, cols, x, t, ls, g, w) in case()) { check::<bf16>(rows, cols, &x, &t, ls, g, w); }
 }
 
 #[test]
@@ -97,11 +111,11 @@ fn known_value_and_ignored_rows() {
     let mut out = [0f32];
     let opts = Options { ignore_index: IGNORE, label_smoothing: 0.0, reduction: Reduction::Mean };
     let mut lse = [f32::NAN; 3];
-    forward_cpu(&x, &t, &mut out, Some(&mut lse), 4, opts, Par::Seq).unwrap();
+    forward_cpu(&x, &t, None, &mut out, Some(&mut lse), 4, opts, Par::Seq).unwrap();
     assert!((out[0] as f64 - 4f64.ln()).abs() < 1e-6, "{}", out[0]);
     assert_eq!(lse, [4f32.ln(), 0.0, 4f32.ln()], "the lse of each row, 0 where ignored");
     let mut dx = [1f32; 12];
-    backward_cpu(&[1.0f32], &x, &t, None, &mut dx, 4, opts, Par::Seq).unwrap();
+    backward_cpu(&[1.0f32], &x, &t, None, None, &mut dx, 4, opts, Par::Seq).unwrap();
     assert_eq!(&dx[4..8], &[0.0; 4], "ignored row has no gradient");
     assert!((dx[1] + 0.375).abs() < 1e-7 && (dx[0] - 0.125).abs() < 1e-7, "{dx:?}");
 }
@@ -112,21 +126,23 @@ fn bad_targets_and_options_are_errors() {
     let opts = Options { ignore_index: IGNORE, label_smoothing: 0.0, reduction: Reduction::Sum };
     let mut out = [0f32];
     assert_eq!(
-        err(forward_cpu(&[0f32; 8], &[0, 4], &mut out, None, 4, opts, Par::Seq)),
+        err(forward_cpu(&[0f32; 8], &[0, 4], None, &mut out, None, 4, opts, Par::Seq)),
         "cross_entropy: argument 'target': holds 4 at row 1, out of range for 4 classes (and not ignore_index = -100)"
     );
-    assert!(err(forward_cpu(&[0f32; 8], &[-1, 0], &mut out, None, 4, opts, Par::Seq)).contains("holds -1 at row 0"));
+    assert!(
+        err(forward_cpu(&[0f32; 8], &[-1, 0], None, &mut out, None, 4, opts, Par::Seq)).contains("holds -1 at row 0")
+    );
     let bad_ls = Options { label_smoothing: 1.5, ..opts };
-    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], &mut out, None, 4, bad_ls, Par::Seq))
+    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], None, &mut out, None, 4, bad_ls, Par::Seq))
         .contains("'label_smoothing': must be in [0, 1]"));
-    assert!(err(forward_cpu(&[0f32; 8], &[0], &mut out, None, 4, opts, Par::Seq))
+    assert!(err(forward_cpu(&[0f32; 8], &[0], None, &mut out, None, 4, opts, Par::Seq))
         .contains("'target' has length 1, expected 2"));
-    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], &mut out, Some(&mut [0f32; 3]), 4, opts, Par::Seq))
+    assert!(err(forward_cpu(&[0f32; 8], &[0, 0], None, &mut out, Some(&mut [0f32; 3]), 4, opts, Par::Seq))
         .contains("'lse' has length 3, expected 2"));
     let mut dx = [0f32; 8];
-    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 9], None, &mut dx, 4, opts, Par::Seq))
+    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 9], None, None, &mut dx, 4, opts, Par::Seq))
         .contains("cross_entropy_backward: argument 'target'"));
-    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 0], Some(&[0f32]), &mut dx, 4, opts, Par::Seq))
+    assert!(err(backward_cpu(&[1.0f32], &[0f32; 8], &[0, 0], None, Some(&[0f32]), &mut dx, 4, opts, Par::Seq))
         .contains("cross_entropy_backward: argument 'lse' has length 1, expected 2"));
     assert_eq!(
         keel_cpu::cross_entropy::Reduction::parse("cross_entropy", "avg").unwrap_err().to_string(),
@@ -165,20 +181,54 @@ fn large_logits<T: Tol>(offsets: &[f64]) {
         let grad = to_elems::<T>(&[1.0, 1.0, 1.0]);
         let mut out = vec![T::default(); 3];
         let mut lse = vec![T::Acc::ZERO; 3];
-        forward_cpu(&x, &t, &mut out, Some(&mut lse), cols, opts, Par::Seq).unwrap();
+        forward_cpu(&x, &t, None, &mut out, Some(&mut lse), cols, opts, Par::Seq).unwrap();
         let (mut given, mut plain) = (vec![T::default(); 3 * cols], vec![T::default(); 3 * cols]);
-        backward_cpu(&grad, &x, &t, Some(&lse), &mut given, cols, opts, Par::Seq).unwrap();
-        backward_cpu(&grad, &x, &t, None, &mut plain, cols, opts, Par::Seq).unwrap();
+        backward_cpu(&grad, &x, &t, None, Some(&lse), &mut given, cols, opts, Par::Seq).unwrap();
+        backward_cpu(&grad, &x, &t, None, None, &mut plain, cols, opts, Par::Seq).unwrap();
         let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
         let case = format!("[{}] offset {off}", T::NAME);
         if matches!(T::NAME, "f32" | "f64") {
             assert_eq!(bits(&given[..2 * cols]), bits(&plain[..2 * cols]), "{case}: large rows recompute their lse");
         }
-        let want = backward_ref(&grad, &x, &t, cols, opts);
+        let want = backward_ref(&grad, &x, &t, None, cols, opts);
         for (dx, how) in [(&given, "given the lse"), (&plain, "")] {
             assert_close_floor(dx, &want, 2.0 * sum_scale::<T>(cols), 1.0, &format!("{case}: grad {how}"));
         }
         let tied = (given[cols + 7].to_f64(), given[cols + 250].to_f64());
         assert!((tied.0 - want[cols + 7]).abs() < 0.01 && (tied.1 - want[cols + 250]).abs() < 0.01, "{case}: {tied:?}");
     }
+}
+
+#[test]
+fn known_values_with_class_weights() {
+    // Uniform logits over 4 classes (every lse - x_c = ln 4), weights 1..4,
+    // label smoothing 0.2: row loss (0.8 w[t] + 0.2 / 4 * 10) ln 4; "mean"
+    // divides by w[1] + w[3] = 6, the ignored row counting for nothing.
+    let (x, t, w) = ([0f32; 12], [1, IGNORE, 3], [1f32, 2.0, 3.0, 4.0]);
+    let ln4 = 4f64.ln();
+    let opts = Options { ignore_index: IGNORE, label_smoothing: 0.2, reduction: Reduction::None };
+    let mut rows = [0f32; 3];
+    forward_cpu(&x, &t, Some(&w), &mut rows, None, 4, opts, Par::Seq).unwrap();
+    for (got, want) in rows.iter().zip([2.1 * ln4, 0.0, 3.7 * ln4]) {
+        assert!((*got as f64 - want).abs() < 1e-6, "{rows:?}");
+    }
+    let mean = Options { reduction: Reduction::Mean, ..opts };
+    let mut out = [0f32];
+    forward_cpu(&x, &t, Some(&w), &mut out, None, 4, mean, Par::Seq).unwrap();
+    assert!((out[0] as f64 - 5.8 * ln4 / 6.0).abs() < 1e-6, "{out:?}");
+    // dx = g (A / 4 - a), A = 0.8 w[t] + 0.5, a = 0.05 w + 0.8 w[t] at t; g = 1 / 6.
+    let mut dx = [1f32; 12];
+    backward_cpu(&[1.0f32], &x, &t, Some(&w), None, &mut dx, 4, mean, Par::Seq).unwrap();
+    let want = [0.475, -1.175, 0.375, 0.325, 0.0, 0.0, 0.0, 0.0, 0.875, 0.825, 0.775, -2.475];
+    for (got, want) in dx.iter().zip(want) {
+        assert!((*got as f64 - want / 6.0).abs() < 1e-6, "{dx:?}");
+    }
+    // No smoothing: each row's loss and gradient scaled by its target's weight.
+    let plain = Options { label_smoothing: 0.0, ..opts };
+    forward_cpu(&x, &t, Some(&w), &mut rows, None, 4, plain, Par::Seq).unwrap();
+    assert!((rows[0] as f64 - 2.0 * ln4).abs() < 1e-6 && (rows[2] as f64 - 4.0 * ln4).abs() < 1e-6, "{rows:?}");
+    let err = forward_cpu(&x, &t, Some(&w[..3]), &mut rows, None, 4, opts, Par::Seq).unwrap_err().to_string();
+    assert_eq!(err, "cross_entropy: argument 'weight' has length 3, expected 4");
+    let err = backward_cpu(&[1.0f32; 3], &x, &t, Some(&w[..3]), None, &mut dx, 4, opts, Par::Seq).unwrap_err();
+    assert!(err.to_string().contains("cross_entropy_backward: argument 'weight' has length 3"), "{err}");
 }

@@ -113,27 +113,34 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     softmax::backward_cpu(&dy, &want, &mut wdx, cols, 0.7, Par::Seq).unwrap();
     close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, "softmax grad");
 
-    // cross_entropy: every third row ignored, label smoothing 0.1, each reduction
+    // cross_entropy: every third row ignored, label smoothing 0 and 0.1, each
+    // reduction, with and without class weights (in [0.25, 2))
     let target: Vec<i64> = (0..rows).map(|i| if i % 3 == 1 { -100 } else { ((i * 7919) % cols) as i64 }).collect();
     let td = s.clone_htod(&target).unwrap();
-    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
-        let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction };
+    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let wd = up(&s, &weights);
+    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
+    let cases = reductions.into_iter().flat_map(|r| [(r, 0.1, false), (r, 0.1, true), (r, 0.0, true)]);
+    for (reduction, label_smoothing, w) in cases {
+        let what = format!("cross_entropy {reduction:?} ls {label_smoothing} weighted {w}");
+        let (w, wd) = (w.then_some(&weights[..]), w.then_some(&wd));
+        let opts = cross_entropy::Options { ignore_index: -100, label_smoothing, reduction };
         let m = reduction.out_len(rows);
         let (mut out, mut lse) = (zeros(m), s.alloc_zeros::<f32>(rows).unwrap());
-        cross_entropy::forward_cuda(&s, &xd, &td, &mut out, Some(&mut lse), cols, opts).unwrap();
+        cross_entropy::forward_cuda(&s, &xd, &td, wd, &mut out, Some(&mut lse), cols, opts).unwrap();
         let (mut want, mut wlse) = (cpu(m), vec![T::Acc::ZERO; rows]);
-        cross_entropy::forward_cpu(&x, &target, &mut want, Some(&mut wlse), cols, opts, Par::Seq).unwrap();
+        cross_entropy::forward_cpu(&x, &target, w, &mut want, Some(&mut wlse), cols, opts, Par::Seq).unwrap();
         let got = s.clone_dtoh(&out).unwrap();
-        close(&got, &want, 4.0 * tol * (cols as f64).log2().max(1.0), &format!("cross_entropy {reduction:?}"));
+        close(&got, &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
         let wlse: Vec<f32> = wlse.iter().map(|v| v.to_f64() as f32).collect();
-        close(&s.clone_dtoh(&lse).unwrap(), &wlse, 1e-5, &format!("cross_entropy {reduction:?} lse"));
+        close(&s.clone_dtoh(&lse).unwrap(), &wlse, 1e-5, &format!("{what} lse"));
         let grad = data::<T>(m, 13);
         let mut wdx = cpu(n);
-        cross_entropy::backward_cpu(&grad, &x, &target, None, &mut wdx, cols, opts, Par::Seq).unwrap();
+        cross_entropy::backward_cpu(&grad, &x, &target, w, None, &mut wdx, cols, opts, Par::Seq).unwrap();
         for (how, l) in [("", None), (" given the lse", Some(&lse))] {
             let mut dx = zeros(n);
-            cross_entropy::backward_cuda(&s, &up(&s, &grad), &xd, &td, l, &mut dx, cols, opts).unwrap();
-            close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("cross_entropy {reduction:?} grad{how}"));
+            cross_entropy::backward_cuda(&s, &up(&s, &grad), &xd, &td, wd, l, &mut dx, cols, opts).unwrap();
+            close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("{what} grad{how}"));
         }
     }
     // cross_entropy against probabilities (about 1 a row, some zeros), label
@@ -144,8 +151,6 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
         .map(|(i, v)| T::from_f64(if i % 5 == 2 { 0.0 } else { (v.to_f64().abs() + 0.1) * 1.6 / cols as f64 }))
         .collect();
     let pd = up(&s, &probs);
-    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
-    let wd = up(&s, &weights);
     let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
     for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, false), (r, true)]) {
         let what = format!("cross_entropy probs {reduction:?} weighted {w}");
@@ -174,15 +179,15 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     let opts =
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
     let bad_d = s.clone_htod(&bad).unwrap();
-    let err = cross_entropy::forward_cuda(&s, &xd, &bad_d, &mut zeros(1), None, cols, opts).unwrap_err();
+    let err = cross_entropy::forward_cuda(&s, &xd, &bad_d, None, &mut zeros(1), None, cols, opts).unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
     let one = up(&s, &[T::from_f64(1.0)]);
-    let err = cross_entropy::backward_cuda(&s, &one, &xd, &bad_d, None, &mut zeros(n), cols, opts).unwrap_err();
+    let err = cross_entropy::backward_cuda(&s, &one, &xd, &bad_d, None, None, &mut zeros(n), cols, opts).unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
     // Given the forward's lse, the backward does not check again (no
     // synchronisation): a bad target, against that promise, leaves NaN.
     let (lse0, mut dx) = (s.clone_htod(&vec![0f32; rows]).unwrap(), zeros(n));
-    cross_entropy::backward_cuda(&s, &one, &xd, &bad_d, Some(&lse0), &mut dx, cols, opts).unwrap();
+    cross_entropy::backward_cuda(&s, &one, &xd, &bad_d, None, Some(&lse0), &mut dx, cols, opts).unwrap();
     let dx = s.clone_dtoh(&dx).unwrap();
     assert!(dx[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient given the lse");
 
@@ -285,7 +290,7 @@ fn cross_entropy_under_graph_capture() {
     s.synchronize().unwrap();
     // SAFETY (both calls): the buffers above, of the lengths the entry point asks for.
     let forward =
-        || unsafe { cross_entropy::forward_cuda_raw(&g, &s, DType::F32, px, pt, po, 0, ps, rows, cols, opts) };
+        || unsafe { cross_entropy::forward_cuda_raw(&g, &s, DType::F32, px, pt, 0, po, 0, ps, rows, cols, opts) };
 
     // Warm-up, as before any capture: loads the module outside it.
     forward().expect("eager, good targets");
@@ -297,7 +302,7 @@ fn cross_entropy_under_graph_capture() {
     graph.launch().unwrap();
     s.synchronize().unwrap();
     let mut want = vec![0f32; 1];
-    cross_entropy::forward_cpu(&x, &target, &mut want, None, cols, opts, Par::Seq).unwrap();
+    cross_entropy::forward_cpu(&x, &target, None, &mut want, None, cols, opts, Par::Seq).unwrap();
     close(&s.clone_dtoh(&out).unwrap(), &want, 1e-5, "cross_entropy replayed");
 
     target[3] = cols as i64;

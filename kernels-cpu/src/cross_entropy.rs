@@ -1,10 +1,17 @@
 //! Fused cross-entropy over logits `[n, v]` and class targets `[n]`.
 //!
-//! Row loss, as `torch.nn.functional.cross_entropy` (no class weights), with
-//! label smoothing `eps`: `lse(x) - (1 - eps) x[t] - eps * mean(x)`, where
-//! `lse` is the log-sum-exp; a row whose target is `ignore_index` has loss 0
-//! and no gradient. Reductions: per-row (`None`), `Sum`, or `Mean` over the rows
-//! not ignored (all ignored gives NaN, as torch).
+//! Row loss, as `torch.nn.functional.cross_entropy`, with label smoothing
+//! `eps`: `lse(x) - (1 - eps) x[t] - eps * mean(x)`, where `lse` is the
+//! log-sum-exp; a row whose target is `ignore_index` has loss 0 and no
+//! gradient. Reductions: per-row (`None`), `Sum`, or `Mean` over the rows not
+//! ignored (all ignored gives NaN, as torch).
+//!
+//! Class weights `w` (`[v]`, of `T`, as torch's `weight`): the row loss is
+//! `(1 - eps) w[t] (lse - x[t]) + eps / v * sum_c w[c] (lse - x[c])`, the
+//! second term `eps / v (W lse - sum(w x))` with `W = sum(w)`, and `Mean`
+//! divides by the sum of `w[t]` over the rows not ignored. That is the
+//! probability-target loss (`cross_entropy_probs`) of the target `a = w ((1 -
+//! eps) onehot(t) + eps / v)`, whose gradient is `g (sum(a) softmax(x) - a)`.
 //!
 //! Fused: no log-softmax is stored. The forward reads the logits once (max,
 //! then exp-sum from cache) and can hand back each row's `lse` (one value per
@@ -82,12 +89,46 @@ pub struct Options {
     pub reduction: Reduction,
 }
 
-/// Checks the shapes and options; `target` values are checked by [`check_targets`].
-/// Returns the number of rows.
-pub fn check(op: &'static str, logits: usize, target: usize, cols: usize, opts: &Options) -> Result<usize> {
+/// Checks the shapes (`weight`: the class weights' length, where given) and
+/// options; `target` values are checked by [`check_targets`]. Returns the
+/// number of rows.
+pub fn check(
+    op: &'static str,
+    logits: usize,
+    target: usize,
+    weight: Option<usize>,
+    cols: usize,
+    opts: &Options,
+) -> Result<usize> {
     let rows = check_rows(op, logits, cols, opts.label_smoothing)?;
     check_len(op, "target", target, rows)?;
+    if let Some(w) = weight {
+        check_len(op, "weight", w, cols)?;
+    }
     Ok(rows)
+}
+
+/// What `Mean` divides the summed losses by: `count`, the rows not ignored,
+/// or with class weights the sum of their targets' weights (targets checked
+/// by [`check_targets`] already).
+pub fn mean_over<T: Element>(target: &[i64], weight: Option<&[T]>, ignore_index: i64, count: usize) -> f64 {
+    match weight {
+        None => count as f64,
+        Some(w) => target.iter().filter(|&&t| t != ignore_index).map(|&t| w[t as usize].to_f64()).sum(),
+    }
+}
+
+/// Class weights and their sum.
+#[derive(Clone, Copy)]
+struct Weights<'a, T> {
+    w: &'a [T],
+    total: f64,
+}
+
+impl<'a, T: Element> Weights<'a, T> {
+    fn new(w: Option<&'a [T]>) -> Option<Self> {
+        w.map(|w| Weights { w, total: w.iter().map(|v| v.to_f64()).sum() })
+    }
 }
 
 /// The checks of both target forms (class indices here, probabilities in
@@ -135,21 +176,25 @@ pub fn check_targets(op: &'static str, target: &[i64], cols: usize, ignore_index
 /// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
 /// and, when `lse` is given (`rows` values), each row's log-sum-exp, which
 /// [`backward`] can then take instead of recomputing it (0 for ignored rows).
+/// `weight`: class weights (`cols` values), or none.
+#[allow(clippy::too_many_arguments)]
 pub fn forward<T: Element>(
     logits: &[T],
     target: &[i64],
+    weight: Option<&[T]>,
     out: &mut [T],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check(OP_FWD, logits.len(), target.len(), cols, &opts)?;
+    let rows = check(OP_FWD, logits.len(), target.len(), weight.map(<[T]>::len), cols, &opts)?;
     check_len(OP_FWD, "out", out.len(), opts.reduction.out_len(rows))?;
     if let Some(l) = &lse {
         check_len(OP_FWD, "lse", l.len(), rows)?;
     }
     let count = check_targets(OP_FWD, target, cols, opts.ignore_index)?;
+    let w = Weights::new(weight);
     // Per row: the loss and the log-sum-exp.
     let mut losses = vec![[0f64; 2]; rows];
     if rows > 0 {
@@ -165,25 +210,25 @@ pub fn forward<T: Element>(
                     for (i, (&t, l)) in target[r.clone()].iter().zip(l.iter_mut()).enumerate() {
                         let (x, ahead) = row_and_next(x, i, cols);
                         if t != opts.ignore_index {
-                            *l = row_loss(x, t as usize, opts.label_smoothing, ahead);
+                            *l = row_loss(x, t as usize, opts.label_smoothing, ahead, w);
                         }
                     }
                 },
             );
         });
     }
-    write_losses(&losses, out, lse, opts.reduction, count);
+    write_losses(&losses, out, lse, opts.reduction, mean_over(target, weight, opts.ignore_index, count));
     Ok(())
 }
 
 /// The end of both forwards: each row's `[loss, lse]` (f64) to `lse` when
-/// given, and the losses reduced into `out` (`"mean"` divides by `count`).
+/// given, and the losses reduced into `out` (`"mean"` divides by `mean_over`).
 pub(crate) fn write_losses<T: Element>(
     losses: &[[f64; 2]],
     out: &mut [T],
     lse: Option<&mut [T::Acc]>,
     reduction: Reduction,
-    count: usize,
+    mean_over: f64,
 ) {
     if let Some(lse) = lse {
         lse.iter_mut().zip(losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
@@ -192,7 +237,7 @@ pub(crate) fn write_losses<T: Element>(
     match reduction {
         Reduction::None => out.iter_mut().zip(losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
         Reduction::Sum => out[0] = T::from_f64(sum()),
-        Reduction::Mean => out[0] = T::from_f64(sum() / count as f64),
+        Reduction::Mean => out[0] = T::from_f64(sum() / mean_over),
     }
 }
 
@@ -200,19 +245,20 @@ pub(crate) fn write_losses<T: Element>(
 /// [`Reduction::None`], else one) and the forward's inputs; with the forward's
 /// `lse`, each row is read once (the max pass is skipped), except f32 and
 /// f64 rows whose `|lse|` is [`LSE_TRUSTED_BELOW`] or more, which recompute
-/// theirs.
+/// theirs. `weight`: the forward's class weights, or none.
 #[allow(clippy::too_many_arguments)]
 pub fn backward<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[i64],
+    weight: Option<&[T]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check(OP_BWD, logits.len(), target.len(), cols, &opts)?;
+    let rows = check(OP_BWD, logits.len(), target.len(), weight.map(<[T]>::len), cols, &opts)?;
     check_len(OP_BWD, "grad", grad.len(), opts.reduction.out_len(rows))?;
     check_len(OP_BWD, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
@@ -222,13 +268,16 @@ pub fn backward<T: Element>(
     if rows == 0 {
         return Ok(());
     }
+    let over = mean_over(target, weight, opts.ignore_index, count);
     let row_grad = |i: usize| -> f64 {
         match opts.reduction {
             Reduction::None => grad[i].to_f64(),
             Reduction::Sum => grad[0].to_f64(),
-            Reduction::Mean => grad[0].to_f64() / count as f64,
+            Reduction::Mean => grad[0].to_f64() / over,
         }
     };
+    let w = Weights::new(weight);
+    let eps = opts.label_smoothing;
     let blocks = Blocks::new(&par, rows, cols);
     let dxs = Split::new(grad_logits, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
@@ -236,6 +285,11 @@ pub fn backward<T: Element>(
         let r = blocks.rows(b);
         let x = &logits[r.start * cols..r.end * cols];
         let mut scratch = vec![T::Acc::ZERO; cols];
+        // With label smoothing, each class's weight enters its gradient: widened once.
+        let wide: Vec<T::Acc> = match w {
+            Some(w) if eps > 0.0 => w.w.iter().map(|v| v.to_acc()).collect(),
+            _ => vec![],
+        };
         dispatch(
             #[inline(always)]
             || {
@@ -247,8 +301,18 @@ pub fn backward<T: Element>(
                         dx.iter_mut().for_each(|d| *d = T::default());
                     } else {
                         let ahead = (ahead, next_row(ahead_w, cols));
-                        let (g, eps, lse) = (row_grad(row), opts.label_smoothing, lse.map(|l| l[row]));
-                        row_grad_into(x, t as usize, dx, &mut scratch, g, eps, lse, ahead);
+                        let (t, g, lse) = (t as usize, row_grad(row), lse.map(|l| l[row]));
+                        match w {
+                            None => row_grad_into(x, t, dx, &mut scratch, g, eps, lse, ahead),
+                            // No smoothing: the unweighted gradient scaled by w[t].
+                            Some(w) if eps == 0.0 => {
+                                row_grad_into(x, t, dx, &mut scratch, g * w.w[t].to_f64(), 0.0, lse, ahead)
+                            }
+                            Some(w) => {
+                                let w = (w.w[t].to_f64(), &wide[..], w.total);
+                                weighted_grad_into(x, t, dx, &mut scratch, g, eps, lse, ahead, w)
+                            }
+                        }
                     }
                 }
             },
@@ -258,13 +322,22 @@ pub fn backward<T: Element>(
 }
 
 /// One row's loss, `lse - (1 - eps) x[t] - eps mean(x)`, and its `lse`, in f64
-/// from `Acc` sums.
+/// from `Acc` sums; with weights, `(1 - eps) w[t] (lse - x[t]) + eps / v (W
+/// lse - sum(w x))`.
 #[inline(always)]
-fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T]) -> [f64; 2] {
+fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T], w: Option<Weights<'_, T>>) -> [f64; 2] {
     let one = T::Acc::ONE;
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
     let lse = m.to_f64() + s.to_f64().ln();
+    if let Some(w) = w {
+        let mut loss = (1.0 - eps) * w.w[t].to_f64() * (lse - x[t].to_f64());
+        if eps > 0.0 {
+            let dot = sum_pairs(x, w.w, |a, b| a * b).to_f64();
+            loss += eps / x.len() as f64 * (w.total * lse - dot);
+        }
+        return [loss, lse];
+    }
     let mut loss = lse - (1.0 - eps) * x[t].to_f64();
     if eps > 0.0 {
         loss -= eps * row_sum(x).to_f64() / x.len() as f64;
@@ -324,6 +397,38 @@ fn row_grad_into<T: Element>(
     dx[t] = T::from_f64(g * (p - eps / x.len() as f64) - g * (1.0 - eps));
 }
 
+/// One row's gradient with class weights and label smoothing:
+/// `g (A e_j / s - eps / v w_j)`, minus `g (1 - eps) w[t]` at `t`, with
+/// `A = (1 - eps) w[t] + eps W / v` and `e`, `s`, `m` as in
+/// [`row_grad_into`]'s scratch path (the rounding of a given `lse` cancels
+/// in `e / s`). `(wt, w, total)`: the target's weight, every class's
+/// (widened) and their sum.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn weighted_grad_into<T: Element>(
+    x: &[T],
+    t: usize,
+    dx: &mut [T],
+    scratch: &mut [T::Acc],
+    g: f64,
+    eps: f64,
+    lse: Option<T::Acc>,
+    (ahead, ahead_w): (&[T], &[T]),
+    (wt, w, total): (f64, &[T::Acc], f64),
+) {
+    let (one, v) = (T::Acc::ONE, x.len() as f64);
+    let m = lse.unwrap_or_else(|| row_max(x, one));
+    let s = exp_into(x, scratch, one, m, ahead, ahead_w).to_f64();
+    let a = (1.0 - eps) * wt + eps * total / v;
+    let p = scratch[t].to_f64() / s;
+    let (gs, off) = (T::Acc::from_f64(g * a / s), T::Acc::from_f64(g * eps / v));
+    for (e, &w) in scratch.iter_mut().zip(w) {
+        *e = *e * gs - off * w;
+    }
+    T::from_acc_slice(scratch, dx);
+    dx[t] = T::from_f64(g * (a * p - (1.0 - eps) * wt - eps / v * w[t].to_f64()));
+}
+
 /// `dx_i = exp(x_i - m) gs - off`, rounded once to `T`, straight into `dx`
 /// (for f32 and f64, whose rounding from `T::Acc` is none), prefetching as
 /// `exp_into` does; `m` at least the row's max.
@@ -345,33 +450,54 @@ fn exp_affine_into<T: Element>(x: &[T], dx: &mut [T], m: T::Acc, gs: T::Acc, off
     }
 }
 
-/// Reference forward in f64: the reduced loss (`rows` values for `None`).
-pub fn forward_ref<T: Element>(logits: &[T], target: &[i64], cols: usize, opts: Options) -> Vec<f64> {
-    let mut losses = vec![];
-    let mut count = 0usize;
+/// Reference forward in f64: the reduced loss (`rows` values for `None`),
+/// with class weights `weight` where given.
+pub fn forward_ref<T: Element>(
+    logits: &[T],
+    target: &[i64],
+    weight: Option<&[T]>,
+    cols: usize,
+    opts: Options,
+) -> Vec<f64> {
+    let w: Vec<f64> = weight_ref(weight, cols);
+    let (mut losses, mut over) = (vec![], 0.0);
     for (x, &t) in logits.chunks(cols).zip(target) {
         if t == opts.ignore_index {
             losses.push(0.0);
             continue;
         }
-        count += 1;
+        let t = t as usize;
+        over += w[t];
         let x: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
         let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let lse = m + x.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-        let mean = x.iter().sum::<f64>() / cols as f64;
         let eps = opts.label_smoothing;
-        losses.push(lse - (1.0 - eps) * x[t as usize] - eps * mean);
+        let smooth: f64 = x.iter().zip(&w).map(|(v, w)| w * (lse - v)).sum::<f64>() / cols as f64;
+        losses.push((1.0 - eps) * w[t] * (lse - x[t]) + eps * smooth);
     }
     match opts.reduction {
         Reduction::None => losses,
         Reduction::Sum => vec![losses.iter().sum()],
-        Reduction::Mean => vec![losses.iter().sum::<f64>() / count as f64],
+        Reduction::Mean => vec![losses.iter().sum::<f64>() / over],
     }
 }
 
-/// Reference backward in f64.
-pub fn backward_ref<T: Element>(grad: &[T], logits: &[T], target: &[i64], cols: usize, opts: Options) -> Vec<f64> {
-    let count = target.iter().filter(|&&t| t != opts.ignore_index).count() as f64;
+/// The class weights in f64: `weight`, or all 1.
+fn weight_ref<T: Element>(weight: Option<&[T]>, cols: usize) -> Vec<f64> {
+    weight.map_or_else(|| vec![1.0; cols], |w| w.iter().map(|v| v.to_f64()).collect())
+}
+
+/// Reference backward in f64, with class weights `weight` where given.
+pub fn backward_ref<T: Element>(
+    grad: &[T],
+    logits: &[T],
+    target: &[i64],
+    weight: Option<&[T]>,
+    cols: usize,
+    opts: Options,
+) -> Vec<f64> {
+    let w: Vec<f64> = weight_ref(weight, cols);
+    let over: f64 = target.iter().filter(|&&t| t != opts.ignore_index).map(|&t| w[t as usize]).sum();
     let mut out = vec![];
     for (i, (x, &t)) in logits.chunks(cols).zip(target).enumerate() {
         if t == opts.ignore_index {
@@ -381,15 +507,18 @@ pub fn backward_ref<T: Element>(grad: &[T], logits: &[T], target: &[i64], cols: 
         let g = match opts.reduction {
             Reduction::None => grad[i].to_f64(),
             Reduction::Sum => grad[0].to_f64(),
-            Reduction::Mean => grad[0].to_f64() / count,
+            Reduction::Mean => grad[0].to_f64() / over,
         };
         let x: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
         let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         let s: f64 = x.iter().map(|v| (v - m).exp()).sum();
         let eps = opts.label_smoothing;
-        for (j, v) in x.iter().enumerate() {
-            let hot = if j == t as usize { 1.0 - eps } else { 0.0 };
-            out.push(g * ((v - m).exp() / s - eps / cols as f64 - hot));
+        // The target a = w ((1 - eps) onehot(t) + eps / v): dx = g (sum(a) softmax - a).
+        let a: Vec<f64> =
+            (0..cols).map(|j| w[j] * (if j == t as usize { 1.0 - eps } else { 0.0 } + eps / cols as f64)).collect();
+        let total: f64 = a.iter().sum();
+        for (v, a) in x.iter().zip(&a) {
+            out.push(g * (total * (v - m).exp() / s - a));
         }
     }
     out

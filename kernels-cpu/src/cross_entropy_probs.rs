@@ -116,7 +116,7 @@ pub fn forward<T: Element>(
             );
         });
     }
-    write_losses(&losses, out, lse, reduction, rows);
+    write_losses(&losses, out, lse, reduction, rows as f64);
     Ok(())
 }
 

@@ -101,6 +101,17 @@ template <typename T> inline T __ldg(const T* p) {
   return *p;
 }
 inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+// The bits of a float as an int and back (cross_entropy's status word).
+inline int __float_as_int(float x) {
+  int i;
+  memcpy(&i, &x, sizeof i);
+  return i;
+}
+inline float __int_as_float(int i) {
+  float x;
+  memcpy(&x, &i, sizeof x);
+  return x;
+}
 // Never fused on the GPU; the emulation is built without FMA contraction.
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }

@@ -7,11 +7,11 @@
 //! `torch.nn.functional.cross_entropy`; or, as torch also takes them,
 //! probabilities: a `target` of the logits' dtype and shape (`ignore_index`
 //! must be the default there, as torch requires; on CUDA nothing is
-//! synchronised for them: no target can be out of range), with class weights
-//! `weight` (`[V]`, the logits' dtype) where given, read by the kernels
-//! beside each row. With class indices the op takes no weights (an error
-//! says so): `keel.cross_entropy` weights its per-row losses in Python.
-//! `cross_entropy_with_lse` (same arguments) also returns each
+//! synchronised for them: no target can be out of range). Class weights
+//! `weight` (`[V]`, the logits' dtype) where given, with either target, are
+//! read by the kernels beside each row, as torch's `weight` (with class
+//! indices, `"mean"` divides by the sum of the weights of the rows not
+//! ignored). `cross_entropy_with_lse` (same arguments) also returns each
 //! row's log-sum-exp (`[N]`, float32, or float64 for float64 logits; 0 for
 //! ignored rows). `cross_entropy_backward(grad, logits, target, ignore_index,
 //! label_smoothing, reduction, lse=None, weight=None) -> grad_logits` takes that lse, or
@@ -30,7 +30,7 @@ use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 struct Checked {
     logits: Tensor,
     target: Tensor,
-    /// Class weights, given only with probabilities.
+    /// Class weights.
     weight: Option<Tensor>,
     /// What the checks found of the logits.
     c: Rows,
@@ -82,16 +82,8 @@ fn check(
     // The kernels' own checks of V > 0 and the options, for every device.
     let reduction = Reduction::parse(op, reduction).map_err(check_err)?;
     let opts = Options { ignore_index: ii, label_smoothing: ls, reduction };
-    keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, c.cols, &opts).map_err(check_err)?;
-    let weight = match weight {
-        Some(_) if !probs => {
-            let msg = "is taken by the op with probabilities (a float target) only; with class indices, \
-                       keel.cross_entropy(..., weight=) weights the op's per-row losses";
-            return Err(invalid(op, "weight", msg));
-        }
-        Some(w) => Some(checks::param(op, "weight", w, &c)?),
-        None => None,
-    };
+    keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, None, c.cols, &opts).map_err(check_err)?;
+    let weight = weight.map(|w| checks::param(op, "weight", w, &c)).transpose()?;
     let (logits, target) = (checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?);
     Ok(Checked { logits, target, weight, c, opts, probs })
 }
@@ -155,15 +147,17 @@ fn forward(
                 .map_err(kernel_err_as(op))?
         }),
         DeviceType::Cpu => with_float_type!(c.dtype, T => {
-            // SAFETY: checked contiguous CPU tensors (logits of T, target of i64); `out` and `lse`
-            // (of T's accumulation type) are fresh.
+            // SAFETY: checked contiguous CPU tensors (logits and weight of T, target of i64); `out`
+            // and `lse` (of T's accumulation type) are fresh.
             let (x, t, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<i64>()?, out.as_mut_slice::<T>()?) };
+            // SAFETY: as above.
+            let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
             let l = match &lse {
                 // SAFETY: as above.
                 Some(l) => Some(unsafe { l.as_mut_slice::<<T as Element>::Acc>()? }),
                 None => None,
             };
-            with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, y, l, c.cols, opts, par)).map_err(kernel_err_as(op))?
+            with_torch_par(|par| keel::ops::cross_entropy::forward_cpu(x, t, w, y, l, c.cols, opts, par)).map_err(kernel_err_as(op))?
         }),
         DeviceType::Cuda => {
             let call = CudaCall::new(op, c.device)?;
@@ -192,8 +186,8 @@ fn forward(
                 .map_err(kernel_err_as(op))?;
                 return Ok((out, lse));
             }
-            // SAFETY: checked contiguous CUDA tensors on the guarded device; `out`, `lse` (f32) and
-            // `scratch` are fresh.
+            // SAFETY: checked contiguous CUDA tensors on the guarded device (weight of the logits'
+            // dtype, [V]); `out`, `lse` (f32) and `scratch` are fresh.
             unsafe {
                 keel::ops::cross_entropy::forward_cuda_raw(
                     &call.gpu,
@@ -201,6 +195,7 @@ fn forward(
                     dtype,
                     px,
                     pt,
+                    pw,
                     po,
                     pl,
                     ps,
@@ -303,16 +298,19 @@ impl BoxedOp for CrossEntropyBackward {
                     .map_err(kernel_err)?
             }),
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
-                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type); `grad_logits` is fresh.
+                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type, weight of
+                // T); `grad_logits` is fresh.
                 let (g, x, t, dx) = unsafe {
                     (grad.as_slice::<T>()?, logits.as_slice::<T>()?, target.as_slice::<i64>()?, grad_logits.as_mut_slice::<T>()?)
                 };
+                // SAFETY: as above.
+                let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
                 let l = match &lse {
                     // SAFETY: as above.
                     Some(l) => Some(unsafe { l.as_slice::<<T as Element>::Acc>()? }),
                     None => None,
                 };
-                with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, l, dx, c.cols, opts, par))
+                with_torch_par(|par| keel::ops::cross_entropy::backward_cpu(g, x, t, w, l, dx, c.cols, opts, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda if probs => {
@@ -345,8 +343,9 @@ impl BoxedOp for CrossEntropyBackward {
                 let scratch = Tensor::empty(&[n], ScalarType::F32, c.device)?;
                 let (pg, px, pt, pl) =
                     (ptr(Some(&grad))?, ptr(Some(&logits))?, ptr(Some(&target))?, ptr(lse.as_ref())?);
-                let (pd, ps) = (ptr(Some(&grad_logits))?, ptr(Some(&scratch))?);
-                // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32); outputs are fresh.
+                let (pd, ps, pw) = (ptr(Some(&grad_logits))?, ptr(Some(&scratch))?, ptr(weight.as_ref())?);
+                // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32, weight of
+                // the logits' dtype, [V]); outputs are fresh.
                 unsafe {
                     keel::ops::cross_entropy::backward_cuda_raw(
                         &call.gpu,
@@ -355,6 +354,7 @@ impl BoxedOp for CrossEntropyBackward {
                         pg,
                         px,
                         pt,
+                        pw,
                         pl,
                         pd,
                         ps,

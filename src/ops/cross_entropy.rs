@@ -1,7 +1,7 @@
 //! Fused cross-entropy over logits `[rows, cols]` and int64 class targets
 //! `[rows]`, with `ignore_index`, label smoothing and the reductions `none`,
-//! `mean`, `sum`: the same as `torch.nn.functional.cross_entropy` (no class
-//! weights). No log-softmax is stored; the forward can hand back each row's
+//! `mean`, `sum`, and class weights where given: the same as
+//! `torch.nn.functional.cross_entropy`. No log-softmax is stored; the forward can hand back each row's
 //! log-sum-exp (`lse`, one value per row in the accumulation type), which the
 //! backward takes in place of recomputing it, so that it reads each row once.
 //! Forward + backward need one logits-sized buffer (the gradient) beyond their
@@ -46,36 +46,39 @@ const MODULE: (&str, &str) = ("cross_entropy", crate::ptx::CROSS_ENTROPY);
 
 /// CPU forward: the loss (`rows` values for [`Reduction::None`], else one),
 /// and each row's log-sum-exp into `lse` when given (`rows` values; 0 for
-/// ignored rows).
+/// ignored rows). `weight`: class weights (`cols` values) or none, as torch's
+/// (`"mean"` then divides by the sum of the weights of the rows not ignored).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_cpu<T: Element>(
     logits: &[T],
     target: &[i64],
+    weight: Option<&[T]>,
     out: &mut [T],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::cross_entropy::forward(logits, target, out, lse, cols, opts, par)?)
+    Ok(keel_cpu::cross_entropy::forward(logits, target, weight, out, lse, cols, opts, par)?)
 }
 
 /// CPU backward: `grad_logits` from the loss gradient `grad`, given the
 /// forward's `lse` or recomputing it. A given `lse` must be the one the
 /// forward wrote for these logits: it is trusted (another value gives a wrong
-/// gradient, not an error).
+/// gradient, not an error). `weight`: the forward's class weights, or none.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_cpu<T: Element>(
     grad: &[T],
     logits: &[T],
     target: &[i64],
+    weight: Option<&[T]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
     opts: Options,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::cross_entropy::backward(grad, logits, target, lse, grad_logits, cols, opts, par)?)
+    Ok(keel_cpu::cross_entropy::backward(grad, logits, target, weight, lse, grad_logits, cols, opts, par)?)
 }
 
 /// f32 elements of device scratch the CUDA entry points need: the row losses
@@ -133,7 +136,7 @@ unsafe fn check_status(
 
 fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Result<()> {
     check_cols(op, rows, cols)?;
-    keel_cpu::cross_entropy::check(op, rows * cols, rows, cols, opts)?;
+    keel_cpu::cross_entropy::check(op, rows * cols, rows, None, cols, opts)?;
     Ok(())
 }
 
@@ -141,10 +144,11 @@ fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Res
 /// targets, except while `stream` is being captured into a CUDA graph (then a
 /// target out of range gives its row a NaN loss instead of an error). `lse`
 /// is 0, or where each row's log-sum-exp is written (`rows` f32s; 0 for
-/// ignored rows).
+/// ignored rows); `weight` is 0, or the class weights (`cols` of `dtype`).
 ///
 /// # Safety
-/// `logits` (`rows * cols` of `dtype`), `target` (`rows` i64), `out`
+/// `logits` (`rows * cols` of `dtype`), `target` (`rows` i64), a non-zero
+/// `weight` (`cols` of `dtype`), `out`
 /// (`opts.reduction.out_len(rows)` of `dtype`), `scratch` ([`scratch_len`]
 /// f32s) and a non-zero `lse` must be device addresses on `stream`'s device;
 /// `out`, `lse` and `scratch` must not overlap anything else.
@@ -155,6 +159,7 @@ pub unsafe fn forward_cuda_raw(
     dtype: DType,
     logits: u64,
     target: u64,
+    weight: u64,
     out: u64,
     lse: u64,
     scratch: u64,
@@ -162,8 +167,9 @@ pub unsafe fn forward_cuda_raw(
     cols: usize,
     opts: Options,
 ) -> Result<()> {
+    let s = Stream { gpu, stream };
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_on(&Stream { gpu, stream }, dtype, logits, target, out, lse, scratch, rows, cols, opts) }
+    unsafe { forward_on(&s, dtype, logits, target, weight, out, lse, scratch, rows, cols, opts) }
 }
 
 /// [`forward_cuda_raw`] on any [`Target`].
@@ -176,6 +182,7 @@ pub(crate) unsafe fn forward_on(
     dtype: DType,
     logits: u64,
     target: u64,
+    weight: u64,
     out: u64,
     lse: u64,
     scratch: u64,
@@ -189,13 +196,15 @@ pub(crate) unsafe fn forward_on(
     let (r, c, ii) = (Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index));
     if rows > 0 {
         let ls = Arg::F32(opts.label_smoothing as f32);
-        let args = [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ii, ls];
+        let args =
+            [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(weight), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ii, ls];
         // SAFETY: matches cross_entropy_rows_*; pointers per our contract.
         unsafe { launch_rows(t, MODULE, "cross_entropy_rows", dtype, rows, cols, &args)? };
     }
     let args = [
         Arg::Ptr(scratch),
         Arg::Ptr(target),
+        Arg::Ptr(weight),
         Arg::Ptr(scratch + 4 * rows as u64),
         Arg::Ptr(out),
         Arg::I64(rows as i64),
@@ -217,8 +226,8 @@ pub(crate) unsafe fn forward_on(
 ///
 /// # Safety
 /// As [`forward_cuda_raw`], with `grad` (`opts.reduction.out_len(rows)`
-/// elements) in place of `out`, `lse` an input, and `grad_logits`
-/// (`rows * cols`) not overlapping the inputs.
+/// elements) in place of `out`, `lse` an input, `weight` the forward's, and
+/// `grad_logits` (`rows * cols`) not overlapping the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward_cuda_raw(
     gpu: &Gpu,
@@ -227,6 +236,7 @@ pub unsafe fn backward_cuda_raw(
     grad: u64,
     logits: u64,
     target: u64,
+    weight: u64,
     lse: u64,
     grad_logits: u64,
     scratch: u64,
@@ -236,7 +246,7 @@ pub unsafe fn backward_cuda_raw(
 ) -> Result<()> {
     let s = Stream { gpu, stream };
     // SAFETY: forwarded from this function's contract.
-    unsafe { backward_on(&s, dtype, grad, logits, target, lse, grad_logits, scratch, rows, cols, opts) }
+    unsafe { backward_on(&s, dtype, grad, logits, target, weight, lse, grad_logits, scratch, rows, cols, opts) }
 }
 
 /// [`backward_cuda_raw`] on any [`Target`].
@@ -250,6 +260,7 @@ pub(crate) unsafe fn backward_on(
     grad: u64,
     logits: u64,
     target: u64,
+    weight: u64,
     lse: u64,
     grad_logits: u64,
     scratch: u64,
@@ -260,15 +271,16 @@ pub(crate) unsafe fn backward_on(
     const OP: &str = "cross_entropy_backward";
     check_dims(OP, rows, cols, &opts)?;
     let status = scratch + 4 * rows as u64;
-    let args =
-        [Arg::Ptr(target), Arg::Ptr(status), Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index)];
-    // SAFETY: matches cross_entropy_count; pointers per our contract.
-    unsafe { t.launch(MODULE, "cross_entropy_count", single_block(), &args)? };
+    let (pt, pw, ps) = (Arg::Ptr(target), Arg::Ptr(weight), Arg::Ptr(status));
+    let args = [pt, pw, ps, Arg::I64(rows as i64), Arg::I32(cols as i32), Arg::I64(opts.ignore_index)];
+    // SAFETY: matches cross_entropy_count_*; pointers per our contract.
+    unsafe { t.launch(MODULE, &format!("cross_entropy_count_{}", dtype.suffix()), single_block(), &args)? };
     if rows > 0 {
         let args = [
             Arg::Ptr(grad),
             Arg::Ptr(logits),
             Arg::Ptr(target),
+            Arg::Ptr(weight),
             Arg::Ptr(lse),
             Arg::Ptr(status),
             Arg::Ptr(grad_logits),
@@ -295,18 +307,20 @@ fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {
 
 /// CUDA forward on `cudarc` buffers, launched on `stream` (which it
 /// synchronises, except during graph capture: see [`forward_cuda_raw`]); each
-/// row's log-sum-exp into `lse` when given.
+/// row's log-sum-exp into `lse` when given; class weights `weight` where given.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<i64>,
+    weight: Option<&CudaSlice<T>>,
     out: &mut CudaSlice<T>,
     lse: Option<&mut CudaSlice<f32>>,
     cols: usize,
     opts: Options,
 ) -> Result<()> {
     const OP: &str = "cross_entropy";
-    let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
+    let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), weight.map(|w| w.len()), cols, &opts)?;
     check_len(OP, "out", out.len(), opts.reduction.out_len(rows))?;
     if let Some(l) = &lse {
         check_len(OP, "lse", l.len(), rows)?;
@@ -318,27 +332,31 @@ pub fn forward_cuda<T: CudaElement>(
     let (po, _g3) = out.device_ptr_mut(stream);
     let (ps, _g4) = sc.device_ptr(stream);
     let (pe, _g5) = lse.map(|l| l.device_ptr_mut(stream)).unzip();
+    let (pw, _g6) = weight.map(|w| w.device_ptr(stream)).unzip();
+    let (pw, pe) = (pw.unwrap_or(0), pe.unwrap_or(0));
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, pl, pt, po, pe.unwrap_or(0), ps, rows, cols, opts) }
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, pl, pt, pw, po, pe, ps, rows, cols, opts) }
 }
 
 /// CUDA backward on `cudarc` buffers, launched on `stream`, given the
 /// forward's `lse` or recomputing it. Without `lse` it synchronises `stream`
 /// to check the targets (except during graph capture); with it, the targets
 /// must be the ones that forward checked (see [`backward_cuda_raw`]).
+/// `weight`: the forward's class weights, or none.
 #[allow(clippy::too_many_arguments)]
 pub fn backward_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     grad: &CudaSlice<T>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<i64>,
+    weight: Option<&CudaSlice<T>>,
     lse: Option<&CudaSlice<f32>>,
     grad_logits: &mut CudaSlice<T>,
     cols: usize,
     opts: Options,
 ) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
-    let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), cols, &opts)?;
+    let rows = keel_cpu::cross_entropy::check(OP, logits.len(), target.len(), weight.map(|w| w.len()), cols, &opts)?;
     check_len(OP, "grad", grad.len(), opts.reduction.out_len(rows))?;
     check_len(OP, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
@@ -352,6 +370,8 @@ pub fn backward_cuda<T: CudaElement>(
     let (pd, _g4) = grad_logits.device_ptr_mut(stream);
     let (ps, _g5) = sc.device_ptr(stream);
     let (pe, _g6) = lse.map(|l| l.device_ptr(stream)).unzip();
+    let (pw, _g7) = weight.map(|w| w.device_ptr(stream)).unzip();
+    let (pw, pe) = (pw.unwrap_or(0), pe.unwrap_or(0));
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { backward_cuda_raw(&gpu, stream, T::DTYPE, pg, pl, pt, pe.unwrap_or(0), pd, ps, rows, cols, opts) }
+    unsafe { backward_cuda_raw(&gpu, stream, T::DTYPE, pg, pl, pt, pw, pe, pd, ps, rows, cols, opts) }
 }

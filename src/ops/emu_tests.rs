@@ -428,24 +428,31 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     softmax::backward_cpu(&dy, &got[0], &mut wdx, cols, 0.7, Par::Seq).unwrap();
     close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
 
-    // cross_entropy: every third row ignored, label smoothing 0.1, each reduction
+    // cross_entropy: every third row ignored, label smoothing 0.1 (and 0 with
+    // weights), each reduction, with and without class weights (in [0.25, 2))
     let target: Vec<i64> = (0..rows).map(|i| if i % 3 == 1 { -100 } else { ((i * 7919) % cols) as i64 }).collect();
-    for reduction in [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum] {
-        let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction };
+    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
+    let weighted = Some(&weights[..]);
+    for (reduction, ls, w) in
+        reductions.into_iter().flat_map(|r| [(r, 0.1, None), (r, 0.1, weighted), (r, 0.0, weighted)])
+    {
+        let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: ls, reduction };
         let m = reduction.out_len(rows);
         let grad = data::<T>(m, 13);
-        let what = format!("cross_entropy {reduction:?} {c:?}");
+        let what = format!("cross_entropy {reduction:?} ls {ls} weighted {} {c:?}", w.is_some());
         let mut want = cpu(m);
         let mut wlse = vec![T::Acc::ZERO; rows];
-        cross_entropy::forward_cpu(&x, &target, &mut want, Some(&mut wlse), cols, opts, Par::Seq).unwrap();
+        cross_entropy::forward_cpu(&x, &target, w, &mut want, Some(&mut wlse), cols, opts, Par::Seq).unwrap();
         // Outputs: the loss, the lse (as T), then the gradient recomputing the
         // lse and the gradient given it.
         let got = both::<T>(sm, &what, |t| {
             let (xd, td, od) = (up(&x), Buf::shifted(&target, shift), z(m));
             let (sd, ld) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<f32>(rows, 0));
-            let (px, pt) = (xd.addr(), td.addr());
-            unsafe { cross_entropy::forward_on(t, dt, px, pt, od.addr(), ld.addr(), sd.addr(), rows, cols, opts) }
-                .unwrap();
+            let wd = w.map(&up);
+            let (px, pt, pw) = (xd.addr(), td.addr(), wd.as_ref().map_or(0, |w| w.addr()));
+            let (po, pl, ps) = (od.addr(), ld.addr(), sd.addr());
+            unsafe { cross_entropy::forward_on(t, dt, px, pt, pw, po, pl, ps, rows, cols, opts) }.unwrap();
             let lse = ld.to_vec();
             for (i, (a, b)) in lse.iter().zip(&wlse).enumerate() {
                 let (a, b) = (f64::from(*a), b.to_f64());
@@ -455,10 +462,8 @@ fn softmax_and_ce<T: Dt>(c: Case) {
             let mut grads = vec![];
             for l in [0, ld.addr()] {
                 let (gd, dxd, sd) = (up(&grad), z(n), garbage::<f32>(cross_entropy::scratch_len(rows), 0));
-                unsafe {
-                    cross_entropy::backward_on(t, dt, gd.addr(), px, pt, l, dxd.addr(), sd.addr(), rows, cols, opts)
-                }
-                .unwrap();
+                let (pg, pd, ps) = (gd.addr(), dxd.addr(), sd.addr());
+                unsafe { cross_entropy::backward_on(t, dt, pg, px, pt, pw, l, pd, ps, rows, cols, opts) }.unwrap();
                 grads.push(dxd.to_vec());
             }
             let lse = lse.iter().map(|v| T::from_f64(f64::from(*v))).collect();
@@ -466,7 +471,7 @@ fn softmax_and_ce<T: Dt>(c: Case) {
         });
         close(&got[0], &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
         let mut wdx = cpu(n);
-        cross_entropy::backward_cpu(&grad, &x, &target, None, &mut wdx, cols, opts, Par::Seq).unwrap();
+        cross_entropy::backward_cpu(&grad, &x, &target, w, None, &mut wdx, cols, opts, Par::Seq).unwrap();
         close(&got[2], &wdx, 4.0 * tol, &format!("{what} grad"));
         close(&got[3], &wdx, 4.0 * tol, &format!("{what} grad given the lse"));
     }
@@ -479,8 +484,6 @@ fn softmax_and_ce<T: Dt>(c: Case) {
         .enumerate()
         .map(|(i, v)| T::from_f64(if i % 5 == 2 { 0.0 } else { (v.to_f64().abs() + 0.1) * 1.6 / cols as f64 }))
         .collect();
-    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
-    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
     for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, None), (r, Some(&weights[..]))]) {
         let m = reduction.out_len(rows);
         let grad = data::<T>(m, 19);
@@ -519,6 +522,7 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     }
 
     // a target out of range is an error, from the count the kernels leave
+    // (with class weights, which no bad target may index)
     if rows == 0 {
         return;
     }
@@ -527,13 +531,17 @@ fn softmax_and_ce<T: Dt>(c: Case) {
         cross_entropy::Options { ignore_index: -100, label_smoothing: 0.0, reduction: cross_entropy::Reduction::Sum };
     let t = Emu::new(sm);
     let (xd, td, od, sd) = (up(&x), Buf::shifted(&bad, shift), z(1), garbage::<f32>(rows + 2, 0));
-    let err =
-        unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), 0, sd.addr(), rows, cols, opts) }
-            .unwrap_err();
+    let wd = up(&weights);
+    let pw = wd.addr();
+    let err = unsafe {
+        cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), pw, od.addr(), 0, sd.addr(), rows, cols, opts)
+    }
+    .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
     let (gd, dxd) = (Buf::shifted(&[T::from_f64(1.0)], shift), z(n));
     let err = unsafe {
-        cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), 0, dxd.addr(), sd.addr(), rows, cols, opts)
+        let (g, x, tg, d, sc) = (gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr());
+        cross_entropy::backward_on(&t, dt, g, x, tg, pw, 0, d, sc, rows, cols, opts)
     }
     .unwrap_err();
     assert!(err.to_string().contains("argument 'target'"), "{err}");
@@ -542,7 +550,7 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     let (ld, dxd) = (Buf::shifted(&vec![0f32; rows], 0), z(n));
     unsafe {
         let (g, x, tg) = (gd.addr(), xd.addr(), td.addr());
-        cross_entropy::backward_on(&t, dt, g, x, tg, ld.addr(), dxd.addr(), sd.addr(), rows, cols, opts)
+        cross_entropy::backward_on(&t, dt, g, x, tg, pw, ld.addr(), dxd.addr(), sd.addr(), rows, cols, opts)
     }
     .expect("no target check given the lse");
     assert!(dxd.to_vec()[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient");
@@ -552,12 +560,13 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     // bad row's loss is NaN, so is the sum, and so is its gradient.
     let t = Emu { capturing: true, ..Emu::new(sm) };
     let (od, sd) = (z(1), garbage::<f32>(rows + 2, 0));
-    unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), od.addr(), 0, sd.addr(), rows, cols, opts) }
+    unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), pw, od.addr(), 0, sd.addr(), rows, cols, opts) }
         .expect("no read back while capturing");
     assert!(od.to_vec()[0].to_f64().is_nan(), "the sum over a bad target while capturing");
     let (dxd, sd) = (z(n), garbage::<f32>(rows + 2, 0));
     unsafe {
-        cross_entropy::backward_on(&t, dt, gd.addr(), xd.addr(), td.addr(), 0, dxd.addr(), sd.addr(), rows, cols, opts)
+        let (g, x, tg, d, sc) = (gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr());
+        cross_entropy::backward_on(&t, dt, g, x, tg, pw, 0, d, sc, rows, cols, opts)
     }
     .expect("no read back while capturing");
     let dx = dxd.to_vec();
@@ -566,7 +575,8 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     let mut ignored = bad.clone();
     ignored[rows - 1] = opts.ignore_index;
     let mut want = cpu(n);
-    cross_entropy::backward_cpu(&[T::from_f64(1.0)], &x, &ignored, None, &mut want, cols, opts, Par::Seq).unwrap();
+    let one = [T::from_f64(1.0)];
+    cross_entropy::backward_cpu(&one, &x, &ignored, Some(&weights), None, &mut want, cols, opts, Par::Seq).unwrap();
     let good = (rows - 1) * cols;
     close(&dx[..good], &want[..good], 4.0 * tol, "good rows' gradient while capturing");
 }
