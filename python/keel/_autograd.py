@@ -142,20 +142,54 @@ def _cross_entropy_backward(ctx, grad):
 
 
 def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
-    """The gradient of the class weights (probabilities only: the op takes no
-    weights with class indices), where they need one: each row's
-    ``g q_c (lse - x_c)`` summed over the rows, ``q = (1 - s) p + s / C``, in
-    float32 (float64 for float64 logits); `lse` recomputed where None."""
+    """The gradient of the class weights, where they need one (a direct call
+    of the op: ``keel.cross_entropy`` builds weights needing a gradient on the
+    op's unweighted results), in float32 (float64 for float64 logits); `lse`
+    recomputed where None. Probabilities: each row's ``g q_c (lse - x_c)``
+    summed over the rows, ``q = (1 - s) p + s / C``; class indices:
+    :func:`_ce_class_weight_grad`."""
     if weight is None or grad is None or not ctx.needs_input_grad[5]:
         return None
-    _, label_smoothing, reduction = ctx.args
+    ignore_index, label_smoothing, reduction = ctx.args
     acc = acc_dtype(logits)
     x, rows = logits.to(acc), logits.shape[0]
     lse = torch.logsumexp(x, -1) if lse is None else lse.to(acc)
+    if not target.dtype.is_floating_point:
+        args = (ignore_index, label_smoothing, reduction)
+        return _ce_class_weight_grad(grad.to(acc), x, target, weight.to(acc), lse, *args).to(weight.dtype)
     q = target.to(acc) * (1.0 - label_smoothing) + label_smoothing / x.shape[1]
     g = grad.to(acc) / (rows if reduction == "mean" else 1)
     g = g if reduction == "none" else g.expand(rows)
     return (g[:, None] * q * (lse[:, None] - x)).sum(0).to(weight.dtype)
+
+
+def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing, reduction):
+    """The gradient in `w` of the class-index loss: row loss ``(1 - s) w_t d +
+    s / C sum_c w_c (lse - x_c)``, ``d = lse - x_t``, so ``(1 - s) d`` goes to
+    the target's class and ``s / C (lse - x_c)`` to every class, times the row's
+    gradient; ``"mean"`` (the sum over ``D = sum w_t``) also takes ``-M / D`` for
+    each row from its target's class, ``M`` the loss. All in `x`'s dtype."""
+    live = target != ignore_index
+    t = torch.where(live, target, 0)
+    d = torch.where(live, lse - x.gather(1, t[:, None]).squeeze(1), 0.0)
+    g = grad if reduction == "none" else grad.expand(x.shape[0])
+    if reduction == "mean":
+        w_t = torch.where(live, w[t], 0.0)
+        over = w_t.sum()
+        g = g / over
+    g = torch.where(live, g, 0.0)
+    c, s = x.shape[1], label_smoothing
+    gw = torch.zeros_like(w).index_add_(0, t, g * (1.0 - s) * d)
+    if s != 0:
+        # Ignored rows (lse 0, any x) contribute nothing: masked, not multiplied by 0.
+        gw = gw + (s / c) * torch.where(live[:, None], g[:, None] * (lse[:, None] - x), 0.0).sum(0)
+    if reduction == "mean":
+        rows = (1.0 - s) * w_t * d
+        if s != 0:
+            rows = rows + (s / c) * torch.where(live, w.sum() * lse - x @ w, 0.0)
+        mean = rows.sum() / over
+        gw = gw - torch.zeros_like(w).index_add_(0, t, torch.where(live, g * mean, 0.0))
+    return gw
 
 
 def _cross_entropy_lse_setup(ctx, inputs, output):

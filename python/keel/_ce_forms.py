@@ -2,12 +2,12 @@
 :func:`keel.cross_entropy`: class weights (``weight=``) and probability targets
 (a float target shaped like the logits).
 
-The op takes probabilities itself, with their class weights (in the logits'
-dtype), where the target has the logits' dtype and neither it nor the weights
-need a gradient (:func:`fused`), and float32 targets of 16-bit logits rounded
-to their dtype (outside autocast): its kernels (CPU and CUDA) read each row of
-logits and of targets once in the forward and once in the backward, the
-weights beside them.
+The op takes class weights that need no gradient itself (in the logits' dtype),
+with class indices (:func:`weighted`) or probabilities, and takes probabilities
+where the target has the logits' dtype and needs no gradient (:func:`fused`),
+and float32 targets of 16-bit logits rounded to their dtype (outside autocast):
+its kernels (CPU and CUDA) read each row of logits (and of targets) once in the
+forward and once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
 and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
@@ -32,10 +32,12 @@ whose gradient is ``softmax(x) - 1 / C``.
 Costs, forward + backward of ``[2048, 32000]`` on a 2-core Zen 4 (session 75),
 against ``F.cross_entropy`` with the same arguments in the same process:
 
-- weights: the op's time (2.9x torch's speed in float32, 3.2x in bfloat16);
-- weights and label smoothing: the op twice and a matrix-vector product, two
-  more logits-sized buffers in the backward (1.5x torch's speed); on CUDA the
-  targets are checked (a synchronisation) by each of the two calls;
+- weights needing a gradient, with class indices: the op's time (2.9x torch's
+  speed in float32, 3.2x in bfloat16); with label smoothing, the op twice and a
+  matrix-vector product, two more logits-sized buffers in the backward (1.5x
+  torch's speed); on CUDA the targets are checked (a synchronisation) by each
+  of the two calls. Weights read by the kernels: ``docs/BENCHMARKS.md``,
+  session 79;
 - probabilities built here (a target or weights needing a gradient; a target
   of another dtype, but for float32 targets of 16-bit logits): the op, and
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
@@ -117,10 +119,14 @@ def weighted(
     reduction: str,
 ) -> Tuple[Tensor, Tensor]:
     """The class-weighted loss of ``[N, C]`` `logits` and ``[N]`` class indices
-    `target`, and each row's log-sum-exp (0 where ignored); `with_lse` is the typed
-    ``keel.cross_entropy_with_lse``, which checks logits, target and ignore_index
-    (a target out of range raises before `weight` is indexed). The other arguments
-    are checked already (:func:`check`)."""
+    `target`, and each row's log-sum-exp (0 where ignored); `with_lse` is
+    ``keel.functional._with_lse``, whose op checks logits, target and
+    ignore_index (a target out of range raises before `weight` is indexed). The
+    other arguments are checked already (:func:`check`). Weights that need no
+    gradient go to the op itself, whose kernels read them; others are applied
+    here to its unweighted per-row results."""
+    if not weight.requires_grad:
+        return with_lse(logits, target, ignore_index, label_smoothing, reduction, weight)
     losses, lse = with_lse(logits, target, ignore_index, 0.0, "none")
     acc = lse.dtype  # float32, or float64 for float64 logits
     w = weight.to(acc)

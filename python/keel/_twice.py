@@ -162,16 +162,36 @@ def softmax_backward(grad, y, scale):
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """`F.cross_entropy` and each row's log-sum-exp (0 for ignored rows), in
-    Keel's accumulation dtype; the loss in the logits' dtype. `weight` (class
-    weights) as the op takes it: with probabilities."""
+    Keel's accumulation dtype; the loss in the logits' dtype. `weight`: class
+    weights (or None), as the op takes them."""
     a = logits.to(acc_dtype(logits))
+    w = None if weight is None else weight.to(a.dtype)
     if target.dtype.is_floating_point:  # probabilities: no row is ignored
-        w = None if weight is None else weight.to(a.dtype)
         loss = F.cross_entropy(a, target.to(a.dtype), w, label_smoothing=label_smoothing, reduction=reduction)
         return loss.to(logits.dtype), torch.logsumexp(a, -1)
-    loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
+    if w is not None:
+        return _class_weighted(a, target, w, ignore_index, label_smoothing, reduction).to(logits.dtype), lse
+    loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     return loss.to(logits.dtype), lse
+
+
+def _class_weighted(a, target, w, ignore_index, label_smoothing, reduction):
+    """`F.cross_entropy(a, target, w, ...)` with class indices, in torch ops that
+    are differentiable in `w` too (torch's nll_loss is not): row loss ``-(1 - s)
+    w_t log p_t - s / C sum_c w_c log p_c``, 0 where ignored; ``"mean"`` over the
+    sum of ``w_t`` of the rows not ignored."""
+    live = target != ignore_index
+    t = torch.where(live, target, 0)
+    logp = torch.log_softmax(a, -1)
+    w_t = torch.where(live, w[t], 0.0)
+    rows = -(1.0 - label_smoothing) * w_t * logp.gather(1, t[:, None]).squeeze(1)
+    if label_smoothing != 0:
+        rows = rows - label_smoothing / a.shape[-1] * (logp * w).sum(-1)
+    rows = torch.where(live, rows, 0.0)
+    if reduction == "none":
+        return rows
+    return rows.sum() / w_t.sum() if reduction == "mean" else rows.sum()
 
 
 def rotary(x, cos, sin, interleaved):

@@ -273,12 +273,14 @@ def cross_entropy(
             (keyword only), as torch's ``weight``: a row's loss is scaled by its
             target's weight, label smoothing weights each class's term, and
             ``"mean"`` divides by the sum of the weights of the rows not ignored.
-            With class indices, applied in float32 (float64 for float64 logits) to
-            the fused op's per-row results (``keel._ce_forms``), at the op's speed;
-            with label smoothing, the op runs twice, with a matrix-vector product.
-            With probabilities, read by the op's fused kernel (see ``target``),
-            in the logits' dtype (float32 weights of 16-bit logits rounded to it,
-            as torch's own 16-bit loss rounds ``target * weight``).
+            Read by the op's fused kernels beside each row, with either target, in
+            the logits' dtype: float32 weights of 16-bit logits (which torch
+            refuses with class indices) are rounded to it, as torch's own 16-bit
+            loss rounds ``target * weight`` with probabilities; under autocast the
+            float32 loss takes them as given. Weights that need a gradient are
+            applied in float32 (float64 for float64 logits) to the op's unweighted
+            per-row results instead (``keel._ce_forms``: with label smoothing, the
+            op twice and a matrix-vector product).
 
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16
@@ -409,7 +411,7 @@ def cross_entropy_with_lse(
         _ce_forms.check(
             "keel::cross_entropy_with_lse", logits, weight, label_smoothing, reduction, _ce_forms.classes(logits)
         )
-        return _ce_forms.weighted(cross_entropy_with_lse, logits, target, weight, ignore_index, label_smoothing, reduction)
+        return _ce_forms.weighted(_with_lse, logits, target, weight, ignore_index, label_smoothing, reduction)
     if _autocast_on() and not _transformed():
         # The op itself: its autocast kernel returns a float32 loss (``_autocast``).
         args = (logits, target, ignore_index, label_smoothing, reduction)
@@ -423,10 +425,9 @@ def cross_entropy_with_lse(
 
 def _with_lse(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """:func:`cross_entropy_with_lse` of ``[N, V]`` rows for ``_ce_forms``, which
-    checked the arguments already: with `weight` (class weights of
-    probabilities), the op itself takes them, in the logits' dtype (under
-    autocast, its autocast kernel casts them, and its float32 value takes them as
-    given)."""
+    checked the arguments already: with `weight` (class weights), the op itself
+    takes them, in the logits' dtype (under autocast, its autocast kernel casts
+    them, and its float32 value takes them as given)."""
     if weight is None:
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)
     logits, target, weight = logits.contiguous(), target.contiguous(), weight.contiguous()

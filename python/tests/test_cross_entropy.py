@@ -50,9 +50,8 @@ def test_loss_and_gradient_match_torch(device, n, v, reduction, label_smoothing,
         g = make(want.shape, dtype, device, 2) if reduction == "none" else torch.tensor(1.5, dtype=dtype, device=device)
         want.backward(g.double())
         atol, rtol = TOL[dtype]
-        # keel.cross_entropy keeps the lse for the backward; the op itself recomputes it
-        # (and takes no weights: the typed API applies them).
-        for op in (keel.cross_entropy,) if weighted else (keel.cross_entropy, torch.ops.keel.cross_entropy):
+        # keel.cross_entropy keeps the lse for the backward; the op itself recomputes it.
+        for op in (keel.cross_entropy, torch.ops.keel.cross_entropy):
             xk = x.clone().requires_grad_()
             loss = op(xk, t, -100, label_smoothing, reduction, **kw)
             assert loss.shape == want.shape and loss.dtype == dtype
@@ -179,13 +178,14 @@ def test_opcheck(device):
 
     x = torch.randn(6, 11, device=device, requires_grad=True)
     t = targets(6, 11, device)
-    for reduction in REDUCTIONS:
-        opcheck(torch.ops.keel.cross_entropy.default, (x, t, -100, 0.1, reduction), test_utils=OPCHECK_UTILS)
+    # Without class weights, and with them (read by the kernels).
+    for reduction, w in [(r, w) for r in REDUCTIONS for w in (None, class_weights(11, device))]:
+        opcheck(torch.ops.keel.cross_entropy.default, (x, t, -100, 0.1, reduction, w), test_utils=OPCHECK_UTILS)
         g = torch.randn(6, device=device) if reduction == "none" else torch.tensor(0.5, device=device)
-        opcheck(torch.ops.keel.cross_entropy_with_lse.default, (x, t, -100, 0.1, reduction), test_utils=OPCHECK_UTILS)
-        opcheck(torch.ops.keel.cross_entropy_backward.default, (g, x.detach(), t, -100, 0.1, reduction), test_utils=OPCHECK_UTILS)
+        opcheck(torch.ops.keel.cross_entropy_with_lse.default, (x, t, -100, 0.1, reduction, w), test_utils=OPCHECK_UTILS)
+        opcheck(torch.ops.keel.cross_entropy_backward.default, (g, x.detach(), t, -100, 0.1, reduction, None, w), test_utils=OPCHECK_UTILS)
         lse = torch.logsumexp(x.detach(), -1)
-        opcheck(torch.ops.keel.cross_entropy_backward.default, (g, x.detach(), t, -100, 0.1, reduction, lse), test_utils=OPCHECK_UTILS)
+        opcheck(torch.ops.keel.cross_entropy_backward.default, (g, x.detach(), t, -100, 0.1, reduction, lse, w), test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("device", devices())

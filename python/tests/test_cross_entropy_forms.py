@@ -14,7 +14,9 @@ from test_cross_entropy import REDUCTIONS, class_weights, targets
 
 
 @pytest.mark.parametrize("device", devices())
-def test_weight_of_another_float_dtype_is_applied_in_float32(device):
+def test_weight_of_another_float_dtype_is_rounded_to_the_logits_dtype(device):
+    """torch refuses it with class indices; Keel rounds it to the logits' dtype,
+    which the kernels read (the loss is rounded to that dtype anyway)."""
     x = make((16, 50), torch.bfloat16, device, 0, 3.0)
     t = targets(16, 50, device)
     w = class_weights(50, device, torch.float64)
@@ -168,8 +170,15 @@ def test_autocast_loss_is_float32_as_torch():
             F.cross_entropy(h, pb, label_smoothing=0.1, weight=w),
             F.cross_entropy(h, pb, label_smoothing=0.1, weight=w, reduction="none"),
         ]
+        # Class indices with float32 weights through torch.ops: the float32 value
+        # takes them as given (the kernels read them in bfloat16).
+        by_op = [torch.ops.keel.cross_entropy(h, t, -100, ls, r, w) for ls in (0.0, 0.1) for r in REDUCTIONS]
+        want_op = [F.cross_entropy(h, t, weight=w, label_smoothing=ls, reduction=r) for ls in (0.0, 0.1) for r in REDUCTIONS]
     assert h.dtype == torch.bfloat16 and got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for got_f, want_f in zip(by_op, want_op):
+        assert got_f.dtype == want_f.dtype == torch.float32
+        torch.testing.assert_close(got_f, want_f, atol=1e-4, rtol=1e-4)
     assert got_p.dtype == want_p.dtype == torch.float32
     torch.testing.assert_close(got_p, want_p, atol=1e-4, rtol=1e-4)
     for got_f, want_f in zip(bf16_targets, want_bf16):
@@ -520,6 +529,71 @@ def test_the_op_takes_class_weights_with_probabilities(device, reduction):
                 torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10 * scale, rtol=rtol * 2)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_the_op_takes_class_weights_with_class_indices(device, reduction):
+    """torch.ops.keel's cross_entropy ops with ``weight`` and class indices (the kernels
+    read ``w[t]``, and ``sum(w x)`` with label smoothing), ignored rows and a zero
+    weight: loss, lse, the backward op given the lse and without it, and autograd
+    through the op, the weights' gradient included (``"mean"`` divides by the
+    targets' weights, which takes a term of its own)."""
+    for dtype in dtypes_for(device):
+        atol, rtol = TOL[dtype]
+        x, t = make((8, 300), dtype, device, 0, 3.0), targets(8, 300, device)
+        w = class_weights(300, device, dtype)
+        w[t[0]] = 0
+        for ls in (0.0, 0.1):
+            xr, wr = x.double().clone().requires_grad_(), w.double().clone().requires_grad_()
+            want = class_weighted_loss(xr, t, wr, ls, reduction)
+            torch.testing.assert_close(
+                want, F.cross_entropy(xr, t, weight=wr.detach(), label_smoothing=ls, reduction=reduction)
+            )
+            g = make(want.shape, dtype, device, 2)
+            want.backward(g.double())
+            loss, lse = torch.ops.keel.cross_entropy_with_lse(x, t, -100, ls, reduction, w)
+            assert loss.dtype == dtype
+            torch.testing.assert_close(loss.double(), want.detach(), atol=atol * 10, rtol=rtol * 2)
+            want_lse = torch.logsumexp(x.double(), -1) * (t != -100)
+            torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(torch.ops.keel.cross_entropy(x, t, -100, ls, reduction, w), loss, atol=0, rtol=0)
+            for given in (None, lse):
+                dx = torch.ops.keel.cross_entropy_backward(g, x, t, -100, ls, reduction, given, w)
+                torch.testing.assert_close(dx.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+            for op in (torch.ops.keel.cross_entropy, torch.ops.keel.cross_entropy_with_lse):
+                xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+                out = op(xk, t, -100, ls, reduction, wk)
+                (out[0] if isinstance(out, tuple) else out).backward(g)
+                torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+                scale = wr.grad.abs().max().item()
+                torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10 * scale, rtol=rtol * 2)
+
+
+def class_weighted_loss(x, t, w, ls, reduction):
+    """torch's class-index loss with weights ``w``, differentiable in them (torch's
+    own is not): ``-(1 - ls) w_t log p_t - ls / C sum_c w_c log p_c`` per row not
+    ignored, "mean" over the targets' weights."""
+    live = t != -100
+    logp = torch.log_softmax(x, -1)[live]
+    tl = t[live]
+    rows = -(1 - ls) * w[tl] * logp[torch.arange(len(tl)), tl] - ls / x.shape[1] * (logp * w).sum(-1)
+    if reduction == "none":
+        return torch.zeros(x.shape[0], dtype=x.dtype, device=x.device).masked_scatter(live, rows)
+    return rows.sum() / w[tl].sum() if reduction == "mean" else rows.sum()
+
+
+def test_the_ops_class_index_weights_gradcheck():
+    """First and second derivatives through the op with class indices and weights
+    (``_autograd._ce_class_weight_grad``, ``_twice``), both inputs, ignored rows."""
+    x = make((5, 7), torch.float64, "cpu", 0).requires_grad_()
+    w = class_weights(7, "cpu", torch.float64).requires_grad_()
+    t = torch.tensor([1, -100, 6, 1, 0])
+    for reduction in REDUCTIONS:
+        for ls in (0.0, 0.2):
+            op = lambda x, w: torch.ops.keel.cross_entropy(x, t, -100, ls, reduction, w)  # noqa: E731
+            assert torch.autograd.gradcheck(op, (x, w))
+            assert torch.autograd.gradgradcheck(op, (x, w))
+
+
 def test_the_ops_weights_gradcheck():
     """Second derivatives through the op with weights (``_twice``), both inputs."""
     x = make((4, 7), torch.float64, "cpu", 0).requires_grad_()
@@ -532,7 +606,9 @@ def test_the_ops_weights_gradcheck():
 
 
 BAD_OP_WEIGHT = [
-    ("class indices", lambda x, p, w: torch.ops.keel.cross_entropy(x, torch.tensor([0, 1, 2, 3]), -100, 0.0, "mean", w), r"keel::cross_entropy: argument 'weight' is taken by the op with probabilities \(a float target\) only"),
+    ("class indices dtype", lambda x, p, w: torch.ops.keel.cross_entropy(x, torch.tensor([0, 1, 2, 3]), -100, 0.0, "mean", w.half()), r"keel::cross_entropy: argument 'weight' has dtype torch.float16 but 'logits' has torch.float32"),
+    ("class indices shape", lambda x, p, w: torch.ops.keel.cross_entropy_with_lse(x, torch.tensor([0, 1, 2, 3]), -100, 0.1, "none", w[1:]), r"keel::cross_entropy_with_lse: argument 'weight' must have shape \[9\]"),
+    ("class indices backward", lambda x, p, w: torch.ops.keel.cross_entropy_backward(torch.ones(()), x, torch.tensor([0, 1, 2, 3]), -100, 0.0, "sum", None, w[:, None]), r"keel::cross_entropy_backward: argument 'weight' must have shape \[9\]"),
     ("dtype", lambda x, p, w: torch.ops.keel.cross_entropy(x, p, -100, 0.0, "mean", w.double()), r"keel::cross_entropy: argument 'weight' has dtype torch.float64 but 'logits' has torch.float32"),
     ("shape", lambda x, p, w: torch.ops.keel.cross_entropy_with_lse(x, p, -100, 0.0, "mean", w[:5]), r"keel::cross_entropy_with_lse: argument 'weight' must have shape \[9\]"),
     ("device", lambda x, p, w: torch.ops.keel.cross_entropy(x, p, -100, 0.0, "mean", w.to("meta")), r"keel::cross_entropy: argument 'weight' is on meta but 'logits' is on cpu"),
