@@ -402,7 +402,8 @@ fn row_grad_into<T: Element>(
 /// `A = (1 - eps) w[t] + eps W / v` and `e`, `s`, `m` as in
 /// [`row_grad_into`]'s scratch path (the rounding of a given `lse` cancels
 /// in `e / s`). `(wt, w, total)`: the target's weight, every class's
-/// (widened) and their sum.
+/// (widened) and their sum. f32 and f64 given a trusted `lse` (as in
+/// [`row_grad_into`]) write the gradient as `e` is computed, with `s = 1`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn weighted_grad_into<T: Element>(
@@ -417,16 +418,54 @@ fn weighted_grad_into<T: Element>(
     (wt, w, total): (f64, &[T::Acc], f64),
 ) {
     let (one, v) = (T::Acc::ONE, x.len() as f64);
+    let a = (1.0 - eps) * wt + eps * total / v;
+    let off = T::Acc::from_f64(g * eps / v);
+    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
+    let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
+    if let (Some(m), false) = (lse.filter(|&l| l < lim && l > T::Acc::ZERO - lim), narrow) {
+        exp_affine_weighted_into(x, dx, w, m, T::Acc::from_f64(g * a), off, ahead, ahead_w);
+        let p = (x[t].to_acc() - m).exp_nonpos().to_f64();
+        dx[t] = T::from_f64(g * (a * p - (1.0 - eps) * wt - eps / v * w[t].to_f64()));
+        return;
+    }
     let m = lse.unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w).to_f64();
-    let a = (1.0 - eps) * wt + eps * total / v;
     let p = scratch[t].to_f64() / s;
-    let (gs, off) = (T::Acc::from_f64(g * a / s), T::Acc::from_f64(g * eps / v));
+    let gs = T::Acc::from_f64(g * a / s);
     for (e, &w) in scratch.iter_mut().zip(w) {
         *e = *e * gs - off * w;
     }
     T::from_acc_slice(scratch, dx);
     dx[t] = T::from_f64(g * (a * p - (1.0 - eps) * wt - eps / v * w[t].to_f64()));
+}
+
+/// `dx_i = exp(x_i - m) gs - off w_i`, as [`exp_affine_into`] (f32, f64).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn exp_affine_weighted_into<T: Element>(
+    x: &[T],
+    dx: &mut [T],
+    w: &[T::Acc],
+    m: T::Acc,
+    gs: T::Acc,
+    off: T::Acc,
+    ahead: &[T],
+    ahead_w: &[T],
+) {
+    const W: usize = 32;
+    let f = |v: T, w: T::Acc| T::from_acc((v.to_acc() - m).exp_nonpos() * gs - off * w);
+    let (cx, cd, cw) = (x.chunks_exact(W), dx.chunks_exact_mut(W), w.chunks_exact(W));
+    let at = x.len() - cx.remainder().len();
+    for (k, ((cx, cd), cw)) in cx.zip(cd).zip(cw).enumerate() {
+        prefetch_part::<T, false>(ahead, k, W);
+        prefetch_part::<T, true>(ahead_w, k, W);
+        for i in 0..W {
+            cd[i] = f(cx[i], cw[i]);
+        }
+    }
+    for ((d, v), w) in dx[at..].iter_mut().zip(&x[at..]).zip(&w[at..]) {
+        *d = f(*v, *w);
+    }
 }
 
 /// `dx_i = exp(x_i - m) gs - off`, rounded once to `T`, straight into `dx`
