@@ -163,6 +163,14 @@ def _keel_cross_entropy_weight(x, t, w):
     return keel.cross_entropy(x, t, weight=w)
 
 
+def _cross_entropy_weight_ls(x, t, w):
+    return F.cross_entropy(x, t, weight=w, label_smoothing=0.1)
+
+
+def _keel_cross_entropy_weight_ls(x, t, w):
+    return keel.cross_entropy(x, t, weight=w, label_smoothing=0.1)
+
+
 def _cross_entropy_probs(x, p):
     return F.cross_entropy(x, p)
 
@@ -243,9 +251,9 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
 
     mk["cross_entropy fwd+bwd"] = ce
 
-    # torch's other forms through the typed API: class weights (built on the
-    # op by keel._ce_forms), and probability targets (the op's fused kernel
-    # for these, which reads the target rows too).
+    # torch's other forms through the typed API: class weights (read by the
+    # op's kernels, with or without label smoothing), and probability targets
+    # (the op's fused kernel for these, which reads the target rows too).
     def weighted(c, name):
         # The same case with a class weight vector passed as weight=.
         wcls = (torch.rand(v, generator=g) + 0.5).to(dtype).to(device)
@@ -254,6 +262,14 @@ def make_cases(device: str, dtype: torch.dtype, size: str = "large", names: Sequ
         return c
 
     mk["cross_entropy weight fwd+bwd"] = lambda: weighted(ce(), "cross_entropy weight fwd+bwd")
+
+    def weighted_smoothed():
+        # Class weights with label smoothing 0.1: each row's sum(w x) too, in the same read.
+        c = weighted(ce(), "cross_entropy weight ls fwd+bwd")
+        c.keel, c.torch = _keel_cross_entropy_weight_ls, _cross_entropy_weight_ls
+        return c
+
+    mk["cross_entropy weight ls fwd+bwd"] = weighted_smoothed
 
     def ce_probs():
         c = ce()

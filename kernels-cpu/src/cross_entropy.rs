@@ -280,16 +280,17 @@ pub fn backward<T: Element>(
     let eps = opts.label_smoothing;
     let blocks = Blocks::new(&par, rows, cols);
     let dxs = Split::new(grad_logits, blocks.per * cols);
+    // With label smoothing, each class's weight enters its gradient: widened
+    // once a call.
+    let wide: Vec<T::Acc> = match w {
+        Some(w) if eps > 0.0 => w.w.iter().map(|v| v.to_acc()).collect(),
+        _ => vec![],
+    };
     par.for_each(blocks.count, &|b| {
         let mut dx = dxs.get(b);
         let r = blocks.rows(b);
         let x = &logits[r.start * cols..r.end * cols];
         let mut scratch = vec![T::Acc::ZERO; cols];
-        // With label smoothing, each class's weight enters its gradient: widened once.
-        let wide: Vec<T::Acc> = match w {
-            Some(w) if eps > 0.0 => w.w.iter().map(|v| v.to_acc()).collect(),
-            _ => vec![],
-        };
         dispatch(
             #[inline(always)]
             || {
