@@ -157,7 +157,9 @@ fn bad_targets_and_options_are_errors() {
 /// f16 divide by the sum of `exp(x - lse)`, where the rounding cancels. Every
 /// row is within the dtype's rounding of the f64 reference, and with two
 /// logits tied at 1e20 (the lse rounds to the max, losing `ln 2`), each has
-/// probability 0.5, not 1.
+/// probability 0.5, not 1. The same with class weights (whose smoothed
+/// backward divides by the sum of `exp(x - lse)` where the lse is not
+/// trusted).
 #[test]
 fn rows_with_large_logits_keep_their_accuracy() {
     large_logits::<f32>(&[1e3, 1e6, 1e20]);
@@ -179,23 +181,32 @@ fn large_logits<T: Tol>(offsets: &[f64]) {
         x.extend((0..cols).map(noise));
         let (x, t) = (to_elems::<T>(&x), [3, 5, 9]);
         let grad = to_elems::<T>(&[1.0, 1.0, 1.0]);
-        let mut out = vec![T::default(); 3];
-        let mut lse = vec![T::Acc::ZERO; 3];
-        forward_cpu(&x, &t, None, &mut out, Some(&mut lse), cols, opts, Par::Seq).unwrap();
-        let (mut given, mut plain) = (vec![T::default(); 3 * cols], vec![T::default(); 3 * cols]);
-        backward_cpu(&grad, &x, &t, None, Some(&lse), &mut given, cols, opts, Par::Seq).unwrap();
-        backward_cpu(&grad, &x, &t, None, None, &mut plain, cols, opts, Par::Seq).unwrap();
-        let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
-        let case = format!("[{}] offset {off}", T::NAME);
-        if matches!(T::NAME, "f32" | "f64") {
-            assert_eq!(bits(&given[..2 * cols]), bits(&plain[..2 * cols]), "{case}: large rows recompute their lse");
+        let weights = to_elems::<T>(&(0..cols).map(|i| 0.5 + (i % 7) as f64 * 0.25).collect::<Vec<_>>());
+        for w in [None, Some(&weights[..])] {
+            let mut out = vec![T::default(); 3];
+            let mut lse = vec![T::Acc::ZERO; 3];
+            forward_cpu(&x, &t, w, &mut out, Some(&mut lse), cols, opts, Par::Seq).unwrap();
+            let (mut given, mut plain) = (vec![T::default(); 3 * cols], vec![T::default(); 3 * cols]);
+            backward_cpu(&grad, &x, &t, w, Some(&lse), &mut given, cols, opts, Par::Seq).unwrap();
+            backward_cpu(&grad, &x, &t, w, None, &mut plain, cols, opts, Par::Seq).unwrap();
+            let bits = |v: &[T]| v.iter().map(|v| v.to_f64().to_bits()).collect::<Vec<_>>();
+            let case = format!("[{}] offset {off} weighted {}", T::NAME, w.is_some());
+            if matches!(T::NAME, "f32" | "f64") && w.is_none() {
+                assert_eq!(
+                    bits(&given[..2 * cols]),
+                    bits(&plain[..2 * cols]),
+                    "{case}: large rows recompute their lse"
+                );
+            }
+            let want = backward_ref(&grad, &x, &t, w, cols, opts);
+            let floor = if w.is_some() { 2.0 } else { 1.0 };
+            for (dx, how) in [(&given, "given the lse"), (&plain, "")] {
+                assert_close_floor(dx, &want, 2.0 * sum_scale::<T>(cols), floor, &format!("{case}: grad {how}"));
+            }
+            let tied = (given[cols + 7].to_f64(), given[cols + 250].to_f64());
+            let near = |a: f64, b: f64| (a - b).abs() < 0.01 * floor;
+            assert!(near(tied.0, want[cols + 7]) && near(tied.1, want[cols + 250]), "{case}: {tied:?}");
         }
-        let want = backward_ref(&grad, &x, &t, None, cols, opts);
-        for (dx, how) in [(&given, "given the lse"), (&plain, "")] {
-            assert_close_floor(dx, &want, 2.0 * sum_scale::<T>(cols), 1.0, &format!("{case}: grad {how}"));
-        }
-        let tied = (given[cols + 7].to_f64(), given[cols + 250].to_f64());
-        assert!((tied.0 - want[cols + 7]).abs() < 0.01 && (tied.1 - want[cols + 250]).abs() < 0.01, "{case}: {tied:?}");
     }
 }
 

@@ -376,17 +376,16 @@ fn row_grad_into<T: Element>(
 ) {
     let one = T::Acc::ONE;
     let off = T::Acc::from_f64(g * eps / x.len() as f64);
-    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
-    let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
-    let lse = lse.filter(|&l| narrow || (l < lim && l > T::Acc::ZERO - lim));
-    if let (Some(m), false) = (lse, narrow) {
+    if let Some(m) = direct_lse::<T>(lse) {
         // f32, f64: no rounding to do, so no scratch row either.
         exp_affine_into(x, dx, m, T::Acc::from_f64(g), off, ahead, ahead_w);
         let p = (x[t].to_acc() - m).exp_nonpos();
         dx[t] = T::from_f64(g * (p.to_f64() - eps / x.len() as f64) - g * (1.0 - eps));
         return;
     }
-    let m = lse.unwrap_or_else(|| row_max(x, one));
+    // bf16, f16: a given lse; f32, f64: the max where the lse is not trusted.
+    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
+    let m = lse.filter(|_| narrow).unwrap_or_else(|| row_max(x, one));
     let s = exp_into(x, scratch, one, m, ahead, ahead_w);
     let gs = T::Acc::from_f64(g / s.to_f64());
     // bf16 on AVX2: where the sum is finite so is each term, and the
@@ -396,6 +395,16 @@ fn row_grad_into<T: Element>(
     }
     let p = scratch[t].to_f64() / s.to_f64();
     dx[t] = T::from_f64(g * (p - eps / x.len() as f64) - g * (1.0 - eps));
+}
+
+/// The given `lse` where the gradient may be written as `exp(x - lse)` is
+/// computed, taking its sum as 1: f32 and f64 (no rounding to do from
+/// `T::Acc`, so no scratch row), with `|lse|` below [`LSE_TRUSTED_BELOW`].
+#[inline(always)]
+fn direct_lse<T: Element>(lse: Option<T::Acc>) -> Option<T::Acc> {
+    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
+    let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
+    lse.filter(|&l| !narrow && l < lim && l > T::Acc::ZERO - lim)
 }
 
 /// One row's gradient with class weights and label smoothing:
@@ -421,9 +430,7 @@ fn weighted_grad_into<T: Element>(
     let (one, v) = (T::Acc::ONE, x.len() as f64);
     let a = (1.0 - eps) * wt + eps * total / v;
     let off = T::Acc::from_f64(g * eps / v);
-    let narrow = std::mem::size_of::<T>() != std::mem::size_of::<T::Acc>();
-    let lim = T::Acc::from_f64(LSE_TRUSTED_BELOW);
-    if let (Some(m), false) = (lse.filter(|&l| l < lim && l > T::Acc::ZERO - lim), narrow) {
+    if let Some(m) = direct_lse::<T>(lse) {
         exp_affine_weighted_into(x, dx, w, m, T::Acc::from_f64(g * a), off, ahead, ahead_w);
         let p = (x[t].to_acc() - m).exp_nonpos().to_f64();
         dx[t] = T::from_f64(g * (a * p - (1.0 - eps) * wt - eps / v * w[t].to_f64()));
