@@ -4,9 +4,10 @@
 //! and label smoothing 0.1 (`weight/...`). Then the same against
 //! probability targets (`probs/...`: a target row as long as each logits row,
 //! read by the forward and the backward), and with class weights and label
-//! smoothing 0.1 (`probs_weight/...`). Throughput counts the logits (and
-//! targets) read and, backward, the gradient written.
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+//! smoothing 0.1 (`probs_weight/...`); for f16 and bf16 logits, float32
+//! targets too (`probs_f32/...`, read as they are). Throughput counts the
+//! logits (and targets) read and, backward, the gradient written.
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use keel::cpu::{Acc, Element, Par};
 use keel::ops::cross_entropy::{backward_cpu, backward_probs_cpu, forward_cpu, forward_probs_cpu, Options, Reduction};
 use std::hint::black_box;
@@ -81,8 +82,40 @@ fn bench<T: Element>(c: &mut Criterion) {
     g.finish();
 }
 
+/// Probability targets in f32 for 16-bit logits `T` (a teacher's float32
+/// softmax against a student's logits), read by the kernels as they are.
+fn bench_f32_targets<T: Element<Acc = f32>>(c: &mut Criterion) {
+    let (par, mean) = (Par::Rayon, Reduction::Mean);
+    let mut g = c.benchmark_group(format!("cross_entropy/{}", T::NAME));
+    for (rows, vocab) in ROWS_VOCAB {
+        let n = rows * vocab;
+        let id = format!("{rows}x{vocab}");
+        let x = data::<T>(n, 0);
+        let p: Vec<f32> = data::<f32>(n, 1).iter().map(|v| v.abs() * 2.0 / vocab as f32).collect();
+        let (mut loss, grad, mut dx) = (vec![T::default(); 1], vec![T::from_f64(1.0)], vec![T::default(); n]);
+        let mut lse = vec![0f32; rows];
+        // Bytes: the logits and the f32 targets read, the gradient written.
+        let per = |k: usize| Throughput::Bytes((n * (k * std::mem::size_of::<T>() + 4)) as u64);
+        g.throughput(per(1));
+        g.bench_function(BenchmarkId::new("probs_f32/fwd", &id), |bn| {
+            bn.iter(|| {
+                forward_probs_cpu(black_box(&x), &p, None, &mut loss, Some(&mut lse), vocab, 0.0, mean, par).unwrap()
+            })
+        });
+        g.throughput(per(2));
+        g.bench_function(BenchmarkId::new("probs_f32/bwd_lse", &id), |bn| {
+            bn.iter(|| {
+                backward_probs_cpu(&grad, black_box(&x), &p, None, Some(&lse), &mut dx, vocab, 0.0, mean, par).unwrap()
+            })
+        });
+    }
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
     every_dtype!(c, bench);
+    bench_f32_targets::<keel::cpu::f16>(c);
+    bench_f32_targets::<keel::cpu::bf16>(c);
 }
 
 criterion_group! { name = cross_entropy; config = common::config(); targets = benches }

@@ -261,15 +261,33 @@ __device__ __forceinline__ void row_each(const T* __restrict__ x, int cols, bool
   }
 }
 
-// As row_each over two rows at once: f(i, a[i], b[i]).
-template <typename T, typename F>
-__device__ __forceinline__ void row_each2(const T* __restrict__ a, const T* __restrict__ b, int cols, bool vec, F f) {
+// N values of a row of U from u (16-byte aligned) as f32: one 16-byte load
+// where a pack of U holds N (U the first row's type), two or more where U is
+// wider (an f32 row beside a 16-bit one).
+template <int N, typename U> __device__ __forceinline__ void load_f32(const U* u, float (&out)[N]) {
+  constexpr int M = Pack<U>::N;
+  static_assert(N % M == 0, "the second row's type must be as wide as the first's or wider");
+#pragma unroll
+  for (int j = 0; j < N / M; ++j) {
+    const Pack<U> q = load_pack(u + j * M);
+#pragma unroll
+    for (int k = 0; k < M; ++k) out[j * M + k] = to_f32(q.v[k]);
+  }
+}
+
+// As row_each over two rows at once: f(i, a[i], b[i]). `b` may be of a wider
+// type than `a` (f32 beside f16 or bf16); `vec` is then also `b` 16-byte
+// aligned, as the thread map is `a`'s.
+template <typename T, typename U, typename F>
+__device__ __forceinline__ void row_each2(const T* __restrict__ a, const U* __restrict__ b, int cols, bool vec, F f) {
   constexpr int N = Pack<T>::N;
   if (vec) {
     for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-      const Pack<T> p = load_pack(a + i * N), q = load_pack(b + i * N);
+      const Pack<T> p = load_pack(a + i * N);
+      float q[N];
+      load_f32<N>(b + i * N, q);
 #pragma unroll
-      for (int k = 0; k < N; ++k) f(i * N + k, to_f32(p.v[k]), to_f32(q.v[k]));
+      for (int k = 0; k < N; ++k) f(i * N + k, to_f32(p.v[k]), q[k]);
     }
   } else {
     scalar_cols<T>(cols, [&](int i) { f(i, to_f32(a[i]), to_f32(b[i])); });
@@ -293,17 +311,19 @@ __device__ __forceinline__ void row_map(const T* __restrict__ x, T* __restrict__
   }
 }
 
-// As row_map with two input rows: y[i] = f(i, a[i], b[i]).
-template <typename T, typename F>
-__device__ __forceinline__ void row_map2(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y,
+// As row_map with two input rows: y[i] = f(i, a[i], b[i]), `b` as in row_each2.
+template <typename T, typename U, typename F>
+__device__ __forceinline__ void row_map2(const T* __restrict__ a, const U* __restrict__ b, T* __restrict__ y,
                                          int cols, bool vec, F f) {
   constexpr int N = Pack<T>::N;
   if (vec) {
     for (int i = threadIdx.x; i < cols / N; i += blockDim.x) {
-      const Pack<T> p = load_pack(a + i * N), q = load_pack(b + i * N);
+      const Pack<T> p = load_pack(a + i * N);
+      float q[N];
+      load_f32<N>(b + i * N, q);
       Pack<T> o;
 #pragma unroll
-      for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(f(i * N + k, to_f32(p.v[k]), to_f32(q.v[k])));
+      for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(f(i * N + k, to_f32(p.v[k]), q[k]));
       store_pack(y + i * N, o);
     }
   } else {

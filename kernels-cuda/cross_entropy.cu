@@ -207,7 +207,9 @@ KEEL_CROSS_ENTROPY(f32, float)
 KEEL_CROSS_ENTROPY(f16, __half)
 KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
 
-// Against probabilities: target p [rows, cols] of T (the logits' dtype), q =
+// Against probabilities: target p [rows, cols] of P (the logits' dtype T, or
+// float for 16-bit T: the _p32 kernels, which read it as it is; the loss and
+// its gradient are then float too, as torch promotes them), q =
 // (1 - ls) p + ls / cols, no row ignored (kernels-cpu/src/cross_entropy_probs.rs).
 //   cross_entropy_probs_rows_*: one block per row, one read of x and p: the
 //     online max and sum of exp, with sum(p x), sum(p) and sum(x); loss[row]
@@ -222,8 +224,8 @@ KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
 // Class weights w [cols] (of T; null for none) make the target a = w q: the
 // sums take a for q (loss = sum(a) lse - sum(a x)), A = sum(a), and dx = g (A
 // exp(x - m) / s - a), w read beside each element (a row's worth, from cache).
-template <typename T>
-__device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const T* __restrict__ p,
+template <typename T, typename P>
+__device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const P* __restrict__ p,
                                               const T* __restrict__ w, float* __restrict__ loss,
                                               float* __restrict__ lse, int64_t rows, int cols, float ls) {
   __shared__ float scratch[128];
@@ -272,9 +274,9 @@ __device__ __forceinline__ void ce_probs_reduce(const float* __restrict__ loss, 
   if (threadIdx.x == 0) out[0] = from_f32<T>(reduction == 1 ? s / (float)rows : s);
 }
 
-template <typename T>
-__device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T* __restrict__ x,
-                                             const T* __restrict__ p, const T* __restrict__ w,
+template <typename T, typename P>
+__device__ __forceinline__ void ce_probs_bwd(const P* __restrict__ grad, const T* __restrict__ x,
+                                             const P* __restrict__ p, const T* __restrict__ w,
                                              const float* __restrict__ lse, T* __restrict__ dx, int64_t rows,
                                              int cols, float ls, int reduction) {
   __shared__ float scratch[64];
@@ -282,7 +284,7 @@ __device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(p) && aligned16(dx);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const T* xr = x + row * cols;
-    const T* pr = p + row * cols;
+    const P* pr = p + row * cols;
     float g = to_f32(grad[reduction == 0 ? row : 0]);
     if (reduction == 1) g /= (float)rows;
     // The same for every thread of the block: all take one branch.
@@ -324,7 +326,7 @@ __device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T
   extern "C" __global__ void cross_entropy_probs_rows_##SUFFIX(const T* x, const T* p, const T* w,           \
                                                                float* loss, float* lse, int64_t rows,         \
                                                                int cols, float ls) {                          \
-    ce_probs_rows<T>(x, p, w, loss, lse, rows, cols, ls);                                                      \
+    ce_probs_rows<T, T>(x, p, w, loss, lse, rows, cols, ls);                                                   \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_probs_reduce_##SUFFIX(const float* loss, T* out, int64_t rows,     \
                                                                  int reduction) {                             \
@@ -334,9 +336,30 @@ __device__ __forceinline__ void ce_probs_bwd(const T* __restrict__ grad, const T
                                                               const T* w, const float* lse, T* dx,            \
                                                               int64_t rows, int cols, float ls,               \
                                                               int reduction) {                                \
-    ce_probs_bwd<T>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                        \
+    ce_probs_bwd<T, T>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                     \
   }
 
 KEEL_CROSS_ENTROPY_PROBS(f32, float)
 KEEL_CROSS_ENTROPY_PROBS(f16, __half)
 KEEL_CROSS_ENTROPY_PROBS(bf16, __nv_bfloat16)
+
+// float32 probabilities of 16-bit logits (a teacher's softmax against a
+// student's logits): the rows and backward kernels with p (and the loss's
+// gradient) read as float; the loss is float, written by
+// cross_entropy_probs_reduce_f32.
+#define KEEL_CROSS_ENTROPY_PROBS_P32(SUFFIX, T)                                                                \
+  extern "C" __global__ void cross_entropy_probs_p32_rows_##SUFFIX(const T* x, const float* p, const T* w,   \
+                                                                   float* loss, float* lse, int64_t rows,     \
+                                                                   int cols, float ls) {                      \
+    ce_probs_rows<T, float>(x, p, w, loss, lse, rows, cols, ls);                                               \
+  }                                                                                                            \
+  extern "C" __global__ void cross_entropy_probs_p32_bwd_##SUFFIX(const float* grad, const T* x,             \
+                                                                  const float* p, const T* w,                 \
+                                                                  const float* lse, T* dx,                    \
+                                                                  int64_t rows, int cols, float ls,           \
+                                                                  int reduction) {                            \
+    ce_probs_bwd<T, float>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                 \
+  }
+
+KEEL_CROSS_ENTROPY_PROBS_P32(f16, __half)
+KEEL_CROSS_ENTROPY_PROBS_P32(bf16, __nv_bfloat16)

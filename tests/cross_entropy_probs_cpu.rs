@@ -2,8 +2,9 @@
 //! (loss, each row's log-sum-exp, and the gradient, recomputing the lse and
 //! given it) against the f64 reference for every reduction, with and without
 //! label smoothing, with and without class weights, targets that sum to 1
-//! and ones that do not, every dtype, sequential and on rayon; plus known
-//! values and bad arguments.
+//! and ones that do not, every dtype, sequential and on rayon, and targets
+//! of another dtype than the logits (f32 probabilities of f16 and bf16
+//! logits, read as they are); plus known values and bad arguments.
 mod common;
 
 use common::{assert_close_floor, sum_scale, to_elems, Tol};
@@ -38,6 +39,7 @@ fn targets<T: Element>(p: &[f64], cols: usize, normalise: bool) -> Vec<T> {
     to_elems::<T>(&p)
 }
 
+/// The checks with targets of `T`, the logits' type.
 #[allow(clippy::too_many_arguments)]
 fn check<T: Tol>(
     rows: usize,
@@ -49,7 +51,23 @@ fn check<T: Tol>(
     g: f64,
     w: Option<Vec<f64>>,
 ) {
-    let (x, p) = (to_elems::<T>(x), targets::<T>(p, cols, normalise));
+    check_with::<T, T, T>(rows, cols, x, p, normalise, ls, g, w)
+}
+
+/// Logits of `T`, targets of `P` (the reference reads the same values), the
+/// loss and its gradient of `O`, at `T`'s tolerances.
+#[allow(clippy::too_many_arguments)]
+fn check_with<T: Tol, P: Element<Acc = T::Acc>, O: Element>(
+    rows: usize,
+    cols: usize,
+    x: &[f64],
+    p: &[f64],
+    normalise: bool,
+    ls: f64,
+    g: f64,
+    w: Option<Vec<f64>>,
+) {
+    let (x, p) = (to_elems::<T>(x), targets::<P>(p, cols, normalise));
     let w = w.map(|w| to_elems::<T>(&w));
     let w = w.as_deref();
     // Terms of size |x| (times the row's target sum, at most `cols`, times
@@ -59,11 +77,11 @@ fn check<T: Tol>(
     let floor = x.iter().fold(1.0f64, |m, v| m.max(v.to_f64().abs())) * psum;
     for reduction in [Reduction::None, Reduction::Mean, Reduction::Sum] {
         let n = reduction.out_len(rows);
-        let grad = to_elems::<T>(&(0..n).map(|i| g + i as f64 * 0.25).collect::<Vec<_>>());
+        let grad = to_elems::<O>(&(0..n).map(|i| g + i as f64 * 0.25).collect::<Vec<_>>());
         let want = forward_ref(&x, &p, w, cols, ls, reduction);
         let want_dx = backward_ref(&grad, &x, &p, w, cols, ls, reduction);
         for par in [Par::Seq, Par::Rayon] {
-            let (mut out, mut lse) = (vec![T::default(); n], vec![T::Acc::ONE; rows]);
+            let (mut out, mut lse) = (vec![O::default(); n], vec![T::Acc::ONE; rows]);
             forward_probs_cpu(&x, &p, w, &mut out, Some(&mut lse), cols, ls, reduction, par).unwrap();
             for (i, (l, xr)) in lse.iter().zip(x.chunks(cols)).enumerate() {
                 let want = lse_ref(xr);
@@ -74,6 +92,8 @@ fn check<T: Tol>(
                 assert!(out[0].to_f64().is_nan(), "mean over no rows is NaN, as torch");
                 continue;
             }
+            // At T's tolerance (an O wider than T is held to T's).
+            let out: Vec<T> = out.iter().map(|v| T::from_f64(v.to_f64())).collect();
             assert_close_floor(
                 &out,
                 &want,
@@ -116,6 +136,44 @@ proptest! {
 
     #[test]
     fn bf16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<bf16>(rows, cols, &x, &p, norm, ls, g, w); }
+
+    #[test]
+    fn bf16_logits_f32_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
+        check_with::<bf16, f32, f32>(rows, cols, &x, &p, norm, ls, g, w);
+    }
+
+    #[test]
+    fn f16_logits_f32_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
+        check_with::<f16, f32, f32>(rows, cols, &x, &p, norm, ls, g, w);
+    }
+
+    #[test]
+    fn f32_logits_bf16_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
+        check_with::<f32, bf16, f32>(rows, cols, &x, &p, norm, ls, g, w);
+    }
+}
+
+/// An f32 target of bf16 logits is read as it is, not rounded to bf16, and
+/// the loss is f32 (torch's promotion): a target value that bf16 cannot hold
+/// gives the loss and gradient of that value, not of the rounded one.
+#[test]
+fn f32_targets_are_not_rounded_to_the_logits_dtype() {
+    let x = [bf16::ZERO; 4];
+    // 1 + 3 2^-10 is not a bf16 (8 significant bits): bf16 rounds it to 1.
+    let p = [1.0f32 + 3.0 / 1024.0, 0.0, 0.0, 0.0];
+    let (mut out, mut lse) = ([0f32], [0f32]);
+    forward_probs_cpu(&x, &p, None, &mut out, Some(&mut lse), 4, 0.0, Reduction::None, Par::Seq).unwrap();
+    // Uniform logits: the loss is p_0 ln 4, in f32.
+    let want = f64::from(p[0]) * 4f64.ln();
+    assert!((f64::from(out[0]) - want).abs() < 1e-6 * want, "{} vs {want}", out[0]);
+    assert!((lse[0] - 4f32.ln()).abs() < 1e-6);
+    // The gradient is bf16: dx_0 = A / 4 - p_0 with A = p_0, -0.75 p_0 =
+    // -0.75220, rounds to -0.75391; the rounded target's -0.75 is bf16 already.
+    let mut dx = [bf16::ZERO; 4];
+    backward_probs_cpu(&[1f32], &x, &p, None, Some(&lse), &mut dx, 4, 0.0, Reduction::Sum, Par::Seq).unwrap();
+    let want = -0.75 * f64::from(p[0]);
+    assert_eq!(dx[0], bf16::from_f64(want), "{} vs {want}", dx[0]);
+    assert_ne!(dx[0], bf16::from_f64(-0.75), "the target was rounded to bf16");
 }
 
 #[test]
@@ -123,7 +181,7 @@ fn known_values() {
     // Uniform logits over 4 classes: each row's lse is ln 4; a one-hot row
     // loses ln 4, a row of halves (sum 1) too, a row of zeros nothing.
     let x = [0f32; 12];
-    let p = [0.0, 1.0, 0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0];
+    let p: [f32; 12] = [0.0, 1.0, 0.0, 0.0, 0.5, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0];
     let mut out = [0f32; 3];
     let mut lse = [f32::NAN; 3];
     forward_probs_cpu(&x, &p, None, &mut out, Some(&mut lse), 4, 0.0, Reduction::None, Par::Seq).unwrap();

@@ -1,5 +1,6 @@
 //! CUDA layer_norm, fused_add_rms_norm, the gated activations, softmax,
-//! cross_entropy (class indices and probabilities) and rotary_embedding against the
+//! cross_entropy (class indices and probabilities, float32 ones of 16-bit logits
+//! too) and rotary_embedding against the
 //! CPU kernels (themselves checked against f64 references), and
 //! cross_entropy inside CUDA graph capture. Skips, saying why, where no GPU
 //! is usable.
@@ -259,6 +260,48 @@ fn cuda_matches_cpu() {
         run::<f32>(rows, cols, 2e-5);
         run::<f16>(rows, cols, 2e-3);
         run::<bf16>(rows, cols, 1.6e-2);
+        probs_f32::<f16>(rows, cols, 2e-3);
+        probs_f32::<bf16>(rows, cols, 1.6e-2);
+    }
+}
+
+/// cross_entropy against float32 probabilities of 16-bit logits `T` (the
+/// `_p32_` kernels: the target read as it is, a float32 loss and gradient of
+/// it), label smoothing 0.1, with and without class weights, against the CPU
+/// kernels given the same targets.
+fn probs_f32<T: Element<Acc = f32> + CudaElement>(rows: usize, cols: usize, tol: f64) {
+    let s = gpu(0).unwrap().new_stream().unwrap();
+    let n = rows * cols;
+    let x = data::<T>(n, 0);
+    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let probs: Vec<f32> = data::<f64>(n, 17)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| if i % 5 == 2 { 0.0 } else { ((v.abs() + 0.1) * 1.6 / cols as f64) as f32 })
+        .collect();
+    let (xd, pd, wd) = (up(&s, &x), up(&s, &probs), up(&s, &weights));
+    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
+    for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, false), (r, true)]) {
+        let what = format!("cross_entropy f32 probs {reduction:?} weighted {w}");
+        let (w, wd) = (w.then_some(&weights[..]), w.then_some(&wd));
+        let m = reduction.out_len(rows);
+        let (mut out, mut lse) = (s.alloc_zeros::<f32>(m).unwrap(), s.alloc_zeros::<f32>(rows).unwrap());
+        cross_entropy::forward_probs_cuda(&s, &xd, &pd, wd, &mut out, Some(&mut lse), cols, 0.1, reduction).unwrap();
+        let (mut want, mut wlse) = (vec![0f32; m], vec![0f32; rows]);
+        cross_entropy::forward_probs_cpu(&x, &probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
+            .unwrap();
+        close(&s.clone_dtoh(&out).unwrap(), &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
+        close(&s.clone_dtoh(&lse).unwrap(), &wlse, 1e-5, &format!("{what} lse"));
+        let grad = data::<f32>(m, 19);
+        let mut wdx = vec![T::default(); n];
+        cross_entropy::backward_probs_cpu(&grad, &x, &probs, w, None, &mut wdx, cols, 0.1, reduction, Par::Seq)
+            .unwrap();
+        for (how, l) in [("", None), (" given the lse", Some(&lse))] {
+            let mut dx = s.alloc_zeros::<T>(n).unwrap();
+            let g = up(&s, &grad);
+            cross_entropy::backward_probs_cuda(&s, &g, &xd, &pd, wd, l, &mut dx, cols, 0.1, reduction).unwrap();
+            close(&s.clone_dtoh(&dx).unwrap(), &wdx, 4.0 * tol, &format!("{what} grad{how}"));
+        }
     }
 }
 

@@ -223,21 +223,21 @@ pub fn forward<T: Element>(
 
 /// The end of both forwards: each row's `[loss, lse]` (f64) to `lse` when
 /// given, and the losses reduced into `out` (`"mean"` divides by `mean_over`).
-pub(crate) fn write_losses<T: Element>(
+pub(crate) fn write_losses<O: Element, A: Acc>(
     losses: &[[f64; 2]],
-    out: &mut [T],
-    lse: Option<&mut [T::Acc]>,
+    out: &mut [O],
+    lse: Option<&mut [A]>,
     reduction: Reduction,
     mean_over: f64,
 ) {
     if let Some(lse) = lse {
-        lse.iter_mut().zip(losses).for_each(|(o, l)| *o = T::Acc::from_f64(l[1]));
+        lse.iter_mut().zip(losses).for_each(|(o, l)| *o = A::from_f64(l[1]));
     }
     let sum = || losses.iter().map(|l| l[0]).sum::<f64>();
     match reduction {
-        Reduction::None => out.iter_mut().zip(losses).for_each(|(o, l)| *o = T::from_f64(l[0])),
-        Reduction::Sum => out[0] = T::from_f64(sum()),
-        Reduction::Mean => out[0] = T::from_f64(sum() / mean_over),
+        Reduction::None => out.iter_mut().zip(losses).for_each(|(o, l)| *o = O::from_f64(l[0])),
+        Reduction::Sum => out[0] = O::from_f64(sum()),
+        Reduction::Mean => out[0] = O::from_f64(sum() / mean_over),
     }
 }
 

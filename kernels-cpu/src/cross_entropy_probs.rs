@@ -15,6 +15,13 @@
 //! over the rows (torch's, for probabilities). `a` is made in the sums, in
 //! `T::Acc`, not stored.
 //!
+//! The target may have another element type `P` of the logits'
+//! accumulation type (f32 probabilities of bf16 or f16 logits: a teacher's
+//! float32 softmax against a student's 16-bit logits), read as it is: no
+//! copy rounded to the logits' dtype. The loss has a type of its own, `O`
+//! (torch's is the promotion of the logits' and the target's: f32 there),
+//! and so does its gradient.
+//!
 //! Fused as [`crate::cross_entropy`] is: the forward reads each row of the
 //! logits and of the target once from memory (the max, the exp-sum, then the
 //! dot products from cache) and can hand back each row's `lse`; the backward
@@ -27,7 +34,7 @@ use crate::par::Par;
 use crate::rows::{next_row, row_and_next, Blocks, Split};
 use crate::simd::{dispatch, prefetch_part, sum_map, sums3};
 use crate::softmax::{exp_into, exp_sum, row_max};
-use crate::wide::cast;
+use crate::wide::{cast, is};
 use crate::widen;
 
 const OP_FWD: &str = "cross_entropy";
@@ -66,6 +73,16 @@ impl<'a, T: 'static> Weights<'a, T> {
     }
 }
 
+/// A target row as f32 where the logits' rows are widened to f32 ([`widen`]):
+/// an f32 row as it is, an f16 one widened into `buf`; `None` elsewhere.
+#[inline(always)]
+fn target_f32<'a, P: 'static>(p: &'a [P], buf: &'a mut Vec<f32>) -> Option<&'a [f32]> {
+    if is::<P, f32>() {
+        return Some(cast::<P, f32>(p));
+    }
+    widen::to_f32(p, buf)
+}
+
 /// Whether a row widened to f32 can be read with the weights `w` (none, or
 /// widened too).
 fn widened_with<T>(w: Option<Weights<'_, T>>) -> bool {
@@ -75,13 +92,15 @@ fn widened_with<T>(w: Option<Weights<'_, T>>) -> bool {
 /// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
 /// and, when `lse` is given (`rows` values), each row's log-sum-exp, which
 /// [`backward`] can take instead of recomputing it; `weight`, the class
-/// weights (`cols` values) where given.
+/// weights (`cols` values) where given; `target` of the logits' type or
+/// another of its accumulation type, the loss of any type (see the module's
+/// text).
 #[allow(clippy::too_many_arguments)]
-pub fn forward<T: Element>(
+pub fn forward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     logits: &[T],
-    target: &[T],
+    target: &[P],
     weight: Option<&[T]>,
-    out: &mut [T],
+    out: &mut [O],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
     label_smoothing: f64,
@@ -121,16 +140,16 @@ pub fn forward<T: Element>(
 }
 
 /// Backward: `grad_logits` from the loss gradient `grad` (`rows` values for
-/// [`Reduction::None`], else one) and the forward's inputs (`weight` as
-/// there); with the
+/// [`Reduction::None`], else one; of the loss's type) and the forward's
+/// inputs (`weight` as there); with the
 /// forward's `lse`, the max pass is skipped (f32 and f64 rows whose `|lse|`
 /// is [`LSE_TRUSTED_BELOW`] or more recompute theirs, as
 /// [`crate::cross_entropy::backward`] does).
 #[allow(clippy::too_many_arguments)]
-pub fn backward<T: Element>(
-    grad: &[T],
+pub fn backward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
+    grad: &[O],
     logits: &[T],
-    target: &[T],
+    target: &[P],
     weight: Option<&[T]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
@@ -186,9 +205,9 @@ pub fn backward<T: Element>(
 /// One row's loss, `A lse - (1 - eps) sum(p x) - eps mean(x)` (with weights,
 /// `A lse - sum(a x)`), and its `lse`, in f64 from `Acc` sums.
 #[inline(always)]
-fn row_loss<T: Element>(
+fn row_loss<T: Element, P: Element<Acc = T::Acc>>(
     x: &[T],
-    p: &[T],
+    p: &[P],
     w: Option<Weights<'_, T>>,
     eps: f64,
     ahead: &[T],
@@ -202,8 +221,8 @@ fn row_loss<T: Element>(
     // as in the backward (`row_grad_into`): the software widening of
     // subnormal targets took the forward 213 ms at `[4096, 32000]` (bf16: 37).
     let (wp, wx) = wide;
-    let rows32 = match (widened_with(w), widen::to_f32(p, wp), widen::to_f32(x, wx)) {
-        (true, Some(p), Some(x)) => Some((p, x)),
+    let rows32 = match (widened_with(w), widen::to_f32(x, wx), target_f32(p, wp)) {
+        (true, Some(x), Some(p)) => Some((p, x)),
         _ => None,
     };
     if let Some(w) = w {
@@ -230,7 +249,7 @@ fn row_loss<T: Element>(
 /// `sum(p x)` and `sum(p)` in one pass (x is the third slice too, unused),
 /// and `sum(x)` where label smoothing takes it (else 0).
 #[inline(always)]
-fn dots<T: Element>(p: &[T], x: &[T], eps: f64) -> (f64, f64, f64) {
+fn dots<P: Element, T: Element<Acc = P::Acc>>(p: &[P], x: &[T], eps: f64) -> (f64, f64, f64) {
     let (dot, total) = sums3(p, x, x, |p, x, _| (p * x, p));
     let sum_x = if eps > 0.0 { sum_map(x, |v| v).to_f64() } else { 0.0 };
     (dot.to_f64(), total.to_f64(), sum_x)
@@ -239,8 +258,13 @@ fn dots<T: Element>(p: &[T], x: &[T], eps: f64) -> (f64, f64, f64) {
 /// `sum(a x)` and `sum(a)` in one pass, `a = w (c.0 p + c.1)` (the weighted,
 /// smoothed target: `c = (1 - eps, eps / v)`).
 #[inline(always)]
-fn weighted_dots<T: Element>(p: &[T], x: &[T], w: &[T], (c1, c0): (f64, f64)) -> (f64, f64) {
-    let (c1, c0) = (T::Acc::from_f64(c1), T::Acc::from_f64(c0));
+fn weighted_dots<P: Element, T: Element<Acc = P::Acc>, W: Element<Acc = P::Acc>>(
+    p: &[P],
+    x: &[T],
+    w: &[W],
+    (c1, c0): (f64, f64),
+) -> (f64, f64) {
+    let (c1, c0) = (P::Acc::from_f64(c1), P::Acc::from_f64(c0));
     let (dot, total) = sums3(p, x, w, |p, x, w| {
         let a = w * (p * c1 + c0);
         (a * x, a)
@@ -250,9 +274,9 @@ fn weighted_dots<T: Element>(p: &[T], x: &[T], w: &[T], (c1, c0): (f64, f64)) ->
 
 /// `sum(a)` as [`weighted_dots`] makes it, for the backward.
 #[inline(always)]
-fn weighted_sum<T: Element>(p: &[T], w: &[T], (c1, c0): (f64, f64)) -> f64 {
-    let (c1, c0) = (T::Acc::from_f64(c1), T::Acc::from_f64(c0));
-    sums3(p, w, w, |p, w, _| (w * (p * c1 + c0), T::Acc::ZERO)).0.to_f64()
+fn weighted_sum<P: Element, W: Element<Acc = P::Acc>>(p: &[P], w: &[W], (c1, c0): (f64, f64)) -> f64 {
+    let (c1, c0) = (P::Acc::from_f64(c1), P::Acc::from_f64(c0));
+    sums3(p, w, w, |p, w, _| (w * (p * c1 + c0), P::Acc::ZERO)).0.to_f64()
 }
 
 /// One row's gradient, `dx_j = g A e_j / s - g (1 - eps) p_j - g eps / v`,
@@ -264,9 +288,9 @@ fn weighted_sum<T: Element>(p: &[T], w: &[T], (c1, c0): (f64, f64)) -> f64 {
 /// `lse` cancels in `e / s`).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn row_grad_into<T: Element>(
+fn row_grad_into<T: Element, P: Element<Acc = T::Acc>>(
     x: &[T],
-    p: &[T],
+    p: &[P],
     w: Option<Weights<'_, T>>,
     dx: &mut [T],
     (scratch, wide): (&mut [T::Acc], &mut Vec<f32>),
@@ -281,7 +305,7 @@ fn row_grad_into<T: Element>(
     // 6.1e-5, common in a vocabulary's probabilities) with arithmetic on f32
     // denormals, microcode assists on Intel: the backward took 380 ms at
     // `[4096, 32000]` (bf16: 60).
-    let wide_p = widen::to_f32(p, wide).filter(|_| widened_with(w));
+    let wide_p = target_f32(p, wide).filter(|_| widened_with(w));
     let c = (1.0 - eps, eps / x.len() as f64);
     let total = match (w, wide_p) {
         (None, Some(p)) => (1.0 - eps) * f64::from(target_sum(p)) + eps,
@@ -299,10 +323,10 @@ fn row_grad_into<T: Element>(
         let e = |x: T| (x.to_acc() - m).exp_nonpos() * ga;
         match w {
             Some(w) => {
-                let f = |x: T, p: T, w: T| T::from_acc(e(x) - w.to_acc() * (p.to_acc() * gp + off));
+                let f = |x: T, p: P, w: T| T::from_acc(e(x) - w.to_acc() * (p.to_acc() * gp + off));
                 map3_into(x, p, w.w, dx, f, ahead, ahead_w);
             }
-            None => map3_into(x, p, p, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w),
+            None => map3_into(x, p, x, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w),
         }
         return;
     }
@@ -333,20 +357,20 @@ fn row_grad_into<T: Element>(
 /// bf16, the first read of the target row (the backward 60 -> 47 ms at
 /// `[4096, 32000]`; prefetching the next row's target changed nothing).
 #[inline(always)]
-fn target_sum<T: Element>(p: &[T]) -> T::Acc {
-    sums3(p, p, p, |p, _, _| (p, T::Acc::ZERO)).0
+fn target_sum<P: Element>(p: &[P]) -> P::Acc {
+    sums3(p, p, p, |p, _, _| (p, P::Acc::ZERO)).0
 }
 
 /// `dx_i = f(x_i, p_i, w_i)` in parts of 32, prefetching the next row's
 /// input (`ahead`) and output (`ahead_w`) as it goes, as `exp_into` does
-/// (`w` is `p` again where there are no weights: `f` does not read it).
+/// (`w` is `x` again where there are no weights: `f` does not read it).
 #[inline(always)]
-fn map3_into<T: Element>(
+fn map3_into<T: Element, P: Element>(
     x: &[T],
-    p: &[T],
+    p: &[P],
     w: &[T],
     dx: &mut [T],
-    f: impl Fn(T, T, T) -> T,
+    f: impl Fn(T, P, T) -> T,
     ahead: &[T],
     ahead_w: &[T],
 ) {
@@ -367,9 +391,9 @@ fn map3_into<T: Element>(
 }
 
 /// Reference forward in f64: the reduced loss (`rows` values for `None`).
-pub fn forward_ref<T: Element>(
+pub fn forward_ref<T: Element, P: Element>(
     logits: &[T],
-    target: &[T],
+    target: &[P],
     weight: Option<&[T]>,
     cols: usize,
     eps: f64,
@@ -390,10 +414,10 @@ pub fn forward_ref<T: Element>(
 }
 
 /// Reference backward in f64.
-pub fn backward_ref<T: Element>(
-    grad: &[T],
+pub fn backward_ref<T: Element, P: Element, O: Element>(
+    grad: &[O],
     logits: &[T],
-    target: &[T],
+    target: &[P],
     weight: Option<&[T]>,
     cols: usize,
     eps: f64,
@@ -416,7 +440,7 @@ pub fn backward_ref<T: Element>(
 }
 
 /// A row's target in f64: `w ((1 - eps) p + eps / v)` (`w` 1 where none).
-fn target_ref<T: Element>(p: &[T], weight: Option<&[T]>, eps: f64) -> Vec<f64> {
+fn target_ref<T: Element, P: Element>(p: &[P], weight: Option<&[T]>, eps: f64) -> Vec<f64> {
     let (w, v) = (|j: usize| weight.map_or(1.0, |w| w[j].to_f64()), p.len() as f64);
     p.iter().enumerate().map(|(j, p)| w(j) * ((1.0 - eps) * p.to_f64() + eps / v)).collect()
 }

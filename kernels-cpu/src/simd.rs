@@ -366,17 +366,19 @@ pub(crate) fn sum_map<T: Element>(a: &[T], f: impl Fn(T::Acc) -> T::Acc) -> T::A
 }
 
 /// The two sums of `f(a_i, b_i, c_i)` (a pair) over three slices of equal
-/// length, with `LANES` independent accumulators for each.
+/// length, with `LANES` independent accumulators for each. The slices may
+/// hold different element types of one accumulation type (a bf16 row and an
+/// f32 one).
 ///
 /// Written over `chunks_exact` with one named accumulator array per sum: the
 /// same sums written with indices `base + i` stayed scalar, with the lanes on
 /// the stack (rms_norm bf16 backward spent 60% of its time there), and an
 /// array of accumulator arrays was kept on the stack too.
 #[inline(always)]
-pub(crate) fn sums3<T: Element>(
+pub(crate) fn sums3<T: Element, B: Element<Acc = T::Acc>, C: Element<Acc = T::Acc>>(
     a: &[T],
-    b: &[T],
-    c: &[T],
+    b: &[B],
+    c: &[C],
     f: impl Fn(T::Acc, T::Acc, T::Acc) -> (T::Acc, T::Acc),
 ) -> (T::Acc, T::Acc) {
     let (mut s, mut t) = ([T::Acc::ZERO; LANES], [T::Acc::ZERO; LANES]);

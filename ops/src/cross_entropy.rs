@@ -5,7 +5,9 @@
 //! float label_smoothing=0.0, str reduction="mean", Tensor? weight=None) ->
 //! Tensor` for logits `[N, V]` and int64 `target[N]`, as
 //! `torch.nn.functional.cross_entropy`; or, as torch also takes them,
-//! probabilities: a `target` of the logits' dtype and shape (`ignore_index`
+//! probabilities: a `target` of the logits' shape and dtype, or float32 for
+//! float16 and bfloat16 logits (read as it is, not rounded; the loss is then
+//! float32, as torch's, and so is its gradient) (`ignore_index`
 //! must be the default there, as torch requires; on CUDA nothing is
 //! synchronised for them: no target can be out of range). Class weights
 //! `weight` (`[V]`, the logits' dtype) where given, with either target, are
@@ -26,6 +28,30 @@ use keel::cpu::Element;
 use keel::ops::cross_entropy::{Options, Reduction};
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
+/// Runs `$body` with `$T` the logits' element type and `$P` the probability
+/// target's: `$T` again, or f32 for f16 and bf16 logits (the pairs
+/// [`check_probabilities`] takes).
+macro_rules! with_probs_types {
+    ($dtype:expr, $target:expr, $T:ident, $P:ident => $body:expr) => {
+        match ($dtype, $target) {
+            (ScalarType::F16, ScalarType::F32) => {
+                type $T = half::f16;
+                type $P = f32;
+                $body
+            }
+            (ScalarType::BF16, ScalarType::F32) => {
+                type $T = half::bf16;
+                type $P = f32;
+                $body
+            }
+            _ => with_float_type!($dtype, $T => {
+                type $P = $T;
+                $body
+            }),
+        }
+    };
+}
+
 /// The checked arguments: logits, target and weights contiguous.
 struct Checked {
     logits: Tensor,
@@ -38,6 +64,9 @@ struct Checked {
     /// Whether the target holds probabilities (a float tensor shaped like
     /// the logits) rather than class indices.
     probs: bool,
+    /// The loss's dtype (and its gradient's): the logits', or a float32
+    /// target's (torch's promotion of the two).
+    loss_dtype: ScalarType,
 }
 
 /// The arguments the forward ops share: logits, target, ignore_index,
@@ -60,6 +89,7 @@ fn check(
     }
     checks::same_device(op, "target", &target, "logits", c.device)?;
     let probs = matches!(target.dtype()?, ScalarType::F16 | ScalarType::BF16 | ScalarType::F32 | ScalarType::F64);
+    let loss_dtype = if probs { target.dtype()? } else { c.dtype };
     if probs {
         check_probabilities(op, &target, &c, s, ii)?;
     } else if target.dtype()? != ScalarType::I64 {
@@ -85,13 +115,22 @@ fn check(
     keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, None, c.cols, &opts).map_err(check_err)?;
     let weight = weight.map(|w| checks::param(op, "weight", w, &c)).transpose()?;
     let (logits, target) = (checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?);
-    Ok(Checked { logits, target, weight, c, opts, probs })
+    Ok(Checked { logits, target, weight, c, opts, probs, loss_dtype })
 }
 
 /// Checks a target of probabilities (a float tensor) against the logits
-/// (`sizes`): their dtype and shape, with the default `ignore_index` (`ii`).
+/// (`sizes`): their shape, their dtype or float32 for 16-bit logits, with the
+/// default `ignore_index` (`ii`).
 fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i64) -> Result<()> {
-    checks::same_dtype(op, "target", target, "logits", c.dtype)?;
+    let dtype = target.dtype()?;
+    let wide = dtype == ScalarType::F32 && matches!(c.dtype, ScalarType::F16 | ScalarType::BF16);
+    if dtype != c.dtype && !wide {
+        let msg = format!(
+            "of probabilities must have the logits' dtype {} (or float32 for float16 and bfloat16 logits), got {dtype}",
+            c.dtype
+        );
+        return Err(invalid(op, "target", msg));
+    }
     if target.sizes()? != sizes {
         let msg = format!("of probabilities must have the logits' shape {sizes:?}, got {:?}", target.sizes()?);
         return Err(invalid(op, "target", msg));
@@ -127,14 +166,15 @@ fn forward(
     (logits, target, ii, ls, reduction, weight): Args,
     with_lse: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let Checked { logits, target, weight, c, opts, probs } = check(op, (logits, target, ii, ls, &reduction, weight))?;
-    let out = Tensor::empty(&loss_shape(&c, opts.reduction), c.dtype, c.device)?;
+    let Checked { logits, target, weight, c, opts, probs, loss_dtype } =
+        check(op, (logits, target, ii, ls, &reduction, weight))?;
+    let out = Tensor::empty(&loss_shape(&c, opts.reduction), loss_dtype, c.device)?;
     let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
     match c.device.kind {
-        DeviceType::Cpu if probs => with_float_type!(c.dtype, T => {
-            // SAFETY: checked contiguous CPU tensors (logits, target and weight of T); `out` and
-            // `lse` (of T's accumulation type) are fresh.
-            let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<T>()?, out.as_mut_slice::<T>()?) };
+        DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P => {
+            // SAFETY: checked contiguous CPU tensors (logits and weight of T, target of P); `out`
+            // (of P, the loss's dtype) and `lse` (of T's accumulation type) are fresh.
+            let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<P>()?, out.as_mut_slice::<P>()?) };
             // SAFETY: as above.
             let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
             let l = match &lse {
@@ -168,14 +208,15 @@ fn forward(
             let (pl, pw) = (ptr(lse.as_ref())?, ptr(weight.as_ref())?);
             if probs {
                 let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
+                let dtypes = (dtype, checks::cuda_dtype(target.dtype()?)?);
                 // SAFETY: checked contiguous CUDA tensors on the guarded device (target of the
-                // logits' dtype and shape, weight of their dtype, [V]); `out`, `lse` (f32) and
-                // `scratch` are fresh.
+                // logits' shape, of their dtype or f32 for 16-bit logits, weight of their dtype,
+                // [V]); `out`, `lse` (f32) and `scratch` are fresh.
                 unsafe {
                     keel::ops::cross_entropy::forward_probs_cuda_raw(
                         &call.gpu,
                         &call.stream,
-                        dtype,
+                        dtypes,
                         (px, pt, pw, po, pl, ps),
                         rows,
                         cols,
@@ -268,10 +309,19 @@ impl BoxedOp for CrossEntropyBackward {
 
     fn run((grad, logits, target, ii, ls, reduction, lse, weight): Self::Args) -> Result<Self::Out> {
         let op = Self::NAME;
-        let Checked { logits, target, weight, c, opts, probs } =
+        let Checked { logits, target, weight, c, opts, probs, loss_dtype } =
             check(op, (logits, target, ii, ls, &reduction, weight))?;
         checks::same_device(op, "grad", &grad, "logits", c.device)?;
-        checks::same_dtype(op, "grad", &grad, "logits", c.dtype)?;
+        if loss_dtype == c.dtype {
+            checks::same_dtype(op, "grad", &grad, "logits", c.dtype)?;
+        } else if grad.dtype()? != loss_dtype {
+            let msg = format!(
+                "must have the loss's dtype {loss_dtype} (that of a float32 target of {} logits), got {}",
+                c.dtype,
+                grad.dtype()?
+            );
+            return Err(invalid(op, "grad", msg));
+        }
         let want = loss_shape(&c, opts.reduction);
         if grad.sizes()? != want.as_slice() {
             return Err(invalid(op, "grad", format!("must have shape {want:?} (the loss's), got {:?}", grad.sizes()?)));
@@ -280,11 +330,11 @@ impl BoxedOp for CrossEntropyBackward {
         let lse = lse.map(|l| check_lse(op, l, &c)).transpose()?;
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
-            DeviceType::Cpu if probs => with_float_type!(c.dtype, T => {
+            DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P => {
                 // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type, weight of
-                // T); `grad_logits` is fresh.
+                // T, target and grad of P); `grad_logits` is fresh.
                 let (g, x, p, dx) = unsafe {
-                    (grad.as_slice::<T>()?, logits.as_slice::<T>()?, target.as_slice::<T>()?, grad_logits.as_mut_slice::<T>()?)
+                    (grad.as_slice::<P>()?, logits.as_slice::<T>()?, target.as_slice::<P>()?, grad_logits.as_mut_slice::<T>()?)
                 };
                 // SAFETY: as above.
                 let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
@@ -320,13 +370,15 @@ impl BoxedOp for CrossEntropyBackward {
                     (ptr(Some(&grad))?, ptr(Some(&logits))?, ptr(Some(&target))?, ptr(lse.as_ref())?);
                 let (pd, pw) = (ptr(Some(&grad_logits))?, ptr(weight.as_ref())?);
                 let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
+                let dtypes = (dtype, checks::cuda_dtype(target.dtype()?)?);
                 // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32, target of
-                // the logits' dtype and shape, weight of their dtype, [V]); `grad_logits` is fresh.
+                // the logits' shape, of their dtype or f32 for 16-bit logits, weight of their dtype,
+                // [V]); `grad_logits` is fresh.
                 unsafe {
                     keel::ops::cross_entropy::backward_probs_cuda_raw(
                         &call.gpu,
                         &call.stream,
-                        dtype,
+                        dtypes,
                         (pg, px, pt, pw, pl, pd),
                         rows,
                         cols,

@@ -5,8 +5,8 @@
 The op takes class weights that need no gradient itself (in the logits' dtype),
 with class indices (:func:`weighted`) or probabilities, and takes probabilities
 where the target has the logits' dtype and needs no gradient (:func:`fused`),
-and float32 targets of 16-bit logits rounded to their dtype (outside autocast):
-its kernels (CPU and CUDA) read each row of logits (and of targets) once in the
+and float32 targets of 16-bit logits as they are (outside autocast): its
+kernels (CPU and CUDA) read each row of logits (and of targets) once in the
 forward and once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
@@ -43,9 +43,9 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
   at torch's speed; bfloat16 0.4x, the float32 copies of targets and
   products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
-  float32 targets of 16-bit logits (session 77, a 2-core Xeon, ``[4096,
-  32000]``): 3.4-3.7x torch's speed, 4.4-4.5x the composite's; class weights
-  read by the kernels: session 78.
+  float32 targets of 16-bit logits read by the kernels as they are (no copy
+  rounded to the logits' dtype): session 80; class weights read by the
+  kernels: session 78.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -196,16 +196,16 @@ def probabilities(
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
     if fused(rows, p, weight):
-        # The op itself takes the target's rows (one read of each) and the weights
+        # The op itself takes the target's rows (one read of each, a float32
+        # target of 16-bit logits as it is: a float32 loss) and the weights
         # (`with_lse` rounds them to the logits' dtype, but under autocast).
-        p = p.to(rows.dtype)  # a float32 target of 16-bit logits
-        if out == rows.dtype or reduction == "none":
+        if out == p.dtype or reduction == "none":
             loss, lse = with_lse(rows, p, -100, label_smoothing, reduction, weight)
             loss = loss.to(out)
             return (loss.reshape(shape) if reduction == "none" else loss), lse
-        # A wider loss than the logits (float32 weights or target): the rows'
-        # losses summed in it, as torch sums its float32 terms, not the op's sum
-        # rounded to the logits' dtype (a bfloat16 mean is 2^-9 off).
+        # A wider loss than the op's (float32 weights): the rows' losses summed
+        # in it, as torch sums its float32 terms, not the op's sum rounded to
+        # the logits' dtype (a bfloat16 mean is 2^-9 off).
         losses, lse = with_lse(rows, p, -100, label_smoothing, "none", weight)
         return (torch.sum if reduction == "sum" else torch.mean)(losses, dtype=out), lse
     c = rows.shape[1]
@@ -264,18 +264,16 @@ def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     """Whether the op takes the probabilities `p` itself (its fused kernel): with
     neither `p` nor the class weights (if any) needing a gradient, `p` of the
     logits' dtype, or float32 `p` for float16 or bfloat16 logits outside
-    autocast, rounded to their dtype. Elsewhere :func:`probabilities` builds the
-    loss from the op's log-sum-exp with torch's ops.
+    autocast, which the kernels read as it is. Elsewhere :func:`probabilities`
+    builds the loss from the op's log-sum-exp with torch's ops.
 
     The kernels read the weights in the logits' dtype: float32 weights of 16-bit
     logits are rounded to it, as torch's own float16 and bfloat16 losses round
     ``target * weight``; under autocast the op's float32 value takes them as they
     are (``_autocast``). A float32 target of 16-bit logits (a student's logits
-    against a teacher's probabilities) rounded to their dtype: torch's own
-    gradient rounds ``g p`` to that dtype (its log_softmax's input), an error of
-    the same size; the loss stays float32, as torch's (see
-    :func:`probabilities`). Not under autocast, whose float32 value would be
-    that of the rounded target."""
+    against a teacher's probabilities): the kernels read it in float32, and the
+    loss is float32, as torch's (see :func:`probabilities`). Not under autocast,
+    whose kernel takes a float32 copy of the logits anyway."""
     if p.requires_grad or (weight is not None and weight.requires_grad):
         return False
     if p.dtype == rows.dtype:

@@ -97,8 +97,11 @@ def _gated(x):
     return (*x.shape[:-1], x.shape[-1] // 2), x.dtype
 
 
-def _loss(logits, reduction):
-    return ((logits.shape[0],) if reduction == "none" else ()), logits.dtype
+def _loss(logits, target, reduction):
+    """The loss: the logits' dtype, or a float target's (probabilities: the
+    logits' dtype, or float32 for 16-bit logits, torch's promotion of the two)."""
+    dtype = target.dtype if target.dtype.is_floating_point else logits.dtype
+    return ((logits.shape[0],) if reduction == "none" else ()), dtype
 
 
 def _lse(logits):
@@ -132,11 +135,11 @@ _RULES = {
     "softmax": lambda input, scale=1.0: [_like(input)],
     "softmax_backward": lambda grad_out, output, scale: [_like(output)],
     "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: [
-        _loss(logits, reduction)
+        _loss(logits, target, reduction)
     ],
     "cross_entropy_with_lse": (
         lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: [
-            _loss(logits, reduction),
+            _loss(logits, target, reduction),
             _lse(logits),
         ]
     ),

@@ -162,13 +162,14 @@ def softmax_backward(grad, y, scale):
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """`F.cross_entropy` and each row's log-sum-exp (0 for ignored rows), in
-    Keel's accumulation dtype; the loss in the logits' dtype. `weight`: class
-    weights (or None), as the op takes them."""
+    Keel's accumulation dtype; the loss in the logits' dtype (a float target's
+    with probabilities, as the op). `weight`: class weights (or None), as the
+    op takes them."""
     a = logits.to(acc_dtype(logits))
     w = None if weight is None else weight.to(a.dtype)
     if target.dtype.is_floating_point:  # probabilities: no row is ignored
         loss = F.cross_entropy(a, target.to(a.dtype), w, label_smoothing=label_smoothing, reduction=reduction)
-        return loss.to(logits.dtype), torch.logsumexp(a, -1)
+        return loss.to(target.dtype), torch.logsumexp(a, -1)
     lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
     if w is not None:
         return _class_weighted(a, target, w, ignore_index, label_smoothing, reduction).to(logits.dtype), lse

@@ -260,8 +260,8 @@ def cross_entropy(
             a target of the logits' dtype that needs no gradient (nor does ``weight``)
             goes to the op's fused kernel (one read of each row of logits and
             targets a pass, the class weights read beside them), and so does a
-            float32 one for float16 or bfloat16 logits, rounded to their dtype
-            first (outside autocast); other cases
+            float32 one for float16 or bfloat16 logits, read as it is (outside
+            autocast; a float32 loss, as torch's); other cases
             are built on the op with torch's elementwise ops (``keel._ce_forms``,
             which gives the costs: not faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class

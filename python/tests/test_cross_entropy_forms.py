@@ -306,7 +306,7 @@ def test_probability_targets_of_other_dtypes_promote_as_torch(device, xd, pd, wd
     the weights' (bfloat16 logits and a float32 target: a float32 loss), and its
     value is torch's in float64 within the tolerance of the narrowest dtype; each
     gradient has its input's dtype. A float32 target for 16-bit logits with no
-    gradient goes to the fused kernel rounded to their dtype (``_ce_forms.fused``)."""
+    gradient goes to the fused kernel as it is (``_ce_forms.fused``)."""
     x = make((5, 300), xd, device, 0, 3.0)
     p = probabilities((5, 300), device, pd)
     w = None if wd is None else class_weights(300, device, wd)
@@ -458,15 +458,85 @@ def test_the_op_takes_probabilities_of_the_logits_dtype_on_cpu():
     for given in (None, lse):
         torch.testing.assert_close(torch.ops.keel.cross_entropy_backward(g, x, p, -100, 0.1, "none", given), xr.grad)
     bad = [
-        (lambda: torch.ops.keel.cross_entropy(x, p.double()), r"keel::cross_entropy: argument 'target' has dtype torch.float64 but 'logits' has torch.float32"),
+        (lambda: torch.ops.keel.cross_entropy(x, p.double()), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' dtype torch.float32 \(or float32 for float16 and bfloat16 logits\), got torch.float64"),
+        (lambda: torch.ops.keel.cross_entropy(x.bfloat16(), p.half()), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' dtype torch.bfloat16 \(or float32 for float16 and bfloat16 logits\), got torch.float16"),
         (lambda: torch.ops.keel.cross_entropy(x, p[:, :5]), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' shape \[4, 9\], got \[4, 5\]"),
         (lambda: torch.ops.keel.cross_entropy(x, p, 0), r"keel::cross_entropy: argument 'ignore_index' applies to class indices only, not to probabilities \(a float target\), got 0"),
         (lambda: torch.ops.keel.cross_entropy(x, p.int()), r"keel::cross_entropy: argument 'target' must have dtype torch.int64 \(class indices\) or the logits' torch.float32 \(probabilities\), got torch.int32"),
-        (lambda: torch.ops.keel.cross_entropy_backward(g, x, p.half(), -100, 0.1, "none"), r"keel::cross_entropy_backward: argument 'target' has dtype torch.float16"),
+        (lambda: torch.ops.keel.cross_entropy_backward(g, x, p.half(), -100, 0.1, "none"), r"keel::cross_entropy_backward: argument 'target' of probabilities must have the logits' dtype torch.float32 \(or float32 for float16 and bfloat16 logits\), got torch.float16"),
     ]
     for call, msg in bad:
         with pytest.raises(RuntimeError, match=msg):
             call()
+
+
+@pytest.mark.parametrize("device", devices())
+def test_the_op_reads_float32_probabilities_of_16bit_logits(device):
+    """torch.ops.keel's cross_entropy ops take a float32 target for float16 and
+    bfloat16 logits and read it as it is (a teacher's float32 softmax against a
+    student's logits): the loss is float32 (torch's promotion), and so is its
+    gradient; loss, lse, the backward op given the lse and without it, with and
+    without class weights and label smoothing, against float64 with the same
+    target; then a target value that bfloat16 cannot hold, whose gradient is not
+    that of the rounded value."""
+    for dtype in (d for d in dtypes_for(device) if d in (torch.float16, torch.bfloat16)):
+        atol, rtol = TOL[dtype]
+        x, p = make((6, 1000), dtype, device, 0, 3.0), probabilities((6, 1000), device, torch.float32)
+        for w in (None, class_weights(1000, device, dtype)):
+            for ls in (0.0, 0.1):
+                xr = x.double().requires_grad_()
+                wr = None if w is None else w.double()
+                want = F.cross_entropy(xr, p.double(), weight=wr, label_smoothing=ls, reduction="none")
+                g = make((6,), torch.float32, device, 2)
+                want.backward(g.double())
+                loss, lse = torch.ops.keel.cross_entropy_with_lse(x, p, -100, ls, "none", w)
+                assert loss.dtype == torch.float32
+                # Sums of a thousand float32 terms of size |x|: float32's error, not the logits'.
+                torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
+                mean = torch.ops.keel.cross_entropy(x, p, -100, ls, "mean", w)
+                assert mean.dtype == torch.float32
+                torch.testing.assert_close(mean.double(), want.detach().mean(), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(lse.double(), torch.logsumexp(x.double(), -1), atol=1e-5, rtol=1e-5)
+                for given in (None, lse):
+                    dx = torch.ops.keel.cross_entropy_backward(g, x, p, -100, ls, "none", given, w)
+                    assert dx.dtype == dtype
+                    torch.testing.assert_close(dx.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+    # dx_0 = A / 4 - p_0 = -0.75 p_0 for uniform logits and a target p_0 at class
+    # 0: 1 + 3 2^-10 gives -0.75220, bfloat16 -0.75391; the target rounded to
+    # bfloat16 (1) would give -0.75.
+    x = torch.zeros(1, 4, dtype=torch.bfloat16, device=device)
+    p = torch.tensor([[1 + 3 / 1024, 0.0, 0.0, 0.0]], device=device)
+    one = torch.ones((), device=device)
+    dx = torch.ops.keel.cross_entropy_backward(one, x, p, -100, 0.0, "sum")
+    assert dx[0, 0].item() == -0.75390625, dx
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy_backward: argument 'grad' must have the loss's dtype torch.float32 \(that of a float32 target of torch.bfloat16 logits\), got torch.bfloat16"):
+        torch.ops.keel.cross_entropy_backward(one.bfloat16(), x, p, -100, 0.0, "sum")
+    # Through the typed API (the fused kernel): the float32 loss, and the gradient.
+    xk = x.clone().requires_grad_()
+    loss = keel.cross_entropy(xk, p, reduction="sum")
+    assert loss.dtype == torch.float32
+    loss.backward()
+    assert xk.grad[0, 0].item() == -0.75390625, xk.grad
+
+
+@pytest.mark.parametrize("device", devices())
+def test_opcheck_with_float32_probabilities_of_bfloat16_logits(device):
+    """The fake (meta) rule gives the float32 loss the kernels write."""
+    from torch.library import opcheck
+
+    from conftest import OPCHECK_UTILS
+
+    x = make((6, 11), torch.bfloat16, device, 0).requires_grad_()
+    p = probabilities((6, 11), device, torch.float32)
+    for reduction, w in [(r, w) for r in REDUCTIONS for w in (None, class_weights(11, device, torch.bfloat16))]:
+        args = (x, p, -100, 0.1, reduction, w)
+        opcheck(torch.ops.keel.cross_entropy.default, args, test_utils=OPCHECK_UTILS)
+        opcheck(torch.ops.keel.cross_entropy_with_lse.default, args, test_utils=OPCHECK_UTILS)
+        g = torch.randn(6, device=device) if reduction == "none" else torch.tensor(0.5, device=device)
+        lse = torch.logsumexp(x.detach().float(), -1)
+        for given in (None, lse):
+            bwd = (g, x.detach(), p, -100, 0.1, reduction, given, w)
+            opcheck(torch.ops.keel.cross_entropy_backward.default, bwd, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("device", devices()[1:])

@@ -16,7 +16,7 @@ use crate::cuda::{CudaElement, NormKeep, Target};
 use proptest::prelude::*;
 
 /// The CUDA element types, with the tolerance of `close` for each.
-trait Dt: Element + CudaElement {
+trait Dt: Element<Acc = f32> + CudaElement {
     const TOL: f64;
 }
 impl Dt for f32 {
@@ -455,7 +455,7 @@ fn softmax_and_ce<T: Dt>(c: Case) {
             unsafe { cross_entropy::forward_on(t, dt, px, pt, pw, po, pl, ps, rows, cols, opts) }.unwrap();
             let lse = ld.to_vec();
             for (i, (a, b)) in lse.iter().zip(&wlse).enumerate() {
-                let (a, b) = (f64::from(*a), b.to_f64());
+                let (a, b) = (f64::from(*a), f64::from(*b));
                 let ok = (a - b).abs() <= 1e-5 * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
                 assert!(ok, "{what} {} lse at row {i}: {a} vs {b}", T::NAME);
             }
@@ -477,48 +477,12 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     }
 
     // cross_entropy against probabilities (rows summing to about 1, some
-    // zeros), label smoothing 0.1, each reduction, with and without class
-    // weights (in [0.25, 2))
-    let probs: Vec<T> = data::<T>(n, 17)
-        .iter()
-        .enumerate()
-        .map(|(i, v)| T::from_f64(if i % 5 == 2 { 0.0 } else { (v.to_f64().abs() + 0.1) * 1.6 / cols as f64 }))
-        .collect();
-    for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, None), (r, Some(&weights[..]))]) {
-        let m = reduction.out_len(rows);
-        let grad = data::<T>(m, 19);
-        let what = format!("cross_entropy probs {reduction:?} weighted {} {c:?}", w.is_some());
-        let (mut want, mut wlse) = (cpu(m), vec![T::Acc::ZERO; rows]);
-        cross_entropy::forward_probs_cpu(&x, &probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
-            .unwrap();
-        let got = both::<T>(sm, &what, |t| {
-            let (xd, pd, od) = (up(&x), up(&probs), z(m));
-            let wd = w.map(&up);
-            let (sd, ld) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<f32>(rows, 0));
-            let (px, pp, pw) = (xd.addr(), pd.addr(), wd.as_ref().map_or(0, |w| w.addr()));
-            let ptrs = (px, pp, pw, od.addr(), ld.addr(), sd.addr());
-            unsafe { cross_entropy::forward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
-            let lse = ld.to_vec();
-            for (i, (a, b)) in lse.iter().zip(&wlse).enumerate() {
-                let (a, b) = (f64::from(*a), b.to_f64());
-                let ok = (a - b).abs() <= 1e-5 * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
-                assert!(ok, "{what} {} lse at row {i}: {a} vs {b}", T::NAME);
-            }
-            let mut grads = vec![];
-            for l in [0, ld.addr()] {
-                let (gd, dxd) = (up(&grad), z(n));
-                let ptrs = (gd.addr(), px, pp, pw, l, dxd.addr());
-                unsafe { cross_entropy::backward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
-                grads.push(dxd.to_vec());
-            }
-            [vec![od.to_vec()], grads].concat()
-        });
-        close(&got[0], &want, 4.0 * tol * (cols as f64).log2().max(1.0), &what);
-        let mut wdx = cpu(n);
-        cross_entropy::backward_probs_cpu(&grad, &x, &probs, w, None, &mut wdx, cols, 0.1, reduction, Par::Seq)
-            .unwrap();
-        close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
-        close(&got[2], &wdx, 4.0 * tol, &format!("{what} grad given the lse"));
+    // zeros), of the logits' dtype and, for 16-bit logits, float32
+    let probs = |v: f64, i: usize| if i % 5 == 2 { 0.0 } else { (v.abs() + 0.1) * 1.6 / cols as f64 };
+    let p64: Vec<f64> = data::<f64>(n, 17).iter().enumerate().map(|(i, v)| probs(*v, i)).collect();
+    ce_probs(c, &x, &p64.iter().map(|v| T::from_f64(*v)).collect::<Vec<T>>(), &weights);
+    if T::DTYPE != f32::DTYPE {
+        ce_probs(c, &x, &p64.iter().map(|v| *v as f32).collect::<Vec<f32>>(), &weights);
     }
 
     // a target out of range is an error, from the count the kernels leave
@@ -579,6 +543,56 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     cross_entropy::backward_cpu(&one, &x, &ignored, Some(&weights), None, &mut want, cols, opts, Par::Seq).unwrap();
     let good = (rows - 1) * cols;
     close(&dx[..good], &want[..good], 4.0 * tol, "good rows' gradient while capturing");
+}
+
+/// cross_entropy against the probabilities `probs` (of the logits' dtype, or
+/// float32 for 16-bit logits: the loss and its gradient of the target's
+/// dtype), label smoothing 0.1, each reduction, with and without class
+/// weights (`weights`, in [0.25, 2)), against the CPU kernels given the same
+/// targets.
+fn ce_probs<T: Dt, P: Dt>(c: Case, x: &[T], probs: &[P], weights: &[T]) {
+    let Case { sm, rows, cols, shift, .. } = c;
+    let up = |v: &[T]| Buf::shifted(v, shift);
+    let (n, dt) = (rows * cols, (T::DTYPE, P::DTYPE));
+    let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
+    for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, None), (r, Some(weights))]) {
+        let m = reduction.out_len(rows);
+        let grad = data::<P>(m, 19);
+        let what = format!("cross_entropy probs ({}) {reduction:?} weighted {} {c:?}", P::NAME, w.is_some());
+        let (mut want, mut wlse) = (cpu::<P>(m), vec![0f32; rows]);
+        cross_entropy::forward_probs_cpu(x, probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
+            .unwrap();
+        let (xd, pd) = (up(x), Buf::shifted(probs, shift));
+        let wd = w.map(up);
+        let (px, pp, pw) = (xd.addr(), pd.addr(), wd.as_ref().map_or(0, |w| w.addr()));
+        let lse = garbage::<f32>(rows, 0);
+        let got = both::<P>(sm, &what, |t| {
+            let (sd, od) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<P>(m, shift));
+            let ptrs = (px, pp, pw, od.addr(), lse.addr(), sd.addr());
+            unsafe { cross_entropy::forward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
+            for (i, (a, b)) in lse.to_vec().iter().zip(&wlse).enumerate() {
+                let (a, b) = (f64::from(*a), f64::from(*b));
+                let ok = (a - b).abs() <= 1e-5 * (1.0 + b.abs()) || (a.is_nan() && b.is_nan());
+                assert!(ok, "{what} {} lse at row {i}: {a} vs {b}", T::NAME);
+            }
+            vec![od.to_vec()]
+        });
+        close(&got[0], &want, 4.0 * T::TOL * (cols as f64).log2().max(1.0), &what);
+        let grads = both::<T>(sm, &what, |t| {
+            let mut grads = vec![];
+            for l in [0, lse.addr()] {
+                let (gd, dxd) = (Buf::shifted(&grad, shift), garbage::<T>(n, shift));
+                let ptrs = (gd.addr(), px, pp, pw, l, dxd.addr());
+                unsafe { cross_entropy::backward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
+                grads.push(dxd.to_vec());
+            }
+            grads
+        });
+        let mut wdx = cpu(n);
+        cross_entropy::backward_probs_cpu(&grad, x, probs, w, None, &mut wdx, cols, 0.1, reduction, Par::Seq).unwrap();
+        close(&grads[0], &wdx, 4.0 * T::TOL, &format!("{what} grad"));
+        close(&grads[1], &wdx, 4.0 * T::TOL, &format!("{what} grad given the lse"));
+    }
 }
 
 fn gated_and_rotary<T: Dt>(c: Case) {

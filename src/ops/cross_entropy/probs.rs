@@ -1,6 +1,7 @@
 //! Fused cross-entropy against probability targets ("soft labels": a float
-//! target `[rows, cols]` shaped like the logits, of their dtype), as
-//! `torch.nn.functional.cross_entropy(logits, p)` computes it; see
+//! target `[rows, cols]` shaped like the logits, of their dtype or, for f16
+//! and bf16 logits, f32: a teacher's float32 probabilities read as they are),
+//! as `torch.nn.functional.cross_entropy(logits, p)` computes it; see
 //! [`keel_cpu::cross_entropy_probs`] for the formulas. Class weights
 //! (torch's `weight=`, `cols` of the logits' dtype) are optional: `None` on
 //! the CPU, a 0 pointer on CUDA. Re-exported by
@@ -13,7 +14,7 @@ use super::{backward_cpu, backward_cuda_raw, scratch_len};
 use super::{reduction_code, scratch, single_block, Reduction, MODULE};
 use crate::cpu::{Element, Par};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ops::{check_cols, check_len};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
@@ -22,13 +23,15 @@ use std::sync::Arc;
 /// logits; see [`keel_cpu::cross_entropy_probs`]): the loss (`rows` values for
 /// [`Reduction::None`], else one; `"mean"` over all rows), and each row's
 /// log-sum-exp into `lse` when given; `weight`, the class weights (`cols`)
-/// where given.
+/// where given. `target` of `T`, or of another type of its accumulation type
+/// (f32 for f16 and bf16 logits), read as it is; the loss `out` of any type
+/// (torch's: the promotion of the logits' and the target's).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_probs_cpu<T: Element>(
+pub fn forward_probs_cpu<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     logits: &[T],
-    target: &[T],
+    target: &[P],
     weight: Option<&[T]>,
-    out: &mut [T],
+    out: &mut [O],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
     label_smoothing: f64,
@@ -40,12 +43,13 @@ pub fn forward_probs_cpu<T: Element>(
 }
 
 /// CPU backward of [`forward_probs_cpu`]: `grad_logits`, given the forward's
-/// `lse` (trusted, as [`backward_cpu`] trusts it) or recomputing it.
+/// `lse` (trusted, as [`backward_cpu`] trusts it) or recomputing it; `grad`
+/// of the loss's type.
 #[allow(clippy::too_many_arguments)]
-pub fn backward_probs_cpu<T: Element>(
-    grad: &[T],
+pub fn backward_probs_cpu<T: Element, P: Element<Acc = T::Acc>, O: Element>(
+    grad: &[O],
     logits: &[T],
-    target: &[T],
+    target: &[P],
     weight: Option<&[T]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
@@ -64,22 +68,44 @@ fn check_probs_dims(op: &'static str, rows: usize, cols: usize, label_smoothing:
     Ok(())
 }
 
+/// The name of the probability kernel `kind` (`"rows"`, `"bwd"`, before the
+/// logits' dtype suffix that [`launch_rows`] adds) for a target of `target`:
+/// the logits' `dtype`, or f32 for 16-bit logits (the `_p32_` kernels).
+fn probs_kernel(op: &'static str, kind: &str, dtype: DType, target: DType) -> Result<String> {
+    match (dtype, target) {
+        (d, t) if d == t => Ok(format!("cross_entropy_probs_{kind}")),
+        (DType::F16 | DType::BF16, DType::F32) => Ok(format!("cross_entropy_probs_p32_{kind}")),
+        _ => Err(Error::Invalid {
+            op,
+            arg: "target",
+            msg: format!(
+                "probabilities must have the logits' dtype ({}), or float32 for 16-bit logits; got {}",
+                dtype.suffix(),
+                target.suffix()
+            ),
+        }),
+    }
+}
+
 /// CUDA forward against probability targets (see [`forward_probs_cpu`]) on
 /// raw device pointers. No synchronisation: no target is out of range. `lse`
 /// is 0, or where each row's log-sum-exp is written (`rows` f32s); `weight`
-/// is 0, or the class weights (`cols` of `dtype`).
+/// is 0, or the class weights (`cols` of `dtype`). `target_dtype` is `dtype`,
+/// or [`DType::F32`] for 16-bit logits (an error otherwise); the loss has
+/// the target's dtype (torch's promotion of the two).
 ///
 /// # Safety
-/// `logits` and `target` (`rows * cols` of `dtype` each), a non-zero
+/// `logits` (`rows * cols` of `dtype`) and `target` (`rows * cols` of
+/// `target_dtype`), a non-zero
 /// `weight` (`cols` of `dtype`), `out`
-/// (`reduction.out_len(rows)` of `dtype`), `scratch` ([`scratch_len`] f32s)
+/// (`reduction.out_len(rows)` of `target_dtype`), `scratch` ([`scratch_len`] f32s)
 /// and a non-zero `lse` must be device addresses on `stream`'s device; `out`,
 /// `lse` and `scratch` must not overlap anything else.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn forward_probs_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
-    dtype: DType,
+    (dtype, target_dtype): (DType, DType),
     (logits, target, weight, out, lse, scratch): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
@@ -89,7 +115,7 @@ pub unsafe fn forward_probs_cuda_raw(
     let t = Stream { gpu, stream };
     let ptrs = (logits, target, weight, out, lse, scratch);
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_probs_on(&t, dtype, ptrs, rows, cols, label_smoothing, reduction) }
+    unsafe { forward_probs_on(&t, (dtype, target_dtype), ptrs, rows, cols, label_smoothing, reduction) }
 }
 
 /// [`forward_probs_cuda_raw`] on any [`Target`].
@@ -99,7 +125,7 @@ pub unsafe fn forward_probs_cuda_raw(
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn forward_probs_on(
     t: &dyn Target,
-    dtype: DType,
+    (dtype, target_dtype): (DType, DType),
     (logits, target, weight, out, lse, scratch): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
@@ -107,15 +133,16 @@ pub(crate) unsafe fn forward_probs_on(
     reduction: Reduction,
 ) -> Result<()> {
     check_probs_dims("cross_entropy", rows, cols, label_smoothing)?;
+    let kernel = probs_kernel("cross_entropy", "rows", dtype, target_dtype)?;
     let (r, c) = (Arg::I64(rows as i64), Arg::I32(cols as i32));
     if rows > 0 {
         let ls = Arg::F32(label_smoothing as f32);
         let args = [Arg::Ptr(logits), Arg::Ptr(target), Arg::Ptr(weight), Arg::Ptr(scratch), Arg::Ptr(lse), r, c, ls];
         // SAFETY: matches cross_entropy_probs_rows_*; pointers per our contract.
-        unsafe { launch_rows(t, MODULE, "cross_entropy_probs_rows", dtype, rows, cols, &args)? };
+        unsafe { launch_rows(t, MODULE, &kernel, dtype, rows, cols, &args)? };
     }
     let args = [Arg::Ptr(scratch), Arg::Ptr(out), r, Arg::I32(reduction_code(reduction))];
-    let name = format!("cross_entropy_probs_reduce_{}", dtype.suffix());
+    let name = format!("cross_entropy_probs_reduce_{}", target_dtype.suffix());
     // SAFETY: matches cross_entropy_probs_reduce_*; pointers per our contract.
     unsafe { t.launch(MODULE, &name, single_block(), &args) }
 }
@@ -126,13 +153,13 @@ pub(crate) unsafe fn forward_probs_on(
 ///
 /// # Safety
 /// As [`forward_probs_cuda_raw`], with `grad` (`reduction.out_len(rows)` of
-/// `dtype`) in place of `out`, `lse` an input, `weight` as there, and
+/// `target_dtype`, the loss's) in place of `out`, `lse` an input, `weight` and `target_dtype` as there, and
 /// `grad_logits` (`rows * cols`) not overlapping the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward_probs_cuda_raw(
     gpu: &Gpu,
     stream: &CudaStream,
-    dtype: DType,
+    (dtype, target_dtype): (DType, DType),
     (grad, logits, target, weight, lse, grad_logits): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
@@ -142,7 +169,7 @@ pub unsafe fn backward_probs_cuda_raw(
     let t = Stream { gpu, stream };
     let ptrs = (grad, logits, target, weight, lse, grad_logits);
     // SAFETY: forwarded from this function's contract.
-    unsafe { backward_probs_on(&t, dtype, ptrs, rows, cols, label_smoothing, reduction) }
+    unsafe { backward_probs_on(&t, (dtype, target_dtype), ptrs, rows, cols, label_smoothing, reduction) }
 }
 
 /// [`backward_probs_cuda_raw`] on any [`Target`].
@@ -152,7 +179,7 @@ pub unsafe fn backward_probs_cuda_raw(
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn backward_probs_on(
     t: &dyn Target,
-    dtype: DType,
+    (dtype, target_dtype): (DType, DType),
     (grad, logits, target, weight, lse, grad_logits): (u64, u64, u64, u64, u64, u64),
     rows: usize,
     cols: usize,
@@ -160,6 +187,7 @@ pub(crate) unsafe fn backward_probs_on(
     reduction: Reduction,
 ) -> Result<()> {
     check_probs_dims("cross_entropy_backward", rows, cols, label_smoothing)?;
+    let kernel = probs_kernel("cross_entropy_backward", "bwd", dtype, target_dtype)?;
     if rows == 0 {
         return Ok(());
     }
@@ -176,19 +204,21 @@ pub(crate) unsafe fn backward_probs_on(
         Arg::I32(reduction_code(reduction)),
     ];
     // SAFETY: matches cross_entropy_probs_bwd_*; pointers per our contract.
-    unsafe { launch_rows(t, MODULE, "cross_entropy_probs_bwd", dtype, rows, cols, &args) }
+    unsafe { launch_rows(t, MODULE, &kernel, dtype, rows, cols, &args) }
 }
 
 /// CUDA forward against probability targets on `cudarc` buffers, launched on
 /// `stream` (no synchronisation); each row's log-sum-exp into `lse` when
-/// given; `weight`, the class weights (`cols`) where given.
+/// given; `weight`, the class weights (`cols`) where given; `target` of `T`,
+/// or f32 for f16 and bf16 logits (an error otherwise), and the loss of the
+/// target's type.
 #[allow(clippy::too_many_arguments)]
-pub fn forward_probs_cuda<T: CudaElement>(
+pub fn forward_probs_cuda<T: CudaElement, P: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
-    target: &CudaSlice<T>,
+    target: &CudaSlice<P>,
     weight: Option<&CudaSlice<T>>,
-    out: &mut CudaSlice<T>,
+    out: &mut CudaSlice<P>,
     lse: Option<&mut CudaSlice<f32>>,
     cols: usize,
     label_smoothing: f64,
@@ -211,17 +241,18 @@ pub fn forward_probs_cuda<T: CudaElement>(
     let (pw, _g6) = weight.map(|w| w.device_ptr(stream)).unzip();
     let ptrs = (pl, pt, pw.unwrap_or(0), po, pe.unwrap_or(0), ps);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { forward_probs_cuda_raw(&gpu, stream, T::DTYPE, ptrs, rows, cols, label_smoothing, reduction) }
+    unsafe { forward_probs_cuda_raw(&gpu, stream, (T::DTYPE, P::DTYPE), ptrs, rows, cols, label_smoothing, reduction) }
 }
 
 /// CUDA backward of [`forward_probs_cuda`] on `cudarc` buffers, launched on
-/// `stream`, given the forward's `lse` or recomputing it.
+/// `stream`, given the forward's `lse` or recomputing it (`target` as there,
+/// `grad` of its type, the loss's).
 #[allow(clippy::too_many_arguments)]
-pub fn backward_probs_cuda<T: CudaElement>(
+pub fn backward_probs_cuda<T: CudaElement, P: CudaElement>(
     stream: &Arc<CudaStream>,
-    grad: &CudaSlice<T>,
+    grad: &CudaSlice<P>,
     logits: &CudaSlice<T>,
-    target: &CudaSlice<T>,
+    target: &CudaSlice<P>,
     weight: Option<&CudaSlice<T>>,
     lse: Option<&CudaSlice<f32>>,
     grad_logits: &mut CudaSlice<T>,
@@ -246,5 +277,5 @@ pub fn backward_probs_cuda<T: CudaElement>(
     let (pw, _g6) = weight.map(|w| w.device_ptr(stream)).unzip();
     let ptrs = (pg, pl, pt, pw.unwrap_or(0), pe.unwrap_or(0), pd);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { backward_probs_cuda_raw(&gpu, stream, T::DTYPE, ptrs, rows, cols, label_smoothing, reduction) }
+    unsafe { backward_probs_cuda_raw(&gpu, stream, (T::DTYPE, P::DTYPE), ptrs, rows, cols, label_smoothing, reduction) }
 }
