@@ -132,13 +132,14 @@ def _cross_entropy_setup(ctx, inputs, output):
 def _cross_entropy_backward(ctx, grad):
     logits, target, weight = ctx.saved_tensors
     gw = _ce_weight_grad(ctx, grad, logits, target, weight, None)
+    gt = _ce_target_grad(ctx, grad, logits, target, weight, None)
     if _twice.wanted():
         loss = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)[0]  # noqa: E731
-        return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], None, None, None, None, gw
+        return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], gt, None, None, None, gw
     if not ctx.needs_input_grad[0]:
-        return None, None, None, None, None, gw
+        return None, gt, None, None, None, gw
     g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, None, weight)
-    return g, None, None, None, None, gw
+    return g, gt, None, None, None, gw
 
 
 def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
@@ -161,6 +162,28 @@ def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     g = grad.to(acc) / (rows if reduction == "mean" else 1)
     g = g if reduction == "none" else g.expand(rows)
     return (g[:, None] * q * (lse[:, None] - x)).sum(0).to(weight.dtype)
+
+
+def _ce_target_grad(ctx, grad, logits, target, weight, lse):
+    """The gradient of probabilities `target`, where they need one (a direct
+    call of the op; ``keel.cross_entropy`` builds a target needing a gradient on
+    the op's log-sum-exp instead): the loss is ``sum_c w_c q_c (lse - x_c)``
+    with ``q = (1 - s) p + s / C``, so ``p_c`` takes ``g (1 - s) w_c (lse -
+    x_c)`` (``w`` 1 where none), computed in float32 (float64 for float64
+    logits), in the target's dtype; `lse` recomputed where None, or where a
+    graph of this gradient is being built (the op's saved lse carries none)."""
+    if grad is None or not ctx.needs_input_grad[1] or not target.dtype.is_floating_point:
+        return None
+    _, label_smoothing, reduction = ctx.args
+    acc = acc_dtype(logits)
+    x, rows = logits.to(acc), logits.shape[0]
+    lse = torch.logsumexp(x, -1) if lse is None or torch.is_grad_enabled() else lse.to(acc)
+    g = grad.to(acc) / (rows if reduction == "mean" else 1)
+    g = g if reduction == "none" else g.expand(rows)
+    d = (lse[:, None] - x) * (g[:, None] * (1.0 - label_smoothing))
+    if weight is not None:
+        d = d * weight.to(acc)
+    return d.to(target.dtype)
 
 
 def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing, reduction):
@@ -202,11 +225,12 @@ def _cross_entropy_lse_setup(ctx, inputs, output):
 def _cross_entropy_lse_backward(ctx, grad, grad_lse):
     logits, target, lse, weight = ctx.saved_tensors
     gw = _ce_weight_grad(ctx, grad, logits, target, weight, lse)
+    gt = _ce_target_grad(ctx, grad, logits, target, weight, lse)
     if not ctx.needs_input_grad[0] or (grad is None and grad_lse is None):
-        return None, None, None, None, None, gw
+        return None, gt, None, None, None, gw
     if _twice.wanted():
         both = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)  # noqa: E731
-        return _twice.vjp(both, (logits,), (grad, grad_lse), ctx.needs_input_grad)[0], None, None, None, None, gw
+        return _twice.vjp(both, (logits,), (grad, grad_lse), ctx.needs_input_grad)[0], gt, None, None, None, gw
     g = None
     if grad is not None:
         # The forward's lse: each row of logits is read once.
@@ -219,7 +243,7 @@ def _cross_entropy_lse_backward(ctx, grad, grad_lse):
         # of every probability, 2^-24 |lse| in float32.
         p = torch.softmax(logits.to(lse.dtype), -1) * (grad_lse.to(lse.dtype) * live)[:, None]
         g = p.to(logits.dtype) if g is None else (g.to(lse.dtype) + p).to(logits.dtype)
-    return g, None, None, None, None, gw
+    return g, gt, None, None, None, gw
 
 
 def _rotary_setup(ctx, inputs, output):

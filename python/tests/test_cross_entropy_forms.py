@@ -675,6 +675,30 @@ def test_the_ops_weights_gradcheck():
         assert torch.autograd.gradgradcheck(op, (x, w))
 
 
+def test_the_ops_target_gradcheck():
+    """A probability target needing a gradient through the ops themselves
+    (``_autograd._ce_target_grad``; ``keel.cross_entropy`` builds such a target
+    on the op's lse instead): first and second derivatives in logits, target and
+    weights, with and without weights and label smoothing, each reduction, both
+    forward ops."""
+    x = make((5, 7), torch.float64, "cpu", 0).requires_grad_()
+    p = probabilities((5, 7), "cpu", torch.float64).requires_grad_()
+    w = class_weights(7, "cpu", torch.float64).requires_grad_()
+    for op in (torch.ops.keel.cross_entropy, torch.ops.keel.cross_entropy_with_lse):
+        for reduction in REDUCTIONS:
+            for ls in (0.0, 0.2):
+                f = lambda x, p, *w: op(x, p, -100, ls, reduction, w[0] if w else None)  # noqa: E731
+                for args in ((x, p), (x, p, w)):
+                    assert torch.autograd.gradcheck(f, args)
+                    assert torch.autograd.gradgradcheck(f, args)
+    # The target's gradient alone, against torch's.
+    for reduction in REDUCTIONS:
+        pk, pr = p.detach().clone().requires_grad_(), p.detach().clone().requires_grad_()
+        torch.ops.keel.cross_entropy(x.detach(), pk, -100, 0.1, reduction, w.detach()).sum().backward()
+        F.cross_entropy(x.detach(), pr, w.detach(), label_smoothing=0.1, reduction=reduction).sum().backward()
+        torch.testing.assert_close(pk.grad, pr.grad)
+
+
 BAD_OP_WEIGHT = [
     ("class indices dtype", lambda x, p, w: torch.ops.keel.cross_entropy(x, torch.tensor([0, 1, 2, 3]), -100, 0.0, "mean", w.half()), r"keel::cross_entropy: argument 'weight' has dtype torch.float16 but 'logits' has torch.float32"),
     ("class indices shape", lambda x, p, w: torch.ops.keel.cross_entropy_with_lse(x, torch.tensor([0, 1, 2, 3]), -100, 0.1, "none", w[1:]), r"keel::cross_entropy_with_lse: argument 'weight' must have shape \[9\]"),
