@@ -208,8 +208,9 @@ KEEL_CROSS_ENTROPY(f16, __half)
 KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
 
 // Against probabilities: target p [rows, cols] of P (the logits' dtype T, or
-// float for 16-bit T: the _p32 kernels, which read it as it is; the loss and
-// its gradient are then float too, as torch promotes them), q =
+// float for 16-bit T: the _p32 kernels, which read it as it is; the class
+// weights, the loss and its gradient are then float too, as torch promotes
+// them), q =
 // (1 - ls) p + ls / cols, no row ignored (kernels-cpu/src/cross_entropy_probs.rs).
 //   cross_entropy_probs_rows_*: one block per row, one read of x and p: the
 //     online max and sum of exp, with sum(p x), sum(p) and sum(x); loss[row]
@@ -221,12 +222,12 @@ KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
 //     of exp where the forward's lse is not given or not trusted, as
 //     cross_entropy_bwd_*), then dx = g (A exp(x - m) / s - (1 - ls) p - ls /
 //     cols), A = (1 - ls) sum(p) + ls, in one more read of x and p.
-// Class weights w [cols] (of T; null for none) make the target a = w q: the
+// Class weights w [cols] (of P; null for none) make the target a = w q: the
 // sums take a for q (loss = sum(a) lse - sum(a x)), A = sum(a), and dx = g (A
 // exp(x - m) / s - a), w read beside each element (a row's worth, from cache).
 template <typename T, typename P>
 __device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const P* __restrict__ p,
-                                              const T* __restrict__ w, float* __restrict__ loss,
+                                              const P* __restrict__ w, float* __restrict__ loss,
                                               float* __restrict__ lse, int64_t rows, int cols, float ls) {
   __shared__ float scratch[128];
   constexpr bool Fast = FastMath<T>::value;
@@ -276,7 +277,7 @@ __device__ __forceinline__ void ce_probs_reduce(const float* __restrict__ loss, 
 
 template <typename T, typename P>
 __device__ __forceinline__ void ce_probs_bwd(const P* __restrict__ grad, const T* __restrict__ x,
-                                             const P* __restrict__ p, const T* __restrict__ w,
+                                             const P* __restrict__ p, const P* __restrict__ w,
                                              const float* __restrict__ lse, T* __restrict__ dx, int64_t rows,
                                              int cols, float ls, int reduction) {
   __shared__ float scratch[64];
@@ -344,17 +345,17 @@ KEEL_CROSS_ENTROPY_PROBS(f16, __half)
 KEEL_CROSS_ENTROPY_PROBS(bf16, __nv_bfloat16)
 
 // float32 probabilities of 16-bit logits (a teacher's softmax against a
-// student's logits): the rows and backward kernels with p (and the loss's
-// gradient) read as float; the loss is float, written by
+// student's logits): the rows and backward kernels with p, the class weights
+// and the loss's gradient read as float; the loss is float, written by
 // cross_entropy_probs_reduce_f32.
 #define KEEL_CROSS_ENTROPY_PROBS_P32(SUFFIX, T)                                                                \
-  extern "C" __global__ void cross_entropy_probs_p32_rows_##SUFFIX(const T* x, const float* p, const T* w,   \
+  extern "C" __global__ void cross_entropy_probs_p32_rows_##SUFFIX(const T* x, const float* p, const float* w, \
                                                                    float* loss, float* lse, int64_t rows,     \
                                                                    int cols, float ls) {                      \
     ce_probs_rows<T, float>(x, p, w, loss, lse, rows, cols, ls);                                               \
   }                                                                                                            \
   extern "C" __global__ void cross_entropy_probs_p32_bwd_##SUFFIX(const float* grad, const T* x,             \
-                                                                  const float* p, const T* w,                 \
+                                                                  const float* p, const float* w,             \
                                                                   const float* lse, T* dx,                    \
                                                                   int64_t rows, int cols, float ls,           \
                                                                   int reduction) {                            \

@@ -68,7 +68,7 @@ fn check_with<T: Tol, P: Element<Acc = T::Acc>, O: Element>(
     w: Option<Vec<f64>>,
 ) {
     let (x, p) = (to_elems::<T>(x), targets::<P>(p, cols, normalise));
-    let w = w.map(|w| to_elems::<T>(&w));
+    let w = w.map(|w| to_elems::<P>(&w));
     let w = w.as_deref();
     // Terms of size |x| (times the row's target sum, at most `cols`, times
     // the largest weight) enter each loss: compare relative to that scale.

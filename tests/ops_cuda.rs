@@ -266,14 +266,15 @@ fn cuda_matches_cpu() {
 }
 
 /// cross_entropy against float32 probabilities of 16-bit logits `T` (the
-/// `_p32_` kernels: the target read as it is, a float32 loss and gradient of
-/// it), label smoothing 0.1, with and without class weights, against the CPU
+/// `_p32_` kernels: the target and the class weights read as they are, a
+/// float32 loss and gradient of it), label smoothing 0.1, with and without
+/// class weights, against the CPU
 /// kernels given the same targets.
 fn probs_f32<T: Element<Acc = f32> + CudaElement>(rows: usize, cols: usize, tol: f64) {
     let s = gpu(0).unwrap().new_stream().unwrap();
     let n = rows * cols;
     let x = data::<T>(n, 0);
-    let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let weights: Vec<f32> = data::<f64>(cols, 23).iter().map(|v| (v.abs() * 0.5 + 0.25) as f32).collect();
     let probs: Vec<f32> = data::<f64>(n, 17)
         .iter()
         .enumerate()

@@ -18,9 +18,9 @@
 //! The target may have another element type `P` of the logits'
 //! accumulation type (f32 probabilities of bf16 or f16 logits: a teacher's
 //! float32 softmax against a student's 16-bit logits), read as it is: no
-//! copy rounded to the logits' dtype. The loss has a type of its own, `O`
-//! (torch's is the promotion of the logits' and the target's: f32 there),
-//! and so does its gradient.
+//! copy rounded to the logits' dtype. The class weights have the target's
+//! type. The loss has a type of its own, `O` (torch's is the promotion of
+//! the logits' and the target's: f32 there), and so does its gradient.
 //!
 //! Fused as [`crate::cross_entropy`] is: the forward reads each row of the
 //! logits and of the target once from memory (the max, the exp-sum, then the
@@ -58,8 +58,9 @@ pub fn check(
     Ok(rows)
 }
 
-/// Class weights as the rows' sums read them: as `T`, and as f32 where the
-/// rows are widened to f32 for their sums (f16 on x86, [`widen::to_f32`]).
+/// Class weights as the rows' sums read them: as `T` (the target's type),
+/// and as f32 where the rows are widened to f32 for their sums (f16 on x86,
+/// [`widen::to_f32`]; f32 weights as they are).
 #[derive(Clone, Copy)]
 struct Weights<'a, T> {
     w: &'a [T],
@@ -69,7 +70,7 @@ struct Weights<'a, T> {
 impl<'a, T: 'static> Weights<'a, T> {
     /// `w`, widened into `buf` where rows are.
     fn new(w: &'a [T], buf: &'a mut Vec<f32>) -> Self {
-        Weights { w, wide: widen::to_f32(w, buf) }
+        Weights { w, wide: target_f32(w, buf) }
     }
 }
 
@@ -92,14 +93,14 @@ fn widened_with<T>(w: Option<Weights<'_, T>>) -> bool {
 /// Forward: writes the loss (`rows` values for [`Reduction::None`], else one)
 /// and, when `lse` is given (`rows` values), each row's log-sum-exp, which
 /// [`backward`] can take instead of recomputing it; `weight`, the class
-/// weights (`cols` values) where given; `target` of the logits' type or
-/// another of its accumulation type, the loss of any type (see the module's
-/// text).
+/// weights (`cols` values, of the target's type) where given; `target` of
+/// the logits' type or another of its accumulation type, the loss of any
+/// type (see the module's text).
 #[allow(clippy::too_many_arguments)]
 pub fn forward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     logits: &[T],
     target: &[P],
-    weight: Option<&[T]>,
+    weight: Option<&[P]>,
     out: &mut [O],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
@@ -107,7 +108,7 @@ pub fn forward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     reduction: Reduction,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check(OP_FWD, logits.len(), target.len(), weight.map(<[T]>::len), cols, label_smoothing)?;
+    let rows = check(OP_FWD, logits.len(), target.len(), weight.map(<[P]>::len), cols, label_smoothing)?;
     check_len(OP_FWD, "out", out.len(), reduction.out_len(rows))?;
     if let Some(l) = &lse {
         check_len(OP_FWD, "lse", l.len(), rows)?;
@@ -150,7 +151,7 @@ pub fn backward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     grad: &[O],
     logits: &[T],
     target: &[P],
-    weight: Option<&[T]>,
+    weight: Option<&[P]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
@@ -158,7 +159,7 @@ pub fn backward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     reduction: Reduction,
     par: Par<'_>,
 ) -> Result<()> {
-    let rows = check(OP_BWD, logits.len(), target.len(), weight.map(<[T]>::len), cols, label_smoothing)?;
+    let rows = check(OP_BWD, logits.len(), target.len(), weight.map(<[P]>::len), cols, label_smoothing)?;
     check_len(OP_BWD, "grad", grad.len(), reduction.out_len(rows))?;
     check_len(OP_BWD, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
@@ -208,7 +209,7 @@ pub fn backward<T: Element, P: Element<Acc = T::Acc>, O: Element>(
 fn row_loss<T: Element, P: Element<Acc = T::Acc>>(
     x: &[T],
     p: &[P],
-    w: Option<Weights<'_, T>>,
+    w: Option<Weights<'_, P>>,
     eps: f64,
     ahead: &[T],
     wide: (&mut Vec<f32>, &mut Vec<f32>),
@@ -291,7 +292,7 @@ fn weighted_sum<P: Element, W: Element<Acc = P::Acc>>(p: &[P], w: &[W], (c1, c0)
 fn row_grad_into<T: Element, P: Element<Acc = T::Acc>>(
     x: &[T],
     p: &[P],
-    w: Option<Weights<'_, T>>,
+    w: Option<Weights<'_, P>>,
     dx: &mut [T],
     (scratch, wide): (&mut [T::Acc], &mut Vec<f32>),
     g: f64,
@@ -323,10 +324,10 @@ fn row_grad_into<T: Element, P: Element<Acc = T::Acc>>(
         let e = |x: T| (x.to_acc() - m).exp_nonpos() * ga;
         match w {
             Some(w) => {
-                let f = |x: T, p: P, w: T| T::from_acc(e(x) - w.to_acc() * (p.to_acc() * gp + off));
+                let f = |x: T, p: P, w: P| T::from_acc(e(x) - w.to_acc() * (p.to_acc() * gp + off));
                 map3_into(x, p, w.w, dx, f, ahead, ahead_w);
             }
-            None => map3_into(x, p, x, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w),
+            None => map3_into(x, p, p, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w),
         }
         return;
     }
@@ -363,14 +364,14 @@ fn target_sum<P: Element>(p: &[P]) -> P::Acc {
 
 /// `dx_i = f(x_i, p_i, w_i)` in parts of 32, prefetching the next row's
 /// input (`ahead`) and output (`ahead_w`) as it goes, as `exp_into` does
-/// (`w` is `x` again where there are no weights: `f` does not read it).
+/// (`w` is `p` again where there are no weights: `f` does not read it).
 #[inline(always)]
 fn map3_into<T: Element, P: Element>(
     x: &[T],
     p: &[P],
-    w: &[T],
+    w: &[P],
     dx: &mut [T],
-    f: impl Fn(T, P, T) -> T,
+    f: impl Fn(T, P, P) -> T,
     ahead: &[T],
     ahead_w: &[T],
 ) {
@@ -394,7 +395,7 @@ fn map3_into<T: Element, P: Element>(
 pub fn forward_ref<T: Element, P: Element>(
     logits: &[T],
     target: &[P],
-    weight: Option<&[T]>,
+    weight: Option<&[P]>,
     cols: usize,
     eps: f64,
     reduction: Reduction,
@@ -418,7 +419,7 @@ pub fn backward_ref<T: Element, P: Element, O: Element>(
     grad: &[O],
     logits: &[T],
     target: &[P],
-    weight: Option<&[T]>,
+    weight: Option<&[P]>,
     cols: usize,
     eps: f64,
     reduction: Reduction,
@@ -440,7 +441,7 @@ pub fn backward_ref<T: Element, P: Element, O: Element>(
 }
 
 /// A row's target in f64: `w ((1 - eps) p + eps / v)` (`w` 1 where none).
-fn target_ref<T: Element, P: Element>(p: &[P], weight: Option<&[T]>, eps: f64) -> Vec<f64> {
+fn target_ref<P: Element>(p: &[P], weight: Option<&[P]>, eps: f64) -> Vec<f64> {
     let (w, v) = (|j: usize| weight.map_or(1.0, |w| w[j].to_f64()), p.len() as f64);
     p.iter().enumerate().map(|(j, p)| w(j) * ((1.0 - eps) * p.to_f64() + eps / v)).collect()
 }

@@ -113,7 +113,7 @@ fn check(
     let reduction = Reduction::parse(op, reduction).map_err(check_err)?;
     let opts = Options { ignore_index: ii, label_smoothing: ls, reduction };
     keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, None, c.cols, &opts).map_err(check_err)?;
-    let weight = weight.map(|w| checks::param(op, "weight", w, &c)).transpose()?;
+    let weight = weight.map(|w| check_weight(op, w, &c, loss_dtype)).transpose()?;
     let (logits, target) = (checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?);
     Ok(Checked { logits, target, weight, c, opts, probs, loss_dtype })
 }
@@ -140,6 +140,22 @@ fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i
         return Err(invalid(op, "ignore_index", msg));
     }
     Ok(())
+}
+
+/// Checks class weights: `[V]` on the logits' device, of the logits' dtype or,
+/// with float32 probabilities of 16-bit logits, float32 (`loss_dtype`, the
+/// target's).
+fn check_weight(op: &str, w: Tensor, c: &Rows, loss_dtype: ScalarType) -> Result<Tensor> {
+    if loss_dtype == c.dtype {
+        return checks::param(op, "weight", w, c);
+    }
+    let d = w.dtype()?;
+    if d != loss_dtype {
+        let msg =
+            format!("must have the target's dtype {loss_dtype} (float32 probabilities of {} logits), got {d}", c.dtype);
+        return Err(invalid(op, "weight", msg));
+    }
+    checks::param(op, "weight", w, &Rows { dtype: loss_dtype, ..*c })
 }
 
 fn loss_shape(c: &Rows, reduction: Reduction) -> Vec<i64> {
@@ -172,11 +188,11 @@ fn forward(
     let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
     match c.device.kind {
         DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P => {
-            // SAFETY: checked contiguous CPU tensors (logits and weight of T, target of P); `out`
+            // SAFETY: checked contiguous CPU tensors (logits of T, target and weight of P); `out`
             // (of P, the loss's dtype) and `lse` (of T's accumulation type) are fresh.
             let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<P>()?, out.as_mut_slice::<P>()?) };
             // SAFETY: as above.
-            let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
+            let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<P>()? }), None => None };
             let l = match &lse {
                 // SAFETY: as above.
                 Some(l) => Some(unsafe { l.as_mut_slice::<<T as Element>::Acc>()? }),
@@ -331,13 +347,13 @@ impl BoxedOp for CrossEntropyBackward {
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
             DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P => {
-                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type, weight of
-                // T, target and grad of P); `grad_logits` is fresh.
+                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type; target,
+                // weight and grad of P); `grad_logits` is fresh.
                 let (g, x, p, dx) = unsafe {
                     (grad.as_slice::<P>()?, logits.as_slice::<T>()?, target.as_slice::<P>()?, grad_logits.as_mut_slice::<T>()?)
                 };
                 // SAFETY: as above.
-                let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<T>()? }), None => None };
+                let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<P>()? }), None => None };
                 let l = match &lse {
                     // SAFETY: as above.
                     Some(l) => Some(unsafe { l.as_slice::<<T as Element>::Acc>()? }),

@@ -20,6 +20,7 @@ import operator
 
 import torch
 
+from ._common import ce_weight_dtype
 from .functional import _IGNORE_INDEX, _LABEL_SMOOTHING, _REDUCTION, as_called
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -34,11 +35,12 @@ def float32_loss(op_name, logits, target, ignore_index=_IGNORE_INDEX, label_smoo
     """``cross_entropy_with_lse(...)`` below autocast, its loss in float32 where the
     logits are half precision: ``(loss, lse)``. Errors name op `op_name` (the op
     the caller asked for). Class weights (either target) go to the op in the
-    logits' dtype, as autocast casts arguments (its kernel's gradient rounds to
-    that dtype anyway), and into the float32 value as they are."""
+    dtype it takes them in (``_common.ce_weight_dtype``), as autocast casts
+    arguments (its kernel's gradient rounds to that dtype anyway), and into the
+    float32 value as they are."""
     cast = weight
     if weight is not None and logits.dtype in _HALF and weight.dtype.is_floating_point:
-        cast = weight.to(logits.dtype)
+        cast = weight.to(ce_weight_dtype(logits, target))
     try:
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST):
             loss, lse = torch.ops.keel.cross_entropy_with_lse.default(

@@ -4,10 +4,11 @@
 
 The op takes class weights that need no gradient itself (in the logits' dtype),
 with class indices (:func:`weighted`) or probabilities, and takes probabilities
-where the target has the logits' dtype and needs no gradient (:func:`fused`),
-and float32 targets of 16-bit logits as they are (outside autocast): its
-kernels (CPU and CUDA) read each row of logits (and of targets) once in the
-forward and once in the backward, the weights beside them.
+where the target has the logits' dtype (:func:`fused`), and float32 targets of
+16-bit logits as they are (outside autocast), a target needing a gradient too
+(its autograd formula gives it, ``_autograd._ce_target_grad``): its kernels
+(CPU and CUDA) read each row of logits (and of targets) once in the forward and
+once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
 and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
@@ -38,8 +39,8 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   torch's speed); on CUDA the targets are checked (a synchronisation) by each
   of the two calls. Weights read by the kernels: ``docs/BENCHMARKS.md``,
   session 79;
-- probabilities built here (a target or weights needing a gradient; a target
-  of another dtype, but for float32 targets of 16-bit logits): the op, and
+- probabilities built here (weights needing a gradient; a target of another
+  dtype, but for float32 targets of 16-bit logits): the op, and
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
   at torch's speed; bfloat16 0.4x, the float32 copies of targets and
   products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
@@ -198,7 +199,7 @@ def probabilities(
     if fused(rows, p, weight):
         # The op itself takes the target's rows (one read of each, a float32
         # target of 16-bit logits as it is: a float32 loss) and the weights
-        # (`with_lse` rounds them to the logits' dtype, but under autocast).
+        # (`with_lse` casts them to the target's dtype, but under autocast).
         if out == p.dtype or reduction == "none":
             loss, lse = with_lse(rows, p, -100, label_smoothing, reduction, weight)
             loss = loss.to(out)
@@ -262,19 +263,22 @@ def _autocast(device: torch.device) -> bool:
 
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     """Whether the op takes the probabilities `p` itself (its fused kernel): with
-    neither `p` nor the class weights (if any) needing a gradient, `p` of the
-    logits' dtype, or float32 `p` for float16 or bfloat16 logits outside
-    autocast, which the kernels read as it is. Elsewhere :func:`probabilities`
+    no class weights needing a gradient, `p` of the logits' dtype, or float32
+    `p` for float16 or bfloat16 logits outside autocast, which the kernels read
+    as it is; `p` may need a gradient (the op's autograd formula gives it:
+    ``g (1 - s) w (lse - x)``, in float32 from the op's lse, 2.4x faster than
+    the composite in bfloat16, session 80). Elsewhere :func:`probabilities`
     builds the loss from the op's log-sum-exp with torch's ops.
 
-    The kernels read the weights in the logits' dtype: float32 weights of 16-bit
-    logits are rounded to it, as torch's own float16 and bfloat16 losses round
-    ``target * weight``; under autocast the op's float32 value takes them as they
-    are (``_autocast``). A float32 target of 16-bit logits (a student's logits
-    against a teacher's probabilities): the kernels read it in float32, and the
-    loss is float32, as torch's (see :func:`probabilities`). Not under autocast,
-    whose kernel takes a float32 copy of the logits anyway."""
-    if p.requires_grad or (weight is not None and weight.requires_grad):
+    The kernels read the weights in the target's dtype: float32 weights of
+    16-bit logits and target are rounded to it, as torch's own float16 and
+    bfloat16 losses round ``target * weight``; under autocast the op's float32
+    value takes them as they are (``_autocast``). A float32 target of 16-bit
+    logits (a student's logits against a teacher's probabilities): the kernels
+    read it and the weights in float32, and the loss is float32, as torch's
+    (see :func:`probabilities`). Not under autocast, whose kernel takes a
+    float32 copy of the logits anyway."""
+    if weight is not None and weight.requires_grad:
         return False
     if p.dtype == rows.dtype:
         return True

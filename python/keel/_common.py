@@ -27,6 +27,13 @@ def acc_of(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def ce_weight_dtype(logits: torch.Tensor, target: torch.Tensor) -> torch.dtype:
+    """The dtype of the class weights that Keel's cross_entropy ops take: the
+    target's for probabilities (the logits', or float32 for 16-bit logits: the
+    loss's), else the logits'."""
+    return target.dtype if target.dtype.is_floating_point else logits.dtype
+
+
 def one_device(name, named):
     """The device of the tensor arguments (`named`: (name, value) pairs); raises,
     as the real kernels do, where they differ (used where the Meta kernel sees

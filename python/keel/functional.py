@@ -6,7 +6,7 @@ from torch import Tensor
 from torch.overrides import handle_torch_function
 
 from . import _autograd, _ce_forms, _twice
-from ._common import heads_contiguous, nograd, rows_in_place
+from ._common import ce_weight_dtype, heads_contiguous, nograd, rows_in_place
 
 # A tensor argument that overrides __torch_function__ (a subclass, torch.fx's
 # Proxy) or an active TorchFunctionMode sees the call of the typed function,
@@ -257,7 +257,7 @@ def cross_entropy(
             CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
             instead). Or, as torch, probabilities: a float tensor shaped like
             ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
-            a target of the logits' dtype that needs no gradient (nor does ``weight``)
+            a target of the logits' dtype (with a ``weight`` needing no gradient)
             goes to the op's fused kernel (one read of each row of logits and
             targets a pass, the class weights read beside them), and so does a
             float32 one for float16 or bfloat16 logits, read as it is (outside
@@ -274,10 +274,11 @@ def cross_entropy(
             target's weight, label smoothing weights each class's term, and
             ``"mean"`` divides by the sum of the weights of the rows not ignored.
             Read by the op's fused kernels beside each row, with either target, in
-            the logits' dtype: float32 weights of 16-bit logits (which torch
-            refuses with class indices) are rounded to it, as torch's own 16-bit
-            loss rounds ``target * weight`` with probabilities; under autocast the
-            float32 loss takes them as given. Weights that need a gradient are
+            the logits' dtype (a float32 target's with probabilities): float32
+            weights of 16-bit logits (which torch refuses with class indices) are
+            rounded to it, as torch's own 16-bit loss rounds ``target * weight``
+            with probabilities; under autocast the float32 loss takes them as
+            given. Weights that need a gradient are
             applied in float32 (float64 for float64 logits) to the op's unweighted
             per-row results instead (``keel._ce_forms``: with label smoothing, the
             op twice and a matrix-vector product).
@@ -426,14 +427,14 @@ def cross_entropy_with_lse(
 def _with_lse(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """:func:`cross_entropy_with_lse` of ``[N, V]`` rows for ``_ce_forms``, which
     checked the arguments already: with `weight` (class weights), the op itself
-    takes them, in the logits' dtype (under autocast, its autocast kernel casts
-    them, and its float32 value takes them as given)."""
+    takes them, in the logits' dtype, or a float32 target's (under autocast, its
+    autocast kernel casts them, and its float32 value takes them as given)."""
     if weight is None:
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)
     logits, target, weight = logits.contiguous(), target.contiguous(), weight.contiguous()
     if _autocast_on() and not _transformed():
         return _CROSS_ENTROPY_WITH_LSE[0](logits, target, ignore_index, label_smoothing, reduction, weight)
-    args = (logits, target, ignore_index, label_smoothing, reduction, weight.to(logits.dtype))
+    args = (logits, target, ignore_index, label_smoothing, reduction, weight.to(ce_weight_dtype(logits, target)))
     return _call(_cross_entropy, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, *args)
 
 

@@ -474,15 +474,16 @@ def test_the_op_takes_probabilities_of_the_logits_dtype_on_cpu():
 def test_the_op_reads_float32_probabilities_of_16bit_logits(device):
     """torch.ops.keel's cross_entropy ops take a float32 target for float16 and
     bfloat16 logits and read it as it is (a teacher's float32 softmax against a
-    student's logits): the loss is float32 (torch's promotion), and so is its
-    gradient; loss, lse, the backward op given the lse and without it, with and
+    student's logits): the loss is float32 (torch's promotion), and so are its
+    gradient and the class weights; loss, lse, the backward op given the lse and without it, with and
     without class weights and label smoothing, against float64 with the same
     target; then a target value that bfloat16 cannot hold, whose gradient is not
     that of the rounded value."""
     for dtype in (d for d in dtypes_for(device) if d in (torch.float16, torch.bfloat16)):
         atol, rtol = TOL[dtype]
         x, p = make((6, 1000), dtype, device, 0, 3.0), probabilities((6, 1000), device, torch.float32)
-        for w in (None, class_weights(1000, device, dtype)):
+        # float32 weights (the target's dtype), of values 16-bit floats cannot hold.
+        for w in (None, class_weights(1000, device, torch.float32)):
             for ls in (0.0, 0.1):
                 xr = x.double().requires_grad_()
                 wr = None if w is None else w.double()
@@ -511,6 +512,9 @@ def test_the_op_reads_float32_probabilities_of_16bit_logits(device):
     assert dx[0, 0].item() == -0.75390625, dx
     with pytest.raises(RuntimeError, match=r"keel::cross_entropy_backward: argument 'grad' must have the loss's dtype torch.float32 \(that of a float32 target of torch.bfloat16 logits\), got torch.bfloat16"):
         torch.ops.keel.cross_entropy_backward(one.bfloat16(), x, p, -100, 0.0, "sum")
+    w = torch.ones(4, dtype=torch.bfloat16, device=device)
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'weight' must have the target's dtype torch.float32 \(float32 probabilities of torch.bfloat16 logits\), got torch.bfloat16"):
+        torch.ops.keel.cross_entropy(x, p, -100, 0.0, "sum", w)
     # Through the typed API (the fused kernel): the float32 loss, and the gradient.
     xk = x.clone().requires_grad_()
     loss = keel.cross_entropy(xk, p, reduction="sum")
@@ -528,7 +532,7 @@ def test_opcheck_with_float32_probabilities_of_bfloat16_logits(device):
 
     x = make((6, 11), torch.bfloat16, device, 0).requires_grad_()
     p = probabilities((6, 11), device, torch.float32)
-    for reduction, w in [(r, w) for r in REDUCTIONS for w in (None, class_weights(11, device, torch.bfloat16))]:
+    for reduction, w in [(r, w) for r in REDUCTIONS for w in (None, class_weights(11, device, torch.float32))]:
         args = (x, p, -100, 0.1, reduction, w)
         opcheck(torch.ops.keel.cross_entropy.default, args, test_utils=OPCHECK_UTILS)
         opcheck(torch.ops.keel.cross_entropy_with_lse.default, args, test_utils=OPCHECK_UTILS)

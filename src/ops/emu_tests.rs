@@ -482,7 +482,9 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     let p64: Vec<f64> = data::<f64>(n, 17).iter().enumerate().map(|(i, v)| probs(*v, i)).collect();
     ce_probs(c, &x, &p64.iter().map(|v| T::from_f64(*v)).collect::<Vec<T>>(), &weights);
     if T::DTYPE != f32::DTYPE {
-        ce_probs(c, &x, &p64.iter().map(|v| *v as f32).collect::<Vec<f32>>(), &weights);
+        // f32 weights: values bf16 cannot hold (the weights' own, scaled by 1 + 2^-10).
+        let w32: Vec<f32> = weights.iter().map(|w| (w.to_f64() * (1.0 + 1.0 / 1024.0)) as f32).collect();
+        ce_probs(c, &x, &p64.iter().map(|v| *v as f32).collect::<Vec<f32>>(), &w32);
     }
 
     // a target out of range is an error, from the count the kernels leave
@@ -546,11 +548,11 @@ fn softmax_and_ce<T: Dt>(c: Case) {
 }
 
 /// cross_entropy against the probabilities `probs` (of the logits' dtype, or
-/// float32 for 16-bit logits: the loss and its gradient of the target's
-/// dtype), label smoothing 0.1, each reduction, with and without class
-/// weights (`weights`, in [0.25, 2)), against the CPU kernels given the same
-/// targets.
-fn ce_probs<T: Dt, P: Dt>(c: Case, x: &[T], probs: &[P], weights: &[T]) {
+/// float32 for 16-bit logits: the class weights, the loss and its gradient of
+/// the target's dtype), label smoothing 0.1, each reduction, with and without
+/// class weights (`weights`, in [0.25, 2)), against the CPU kernels given the
+/// same targets.
+fn ce_probs<T: Dt, P: Dt>(c: Case, x: &[T], probs: &[P], weights: &[P]) {
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let (n, dt) = (rows * cols, (T::DTYPE, P::DTYPE));
@@ -563,7 +565,7 @@ fn ce_probs<T: Dt, P: Dt>(c: Case, x: &[T], probs: &[P], weights: &[T]) {
         cross_entropy::forward_probs_cpu(x, probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
             .unwrap();
         let (xd, pd) = (up(x), Buf::shifted(probs, shift));
-        let wd = w.map(up);
+        let wd = w.map(|w| Buf::shifted(w, shift));
         let (px, pp, pw) = (xd.addr(), pd.addr(), wd.as_ref().map_or(0, |w| w.addr()));
         let lse = garbage::<f32>(rows, 0);
         let got = both::<P>(sm, &what, |t| {

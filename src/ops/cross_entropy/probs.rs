@@ -3,7 +3,7 @@
 //! and bf16 logits, f32: a teacher's float32 probabilities read as they are),
 //! as `torch.nn.functional.cross_entropy(logits, p)` computes it; see
 //! [`keel_cpu::cross_entropy_probs`] for the formulas. Class weights
-//! (torch's `weight=`, `cols` of the logits' dtype) are optional: `None` on
+//! (torch's `weight=`, `cols` of the target's dtype) are optional: `None` on
 //! the CPU, a 0 pointer on CUDA. Re-exported by
 //! [`crate::ops::cross_entropy`], whose class-index entry points these mirror.
 //!
@@ -22,15 +22,16 @@ use std::sync::Arc;
 /// CPU forward against probability targets `target` (`[rows, cols]`, as the
 /// logits; see [`keel_cpu::cross_entropy_probs`]): the loss (`rows` values for
 /// [`Reduction::None`], else one; `"mean"` over all rows), and each row's
-/// log-sum-exp into `lse` when given; `weight`, the class weights (`cols`)
-/// where given. `target` of `T`, or of another type of its accumulation type
-/// (f32 for f16 and bf16 logits), read as it is; the loss `out` of any type
-/// (torch's: the promotion of the logits' and the target's).
+/// log-sum-exp into `lse` when given; `weight`, the class weights (`cols`,
+/// of the target's type) where given. `target` of `T`, or of another type of
+/// its accumulation type (f32 for f16 and bf16 logits), read as it is; the
+/// loss `out` of any type (torch's: the promotion of the logits' and the
+/// target's).
 #[allow(clippy::too_many_arguments)]
 pub fn forward_probs_cpu<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     logits: &[T],
     target: &[P],
-    weight: Option<&[T]>,
+    weight: Option<&[P]>,
     out: &mut [O],
     lse: Option<&mut [T::Acc]>,
     cols: usize,
@@ -50,7 +51,7 @@ pub fn backward_probs_cpu<T: Element, P: Element<Acc = T::Acc>, O: Element>(
     grad: &[O],
     logits: &[T],
     target: &[P],
-    weight: Option<&[T]>,
+    weight: Option<&[P]>,
     lse: Option<&[T::Acc]>,
     grad_logits: &mut [T],
     cols: usize,
@@ -90,14 +91,14 @@ fn probs_kernel(op: &'static str, kind: &str, dtype: DType, target: DType) -> Re
 /// CUDA forward against probability targets (see [`forward_probs_cpu`]) on
 /// raw device pointers. No synchronisation: no target is out of range. `lse`
 /// is 0, or where each row's log-sum-exp is written (`rows` f32s); `weight`
-/// is 0, or the class weights (`cols` of `dtype`). `target_dtype` is `dtype`,
+/// is 0, or the class weights (`cols` of `target_dtype`). `target_dtype` is `dtype`,
 /// or [`DType::F32`] for 16-bit logits (an error otherwise); the loss has
 /// the target's dtype (torch's promotion of the two).
 ///
 /// # Safety
 /// `logits` (`rows * cols` of `dtype`) and `target` (`rows * cols` of
 /// `target_dtype`), a non-zero
-/// `weight` (`cols` of `dtype`), `out`
+/// `weight` (`cols` of `target_dtype`), `out`
 /// (`reduction.out_len(rows)` of `target_dtype`), `scratch` ([`scratch_len`] f32s)
 /// and a non-zero `lse` must be device addresses on `stream`'s device; `out`,
 /// `lse` and `scratch` must not overlap anything else.
@@ -210,14 +211,14 @@ pub(crate) unsafe fn backward_probs_on(
 /// CUDA forward against probability targets on `cudarc` buffers, launched on
 /// `stream` (no synchronisation); each row's log-sum-exp into `lse` when
 /// given; `weight`, the class weights (`cols`) where given; `target` of `T`,
-/// or f32 for f16 and bf16 logits (an error otherwise), and the loss of the
-/// target's type.
+/// or f32 for f16 and bf16 logits (an error otherwise), and the weights and
+/// the loss of the target's type.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_probs_cuda<T: CudaElement, P: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<P>,
-    weight: Option<&CudaSlice<T>>,
+    weight: Option<&CudaSlice<P>>,
     out: &mut CudaSlice<P>,
     lse: Option<&mut CudaSlice<f32>>,
     cols: usize,
@@ -253,7 +254,7 @@ pub fn backward_probs_cuda<T: CudaElement, P: CudaElement>(
     grad: &CudaSlice<P>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<P>,
-    weight: Option<&CudaSlice<T>>,
+    weight: Option<&CudaSlice<P>>,
     lse: Option<&CudaSlice<f32>>,
     grad_logits: &mut CudaSlice<T>,
     cols: usize,
