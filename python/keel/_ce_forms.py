@@ -5,8 +5,8 @@
 The op takes class weights that need no gradient itself (in the logits' dtype),
 with class indices (:func:`weighted`) or probabilities, and takes probabilities
 where the target has the logits' dtype (:func:`fused`), and float32 targets of
-16-bit logits as they are (outside autocast), a target needing a gradient too
-(its autograd formula gives it, ``_autograd._ce_target_grad``): its kernels
+16-bit logits as they are (outside autocast), a target and weights needing a
+gradient too (its autograd formulas give them, ``_autograd``): its kernels
 (CPU and CUDA) read each row of logits (and of targets) once in the forward and
 once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
@@ -39,8 +39,9 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   torch's speed); on CUDA the targets are checked (a synchronisation) by each
   of the two calls. Weights read by the kernels: ``docs/BENCHMARKS.md``,
   session 79;
-- probabilities built here (weights needing a gradient; a target of another
-  dtype, but for float32 targets of 16-bit logits): the op, and
+- probabilities built here (weights needing a gradient, of another dtype
+  than the target; a target of another dtype, but for float32 targets of
+  16-bit logits): the op, and
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
   at torch's speed; bfloat16 0.4x, the float32 copies of targets and
   products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
@@ -262,13 +263,15 @@ def _autocast(device: torch.device) -> bool:
 
 
 def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
-    """Whether the op takes the probabilities `p` itself (its fused kernel): with
-    no class weights needing a gradient, `p` of the logits' dtype, or float32
-    `p` for float16 or bfloat16 logits outside autocast, which the kernels read
-    as it is; `p` may need a gradient (the op's autograd formula gives it:
-    ``g (1 - s) w (lse - x)``, in float32 from the op's lse, 2.4x faster than
-    the composite in bfloat16, session 80). Elsewhere :func:`probabilities`
-    builds the loss from the op's log-sum-exp with torch's ops.
+    """Whether the op takes the probabilities `p` itself (its fused kernel): `p`
+    of the logits' dtype, or float32 `p` for float16 or bfloat16 logits outside
+    autocast, which the kernels read as it is. `p` and the class weights may
+    need a gradient, the weights where they have the dtype the op takes them
+    in (`p`'s: no rounded copy between them and their gradient); the op's
+    autograd formulas give both from its lse in float32 (``_autograd``; 2.4x
+    and 4.5x faster than the composite in bfloat16, session 80). Elsewhere
+    :func:`probabilities` builds the loss from the op's log-sum-exp with
+    torch's ops.
 
     The kernels read the weights in the target's dtype: float32 weights of
     16-bit logits and target are rounded to it, as torch's own float16 and
@@ -278,7 +281,7 @@ def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     read it and the weights in float32, and the loss is float32, as torch's
     (see :func:`probabilities`). Not under autocast, whose kernel takes a
     float32 copy of the logits anyway."""
-    if weight is not None and weight.requires_grad:
+    if weight is not None and weight.requires_grad and weight.dtype != p.dtype:
         return False
     if p.dtype == rows.dtype:
         return True

@@ -376,21 +376,34 @@ def test_probability_targets_gradcheck():
 
 @pytest.mark.parametrize("device", devices())
 def test_probability_targets_weight_gradient(device):
-    """Weights that need a gradient take the composite (the typed API sends the
-    fused kernel none that do): the weights' gradient is torch's."""
-    for dtype in dtypes_for(device):
-        x = make((6, 40), dtype, device, 0, 3.0)
-        p = probabilities((6, 40), device, dtype)
+    """Weights that need a gradient: of the target's dtype they go to the fused
+    op, whose formula gives their gradient (also with the target needing one);
+    of another dtype (float32 weights of bfloat16 logits and target) to the
+    composite, which takes them unrounded. Either way the gradients are
+    torch's."""
+    cases = [(d, d, d) for d in dtypes_for(device)]
+    cases += [(d, torch.float32, torch.float32) for d in dtypes_for(device) if d in (torch.float16, torch.bfloat16)]
+    cases += [(d, d, torch.float32) for d in dtypes_for(device) if d in (torch.float16, torch.bfloat16)]
+    for xd, pd, wd in cases:
+        x = make((6, 40), xd, device, 0, 3.0)
         for label_smoothing in (0.0, 0.1):
-            wk = class_weights(40, device, dtype).requires_grad_()
-            wr = wk.detach().double().requires_grad_()
-            got = keel.cross_entropy(x, p, weight=wk, label_smoothing=label_smoothing, reduction="sum")
-            want = F.cross_entropy(x.double(), p.double(), weight=wr, label_smoothing=label_smoothing, reduction="sum")
-            atol, rtol = TOL[dtype]
-            torch.testing.assert_close(got.double(), want, atol=atol * 10, rtol=rtol * 2)
-            got.backward()
-            want.backward()
-            torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10, rtol=rtol * 2)
+            for target_grad in (False, True):
+                pk = probabilities((6, 40), device, pd).requires_grad_(target_grad)
+                wk = class_weights(40, device, wd).requires_grad_()
+                wr = wk.detach().double().requires_grad_()
+                pr = pk.detach().double().requires_grad_(target_grad)
+                got = keel.cross_entropy(x, pk, weight=wk, label_smoothing=label_smoothing, reduction="sum")
+                want = F.cross_entropy(x.double(), pr, weight=wr, label_smoothing=label_smoothing, reduction="sum")
+                assert got.dtype == torch.promote_types(torch.promote_types(xd, pd), wd)
+                atol, rtol = TOL[xd]
+                torch.testing.assert_close(got.double(), want, atol=atol * 10, rtol=rtol * 2)
+                got.backward()
+                want.backward()
+                # The weights' gradient, sum_i q_i (lse_i - x_i) over 6 rows, in its dtype.
+                atol, rtol = TOL[wd] if wd != torch.float32 else TOL[xd]
+                torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10, rtol=rtol * 2)
+                if target_grad:
+                    torch.testing.assert_close(pk.grad.double(), pr.grad, atol=atol * 10, rtol=rtol * 2)
 
 
 def test_probability_targets_compile():
