@@ -24,6 +24,11 @@ fn timed(s: &Arc<CudaStream>, iters: u64, mut f: impl FnMut()) -> Duration {
     t.elapsed()
 }
 
+/// One float32 value on the device.
+fn up32(s: &Arc<CudaStream>, v: f32) -> CudaSlice<f32> {
+    s.clone_htod(&[v]).unwrap()
+}
+
 fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
     let up = |v: &[T]| -> CudaSlice<T> { s.clone_htod(v).unwrap() };
     let zeros = |n: usize| -> CudaSlice<T> { s.alloc_zeros::<T>(n).unwrap() };
@@ -139,6 +144,31 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
                     timed(s, it, || {
                         let lse = Some(&lse);
                         cross_entropy::backward_probs_cuda(s, &grad, &x, &p, w, lse, &mut dx, vocab, ls, mean).unwrap()
+                    })
+                })
+            });
+        }
+        // float32 probabilities of 16-bit logits (the `_p32_` kernels): a float32 loss.
+        if T::DTYPE != keel::cuda::DType::F32 {
+            let p: Vec<f32> = data::<f32>(n, 1).iter().map(|v| v.abs() * 2.0 / vocab as f32).collect();
+            let (p, mut loss, grad) = (s.clone_htod(&p).unwrap(), s.alloc_zeros::<f32>(1).unwrap(), up32(s, 1.0));
+            let per = |k: usize| criterion::Throughput::Bytes((n * (k * std::mem::size_of::<T>() + 4)) as u64);
+            g.throughput(per(1));
+            g.bench_function(BenchmarkId::new("cross_entropy/probs_f32/fwd", &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        let lse = Some(&mut lse);
+                        cross_entropy::forward_probs_cuda(s, &x, &p, None, &mut loss, lse, vocab, 0.0, mean).unwrap()
+                    })
+                })
+            });
+            g.throughput(per(2));
+            g.bench_function(BenchmarkId::new("cross_entropy/probs_f32/bwd_lse", &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        let lse = Some(&lse);
+                        cross_entropy::backward_probs_cuda(s, &grad, &x, &p, None, lse, &mut dx, vocab, 0.0, mean)
+                            .unwrap()
                     })
                 })
             });

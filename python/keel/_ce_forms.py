@@ -268,8 +268,9 @@ def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     autocast, which the kernels read as it is. `p` and the class weights may
     need a gradient, the weights where they have the dtype the op takes them
     in (`p`'s: no rounded copy between them and their gradient); the op's
-    autograd formulas give both from its lse in float32 (``_autograd``; 2.4x
-    and 4.5x faster than the composite in bfloat16, session 80). Elsewhere
+    autograd formulas give both from its lse in float32 (``_autograd``; in
+    bfloat16 3.9x and 8-9x the composite's speed, docs/BENCHMARKS.md session
+    80). Elsewhere
     :func:`probabilities` builds the loss from the op's log-sum-exp with
     torch's ops.
 
