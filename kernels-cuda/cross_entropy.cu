@@ -323,21 +323,26 @@ __device__ __forceinline__ void ce_probs_bwd(const P* __restrict__ grad, const T
   }
 }
 
-#define KEEL_CROSS_ENTROPY_PROBS(SUFFIX, T)                                                                    \
-  extern "C" __global__ void cross_entropy_probs_rows_##SUFFIX(const T* x, const T* p, const T* w,           \
-                                                               float* loss, float* lse, int64_t rows,         \
-                                                               int cols, float ls) {                          \
-    ce_probs_rows<T, T>(x, p, w, loss, lse, rows, cols, ls);                                                   \
-  }                                                                                                            \
-  extern "C" __global__ void cross_entropy_probs_reduce_##SUFFIX(const float* loss, T* out, int64_t rows,     \
-                                                                 int reduction) {                             \
-    ce_probs_reduce<T>(loss, out, rows, reduction);                                                            \
-  }                                                                                                            \
-  extern "C" __global__ void cross_entropy_probs_bwd_##SUFFIX(const T* grad, const T* x, const T* p,          \
-                                                              const T* w, const float* lse, T* dx,            \
-                                                              int64_t rows, int cols, float ls,               \
-                                                              int reduction) {                                \
-    ce_probs_bwd<T, T>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                     \
+// The rows and backward kernels: cross_entropy_{KIND}_{rows,bwd}_{SUFFIX}, logits
+// of T, the target, class weights and the loss's gradient of P.
+#define KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(KIND, SUFFIX, T, P)                                                   \
+  extern "C" __global__ void cross_entropy_##KIND##_rows_##SUFFIX(const T* x, const P* p, const P* w,           \
+                                                               float* loss, float* lse, int64_t rows,           \
+                                                               int cols, float ls) {                            \
+    ce_probs_rows<T, P>(x, p, w, loss, lse, rows, cols, ls);                                                    \
+  }                                                                                                             \
+  extern "C" __global__ void cross_entropy_##KIND##_bwd_##SUFFIX(const P* grad, const T* x, const P* p,         \
+                                                              const P* w, const float* lse, T* dx,              \
+                                                              int64_t rows, int cols, float ls,                 \
+                                                              int reduction) {                                  \
+    ce_probs_bwd<T, P>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                      \
+  }
+
+#define KEEL_CROSS_ENTROPY_PROBS(SUFFIX, T)                                                                     \
+  KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs, SUFFIX, T, T)                                                        \
+  extern "C" __global__ void cross_entropy_probs_reduce_##SUFFIX(const float* loss, T* out, int64_t rows,       \
+                                                                 int reduction) {                               \
+    ce_probs_reduce<T>(loss, out, rows, reduction);                                                             \
   }
 
 KEEL_CROSS_ENTROPY_PROBS(f32, float)
@@ -345,22 +350,8 @@ KEEL_CROSS_ENTROPY_PROBS(f16, __half)
 KEEL_CROSS_ENTROPY_PROBS(bf16, __nv_bfloat16)
 
 // float32 probabilities of 16-bit logits (a teacher's softmax against a
-// student's logits): the rows and backward kernels with p, the class weights
-// and the loss's gradient read as float; the loss is float, written by
-// cross_entropy_probs_reduce_f32.
-#define KEEL_CROSS_ENTROPY_PROBS_P32(SUFFIX, T)                                                                \
-  extern "C" __global__ void cross_entropy_probs_p32_rows_##SUFFIX(const T* x, const float* p, const float* w, \
-                                                                   float* loss, float* lse, int64_t rows,     \
-                                                                   int cols, float ls) {                      \
-    ce_probs_rows<T, float>(x, p, w, loss, lse, rows, cols, ls);                                               \
-  }                                                                                                            \
-  extern "C" __global__ void cross_entropy_probs_p32_bwd_##SUFFIX(const float* grad, const T* x,             \
-                                                                  const float* p, const float* w,             \
-                                                                  const float* lse, T* dx,                    \
-                                                                  int64_t rows, int cols, float ls,           \
-                                                                  int reduction) {                            \
-    ce_probs_bwd<T, float>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                 \
-  }
-
-KEEL_CROSS_ENTROPY_PROBS_P32(f16, __half)
-KEEL_CROSS_ENTROPY_PROBS_P32(bf16, __nv_bfloat16)
+// student's logits): cross_entropy_probs_p32_{rows,bwd}_*, with p, the class
+// weights and the loss's gradient read as float; the loss is float, written
+// by cross_entropy_probs_reduce_f32.
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_p32, f16, __half, float)
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_p32, bf16, __nv_bfloat16, float)

@@ -39,25 +39,10 @@ fn targets<T: Element>(p: &[f64], cols: usize, normalise: bool) -> Vec<T> {
     to_elems::<T>(&p)
 }
 
-/// The checks with targets of `T`, the logits' type.
-#[allow(clippy::too_many_arguments)]
-fn check<T: Tol>(
-    rows: usize,
-    cols: usize,
-    x: &[f64],
-    p: &[f64],
-    normalise: bool,
-    ls: f64,
-    g: f64,
-    w: Option<Vec<f64>>,
-) {
-    check_with::<T, T, T>(rows, cols, x, p, normalise, ls, g, w)
-}
-
 /// Logits of `T`, targets of `P` (the reference reads the same values), the
 /// loss and its gradient of `O`, at `T`'s tolerances.
 #[allow(clippy::too_many_arguments)]
-fn check_with<T: Tol, P: Element<Acc = T::Acc>, O: Element>(
+fn check<T: Tol, P: Element<Acc = T::Acc>, O: Element>(
     rows: usize,
     cols: usize,
     x: &[f64],
@@ -126,30 +111,30 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::CASES))]
 
     #[test]
-    fn f32_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f32>(rows, cols, &x, &p, norm, ls, g, w); }
+    fn f32_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f32, f32, f32>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
-    fn f64_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f64>(rows, cols, &x, &p, norm, ls, g, w); }
+    fn f64_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f64, f64, f64>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
-    fn f16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f16>(rows, cols, &x, &p, norm, ls, g, w); }
+    fn f16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f16, f16, f16>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
-    fn bf16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<bf16>(rows, cols, &x, &p, norm, ls, g, w); }
+    fn bf16_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<bf16, bf16, bf16>(rows, cols, &x, &p, norm, ls, g, w); }
 
     #[test]
     fn bf16_logits_f32_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
-        check_with::<bf16, f32, f32>(rows, cols, &x, &p, norm, ls, g, w);
+        check::<bf16, f32, f32>(rows, cols, &x, &p, norm, ls, g, w);
     }
 
     #[test]
     fn f16_logits_f32_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
-        check_with::<f16, f32, f32>(rows, cols, &x, &p, norm, ls, g, w);
+        check::<f16, f32, f32>(rows, cols, &x, &p, norm, ls, g, w);
     }
 
     #[test]
     fn f32_logits_bf16_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
-        check_with::<f32, bf16, f32>(rows, cols, &x, &p, norm, ls, g, w);
+        check::<f32, bf16, f32>(rows, cols, &x, &p, norm, ls, g, w);
     }
 }
 
