@@ -20,7 +20,7 @@ import operator
 
 import torch
 
-from ._common import ce_weight_dtype
+from ._common import ce_weight_dtype, class_weighted
 from .functional import _IGNORE_INDEX, _LABEL_SMOOTHING, _REDUCTION, as_called
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -66,14 +66,19 @@ def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction
     (lse - x[t]) + ls (lse - mean(x))``; reduced as the op reduces (``"mean"``
     over the rows not ignored, NaN when all are). Reads one logit a row, and every
     logit once where ``label_smoothing`` is not 0 (a float32 sum, no copy). With
-    class weights: :func:`_weighted_loss_from_lse`."""
+    class weights: ``_common.class_weighted``."""
     if target.dtype.is_floating_point:
         return _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction, weight)
     kept = target != ignore_index
     picked = logits.gather(-1, torch.where(kept, target, 0).unsqueeze(-1)).squeeze(-1).float()
     rows = lse - picked
     if weight is not None:
-        return _weighted_loss_from_lse(logits, target, kept, rows, lse, label_smoothing, reduction, weight.float())
+        # With label smoothing, sum(w x) from a float32 copy of the logits (as
+        # torch's autocast makes one): a product rounded to the logits' dtype would
+        # be off by 2^-9 |x| of the value, which it need not be.
+        w = weight.float()
+        smooth = w.sum() * lse - torch.mv(logits.float(), w) if label_smoothing != 0 else None
+        return class_weighted(rows, smooth, w, target, ignore_index, label_smoothing, reduction)
     if label_smoothing != 0:
         mean = torch.sum(logits, -1, dtype=torch.float32) / logits.shape[-1]
         rows = (1 - label_smoothing) * rows + label_smoothing * (lse - mean)
@@ -82,24 +87,6 @@ def _loss_from_lse(logits, target, lse, ignore_index, label_smoothing, reduction
         return rows
     total = rows.sum()
     return total if reduction == "sum" else total / kept.sum()
-
-
-def _weighted_loss_from_lse(logits, target, kept, d, lse, label_smoothing, reduction, w):
-    """:func:`_loss_from_lse` with float32 class weights `w`, `d` each row's
-    ``lse - x[t]``: ``(1 - ls) w[t] d + ls / C (sum(w) lse - sum(w x))``;
-    ``"mean"`` divides by the sum of ``w[t]`` over the rows not ignored. With
-    label smoothing, ``sum(w x)`` from a float32 copy of the logits (as torch's
-    autocast makes one): a product rounded to the logits' dtype would be off by
-    ``2^-9 |x|`` of the value, which it need not be (``lse - x`` is all it takes)."""
-    w_t = torch.where(kept, w[torch.where(kept, target, 0)], 0.0)
-    rows = (1 - label_smoothing) * w_t * d
-    if label_smoothing != 0:
-        rows = rows + label_smoothing / logits.shape[-1] * (w.sum() * lse - torch.mv(logits.float(), w))
-    rows = torch.where(kept, rows, 0.0)
-    if reduction == "none":
-        return rows
-    total = rows.sum()
-    return total if reduction == "sum" else total / w_t.sum()
 
 
 def _probabilities_loss_from_lse(logits, target, lse, label_smoothing, reduction, weight):

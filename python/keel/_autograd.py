@@ -12,7 +12,7 @@ must itself be differentiable (``create_graph=True``): see ``_twice``.
 import torch
 
 from . import _twice
-from ._common import acc_dtype, heads_contiguous, nograd
+from ._common import acc_dtype, class_weighted, heads_contiguous, nograd
 
 ops = torch.ops.keel
 
@@ -236,10 +236,8 @@ def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing
         # Ignored rows (lse 0, any x) contribute nothing: masked, not multiplied by 0.
         gw = gw + (s / c) * torch.where(live[:, None], g[:, None] * (lse[:, None] - x), 0.0).sum(0)
     if reduction == "mean":
-        rows = (1.0 - s) * w_t * d
-        if s != 0:
-            rows = rows + (s / c) * torch.where(live, w.sum() * lse - x @ w, 0.0)
-        mean = rows.sum() / over
+        smooth = w.sum() * lse - x @ w if s != 0 else None
+        mean = class_weighted(d, smooth, w, target, ignore_index, s, "mean")
         gw = gw - torch.zeros_like(w).index_add_(0, t, torch.where(live, g * mean, 0.0))
     return gw
 

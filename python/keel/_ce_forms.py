@@ -55,6 +55,8 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from ._common import class_weighted
+
 REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -132,22 +134,19 @@ def weighted(
     losses, lse = with_lse(logits, target, ignore_index, 0.0, "none")
     acc = lse.dtype  # float32, or float64 for float64 logits
     w = weight.to(acc)
-    live = target != ignore_index
-    w_t = torch.where(live, w[torch.where(live, target, 0)], 0.0)
-    loss = losses.to(acc) * w_t * (1.0 - label_smoothing)
+    smooth = None
     if label_smoothing != 0:
-        # s / C sum_c w_c (lse - x_c) = s W / C (lse - mean(x)) + s / C sum_c (W / C - w_c) x_c,
-        # W = sum(w): the op's loss with label smoothing 1 (whose gradient is
+        # sum_c w_c (lse - x_c) = W (lse - mean(x)) + sum_c (W / C - w_c) x_c, W =
+        # sum(w): the op's loss with label smoothing 1 (whose gradient is
         # softmax(x) - 1 / C: no gradient through lse, which would take a softmax of
         # its own), and a matrix-vector product, rounded to the logits' dtype once
         # (its error is s / C of it: under that rounding of the loss).
         c = logits.shape[-1]
         total = w.sum()
         uniform = with_lse(logits, target, ignore_index, 1.0, "none")[0]
-        rest = torch.mv(logits, (total / c - w).to(logits.dtype)).to(acc)
-        smooth = (label_smoothing * total / c) * uniform.to(acc) + torch.where(live, rest * (label_smoothing / c), 0.0)
-        loss = loss + smooth
-    return _reduce(loss, reduction, w_t.sum, losses.dtype), lse
+        smooth = total * uniform.to(acc) + torch.mv(logits, (total / c - w).to(logits.dtype)).to(acc)
+    loss = class_weighted(losses.to(acc), smooth, w, target, ignore_index, label_smoothing, reduction)
+    return loss.to(losses.dtype), lse
 
 
 def check_probabilities(

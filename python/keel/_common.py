@@ -34,6 +34,28 @@ def ce_weight_dtype(logits: torch.Tensor, target: torch.Tensor) -> torch.dtype:
     return target.dtype if target.dtype.is_floating_point else logits.dtype
 
 
+def class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reduction):
+    """torch's class-weighted cross-entropy with class indices, from each row's
+    ``d = lse - x[t]`` and ``smooth = sum_c w_c (lse - x_c)`` (anything on an
+    ignored row; `smooth` unread without label smoothing): row loss ``(1 - s)
+    w[t] d + s / C smooth``, 0 where `target` is `ignore_index`; ``"mean"``
+    divides the sum by that of ``w[t]`` over the rows not ignored (NaN where it
+    is 0/0, as torch). ``_autocast`` (the float32 value), ``_autograd`` (the
+    "mean" term of the weights' gradient), ``_twice`` (differentiable twice)
+    and ``_ce_forms`` (weights needing a gradient) each give their own ``d``
+    and ``smooth``."""
+    live = target != ignore_index
+    w_t = torch.where(live, w[torch.where(live, target, 0)], 0.0)
+    rows = (1.0 - label_smoothing) * w_t * d
+    if label_smoothing != 0:
+        rows = rows + (label_smoothing / w.shape[0]) * smooth
+    rows = torch.where(live, rows, 0.0)
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total / w_t.sum() if reduction == "mean" else total
+
+
 def one_device(name, named):
     """The device of the tensor arguments (`named`: (name, value) pairs); raises,
     as the real kernels do, where they differ (used where the Meta kernel sees

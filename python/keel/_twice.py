@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
-from ._common import acc_dtype, one_device
+from ._common import acc_dtype, class_weighted, one_device
 from ._fake import meta_outputs
 
 
@@ -172,27 +172,15 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weig
         return loss.to(target.dtype), torch.logsumexp(a, -1)
     lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
     if w is not None:
-        return _class_weighted(a, target, w, ignore_index, label_smoothing, reduction).to(logits.dtype), lse
+        # d = -log p_t, smooth = -sum_c w_c log p_c: torch's nll_loss is not
+        # differentiable in `w`, these are.
+        logp = torch.log_softmax(a, -1)
+        d = -logp.gather(1, torch.where(target != ignore_index, target, 0)[:, None]).squeeze(1)
+        smooth = -(logp * w).sum(-1)
+        loss = class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reduction)
+        return loss.to(logits.dtype), lse
     loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
     return loss.to(logits.dtype), lse
-
-
-def _class_weighted(a, target, w, ignore_index, label_smoothing, reduction):
-    """`F.cross_entropy(a, target, w, ...)` with class indices, in torch ops that
-    are differentiable in `w` too (torch's nll_loss is not): row loss ``-(1 - s)
-    w_t log p_t - s / C sum_c w_c log p_c``, 0 where ignored; ``"mean"`` over the
-    sum of ``w_t`` of the rows not ignored."""
-    live = target != ignore_index
-    t = torch.where(live, target, 0)
-    logp = torch.log_softmax(a, -1)
-    w_t = torch.where(live, w[t], 0.0)
-    rows = -(1.0 - label_smoothing) * w_t * logp.gather(1, t[:, None]).squeeze(1)
-    if label_smoothing != 0:
-        rows = rows - label_smoothing / a.shape[-1] * (logp * w).sum(-1)
-    rows = torch.where(live, rows, 0.0)
-    if reduction == "none":
-        return rows
-    return rows.sum() / w_t.sum() if reduction == "mean" else rows.sum()
 
 
 def rotary(x, cos, sin, interleaved):

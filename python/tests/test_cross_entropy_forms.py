@@ -668,6 +668,34 @@ def class_weighted_loss(x, t, w, ls, reduction):
     return rows.sum() / w[tl].sum() if reduction == "mean" else rows.sum()
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_class_index_weights_needing_a_gradient(device, reduction):
+    """keel.cross_entropy and keel.cross_entropy_with_lse with class indices and
+    weights that need a gradient (``_ce_forms.weighted``: applied to the op's
+    unweighted per-row results; torch's own loss is not differentiable in
+    them): loss and gradients in logits and weights against the float64
+    reference, ignored rows and a zero weight, with and without label smoothing."""
+    for dtype in dtypes_for(device):
+        atol, rtol = TOL[dtype]
+        x, t = make((8, 300), dtype, device, 0, 3.0), targets(8, 300, device)
+        w = class_weights(300, device, torch.float32)
+        w[t[1]] = 0
+        for ls in (0.0, 0.1):
+            xr, wr = x.double().clone().requires_grad_(), w.double().clone().requires_grad_()
+            want = class_weighted_loss(xr, t, wr, ls, reduction)
+            g = make(want.shape, torch.float64, device, 2)
+            want.backward(g)
+            for call in (keel.cross_entropy, lambda *a, **k: keel.cross_entropy_with_lse(*a, **k)[0]):
+                xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+                got = call(xk, t, label_smoothing=ls, reduction=reduction, weight=wk)
+                torch.testing.assert_close(got.double(), want.detach(), atol=atol * 10, rtol=rtol * 2)
+                got.backward(g.to(got.dtype))
+                torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+                scale = wr.grad.abs().max().item()
+                torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10 * scale, rtol=rtol * 2)
+
+
 def test_the_ops_class_index_weights_gradcheck():
     """First and second derivatives through the op with class indices and weights
     (``_autograd._ce_class_weight_grad``, ``_twice``), both inputs, ignored rows."""
