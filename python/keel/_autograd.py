@@ -143,12 +143,13 @@ def _cross_entropy_backward(ctx, grad):
 
 
 def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
-    """The gradient of the class weights, where they need one (a direct call
-    of the op: ``keel.cross_entropy`` builds weights needing a gradient on the
-    op's unweighted results), in float32 (float64 for float64 logits); `lse`
-    recomputed where None. Probabilities: each row's ``g q_c (lse - x_c)``
-    summed over the rows, ``q = (1 - s) p + s / C``; class indices:
-    :func:`_ce_class_weight_grad`."""
+    """The gradient of the class weights, where they need one (with
+    probabilities, ``keel.cross_entropy`` sends such weights here where they
+    have the target's dtype; with class indices it builds them on the op's
+    unweighted results, faster than this), in float32 (float64 for float64
+    logits); `lse` recomputed where None. Probabilities: each row's ``g q_c
+    (lse - x_c)`` summed over the rows, ``q = (1 - s) p + s / C``; class
+    indices: :func:`_ce_class_weight_grad`."""
     if weight is None or grad is None or not ctx.needs_input_grad[5]:
         return None
     ignore_index, label_smoothing, reduction = ctx.args
@@ -190,9 +191,9 @@ def _row_sums(d, g, block=64):
 
 
 def _ce_target_grad(ctx, grad, logits, target, weight, lse):
-    """The gradient of probabilities `target`, where they need one (a direct
-    call of the op; ``keel.cross_entropy`` builds a target needing a gradient on
-    the op's log-sum-exp instead): the loss is ``sum_c w_c q_c (lse - x_c)``
+    """The gradient of probabilities `target`, where they need one (also
+    through ``keel.cross_entropy``, ``_ce_forms.fused``): the loss is
+    ``sum_c w_c q_c (lse - x_c)``
     with ``q = (1 - s) p + s / C``, so ``p_c`` takes ``g (1 - s) w_c (lse -
     x_c)`` (``w`` 1 where none), computed in float32 (float64 for float64
     logits), in the target's dtype; `lse` recomputed where None, or where a
