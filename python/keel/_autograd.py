@@ -131,8 +131,11 @@ def _cross_entropy_setup(ctx, inputs, output):
 
 def _cross_entropy_backward(ctx, grad):
     logits, target, weight = ctx.saved_tensors
-    gw = _ce_weight_grad(ctx, grad, logits, target, weight, None)
-    gt = _ce_target_grad(ctx, grad, logits, target, weight, None)
+    # The op keeps no lse: made here once for both formulas where either needs it.
+    wants = grad is not None and (ctx.needs_input_grad[1] or (weight is not None and ctx.needs_input_grad[5]))
+    lse = torch.logsumexp(logits.to(acc_dtype(logits)), -1) if wants else None
+    gw = _ce_weight_grad(ctx, grad, logits, target, weight, lse)
+    gt = _ce_target_grad(ctx, grad, logits, target, weight, lse)
     if _twice.wanted():
         loss = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)[0]  # noqa: E731
         return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], gt, None, None, None, gw
@@ -159,8 +162,7 @@ def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     if not target.dtype.is_floating_point:
         args = (ignore_index, label_smoothing, reduction)
         return _ce_class_weight_grad(grad.to(acc), logits.to(acc), target, weight.to(acc), lse, *args).to(weight.dtype)
-    g = grad.to(acc) / (rows if reduction == "mean" else 1)
-    g = g if reduction == "none" else g.expand(rows)
+    g = _row_grads(grad, reduction, rows, acc)
     # sum_i g_i q_ic d_ic with d = lse - x (each term >= 0: nothing cancels) is
     # s / C d^T g + (1 - s) (p d)^T g: one [N, C] buffer d and two passes over
     # it, not a product of three such buffers summed over the rows (the op's
@@ -171,6 +173,13 @@ def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     d = d * target if torch.is_grad_enabled() else d.mul_(target)  # in place but for a graph of it
     gp = _row_sums(d, g) * (1.0 - s)
     return (gp if gw is None else gw + gp).to(weight.dtype)
+
+
+def _row_grads(grad, reduction, rows, acc):
+    """Each row's share of the loss's gradient `grad` against probabilities
+    (``"mean"`` over all `rows`: none is ignored), in `acc`."""
+    g = grad.to(acc) / (rows if reduction == "mean" else 1)
+    return g if reduction == "none" else g.expand(rows)
 
 
 def _row_sums(d, g, block=64):
@@ -205,8 +214,7 @@ def _ce_target_grad(ctx, grad, logits, target, weight, lse):
     rows = logits.shape[0]
     graph = torch.is_grad_enabled()
     lse = torch.logsumexp(logits.to(acc), -1) if lse is None or graph else lse.to(acc)
-    g = grad.to(acc) / (rows if reduction == "mean" else 1)
-    g = g if reduction == "none" else g.expand(rows)
+    g = _row_grads(grad, reduction, rows, acc)
     # One [N, C] buffer in acc (type promotion), scaled in place but for a graph of it.
     d = lse[:, None] - logits
     scale = (g * (1.0 - label_smoothing))[:, None]
