@@ -5,7 +5,10 @@
 The op takes class weights that need no gradient itself (in the logits' dtype),
 with class indices (:func:`weighted`) or probabilities, and takes probabilities
 where the target has the logits' dtype (:func:`fused`), and float32 targets of
-16-bit logits as they are (outside autocast), a target and weights needing a
+16-bit logits as they are (outside autocast); targets of other dtypes are
+widened to one of those where that holds them exactly (:func:`target_dtype`: a
+16-bit target of float32 logits, float16 logits with a bfloat16 target and the
+reverse, any target of float64 logits); a target and weights needing a
 gradient too (its autograd formulas give them, ``_autograd``): its kernels
 (CPU and CUDA) read each row of logits (and of targets) once in the forward and
 once in the backward, the weights beside them.
@@ -39,15 +42,17 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   torch's speed); on CUDA the targets are checked (a synchronisation) by each
   of the two calls. Weights read by the kernels: ``docs/BENCHMARKS.md``,
   session 79;
-- probabilities built here (weights needing a gradient, of another dtype
-  than the target; a target of another dtype, but for float32 targets of
-  16-bit logits): the op, and
+- probabilities built here (weights needing a gradient that the target's
+  dtype does not hold, as float32 weights of a bfloat16 target; a float64
+  target of narrower logits; under autocast, 16-bit logits with a target of
+  another dtype): the op, and
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
   at torch's speed; bfloat16 0.4x, the float32 copies of targets and
   products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
   float32 targets of 16-bit logits read by the kernels as they are (no copy
   rounded to the logits' dtype): session 80; class weights read by the
-  kernels: session 78.
+  kernels: session 78; targets widened for them (2.3-4.4x torch's speed where
+  this composite was 0.8-1.05x): session 81.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -196,10 +201,13 @@ def probabilities(
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
-    if fused(rows, p, weight):
+    read = target_dtype(rows.dtype, p.dtype)
+    if fused(rows, read, weight):
         # The op itself takes the target's rows (one read of each, a float32
-        # target of 16-bit logits as it is: a float32 loss) and the weights
-        # (`with_lse` casts them to the target's dtype, but under autocast).
+        # target of 16-bit logits as it is: a float32 loss; other dtypes widened
+        # to one it reads, exactly) and the weights (`with_lse` casts them to the
+        # target's dtype, but under autocast).
+        p = p.to(read)
         if out == p.dtype or reduction == "none":
             loss, lse = with_lse(rows, p, -100, label_smoothing, reduction, weight)
             loss = loss.to(out)
@@ -261,17 +269,44 @@ def _autocast(device: torch.device) -> bool:
         return False
 
 
-def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
-    """Whether the op takes the probabilities `p` itself (its fused kernel): `p`
-    of the logits' dtype, or float32 `p` for float16 or bfloat16 logits outside
-    autocast, which the kernels read as it is. `p` and the class weights may
-    need a gradient, the weights where they have the dtype the op takes them
-    in (`p`'s: no rounded copy between them and their gradient); the op's
-    autograd formulas give both from its lse in float32 (``_autograd``; in
-    bfloat16 3.9x and 8-9x the composite's speed, docs/BENCHMARKS.md session
-    80). Elsewhere
-    :func:`probabilities` builds the loss from the op's log-sum-exp with
-    torch's ops.
+def reads(logits: torch.dtype, target: torch.dtype) -> bool:
+    """Whether the op reads probabilities of dtype `target` beside logits of
+    dtype `logits` as they are: the logits' dtype, or float32 for float16 and
+    bfloat16 logits (it refuses other pairs, naming the target)."""
+    return target == logits or (logits in _HALF and target == torch.float32)
+
+
+def target_dtype(logits: torch.dtype, target: torch.dtype) -> torch.dtype:
+    """The dtype in which the op reads a probability target of `target`'s dtype
+    beside logits of `logits`' dtype: the target's own where the op takes the
+    pair (the logits' dtype, or float32 for float16 and bfloat16 logits), else
+    one it takes that holds the target's values exactly, for :func:`fused`: the
+    logits' dtype where it is wider (a float16 or bfloat16 target of float32
+    logits, any target of float64 logits) and float32 for float16 logits and a
+    bfloat16 target or the reverse (torch's promotion of the pair, and the dtype
+    of its loss). The copy costs a read of the target and a write of it widened:
+    far less than the composite (docs/BENCHMARKS.md session 81). A float64
+    target of narrower logits keeps its dtype (its loss is float64: the
+    composite's, in float64)."""
+    if reads(logits, target):
+        return target
+    if torch.promote_types(logits, target) == logits:
+        return logits
+    if logits in _HALF and target in _HALF:
+        return torch.float32
+    return target
+
+
+def fused(rows: Tensor, p: torch.dtype, weight: Optional[Tensor]) -> bool:
+    """Whether the op takes the probabilities of dtype `p` itself (its fused
+    kernel; :func:`target_dtype` gives `p`): `p` the logits' dtype, or float32
+    `p` for float16 or bfloat16 logits outside autocast, which the kernels read
+    as it is. The target and the class weights may need a gradient, the weights
+    where `p` holds them exactly (no rounded copy between them and their
+    gradient); the op's autograd formulas give both from its lse in float32
+    (``_autograd``; in bfloat16 3.9x and 8-9x the composite's speed,
+    docs/BENCHMARKS.md session 80). Elsewhere :func:`probabilities` builds the
+    loss from the op's log-sum-exp with torch's ops.
 
     The kernels read the weights in the target's dtype: float32 weights of
     16-bit logits and target are rounded to it, as torch's own float16 and
@@ -281,11 +316,11 @@ def fused(rows: Tensor, p: Tensor, weight: Optional[Tensor]) -> bool:
     read it and the weights in float32, and the loss is float32, as torch's
     (see :func:`probabilities`). Not under autocast, whose kernel takes a
     float32 copy of the logits anyway."""
-    if weight is not None and weight.requires_grad and weight.dtype != p.dtype:
+    if weight is not None and weight.requires_grad and torch.promote_types(weight.dtype, p) != p:
         return False
-    if p.dtype == rows.dtype:
+    if p == rows.dtype:
         return True
-    return rows.dtype in _HALF and p.dtype == torch.float32 and not _autocast(p.device)
+    return rows.dtype in _HALF and p == torch.float32 and not _autocast(rows.device)
 
 
 def _reduce(loss: Tensor, reduction: str, mean_over: Callable[[], object], dtype: torch.dtype) -> Tensor:

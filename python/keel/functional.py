@@ -261,9 +261,14 @@ def cross_entropy(
             goes to the op's fused kernel (one read of each row of logits and
             targets a pass, the class weights read beside them), and so does a
             float32 one for float16 or bfloat16 logits, read as it is (outside
-            autocast; a float32 loss, as torch's); other cases
-            are built on the op with torch's elementwise ops (``keel._ce_forms``,
-            which gives the costs: not faster than torch's).
+            autocast; a float32 loss, as torch's), and a target of another dtype
+            widened exactly to one of those (a copy: a bfloat16 or float16 target
+            of float32 logits, float16 logits with a bfloat16 target or the
+            reverse, any target of float64 logits); other cases (a float64
+            target of narrower logits, weights needing a gradient that the
+            target's dtype does not hold) are built on the op with torch's
+            elementwise ops (``keel._ce_forms``, which gives the costs: not
+            faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
             indices only: with probabilities, one other than the default raises, as in torch).
         label_smoothing: in ``[0, 1]``, as in torch.
@@ -332,6 +337,14 @@ def _probabilities(logits, target) -> bool:
     return isinstance(logits, Tensor) and isinstance(target, Tensor) and target.dtype.is_floating_point and _dense(logits)
 
 
+def _other_pair(logits, target) -> bool:
+    """Whether the op would refuse probabilities `target` beside `logits` for
+    their dtypes, where :func:`_ce_forms.probabilities` takes them (widened, or
+    in its composite), as torch does. Logits of a dtype the op refuses go on to
+    it, which names them."""
+    return logits.dtype.is_floating_point and not _ce_forms.reads(logits.dtype, target.dtype)
+
+
 def _as_cross_entropy(form, *args):
     """`form(_with_lse, *args)`, one of torch's forms built on the op
     cross_entropy_with_lse (``_ce_forms``), for :func:`cross_entropy`: an error of
@@ -392,7 +405,7 @@ def cross_entropy_with_lse(
     """:func:`cross_entropy`, and each row's log-sum-exp of ``logits``.
 
     The same arguments (``[N, V]`` logits; ``[N]`` class indices or ``[N, V]``
-    probabilities, with or without ``weight``) and loss as
+    probabilities of any float dtype, with or without ``weight``) and loss as
     :func:`cross_entropy`. The second result is
     ``torch.logsumexp(logits, -1)`` (``[N]``, float32, or float64 for float64 logits),
     with 0 for the rows whose target is ``ignore_index``: for a z-loss, say
@@ -402,9 +415,11 @@ def cross_entropy_with_lse(
         kw = {} if weight is None else {"weight": weight}
         args = (logits, target, ignore_index, label_smoothing, reduction)
         return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
-    if weight is not None and _probabilities(logits, target) and logits.dim() == 2:
-        # Probabilities with class weights: as in cross_entropy (the op takes them
-        # where it takes the target, else the loss is built on it).
+    if _probabilities(logits, target) and logits.dim() == 2 and (weight is not None or _other_pair(logits, target)):
+        # Probabilities with class weights, or of another dtype than the op takes
+        # beside these logits: as in cross_entropy (the op takes the weights where
+        # it takes the target, the target widened where it must be, else the loss
+        # is built on it).
         op = "keel::cross_entropy_with_lse"
         _ce_forms.check_probabilities(op, logits, target, ignore_index, _IGNORE_INDEX, weight, label_smoothing, reduction)
         return _ce_forms.probabilities(_with_lse, logits, target, weight, label_smoothing, reduction)

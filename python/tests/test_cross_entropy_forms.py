@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 import keel
 from conftest import TOL, devices, dtypes_for, make
 from test_cross_entropy import REDUCTIONS, class_weights, targets
@@ -292,8 +294,13 @@ MIXED = [  # logits, target, weight (None: no weight)
     (torch.bfloat16, torch.bfloat16, torch.float32),
     (torch.bfloat16, torch.bfloat16, torch.float64),
     (torch.float16, torch.bfloat16, None),
+    (torch.bfloat16, torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16, None),
+    (torch.float32, torch.float16, torch.float16),
     (torch.float32, torch.float64, None),
     (torch.float32, torch.float32, torch.float64),
+    (torch.float64, torch.bfloat16, None),
+    (torch.float64, torch.float32, torch.float32),
 ]
 
 
@@ -306,7 +313,10 @@ def test_probability_targets_of_other_dtypes_promote_as_torch(device, xd, pd, wd
     the weights' (bfloat16 logits and a float32 target: a float32 loss), and its
     value is torch's in float64 within the tolerance of the narrowest dtype; each
     gradient has its input's dtype. A float32 target for 16-bit logits with no
-    gradient goes to the fused kernel as it is (``_ce_forms.fused``)."""
+    gradient goes to the fused kernel as it is (``_ce_forms.fused``), and targets of
+    other dtypes widened to one it reads (test below)."""
+    if xd not in dtypes_for(device):
+        pytest.skip(f"{xd} logits are not taken on {device}")
     x = make((5, 300), xd, device, 0, 3.0)
     p = probabilities((5, 300), device, pd)
     w = None if wd is None else class_weights(300, device, wd)
@@ -327,6 +337,63 @@ def test_probability_targets_of_other_dtypes_promote_as_torch(device, xd, pd, wd
     want.sum().backward()
     assert xk.grad.dtype == xd and (not target_grad or pk.grad.dtype == pd)
     torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
+
+
+class _KeelCalls(TorchDispatchMode):
+    """Records each keel op called beneath autograd, with its target's dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "keel" and "backward" not in func.__name__:
+            self.calls.append((func.__name__.split(".")[0], args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+# logits, target, weight needing a gradient (or None), the target's dtype in the op's
+# fused kernel (int64: the composite, which calls the op with class-0 targets).
+WIDENED = [
+    (torch.float32, torch.bfloat16, None, torch.float32),
+    (torch.float32, torch.float16, torch.float16, torch.float32),
+    (torch.float16, torch.bfloat16, None, torch.float32),
+    (torch.bfloat16, torch.float16, torch.float16, torch.float32),
+    (torch.float64, torch.float32, torch.float32, torch.float64),
+    (torch.float32, torch.bfloat16, torch.float64, torch.int64),  # weights wider than the op's
+    (torch.float32, torch.float64, None, torch.int64),  # a float64 loss
+]
+
+
+@pytest.mark.parametrize("xd,pd,wd,read", WIDENED, ids=[" ".join(str(d)[6:] for d in m if d) for m in WIDENED])
+@pytest.mark.parametrize("with_lse", [False, True])
+def test_probability_targets_of_other_dtypes_are_widened_for_the_fused_kernel(xd, pd, wd, read, with_lse):
+    """A target of a dtype the op does not read beside the logits is widened to
+    one it reads where that holds its values (``_ce_forms.target_dtype``): the
+    fused kernel, not the composite, through cross_entropy and
+    cross_entropy_with_lse (which refused these pairs before), with the target
+    and weights needing gradients; the values are torch's in float64."""
+    x = make((6, 70), xd, "cpu", 0, 3.0).requires_grad_()
+    p = probabilities((6, 70), "cpu", pd).requires_grad_()
+    w = None if wd is None else class_weights(70, "cpu", wd).requires_grad_()
+    calls = _KeelCalls()
+    with calls:
+        if with_lse:
+            got, lse = keel.cross_entropy_with_lse(x, p, label_smoothing=0.1, weight=w)
+            torch.testing.assert_close(lse.double(), torch.logsumexp(x.detach().double(), -1), atol=1e-5, rtol=1e-6)
+        else:
+            got = keel.cross_entropy(x, p, label_smoothing=0.1, weight=w)
+    assert calls.calls == [("_cross_entropy_with_lse_nograd", read)]  # the autograd formula's twin
+    args = [t.detach().double().requires_grad_() for t in (x, p) + (() if w is None else (w,))]
+    want = F.cross_entropy(args[0], args[1], weight=args[2] if w is not None else None, label_smoothing=0.1)
+    assert got.dtype == want.dtype if xd == torch.float64 else got.dtype == torch.promote_types(torch.promote_types(xd, pd), wd or xd)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=2e-6)
+    got.backward()
+    want.backward()
+    for mine, ref in zip((x, p) + (() if w is None else (w,)), args):
+        atol, rtol = TOL[mine.dtype]
+        assert mine.grad.dtype == mine.dtype
+        torch.testing.assert_close(mine.grad.double(), ref.grad, atol=atol * 2, rtol=rtol * 2)
 
 
 @pytest.mark.parametrize("device", devices())
