@@ -8,8 +8,9 @@ where the target has the logits' dtype (:func:`fused`), and float32 targets of
 16-bit logits as they are (outside autocast); targets of other dtypes are
 widened to one of those where that holds them exactly (:func:`target_dtype`: a
 16-bit target of float32 logits, float16 logits with a bfloat16 target and the
-reverse, any target of float64 logits); a target and weights needing a
-gradient too (its autograd formulas give them, ``_autograd``): its kernels
+reverse, any target of float64 logits; a 16-bit target of 16-bit logits with
+float32 weights needing a gradient, which the op reads in the target's dtype);
+a target and weights needing a gradient too (its autograd formulas give them, ``_autograd``): its kernels
 (CPU and CUDA) read each row of logits (and of targets) once in the forward and
 once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
@@ -42,17 +43,17 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   torch's speed); on CUDA the targets are checked (a synchronisation) by each
   of the two calls. Weights read by the kernels: ``docs/BENCHMARKS.md``,
   session 79;
-- probabilities built here (weights needing a gradient that the target's
-  dtype does not hold, as float32 weights of a bfloat16 target; a float64
-  target of narrower logits; under autocast, 16-bit logits with a target of
-  another dtype): the op, and
+- probabilities built here (a float64 target, or float64 weights needing a
+  gradient, of narrower logits; under autocast, 16-bit logits with a target
+  of another dtype): the op, and
   ``sum_c (A / C - a_c) x_c`` in float32 by torch's elementwise ops (float32
   at torch's speed; bfloat16 0.4x, the float32 copies of targets and
   products). The fused kernel's figures: ``docs/BENCHMARKS.md``, session 76;
   float32 targets of 16-bit logits read by the kernels as they are (no copy
   rounded to the logits' dtype): session 80; class weights read by the
   kernels: session 78; targets widened for them (2.3-4.4x torch's speed where
-  this composite was 0.8-1.05x): session 81.
+  this composite was 0.8-1.05x; 1.6-2.4x with float32 weights needing a
+  gradient beside 16-bit logits and targets, where it was 0.6-0.7x): session 81.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -201,7 +202,7 @@ def probabilities(
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
-    read = target_dtype(rows.dtype, p.dtype)
+    read = target_dtype(rows.dtype, p.dtype, weight.dtype if weight is not None and weight.requires_grad else None)
     if fused(rows, read, weight):
         # The op itself takes the target's rows (one read of each, a float32
         # target of 16-bit logits as it is: a float32 loss; other dtypes widened
@@ -276,7 +277,7 @@ def reads(logits: torch.dtype, target: torch.dtype) -> bool:
     return target == logits or (logits in _HALF and target == torch.float32)
 
 
-def target_dtype(logits: torch.dtype, target: torch.dtype) -> torch.dtype:
+def target_dtype(logits: torch.dtype, target: torch.dtype, weight: Optional[torch.dtype] = None) -> torch.dtype:
     """The dtype in which the op reads a probability target of `target`'s dtype
     beside logits of `logits`' dtype: the target's own where the op takes the
     pair (the logits' dtype, or float32 for float16 and bfloat16 logits), else
@@ -284,17 +285,22 @@ def target_dtype(logits: torch.dtype, target: torch.dtype) -> torch.dtype:
     logits' dtype where it is wider (a float16 or bfloat16 target of float32
     logits, any target of float64 logits) and float32 for float16 logits and a
     bfloat16 target or the reverse (torch's promotion of the pair, and the dtype
-    of its loss). The copy costs a read of the target and a write of it widened:
-    far less than the composite (docs/BENCHMARKS.md session 81). A float64
-    target of narrower logits keeps its dtype (its loss is float64: the
-    composite's, in float64)."""
-    if reads(logits, target):
-        return target
-    if torch.promote_types(logits, target) == logits:
-        return logits
-    if logits in _HALF and target in _HALF:
-        return torch.float32
-    return target
+    of its loss). `weight`: the dtype of class weights that need a gradient,
+    which the op reads in the target's dtype, so that dtype must hold them too
+    (float32 weights of a bfloat16 target of bfloat16 logits: a float32 target,
+    and the float32 loss torch gives). The copy costs a read of the target and
+    a write of it widened: far less than the composite (docs/BENCHMARKS.md
+    session 81). A float64 target (or weights) of narrower logits keeps its
+    dtype (the loss is float64: the composite's, in float64)."""
+    read = target
+    if not reads(logits, target):
+        if torch.promote_types(logits, target) == logits:
+            read = logits
+        elif logits in _HALF and target in _HALF:
+            read = torch.float32
+    if weight is not None and reads(logits, read) and reads(logits, torch.promote_types(read, weight)):
+        read = torch.promote_types(read, weight)
+    return read
 
 
 def fused(rows: Tensor, p: torch.dtype, weight: Optional[Tensor]) -> bool:

@@ -264,9 +264,10 @@ def cross_entropy(
             autocast; a float32 loss, as torch's), and a target of another dtype
             widened exactly to one of those (a copy: a bfloat16 or float16 target
             of float32 logits, float16 logits with a bfloat16 target or the
-            reverse, any target of float64 logits); other cases (a float64
-            target of narrower logits, weights needing a gradient that the
-            target's dtype does not hold) are built on the op with torch's
+            reverse, any target of float64 logits; float32 where float32
+            weights needing a gradient go beside 16-bit logits); other cases (a
+            float64 target, or float64 weights needing a gradient, of narrower
+            logits) are built on the op with torch's
             elementwise ops (``keel._ce_forms``, which gives the costs: not
             faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
@@ -279,14 +280,17 @@ def cross_entropy(
             target's weight, label smoothing weights each class's term, and
             ``"mean"`` divides by the sum of the weights of the rows not ignored.
             Read by the op's fused kernels beside each row, with either target, in
-            the logits' dtype (a float32 target's with probabilities): float32
-            weights of 16-bit logits (which torch refuses with class indices) are
-            rounded to it, as torch's own 16-bit loss rounds ``target * weight``
-            with probabilities; under autocast the float32 loss takes them as
-            given. Weights that need a gradient are
-            applied in float32 (float64 for float64 logits) to the op's unweighted
-            per-row results instead (``keel._ce_forms``: with label smoothing, the
-            op twice and a matrix-vector product).
+            the logits' dtype (the target's with probabilities): float32
+            weights of 16-bit logits (which torch refuses with class indices) and
+            target are rounded to it, an error of the size of torch's own 16-bit
+            loss, which rounds the log-probabilities times the target; under
+            autocast the float32 loss takes them as given. Weights that need a
+            gradient: with probabilities, the op's formula gives it, the target
+            widened where its dtype does not hold them (float32 weights of a
+            bfloat16 target); with class indices they are applied in float32
+            (float64 for float64 logits) to the op's unweighted per-row results
+            instead (``keel._ce_forms``: with label smoothing, the op twice and
+            a matrix-vector product).
 
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16

@@ -360,6 +360,8 @@ WIDENED = [
     (torch.float16, torch.bfloat16, None, torch.float32),
     (torch.bfloat16, torch.float16, torch.float16, torch.float32),
     (torch.float64, torch.float32, torch.float32, torch.float64),
+    (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32),  # for the weights
+    (torch.float16, torch.float16, torch.bfloat16, torch.float32),
     (torch.float32, torch.bfloat16, torch.float64, torch.int64),  # weights wider than the op's
     (torch.float32, torch.float64, None, torch.int64),  # a float64 loss
 ]
@@ -369,7 +371,9 @@ WIDENED = [
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_probability_targets_of_other_dtypes_are_widened_for_the_fused_kernel(xd, pd, wd, read, with_lse):
     """A target of a dtype the op does not read beside the logits is widened to
-    one it reads where that holds its values (``_ce_forms.target_dtype``): the
+    one it reads where that holds its values (``_ce_forms.target_dtype``), and
+    the values of weights that need a gradient (the op reads them in the
+    target's dtype): the
     fused kernel, not the composite, through cross_entropy and
     cross_entropy_with_lse (which refused these pairs before), with the target
     and weights needing gradients; the values are torch's in float64."""
@@ -445,8 +449,8 @@ def test_probability_targets_gradcheck():
 def test_probability_targets_weight_gradient(device):
     """Weights that need a gradient: of the target's dtype they go to the fused
     op, whose formula gives their gradient (also with the target needing one);
-    of another dtype (float32 weights of bfloat16 logits and target) to the
-    composite, which takes them unrounded. Either way the gradients are
+    float32 weights of bfloat16 logits and target too, with the target widened
+    to float32 (``_ce_forms.target_dtype``). Either way the gradients are
     torch's."""
     cases = [(d, d, d) for d in dtypes_for(device)]
     cases += [(d, torch.float32, torch.float32) for d in dtypes_for(device) if d in (torch.float16, torch.bfloat16)]
