@@ -368,18 +368,18 @@ template <bool Fast> __device__ __forceinline__ void online_add(float v, float& 
 }
 
 // (max, sum of exp(x - max)) of `x * scale` over a row, to every thread of
-// the block, in one read of the row; with `sum_x`, also the sum of x. exp is
+// the block, in one read of the row; with `sum_x`, also the sum of x - shift. exp is
 // __expf for f16 and bf16 rows (FastMath): a sum of terms each within about
 // 2e-6 of its value where it matters (x - max > -10), so a log-sum-exp within
 // about 2e-6 of the precise one.
 template <typename T>
 __device__ __forceinline__ float2 row_max_sumexp(const T* __restrict__ xr, int cols, bool vec, float scale,
-                                                 float* scratch, float* sum_x = nullptr) {
+                                                 float* scratch, float* sum_x = nullptr, float shift = 0.f) {
   constexpr bool Fast = FastMath<T>::value;
   float m = -INFINITY, s = 0.f, sx = 0.f;
   row_each(xr, cols, vec, [&](int, float v) {
     online_add<Fast>(v * scale, m, s);
-    sx += v;
+    sx += v - shift;
   });
   const float bm = block_max(m, scratch);
   // This thread's sum moved to the block's maximum (0 from a thread that saw

@@ -10,6 +10,12 @@
 //     null, lse[row] = the row's log-sum-exp (0 for ignored and bad rows).
 //     With weights: (1 - ls) w[t] (lse - x[t]) + ls / cols (W lse - sum(w x)),
 //     W = sum(w), sum(w x) and W from the same read of the row (w beside it).
+//     The sums over the row are of x - c, c = x[0] (0 where that is not
+//     finite), and lse - c = (max - c) + log(sum of exp): each term of the
+//     loss is then of the size of the logits' spread, not of their offset,
+//     whose rounding cancelled (f32 logits near 1000 lost 1e-5 of the loss;
+//     kernels-cpu/src/cross_entropy.rs shifts by the max, which it has before
+//     these sums: this one pass has it only at the end).
 //   cross_entropy_reduce_*: one block; counts the rows (status[0] = bad
 //     targets, status[1] = the float bits of what "mean" divides by: the rows
 //     not ignored, or with weights the sum of their targets' weights) and
@@ -62,6 +68,14 @@ __device__ __forceinline__ void count_targets(const int64_t* __restrict__ target
   }
 }
 
+// The shift of a row's sums (ce_rows): its first logit, or 0 where that is
+// not finite (a masked -inf would make every x - c infinite).
+template <typename T>
+__device__ __forceinline__ float row_shift(const T* __restrict__ xr) {
+  const float c = to_f32(xr[0]);
+  return isfinite(c) ? c : 0.f;
+}
+
 template <typename T>
 __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* __restrict__ target,
                                         const T* __restrict__ w, float* __restrict__ loss, float* __restrict__ lse,
@@ -79,30 +93,35 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
       continue;
     }
     const T* xr = x + row * cols;
+    const float c = row_shift(xr);
     if (w && ls > 0.f) {
-      // sum(w x) and W with the max and sum of exp, as ce_probs_rows.
+      // sum(w (x - c)) and W with the max and sum of exp, as ce_probs_rows.
       float m = -INFINITY, s = 0.f, dot = 0.f, ws = 0.f;
       row_each2(xr, w, cols, vec, [&](int, float v, float q) {
         online_add<Fast>(v, m, s);
-        dot += q * v;
+        dot += q * (v - c);
         ws += q;
       });
       const float bm = block_max(m, scratch);
       const float4 sums = block_sum4(make_float4(s * exp_<Fast>(m - bm), dot, ws, 0.f), scratch);
       if (threadIdx.x == 0) {
-        const float l = bm + logf(sums.x);
-        loss[row] = (1.f - ls) * to_f32(w[t]) * (l - to_f32(xr[t])) + ls / cols * (sums.z * l - sums.y);
-        if (lse) lse[row] = l;
+        const float ln_s = logf(sums.x);
+        const float hit = (bm - to_f32(xr[t])) + ln_s;  // lse - x[t]
+        loss[row] = (1.f - ls) * to_f32(w[t]) * hit + ls / cols * (sums.z * ((bm - c) + ln_s) - sums.y);
+        if (lse) lse[row] = bm + ln_s;
       }
       continue;
     }
     float sx = 0.f;
-    const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch, ls > 0.f ? &sx : nullptr);
+    const float2 ms = row_max_sumexp(xr, cols, vec, 1.f, scratch, ls > 0.f ? &sx : nullptr, c);
     if (threadIdx.x == 0) {
-      const float l = ms.x + logf(ms.y);
-      // Without label smoothing, a weight scales the whole row's loss.
-      loss[row] = class_weight(w, t) * (l - (1.f - ls) * to_f32(xr[t]) - ls * sx / cols);
-      if (lse) lse[row] = l;
+      const float ln_s = logf(ms.y);
+      // (1 - ls) (lse - x[t]) + ls (lse - mean(x)); without label smoothing,
+      // a weight scales the whole row's loss.
+      const float hit = (ms.x - to_f32(xr[t])) + ln_s;
+      const float spread = ls > 0.f ? (ms.x - c) + ln_s - sx / cols : 0.f;
+      loss[row] = class_weight(w, t) * ((1.f - ls) * hit + ls * spread);
+      if (lse) lse[row] = ms.x + ln_s;
     }
   }
 }
@@ -234,29 +253,32 @@ __device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const P* 
   const bool vec = cols % Pack<T>::N == 0 && aligned16(x) && aligned16(p);
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     float m = -INFINITY, s = 0.f, dot = 0.f, ps = 0.f, sx = 0.f;
+    // Sums of x - c, as ce_rows: sum(a (lse - x)) = A (lse - c) - sum(a (x - c)).
+    const float c = row_shift(x + row * cols);
     if (w) {
       const float c1 = 1.f - ls, c0 = ls / cols;
       row_each2(x + row * cols, p + row * cols, cols, vec, [&](int j, float v, float q) {
         online_add<Fast>(v, m, s);
         const float a = to_f32(w[j]) * (q * c1 + c0);
-        dot += a * v;
+        dot += a * (v - c);
         ps += a;
       });
     } else {
       row_each2(x + row * cols, p + row * cols, cols, vec, [&](int, float v, float q) {
         online_add<Fast>(v, m, s);
-        dot += q * v;
+        dot += q * (v - c);
         ps += q;
-        sx += v;
+        sx += v - c;
       });
     }
     const float bm = block_max(m, scratch);
     // As row_max_sumexp: each thread's sum moved to the block's maximum.
     const float4 sums = block_sum4(make_float4(s * exp_<Fast>(m - bm), dot, ps, sx), scratch);
     if (threadIdx.x == 0) {
-      const float l = bm + logf(sums.x);
-      loss[row] = w ? sums.z * l - sums.y : (1.f - ls) * (sums.z * l - sums.y) + ls * (l - sums.w / cols);
-      if (lse) lse[row] = l;
+      const float ln_s = logf(sums.x);
+      const float lc = (bm - c) + ln_s;  // lse - c
+      loss[row] = w ? sums.z * lc - sums.y : (1.f - ls) * (sums.z * lc - sums.y) + ls * (lc - sums.w / cols);
+      if (lse) lse[row] = bm + ln_s;
     }
   }
 }

@@ -799,6 +799,62 @@ fn emulated_softmax_and_cross_entropy_match_cpu() {
     every_case("emulated_softmax_and_cross_entropy_match_cpu", Family::SoftmaxAndCrossEntropy);
 }
 
+/// The CUDA forward's loss of f32 rows far from 0 keeps the precision of the
+/// loss, not of the offset (its sums are of `x - x[0]`; `lse - x` summed
+/// from `W lse - sum(w x)` lost 1e-5 of the loss near 1000): class indices
+/// with label smoothing, with and without class weights, and probabilities,
+/// each row against the f64 reference, relative to its loss. Widths of 2003
+/// (element by element) and 2048 (vectors); a row whose first logit is
+/// `-inf` (masked) shifts by 0 instead, and its loss is infinite (not NaN).
+#[test]
+fn emulated_cross_entropy_of_shifted_logits_keeps_the_losss_precision() {
+    if skip("emulated_cross_entropy_of_shifted_logits_keeps_the_losss_precision") {
+        return;
+    }
+    use crate::cpu::cross_entropy::forward_ref;
+    use crate::cpu::cross_entropy_probs::forward_ref as probs_ref;
+    let (t, rows, dt) = (Emu::new(2), 3, f32::DTYPE);
+    let none = cross_entropy::Reduction::None;
+    let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: 0.1, reduction: none };
+    for cols in [2003, 2048] {
+        let noise = |i: usize| ((i * 7919 % 4001) as f64 - 2000.0) / 500.0;
+        let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+        let mut p: Vec<f32> = (0..rows * cols).map(|i| (i * 104_729 % 1009) as f32).collect();
+        for row in p.chunks_mut(cols) {
+            let s: f32 = row.iter().sum();
+            row.iter_mut().for_each(|v| *v /= s);
+        }
+        let target = [3i64, 500, 1000];
+        for off in [0.0, -1e2, 1e3, 1e4] {
+            let mut x: Vec<f32> = (0..rows * cols).map(|i| (off + noise(i)) as f32).collect();
+            x[2 * cols] = f32::NEG_INFINITY; // row 2: masked first logit
+            let check = |got: Vec<f32>, want: Vec<f64>, what: &str| {
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    // Row 2's -inf enters the smoothing term: an infinite loss, as torch's.
+                    let err =
+                        if w.is_infinite() && f64::from(*g) == *w { 0.0 } else { (f64::from(*g) - w).abs() / w.abs() };
+                    assert!(err <= 3e-7, "{what} offset {off} cols {cols} row {i}: {g} vs {w} ({err:.1e})");
+                }
+            };
+            let (xd, td, pd, wd) =
+                (Buf::shifted(&x, 0), Buf::shifted(&target, 0), Buf::shifted(&p, 0), Buf::shifted(&w, 0));
+            for weight in [None, Some(&wd)] {
+                let (od, sd) = (garbage::<f32>(rows, 0), garbage::<f32>(cross_entropy::scratch_len(rows), 0));
+                let pw = weight.map_or(0, |w| w.addr());
+                let (px, pt, po, ps) = (xd.addr(), td.addr(), od.addr(), sd.addr());
+                unsafe { cross_entropy::forward_on(&t, dt, px, pt, pw, po, 0, ps, rows, cols, opts) }.unwrap();
+                let want = forward_ref(&x, &target, weight.map(|_| &w[..]), cols, opts);
+                check(od.to_vec(), want, &format!("class indices weighted {}", weight.is_some()));
+                let (od, sd) = (garbage::<f32>(rows, 0), garbage::<f32>(cross_entropy::scratch_len(rows), 0));
+                let ptrs = (px, pd.addr(), pw, od.addr(), 0, sd.addr());
+                unsafe { cross_entropy::forward_probs_on(&t, (dt, dt), ptrs, rows, cols, 0.1, none) }.unwrap();
+                let want = probs_ref(&x, &p, weight.map(|_| &w[..]), cols, 0.1, none);
+                check(od.to_vec(), want, &format!("probabilities weighted {}", weight.is_some()));
+            }
+        }
+    }
+}
+
 #[test]
 fn emulated_gated_and_rotary_match_cpu() {
     every_case("emulated_gated_and_rotary_match_cpu", Family::GatedAndRotary);
