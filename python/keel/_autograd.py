@@ -124,16 +124,21 @@ def _softmax_backward(ctx, grad):
 
 
 def _cross_entropy_setup(ctx, inputs, output):
+    # `output`: the loss and each row's lse, from the twin of cross_entropy_with_lse (`KEEPS`).
     logits, target, ignore_index, label_smoothing, reduction, weight = inputs
-    ctx.save_for_backward(logits, target, weight)
+    ctx.save_for_backward(logits, target, output[1], weight)
     ctx.args = (ignore_index, label_smoothing, reduction)
 
 
 def _cross_entropy_backward(ctx, grad):
-    logits, target, weight = ctx.saved_tensors
-    # The op keeps no lse: made here once for both formulas where either needs it.
-    wants = grad is not None and (ctx.needs_input_grad[1] or (weight is not None and ctx.needs_input_grad[5]))
-    lse = torch.logsumexp(logits.to(acc_dtype(logits)), -1) if wants else None
+    logits, target, lse, weight = ctx.saved_tensors
+    others = ctx.needs_input_grad[1] or (weight is not None and ctx.needs_input_grad[5])
+    if others and grad is not None and _twice.wanted():
+        # The kept lse is no output of the op, so no gradient would reach the
+        # logits through it: the formulas of the target's and weights' gradients
+        # take one made here, differentiable (cross_entropy_with_lse's lse is its
+        # output: autograd carries its gradient to that op's own formula).
+        lse = torch.logsumexp(logits.to(acc_dtype(logits)), -1)
     gw = _ce_weight_grad(ctx, grad, logits, target, weight, lse)
     gt = _ce_target_grad(ctx, grad, logits, target, weight, lse)
     if _twice.wanted():
@@ -141,7 +146,7 @@ def _cross_entropy_backward(ctx, grad):
         return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], gt, None, None, None, gw
     if not ctx.needs_input_grad[0]:
         return None, gt, None, None, None, gw
-    g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, None, weight)
+    g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse, weight)
     return g, gt, None, None, None, gw
 
 
@@ -327,6 +332,14 @@ FORMULAS = {
 """Each differentiable op's (backward, setup_context): the ops with a ``_nograd``
 twin (Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs`` lists the same)."""
 
+KEEPS = {"cross_entropy": "cross_entropy_with_lse"}
+"""Ops whose formula runs another op's twin, of the same arguments, and
+returns the first of its results: ``torch.ops.keel.cross_entropy`` called
+where a gradient is wanted keeps each row's lse as its ``_with_lse`` twin does
+(``[N]`` float32), so the backward reads each row of logits once and the
+target's and weights' formulas take it, as through ``keel.cross_entropy``
+(docs/BENCHMARKS.md session 81)."""
+
 
 _LIB = None
 
@@ -367,15 +380,20 @@ def _autograd_kernel(name, backward, setup):
     # The twin's C function (``OpOverload._op``, what its ``__call__`` calls):
     # the same call without that Python frame.
     call_twin = getattr(twin, "_op", twin)
+    keeps = KEEPS.get(name)
+    if keeps is not None:
+        kept = getattr(ops, nograd(keeps)).default
+        assert [a.name for a in kept._schema.arguments] == [a.name for a in arguments], keeps
+        call_kept = getattr(kept, "_op", kept)
 
     def forward(ctx, *args):
         # The typed API leaves out trailing arguments equal to their defaults,
         # as the dispatcher does (`functional._call`).
-        out = call_twin(*args)
+        out = call_twin(*args) if keeps is None else call_kept(*args)
         if len(args) < count:
             args = args + defaults[len(args) :]
         setup(ctx, args, out)
-        return out
+        return out if keeps is None else out[0]
 
     formula = type(
         f"KeelBackward_{name}",

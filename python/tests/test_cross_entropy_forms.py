@@ -791,6 +791,50 @@ def test_the_ops_weights_gradcheck():
         assert torch.autograd.gradgradcheck(op, (x, w))
 
 
+class _Calls(TorchDispatchMode):
+    """Records the name of each op called beneath autograd, and whether an lse reached the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.names, self.backward_lse = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        if func.__name__.startswith("cross_entropy_backward"):
+            self.backward_lse.append(args[5] is not None)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("target", ["indices", "probabilities"])
+def test_the_op_called_directly_keeps_its_lse_for_the_backward(target):
+    """``torch.ops.keel.cross_entropy`` where a gradient is wanted runs the twin
+    of ``cross_entropy_with_lse`` (``_autograd.KEEPS``): its backward takes that
+    lse (one read of each row of logits), and so do the target's and weights'
+    formulas (no logsumexp of their own); values as torch's."""
+    x = make((6, 40), torch.float32, "cpu", 0, 3.0).requires_grad_()
+    w = class_weights(40, "cpu").requires_grad_()
+    t = torch.tensor([1, -100, 6, 39, 0, 2]) if target == "indices" else probabilities((6, 40), "cpu").requires_grad_()
+    calls = _Calls()
+    with calls:
+        loss = torch.ops.keel.cross_entropy(x, t, -100, 0.1, "sum", w)
+        loss.backward()
+    assert "_cross_entropy_with_lse_nograd.default" in calls.names
+    assert calls.backward_lse == [True]
+    assert not any("logsumexp" in n for n in calls.names), calls.names
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    if target == "indices":  # torch's own loss gives class-index weights no gradient
+        want = class_weighted_loss(xr, t, wr, 0.1, "sum")
+    else:
+        tr = t.detach().clone().requires_grad_()
+        want = F.cross_entropy(xr, tr, weight=wr, label_smoothing=0.1, reduction="sum")
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+    if target == "probabilities":
+        torch.testing.assert_close(t.grad, tr.grad)
+
+
 def test_the_ops_target_gradcheck():
     """A probability target needing a gradient through the ops themselves
     (``_autograd._ce_target_grad``; ``keel.cross_entropy`` builds such a target
