@@ -5,7 +5,7 @@
 //! bad targets.
 mod common;
 
-use common::{assert_close_floor, sum_scale, to_elems, Tol};
+use common::{assert_close_floor, assert_relative, sum_scale, to_elems, Tol, OFFSETS};
 use keel::cpu::{bf16, f16, Acc, Element, Par};
 use keel::ops::cross_entropy::{backward_cpu, forward_cpu, Options, Reduction};
 use keel_cpu::cross_entropy::{backward_ref, forward_ref};
@@ -257,25 +257,14 @@ fn shifted_logits_keep_the_losss_precision() {
 fn shifted_rows<T: Tol>(bound: f64) {
     let (rows, cols) = (4, 2003);
     let opts = Options { ignore_index: IGNORE, label_smoothing: 0.1, reduction: Reduction::None };
-    let noise = |i: usize| ((i * 7919 % 4001) as f64 - 2000.0) / 500.0;
-    let weights = to_elems::<T>(&(0..cols).map(|i| 0.5 + (i % 7) as f64 * 0.25).collect::<Vec<_>>());
-    for off in [0.0, -1e2, 1e3, 1e4] {
-        let x = to_elems::<T>(&(0..rows * cols).map(|i| off + noise(i)).collect::<Vec<_>>());
+    for off in OFFSETS {
+        let (x, weights) = common::shifted_rows::<T>(rows, cols, off);
         let t = [3, 500, 1000, 2002];
         for w in [None, Some(&weights[..])] {
             let mut out = vec![T::default(); rows];
             forward_cpu(&x, &t, w, &mut out, None, cols, opts, Par::Seq).unwrap();
             let want = forward_ref(&x, &t, w, cols, opts);
-            for (got, want) in out.iter().zip(&want) {
-                let err = (got.to_f64() - want).abs() / want.abs();
-                assert!(
-                    err <= bound,
-                    "[{}] offset {off} weighted {}: {} vs {want} ({err:.1e})",
-                    T::NAME,
-                    w.is_some(),
-                    got.to_f64()
-                );
-            }
+            assert_relative(&out, &want, bound, &format!("offset {off} weighted {}", w.is_some()));
         }
     }
 }

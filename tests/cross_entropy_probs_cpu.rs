@@ -7,7 +7,7 @@
 //! logits, read as they are); plus known values and bad arguments.
 mod common;
 
-use common::{assert_close_floor, sum_scale, to_elems, Tol};
+use common::{assert_close_floor, assert_relative, sum_scale, to_elems, Tol, OFFSETS};
 use keel::cpu::{bf16, f16, Acc, Element, Par};
 use keel::ops::cross_entropy::{backward_probs_cpu, forward_probs_cpu, Reduction};
 use keel_cpu::cross_entropy_probs::{backward_ref, forward_ref};
@@ -231,26 +231,15 @@ fn shifted_logits_keep_the_losss_precision() {
 
 fn shifted_rows<T: Tol>(bound: f64) {
     let (rows, cols) = (4, 2003);
-    let noise = |i: usize| ((i * 7919 % 4001) as f64 - 2000.0) / 500.0;
     let p: Vec<f64> = (0..rows * cols).map(|i| (i * 104_729 % 1009) as f64).collect();
     let p = targets::<T>(&p, cols, true);
-    let weights = to_elems::<T>(&(0..cols).map(|i| 0.5 + (i % 7) as f64 * 0.25).collect::<Vec<_>>());
-    for off in [0.0, -1e2, 1e3, 1e4] {
-        let x = to_elems::<T>(&(0..rows * cols).map(|i| off + noise(i)).collect::<Vec<_>>());
+    for off in OFFSETS {
+        let (x, weights) = common::shifted_rows::<T>(rows, cols, off);
         for (w, ls) in [(None, 0.0), (None, 0.1), (Some(&weights[..]), 0.1)] {
             let mut out = vec![T::default(); rows];
             forward_probs_cpu(&x, &p, w, &mut out, None, cols, ls, Reduction::None, Par::Seq).unwrap();
             let want = forward_ref(&x, &p, w, cols, ls, Reduction::None);
-            for (got, want) in out.iter().zip(&want) {
-                let err = (got.to_f64() - want).abs() / want.abs();
-                assert!(
-                    err <= bound,
-                    "[{}] offset {off} ls {ls} weighted {}: {} vs {want} ({err:.1e})",
-                    T::NAME,
-                    w.is_some(),
-                    got.to_f64()
-                );
-            }
+            assert_relative(&out, &want, bound, &format!("offset {off} ls {ls} weighted {}", w.is_some()));
         }
     }
 }

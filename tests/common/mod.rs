@@ -112,3 +112,26 @@ pub fn in_pool_if<R: Send>(pool: bool, f: impl FnOnce() -> R + Send) -> R {
 /// about 4 s for all of them on the 2-core CI machine. `PROPTEST_CASES`
 /// overrides it (proptest 1.12 applies the variable over the config).
 pub const CASES: u32 = 1000;
+
+/// The offsets of the cross-entropy tests of rows far from 0.
+pub const OFFSETS: [f64; 4] = [0.0, -1e2, 1e3, 1e4];
+
+/// `rows * cols` logits of `T` spread over [-4, 4] around `offset`, and class
+/// weights in [0.5, 2] for `cols` classes: rows far from 0 for the
+/// cross-entropy tests of the loss's own precision.
+pub fn shifted_rows<T: Element>(rows: usize, cols: usize, offset: f64) -> (Vec<T>, Vec<T>) {
+    let noise = |i: usize| ((i * 7919 % 4001) as f64 - 2000.0) / 500.0;
+    let x = (0..rows * cols).map(|i| T::from_f64(offset + noise(i))).collect();
+    let w = (0..cols).map(|i| T::from_f64(0.5 + (i % 7) as f64 * 0.25)).collect();
+    (x, w)
+}
+
+/// Asserts `|got - want| <= bound * |want|` element-wise (a relative error of
+/// each value, with no absolute floor).
+pub fn assert_relative<T: Element>(got: &[T], want: &[f64], bound: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g.to_f64() - w).abs() / w.abs();
+        assert!(err <= bound, "{what} [{}] at {i}: got {}, want {w} ({err:.1e})", T::NAME, g.to_f64());
+    }
+}
