@@ -10,9 +10,9 @@ widened to one of those where that holds them exactly (:func:`target_dtype`: a
 16-bit target of float32 logits, float16 logits with a bfloat16 target and the
 reverse, any target of float64 logits; a 16-bit target of 16-bit logits with
 float32 weights needing a gradient, which the op reads in the target's dtype);
-a target and weights needing a gradient too (its autograd formulas give them, ``_autograd``): its kernels
-(CPU and CUDA) read each row of logits (and of targets) once in the forward and
-once in the backward, the weights beside them.
+a target and weights needing a gradient too (its autograd formulas give them,
+``_autograd``): its kernels (CPU and CUDA) read each row of logits (and of
+targets) once in the forward and once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
 (``cross_entropy_with_lse`` with ``reduction="none"``: each row's ``lse - x_t``
 and its log-sum-exp ``lse``), so no log-softmax is made, on every device and
