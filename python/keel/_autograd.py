@@ -132,13 +132,6 @@ def _cross_entropy_setup(ctx, inputs, output):
 
 def _cross_entropy_backward(ctx, grad):
     logits, target, lse, weight = ctx.saved_tensors
-    others = ctx.needs_input_grad[1] or (weight is not None and ctx.needs_input_grad[5])
-    if others and grad is not None and _twice.wanted():
-        # The kept lse is no output of the op, so no gradient would reach the
-        # logits through it: the formulas of the target's and weights' gradients
-        # take one made here, differentiable (cross_entropy_with_lse's lse is its
-        # output: autograd carries its gradient to that op's own formula).
-        lse = torch.logsumexp(logits.to(acc_dtype(logits)), -1)
     gw = _ce_weight_grad(ctx, grad, logits, target, weight, lse)
     gt = _ce_target_grad(ctx, grad, logits, target, weight, lse)
     if _twice.wanted():
@@ -155,7 +148,7 @@ def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     probabilities, ``keel.cross_entropy`` sends such weights here where they
     have the target's dtype; with class indices it builds them on the op's
     unweighted results, faster than this), in float32 (float64 for float64
-    logits); `lse` recomputed where None. Probabilities: each row's ``g q_c
+    logits); `lse` as :func:`_formula_lse` gives it. Probabilities: each row's ``g q_c
     (lse - x_c)`` summed over the rows, ``q = (1 - s) p + s / C``; class
     indices: :func:`_ce_class_weight_grad`."""
     if weight is None or grad is None or not ctx.needs_input_grad[5]:
@@ -163,7 +156,7 @@ def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     ignore_index, label_smoothing, reduction = ctx.args
     acc = acc_dtype(logits)
     rows, c = logits.shape
-    lse = torch.logsumexp(logits.to(acc), -1) if lse is None else lse.to(acc)
+    lse = _formula_lse(logits, lse, acc)
     if not target.dtype.is_floating_point:
         args = (ignore_index, label_smoothing, reduction)
         return _ce_class_weight_grad(grad.to(acc), logits.to(acc), target, weight.to(acc), lse, *args).to(weight.dtype)
@@ -178,6 +171,17 @@ def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     d = d * target if torch.is_grad_enabled() else d.mul_(target)  # in place but for a graph of it
     gp = _row_sums(d, g) * (1.0 - s)
     return (gp if gw is None else gw + gp).to(weight.dtype)
+
+
+def _formula_lse(logits, lse, acc):
+    """Each row's lse in `acc` for the target's and weights' formulas: the op's
+    (kept by its forward), or one made here where none is given or where a graph
+    of the gradient is being built: the lse ``torch.ops.keel.cross_entropy``
+    keeps is no output of the op, so no gradient would reach the logits through
+    it (the class-index weights' gradgradcheck fails so)."""
+    if lse is None or torch.is_grad_enabled():
+        return torch.logsumexp(logits.to(acc), -1)
+    return lse.to(acc)
 
 
 def _row_grads(grad, reduction, rows, acc):
@@ -210,15 +214,14 @@ def _ce_target_grad(ctx, grad, logits, target, weight, lse):
     ``sum_c w_c q_c (lse - x_c)``
     with ``q = (1 - s) p + s / C``, so ``p_c`` takes ``g (1 - s) w_c (lse -
     x_c)`` (``w`` 1 where none), computed in float32 (float64 for float64
-    logits), in the target's dtype; `lse` recomputed where None, or where a
-    graph of this gradient is being built (the op's saved lse carries none)."""
+    logits), in the target's dtype; `lse` as :func:`_formula_lse` gives it."""
     if grad is None or not ctx.needs_input_grad[1] or not target.dtype.is_floating_point:
         return None
     _, label_smoothing, reduction = ctx.args
     acc = acc_dtype(logits)
     rows = logits.shape[0]
     graph = torch.is_grad_enabled()
-    lse = torch.logsumexp(logits.to(acc), -1) if lse is None or graph else lse.to(acc)
+    lse = _formula_lse(logits, lse, acc)
     g = _row_grads(grad, reduction, rows, acc)
     # One [N, C] buffer in acc (type promotion), scaled in place but for a graph of it.
     d = lse[:, None] - logits
