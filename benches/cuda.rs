@@ -148,7 +148,7 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
                 })
             });
         }
-        // float32 probabilities of 16-bit logits (the `_p32_` kernels): a float32 loss.
+        // float32 probabilities of 16-bit logits (the `_pf32_` kernels): a float32 loss.
         if T::DTYPE != keel::cuda::DType::F32 {
             let p: Vec<f32> = data::<f32>(n, 1).iter().map(|v| v.abs() * 2.0 / vocab as f32).collect();
             let (p, mut loss, grad) = (s.clone_htod(&p).unwrap(), s.alloc_zeros::<f32>(1).unwrap(), up32(s, 1.0));
@@ -164,6 +164,32 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
             });
             g.throughput(per(2));
             g.bench_function(BenchmarkId::new("cross_entropy/probs_f32/bwd_lse", &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        let lse = Some(&lse);
+                        cross_entropy::backward_probs_cuda(s, &grad, &x, &p, None, lse, &mut dx, vocab, 0.0, mean)
+                            .unwrap()
+                    })
+                })
+            });
+        }
+        // bfloat16 probabilities of float32 logits (the `_pbf16_` kernels): a float32 loss.
+        if T::DTYPE == keel::cuda::DType::F32 {
+            let p: Vec<keel::cpu::bf16> =
+                data::<f32>(n, 1).iter().map(|v| keel::cpu::bf16::from_f32(v.abs() * 2.0 / vocab as f32)).collect();
+            let (p, mut loss, grad) = (s.clone_htod(&p).unwrap(), s.alloc_zeros::<f32>(1).unwrap(), up32(s, 1.0));
+            let per = |k: usize| criterion::Throughput::Bytes((n * (k * std::mem::size_of::<T>() + 2)) as u64);
+            g.throughput(per(1));
+            g.bench_function(BenchmarkId::new("cross_entropy/probs_bf16/fwd", &id), |bn| {
+                bn.iter_custom(|it| {
+                    timed(s, it, || {
+                        let lse = Some(&mut lse);
+                        cross_entropy::forward_probs_cuda(s, &x, &p, None, &mut loss, lse, vocab, 0.0, mean).unwrap()
+                    })
+                })
+            });
+            g.throughput(per(2));
+            g.bench_function(BenchmarkId::new("cross_entropy/probs_bf16/bwd_lse", &id), |bn| {
                 bn.iter_custom(|it| {
                     timed(s, it, || {
                         let lse = Some(&lse);

@@ -261,23 +261,38 @@ __device__ __forceinline__ void row_each(const T* __restrict__ x, int cols, bool
   }
 }
 
-// N values of a row of U from u (16-byte aligned) as f32: one 16-byte load
-// where a pack of U holds N (U the first row's type), two or more where U is
-// wider (an f32 row beside a 16-bit one).
+// Half a pack of T: 8 bytes, one 64-bit load.
+template <typename T> struct alignas(8) HalfPack {
+  static constexpr int N = 8 / sizeof(T);
+  T v[N];
+};
+
+// N values of a row of U from u as f32: one 16-byte load where a pack of U
+// holds N (U the first row's type), two or more where U is wider (an f32 row
+// beside a 16-bit one), one 8-byte load where U is narrower (a 16-bit row
+// beside an f32 one; u then 8-byte aligned, else 16).
 template <int N, typename U> __device__ __forceinline__ void load_f32(const U* u, float (&out)[N]) {
   constexpr int M = Pack<U>::N;
-  static_assert(N % M == 0, "the second row's type must be as wide as the first's or wider");
+  if constexpr (M > N) {
+    static_assert(HalfPack<U>::N == N, "the second row's type must be at least half as wide as the first's");
+    HalfPack<U> q;
+    *reinterpret_cast<uint2*>(&q) = __ldg(reinterpret_cast<const uint2*>(u));
 #pragma unroll
-  for (int j = 0; j < N / M; ++j) {
-    const Pack<U> q = load_pack(u + j * M);
+    for (int k = 0; k < N; ++k) out[k] = to_f32(q.v[k]);
+  } else {
+    static_assert(N % M == 0, "the second row's type must be as wide as the first's or wider");
 #pragma unroll
-    for (int k = 0; k < M; ++k) out[j * M + k] = to_f32(q.v[k]);
+    for (int j = 0; j < N / M; ++j) {
+      const Pack<U> q = load_pack(u + j * M);
+#pragma unroll
+      for (int k = 0; k < M; ++k) out[j * M + k] = to_f32(q.v[k]);
+    }
   }
 }
 
-// As row_each over two rows at once: f(i, a[i], b[i]). `b` may be of a wider
-// type than `a` (f32 beside f16 or bf16); `vec` is then also `b` 16-byte
-// aligned, as the thread map is `a`'s.
+// As row_each over two rows at once: f(i, a[i], b[i]). `b` may be of another
+// type than `a` (f32 beside f16 or bf16, or the reverse); `vec` is then also
+// `b` 16-byte aligned, as the thread map is `a`'s.
 template <typename T, typename U, typename F>
 __device__ __forceinline__ void row_each2(const T* __restrict__ a, const U* __restrict__ b, int cols, bool vec, F f) {
   constexpr int N = Pack<T>::N;

@@ -227,9 +227,9 @@ KEEL_CROSS_ENTROPY(f16, __half)
 KEEL_CROSS_ENTROPY(bf16, __nv_bfloat16)
 
 // Against probabilities: target p [rows, cols] of P (the logits' dtype T, or
-// float for 16-bit T: the _p32 kernels, which read it as it is; the class
-// weights, the loss and its gradient are then float too, as torch promotes
-// them), q =
+// another of float, half and bfloat16: the _p{P} kernels below, which read it
+// as it is; the class weights have P's type, the loss and its gradient are
+// float, as torch promotes them), q =
 // (1 - ls) p + ls / cols, no row ignored (kernels-cpu/src/cross_entropy_probs.rs).
 //   cross_entropy_probs_rows_*: one block per row, one read of x and p: the
 //     online max and sum of exp, with sum(p x), sum(p) and sum(x); loss[row]
@@ -297,8 +297,8 @@ __device__ __forceinline__ void ce_probs_reduce(const float* __restrict__ loss, 
   if (threadIdx.x == 0) out[0] = from_f32<T>(reduction == 1 ? s / (float)rows : s);
 }
 
-template <typename T, typename P>
-__device__ __forceinline__ void ce_probs_bwd(const P* __restrict__ grad, const T* __restrict__ x,
+template <typename T, typename P, typename G>
+__device__ __forceinline__ void ce_probs_bwd(const G* __restrict__ grad, const T* __restrict__ x,
                                              const P* __restrict__ p, const P* __restrict__ w,
                                              const float* __restrict__ lse, T* __restrict__ dx, int64_t rows,
                                              int cols, float ls, int reduction) {
@@ -317,7 +317,10 @@ __device__ __forceinline__ void ce_probs_bwd(const P* __restrict__ grad, const T
     const auto term = [&](int j, float q) { return w ? to_f32(w[j]) * (q * c1 + c0) : q; };
     float m, s, ps = 0.f;
     if (trusted) {
-      row_each(pr, cols, vec, [&](int j, float q) { ps += term(j, q); });
+      // The target's row alone, in packs of P (16-byte aligned where P is at
+      // least T's width; a narrower P's rows are where cols is a multiple of
+      // its pack).
+      row_each(pr, cols, vec && cols % Pack<P>::N == 0, [&](int j, float q) { ps += term(j, q); });
       ps = block_sum(ps, scratch);
       m = lse[row];
       s = 1.f;
@@ -346,22 +349,23 @@ __device__ __forceinline__ void ce_probs_bwd(const P* __restrict__ grad, const T
 }
 
 // The rows and backward kernels: cross_entropy_{KIND}_{rows,bwd}_{SUFFIX}, logits
-// of T, the target, class weights and the loss's gradient of P.
-#define KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(KIND, SUFFIX, T, P)                                                   \
+// of T, the target and class weights of P, the loss's gradient of G (torch's
+// promotion of T and P).
+#define KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(KIND, SUFFIX, T, P, G)                                                \
   extern "C" __global__ void cross_entropy_##KIND##_rows_##SUFFIX(const T* x, const P* p, const P* w,           \
                                                                float* loss, float* lse, int64_t rows,           \
                                                                int cols, float ls) {                            \
     ce_probs_rows<T, P>(x, p, w, loss, lse, rows, cols, ls);                                                    \
   }                                                                                                             \
-  extern "C" __global__ void cross_entropy_##KIND##_bwd_##SUFFIX(const P* grad, const T* x, const P* p,         \
+  extern "C" __global__ void cross_entropy_##KIND##_bwd_##SUFFIX(const G* grad, const T* x, const P* p,         \
                                                               const P* w, const float* lse, T* dx,              \
                                                               int64_t rows, int cols, float ls,                 \
                                                               int reduction) {                                  \
-    ce_probs_bwd<T, P>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                      \
+    ce_probs_bwd<T, P, G>(grad, x, p, w, lse, dx, rows, cols, ls, reduction);                                   \
   }
 
 #define KEEL_CROSS_ENTROPY_PROBS(SUFFIX, T)                                                                     \
-  KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs, SUFFIX, T, T)                                                        \
+  KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs, SUFFIX, T, T, T)                                                     \
   extern "C" __global__ void cross_entropy_probs_reduce_##SUFFIX(const float* loss, T* out, int64_t rows,       \
                                                                  int reduction) {                               \
     ce_probs_reduce<T>(loss, out, rows, reduction);                                                             \
@@ -371,9 +375,16 @@ KEEL_CROSS_ENTROPY_PROBS(f32, float)
 KEEL_CROSS_ENTROPY_PROBS(f16, __half)
 KEEL_CROSS_ENTROPY_PROBS(bf16, __nv_bfloat16)
 
-// float32 probabilities of 16-bit logits (a teacher's softmax against a
-// student's logits): cross_entropy_probs_p32_{rows,bwd}_*, with p, the class
-// weights and the loss's gradient read as float; the loss is float, written
-// by cross_entropy_probs_reduce_f32.
-KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_p32, f16, __half, float)
-KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_p32, bf16, __nv_bfloat16, float)
+// Probabilities of another dtype than the logits, read as they are (no
+// widened copy): cross_entropy_probs_p{P}_{rows,bwd}_{T}. float32
+// probabilities of 16-bit logits (a teacher's softmax against a student's
+// logits), and 16-bit probabilities of float32 logits or of the other 16-bit
+// type. The class weights have the target's type; the loss is float (torch's
+// promotion of the pair), written by cross_entropy_probs_reduce_f32, and its
+// gradient is read as float.
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_pf32, f16, __half, float, float)
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_pf32, bf16, __nv_bfloat16, float, float)
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_pf16, f32, float, __half, float)
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_pbf16, f32, float, __nv_bfloat16, float)
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_pbf16, f16, __half, __nv_bfloat16, float)
+KEEL_CROSS_ENTROPY_PROBS_ROWS_BWD(probs_pf16, bf16, __nv_bfloat16, __half, float)

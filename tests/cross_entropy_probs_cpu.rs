@@ -4,7 +4,8 @@
 //! label smoothing, with and without class weights, targets that sum to 1
 //! and ones that do not, every dtype, sequential and on rayon, and targets
 //! of another dtype than the logits (f32 probabilities of f16 and bf16
-//! logits, read as they are); plus known values and bad arguments.
+//! logits, 16-bit ones of f32 logits or of the other 16-bit type, read as
+//! they are); plus known values and bad arguments.
 mod common;
 
 use common::{assert_close_floor, assert_relative, sum_scale, to_elems, Tol, OFFSETS};
@@ -135,6 +136,21 @@ proptest! {
     #[test]
     fn f32_logits_bf16_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
         check::<f32, bf16, f32>(rows, cols, &x, &p, norm, ls, g, w);
+    }
+
+    #[test]
+    fn f32_logits_f16_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
+        check::<f32, f16, f32>(rows, cols, &x, &p, norm, ls, g, w);
+    }
+
+    #[test]
+    fn f16_logits_bf16_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
+        check::<f16, bf16, f32>(rows, cols, &x, &p, norm, ls, g, w);
+    }
+
+    #[test]
+    fn bf16_logits_f16_targets_match_reference((rows, cols, x, p, norm, ls, g, w) in case()) {
+        check::<bf16, f16, f32>(rows, cols, &x, &p, norm, ls, g, w);
     }
 }
 

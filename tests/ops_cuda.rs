@@ -260,30 +260,37 @@ fn cuda_matches_cpu() {
         run::<f32>(rows, cols, 2e-5);
         run::<f16>(rows, cols, 2e-3);
         run::<bf16>(rows, cols, 1.6e-2);
-        probs_f32::<f16>(rows, cols, 2e-3);
-        probs_f32::<bf16>(rows, cols, 1.6e-2);
+        probs_other::<f16, f32>(rows, cols, 2e-3);
+        probs_other::<bf16, f32>(rows, cols, 1.6e-2);
+        probs_other::<f32, f16>(rows, cols, 2e-5);
+        probs_other::<f32, bf16>(rows, cols, 2e-5);
+        probs_other::<f16, bf16>(rows, cols, 2e-3);
+        probs_other::<bf16, f16>(rows, cols, 1.6e-2);
     }
 }
 
-/// cross_entropy against float32 probabilities of 16-bit logits `T` (the
-/// `_p32_` kernels: the target and the class weights read as they are, a
-/// float32 loss and gradient of it), label smoothing 0.1, with and without
-/// class weights, against the CPU
-/// kernels given the same targets.
-fn probs_f32<T: Element<Acc = f32> + CudaElement>(rows: usize, cols: usize, tol: f64) {
+/// cross_entropy against probabilities of `P` beside logits of another type
+/// `T` (the `_p{P}_` kernels: the target and the class weights read as they
+/// are, a float32 loss and gradient of it), label smoothing 0.1, with and
+/// without class weights, against the CPU kernels given the same targets.
+fn probs_other<T: Element<Acc = f32> + CudaElement, P: Element<Acc = f32> + CudaElement>(
+    rows: usize,
+    cols: usize,
+    tol: f64,
+) {
     let s = gpu(0).unwrap().new_stream().unwrap();
     let n = rows * cols;
     let x = data::<T>(n, 0);
-    let weights: Vec<f32> = data::<f64>(cols, 23).iter().map(|v| (v.abs() * 0.5 + 0.25) as f32).collect();
-    let probs: Vec<f32> = data::<f64>(n, 17)
+    let weights: Vec<P> = data::<f64>(cols, 23).iter().map(|v| P::from_f64(v.abs() * 0.5 + 0.25)).collect();
+    let probs: Vec<P> = data::<f64>(n, 17)
         .iter()
         .enumerate()
-        .map(|(i, v)| if i % 5 == 2 { 0.0 } else { ((v.abs() + 0.1) * 1.6 / cols as f64) as f32 })
+        .map(|(i, v)| P::from_f64(if i % 5 == 2 { 0.0 } else { (v.abs() + 0.1) * 1.6 / cols as f64 }))
         .collect();
     let (xd, pd, wd) = (up(&s, &x), up(&s, &probs), up(&s, &weights));
     let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
     for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, false), (r, true)]) {
-        let what = format!("cross_entropy f32 probs {reduction:?} weighted {w}");
+        let what = format!("cross_entropy {} probs of {} {reduction:?} weighted {w}", P::NAME, T::NAME);
         let (w, wd) = (w.then_some(&weights[..]), w.then_some(&wd));
         let m = reduction.out_len(rows);
         let (mut out, mut lse) = (s.alloc_zeros::<f32>(m).unwrap(), s.alloc_zeros::<f32>(rows).unwrap());

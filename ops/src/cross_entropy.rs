@@ -5,9 +5,10 @@
 //! float label_smoothing=0.0, str reduction="mean", Tensor? weight=None) ->
 //! Tensor` for logits `[N, V]` and int64 `target[N]`, as
 //! `torch.nn.functional.cross_entropy`; or, as torch also takes them,
-//! probabilities: a `target` of the logits' shape and dtype, or float32 for
-//! float16 and bfloat16 logits (read as it is, not rounded; the loss is then
-//! float32, as torch's, and so is its gradient) (`ignore_index`
+//! probabilities: a `target` of the logits' shape and dtype, or, for float32,
+//! float16 and bfloat16 logits, another of those three (read as it is, not
+//! rounded nor widened; the loss is then float32, as torch's, and so is its
+//! gradient; class weights have the target's dtype) (`ignore_index`
 //! must be the default there, as torch requires; on CUDA nothing is
 //! synchronised for them: no target can be out of range). Class weights
 //! `weight` (`[V]`, the logits' dtype) where given, with either target, are
@@ -28,28 +29,38 @@ use keel::cpu::Element;
 use keel::ops::cross_entropy::{Options, Reduction};
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
-/// Runs `$body` with `$T` the logits' element type and `$P` the probability
-/// target's: `$T` again, or f32 for f16 and bf16 logits (the pairs
-/// [`check_probabilities`] takes).
+/// Runs `$body` with `$T` the logits' element type, `$P` the probability
+/// target's and `$O` the loss's: `$T` thrice, or two of f32, f16 and bf16
+/// with an f32 loss (the pairs [`check_probabilities`] takes).
 macro_rules! with_probs_types {
-    ($dtype:expr, $target:expr, $T:ident, $P:ident => $body:expr) => {
+    ($dtype:expr, $target:expr, $T:ident, $P:ident, $O:ident => $body:expr) => {
         match ($dtype, $target) {
-            (ScalarType::F16, ScalarType::F32) => {
-                type $T = half::f16;
-                type $P = f32;
-                $body
-            }
-            (ScalarType::BF16, ScalarType::F32) => {
-                type $T = half::bf16;
-                type $P = f32;
-                $body
-            }
+            (ScalarType::F16, ScalarType::F32) => with_probs_types!(@pair half::f16, f32, $T, $P, $O => $body),
+            (ScalarType::BF16, ScalarType::F32) => with_probs_types!(@pair half::bf16, f32, $T, $P, $O => $body),
+            (ScalarType::F32, ScalarType::F16) => with_probs_types!(@pair f32, half::f16, $T, $P, $O => $body),
+            (ScalarType::F32, ScalarType::BF16) => with_probs_types!(@pair f32, half::bf16, $T, $P, $O => $body),
+            (ScalarType::F16, ScalarType::BF16) => with_probs_types!(@pair half::f16, half::bf16, $T, $P, $O => $body),
+            (ScalarType::BF16, ScalarType::F16) => with_probs_types!(@pair half::bf16, half::f16, $T, $P, $O => $body),
             _ => with_float_type!($dtype, $T => {
                 type $P = $T;
+                type $O = $T;
                 $body
             }),
         }
     };
+    (@pair $t:ty, $p:ty, $T:ident, $P:ident, $O:ident => $body:expr) => {{
+        type $T = $t;
+        type $P = $p;
+        type $O = f32;
+        $body
+    }};
+}
+
+/// Whether probabilities of `target` may go beside logits of `logits`: the
+/// same dtype, or two of float32, float16 and bfloat16.
+fn probs_pair(logits: ScalarType, target: ScalarType) -> bool {
+    let narrow = |d| matches!(d, ScalarType::F32 | ScalarType::F16 | ScalarType::BF16);
+    logits == target || (narrow(logits) && narrow(target))
 }
 
 /// The checked arguments: logits, target and weights contiguous.
@@ -64,8 +75,8 @@ struct Checked {
     /// Whether the target holds probabilities (a float tensor shaped like
     /// the logits) rather than class indices.
     probs: bool,
-    /// The loss's dtype (and its gradient's): the logits', or a float32
-    /// target's (torch's promotion of the two).
+    /// The loss's dtype (and its gradient's): the logits', or float32 for
+    /// probabilities of another dtype (torch's promotion of the two).
     loss_dtype: ScalarType,
 }
 
@@ -89,7 +100,7 @@ fn check(
     }
     checks::same_device(op, "target", &target, "logits", c.device)?;
     let probs = matches!(target.dtype()?, ScalarType::F16 | ScalarType::BF16 | ScalarType::F32 | ScalarType::F64);
-    let loss_dtype = if probs { target.dtype()? } else { c.dtype };
+    let loss_dtype = if probs && target.dtype()? != c.dtype { ScalarType::F32 } else { c.dtype };
     if probs {
         check_probabilities(op, &target, &c, s, ii)?;
     } else if target.dtype()? != ScalarType::I64 {
@@ -113,20 +124,21 @@ fn check(
     let reduction = Reduction::parse(op, reduction).map_err(check_err)?;
     let opts = Options { ignore_index: ii, label_smoothing: ls, reduction };
     keel::cpu::cross_entropy::check(op, c.rows * c.cols, c.rows, None, c.cols, &opts).map_err(check_err)?;
-    let weight = weight.map(|w| check_weight(op, w, &c, loss_dtype)).transpose()?;
+    let weight_dtype = if probs { target.dtype()? } else { c.dtype };
+    let weight = weight.map(|w| check_weight(op, w, &c, weight_dtype)).transpose()?;
     let (logits, target) = (checks::dense(op, "logits", logits)?, checks::dense(op, "target", target)?);
     Ok(Checked { logits, target, weight, c, opts, probs, loss_dtype })
 }
 
 /// Checks a target of probabilities (a float tensor) against the logits
-/// (`sizes`): their shape, their dtype or float32 for 16-bit logits, with the
-/// default `ignore_index` (`ii`).
+/// (`sizes`): their shape, a dtype [`probs_pair`] takes, with the default
+/// `ignore_index` (`ii`).
 fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i64) -> Result<()> {
     let dtype = target.dtype()?;
-    let wide = dtype == ScalarType::F32 && matches!(c.dtype, ScalarType::F16 | ScalarType::BF16);
-    if dtype != c.dtype && !wide {
+    if !probs_pair(c.dtype, dtype) {
         let msg = format!(
-            "of probabilities must have the logits' dtype {} (or float32 for float16 and bfloat16 logits), got {dtype}",
+            "of probabilities must have the logits' dtype {} (or, for float32, float16 and bfloat16 logits, \
+             another of those three), got {dtype}",
             c.dtype
         );
         return Err(invalid(op, "target", msg));
@@ -143,19 +155,17 @@ fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i
 }
 
 /// Checks class weights: `[V]` on the logits' device, of the logits' dtype or,
-/// with float32 probabilities of 16-bit logits, float32 (`loss_dtype`, the
-/// target's).
-fn check_weight(op: &str, w: Tensor, c: &Rows, loss_dtype: ScalarType) -> Result<Tensor> {
-    if loss_dtype == c.dtype {
+/// with probabilities of another dtype, of theirs (`dtype`).
+fn check_weight(op: &str, w: Tensor, c: &Rows, dtype: ScalarType) -> Result<Tensor> {
+    if dtype == c.dtype {
         return checks::param(op, "weight", w, c);
     }
     let d = w.dtype()?;
-    if d != loss_dtype {
-        let msg =
-            format!("must have the target's dtype {loss_dtype} (float32 probabilities of {} logits), got {d}", c.dtype);
+    if d != dtype {
+        let msg = format!("must have the target's dtype {dtype} (probabilities of {} logits), got {d}", c.dtype);
         return Err(invalid(op, "weight", msg));
     }
-    checks::param(op, "weight", w, &Rows { dtype: loss_dtype, ..*c })
+    checks::param(op, "weight", w, &Rows { dtype, ..*c })
 }
 
 fn loss_shape(c: &Rows, reduction: Reduction) -> Vec<i64> {
@@ -187,10 +197,10 @@ fn forward(
     let out = Tensor::empty(&loss_shape(&c, opts.reduction), loss_dtype, c.device)?;
     let lse = if with_lse { Some(Tensor::empty(&[c.rows as i64], lse_dtype(c.dtype), c.device)?) } else { None };
     match c.device.kind {
-        DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P => {
+        DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P, O => {
             // SAFETY: checked contiguous CPU tensors (logits of T, target and weight of P); `out`
-            // (of P, the loss's dtype) and `lse` (of T's accumulation type) are fresh.
-            let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<P>()?, out.as_mut_slice::<P>()?) };
+            // (of O, the loss's dtype) and `lse` (of T's accumulation type) are fresh.
+            let (x, p, y) = unsafe { (logits.as_slice::<T>()?, target.as_slice::<P>()?, out.as_mut_slice::<O>()?) };
             // SAFETY: as above.
             let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<P>()? }), None => None };
             let l = match &lse {
@@ -226,8 +236,8 @@ fn forward(
                 let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
                 let dtypes = (dtype, checks::cuda_dtype(target.dtype()?)?);
                 // SAFETY: checked contiguous CUDA tensors on the guarded device (target of the
-                // logits' shape, of their dtype or f32 for 16-bit logits, weight of their dtype,
-                // [V]); `out`, `lse` (f32) and `scratch` are fresh.
+                // logits' shape and a dtype `probs_pair` takes, weight of its dtype, [V]); `out` (of
+                // the loss's dtype), `lse` (f32) and `scratch` are fresh.
                 unsafe {
                     keel::ops::cross_entropy::forward_probs_cuda_raw(
                         &call.gpu,
@@ -328,11 +338,12 @@ impl BoxedOp for CrossEntropyBackward {
         let Checked { logits, target, weight, c, opts, probs, loss_dtype } =
             check(op, (logits, target, ii, ls, &reduction, weight))?;
         checks::same_device(op, "grad", &grad, "logits", c.device)?;
-        if loss_dtype == c.dtype {
+        if !probs || target.dtype()? == c.dtype {
             checks::same_dtype(op, "grad", &grad, "logits", c.dtype)?;
         } else if grad.dtype()? != loss_dtype {
             let msg = format!(
-                "must have the loss's dtype {loss_dtype} (that of a float32 target of {} logits), got {}",
+                "must have the loss's dtype {loss_dtype} (that of a {} target of {} logits), got {}",
+                target.dtype()?,
                 c.dtype,
                 grad.dtype()?
             );
@@ -346,11 +357,11 @@ impl BoxedOp for CrossEntropyBackward {
         let lse = lse.map(|l| check_lse(op, l, &c)).transpose()?;
         let grad_logits = c.empty_like(&logits)?;
         match c.device.kind {
-            DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P => {
-                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type; target,
-                // weight and grad of P); `grad_logits` is fresh.
+            DeviceType::Cpu if probs => with_probs_types!(c.dtype, target.dtype()?, T, P, O => {
+                // SAFETY: checked contiguous CPU tensors (`lse` of T's accumulation type; target
+                // and weight of P, grad of O); `grad_logits` is fresh.
                 let (g, x, p, dx) = unsafe {
-                    (grad.as_slice::<P>()?, logits.as_slice::<T>()?, target.as_slice::<P>()?, grad_logits.as_mut_slice::<T>()?)
+                    (grad.as_slice::<O>()?, logits.as_slice::<T>()?, target.as_slice::<P>()?, grad_logits.as_mut_slice::<T>()?)
                 };
                 // SAFETY: as above.
                 let w = match &weight { Some(w) => Some(unsafe { w.as_slice::<P>()? }), None => None };
@@ -388,8 +399,8 @@ impl BoxedOp for CrossEntropyBackward {
                 let (rows, cols, r) = (c.rows, c.cols, opts.reduction);
                 let dtypes = (dtype, checks::cuda_dtype(target.dtype()?)?);
                 // SAFETY: checked contiguous CUDA tensors on the guarded device (`lse` f32, target of
-                // the logits' shape, of their dtype or f32 for 16-bit logits, weight of their dtype,
-                // [V]); `grad_logits` is fresh.
+                // the logits' shape and a dtype `probs_pair` takes, weight of its dtype, [V], grad of
+                // the loss's dtype); `grad_logits` is fresh.
                 unsafe {
                     keel::ops::cross_entropy::backward_probs_cuda_raw(
                         &call.gpu,

@@ -37,7 +37,7 @@ use std::sync::Arc;
 mod probs;
 pub use probs::{
     backward_probs_cpu, backward_probs_cuda, backward_probs_cuda_raw, forward_probs_cpu, forward_probs_cuda,
-    forward_probs_cuda_raw,
+    forward_probs_cuda_raw, probs_loss_dtype,
 };
 #[cfg(test)]
 pub(crate) use probs::{backward_probs_on, forward_probs_on};

@@ -477,14 +477,25 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     }
 
     // cross_entropy against probabilities (rows summing to about 1, some
-    // zeros), of the logits' dtype and, for 16-bit logits, float32
+    // zeros), of the logits' dtype and of each other of f32, f16 and bf16
+    // (an f32 loss)
     let probs = |v: f64, i: usize| if i % 5 == 2 { 0.0 } else { (v.abs() + 0.1) * 1.6 / cols as f64 };
     let p64: Vec<f64> = data::<f64>(n, 17).iter().enumerate().map(|(i, v)| probs(*v, i)).collect();
-    ce_probs(c, &x, &p64.iter().map(|v| T::from_f64(*v)).collect::<Vec<T>>(), &weights);
+    ce_probs::<T, T, T>(c, &x, &p64.iter().map(|v| T::from_f64(*v)).collect::<Vec<T>>(), &weights);
     if T::DTYPE != f32::DTYPE {
         // f32 weights: values bf16 cannot hold (the weights' own, scaled by 1 + 2^-10).
         let w32: Vec<f32> = weights.iter().map(|w| (w.to_f64() * (1.0 + 1.0 / 1024.0)) as f32).collect();
-        ce_probs(c, &x, &p64.iter().map(|v| *v as f32).collect::<Vec<f32>>(), &w32);
+        ce_probs::<T, f32, f32>(c, &x, &p64.iter().map(|v| *v as f32).collect::<Vec<f32>>(), &w32);
+    }
+    if T::DTYPE != f16::DTYPE {
+        let to = |v: &[f64]| v.iter().map(|v| f16::from_f64(*v)).collect::<Vec<_>>();
+        let (p, w) = (to(&p64), to(&weights.iter().map(|w| w.to_f64()).collect::<Vec<_>>()));
+        ce_probs::<T, f16, f32>(c, &x, &p, &w);
+    }
+    if T::DTYPE != bf16::DTYPE {
+        let to = |v: &[f64]| v.iter().map(|v| bf16::from_f64(*v)).collect::<Vec<_>>();
+        let (p, w) = (to(&p64), to(&weights.iter().map(|w| w.to_f64()).collect::<Vec<_>>()));
+        ce_probs::<T, bf16, f32>(c, &x, &p, &w);
     }
 
     // a target out of range is an error, from the count the kernels leave
@@ -548,28 +559,28 @@ fn softmax_and_ce<T: Dt>(c: Case) {
 }
 
 /// cross_entropy against the probabilities `probs` (of the logits' dtype, or
-/// float32 for 16-bit logits: the class weights, the loss and its gradient of
-/// the target's dtype), label smoothing 0.1, each reduction, with and without
-/// class weights (`weights`, in [0.25, 2)), against the CPU kernels given the
-/// same targets.
-fn ce_probs<T: Dt, P: Dt>(c: Case, x: &[T], probs: &[P], weights: &[P]) {
+/// another: the class weights of the target's dtype, the loss and its
+/// gradient of `O`, f32 there), label smoothing 0.1, each reduction, with and
+/// without class weights (`weights`, in [0.25, 2)), against the CPU kernels
+/// given the same targets.
+fn ce_probs<T: Dt, P: Dt, O: Dt>(c: Case, x: &[T], probs: &[P], weights: &[P]) {
     let Case { sm, rows, cols, shift, .. } = c;
     let up = |v: &[T]| Buf::shifted(v, shift);
     let (n, dt) = (rows * cols, (T::DTYPE, P::DTYPE));
     let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
     for (reduction, w) in reductions.into_iter().flat_map(|r| [(r, None), (r, Some(weights))]) {
         let m = reduction.out_len(rows);
-        let grad = data::<P>(m, 19);
+        let grad = data::<O>(m, 19);
         let what = format!("cross_entropy probs ({}) {reduction:?} weighted {} {c:?}", P::NAME, w.is_some());
-        let (mut want, mut wlse) = (cpu::<P>(m), vec![0f32; rows]);
+        let (mut want, mut wlse) = (cpu::<O>(m), vec![0f32; rows]);
         cross_entropy::forward_probs_cpu(x, probs, w, &mut want, Some(&mut wlse), cols, 0.1, reduction, Par::Seq)
             .unwrap();
         let (xd, pd) = (up(x), Buf::shifted(probs, shift));
         let wd = w.map(|w| Buf::shifted(w, shift));
         let (px, pp, pw) = (xd.addr(), pd.addr(), wd.as_ref().map_or(0, |w| w.addr()));
         let lse = garbage::<f32>(rows, 0);
-        let got = both::<P>(sm, &what, |t| {
-            let (sd, od) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<P>(m, shift));
+        let got = both::<O>(sm, &what, |t| {
+            let (sd, od) = (garbage::<f32>(cross_entropy::scratch_len(rows), 0), garbage::<O>(m, shift));
             let ptrs = (px, pp, pw, od.addr(), lse.addr(), sd.addr());
             unsafe { cross_entropy::forward_probs_on(t, dt, ptrs, rows, cols, 0.1, reduction) }.unwrap();
             for (i, (a, b)) in lse.to_vec().iter().zip(&wlse).enumerate() {

@@ -1,6 +1,8 @@
 //! Fused cross-entropy against probability targets ("soft labels": a float
-//! target `[rows, cols]` shaped like the logits, of their dtype or, for f16
-//! and bf16 logits, f32: a teacher's float32 probabilities read as they are),
+//! target `[rows, cols]` shaped like the logits, of their dtype or, on CUDA,
+//! another of f32, f16 and bf16: a teacher's float32 probabilities of a
+//! student's 16-bit logits, or 16-bit ones of float32 logits, read as they
+//! are; the loss is then f32, torch's promotion of the pair),
 //! as `torch.nn.functional.cross_entropy(logits, p)` computes it; see
 //! [`keel_cpu::cross_entropy_probs`] for the formulas. Class weights
 //! (torch's `weight=`, `cols` of the target's dtype) are optional: `None` on
@@ -71,35 +73,56 @@ fn check_probs_dims(op: &'static str, rows: usize, cols: usize, label_smoothing:
 
 /// The name of the probability kernel `kind` (`"rows"`, `"bwd"`, before the
 /// logits' dtype suffix that [`launch_rows`] adds) for a target of `target`:
-/// the logits' `dtype`, or f32 for 16-bit logits (the `_p32_` kernels).
-fn probs_kernel(op: &'static str, kind: &str, dtype: DType, target: DType) -> Result<String> {
-    match (dtype, target) {
-        (d, t) if d == t => Ok(format!("cross_entropy_probs_{kind}")),
-        (DType::F16 | DType::BF16, DType::F32) => Ok(format!("cross_entropy_probs_p32_{kind}")),
-        _ => Err(Error::Invalid {
-            op,
-            arg: "target",
-            msg: format!(
-                "probabilities must have the logits' dtype ({}), or float32 for 16-bit logits; got {}",
-                dtype.suffix(),
-                target.suffix()
-            ),
-        }),
+/// `cross_entropy_probs_{kind}` for the logits' `dtype`, else
+/// `cross_entropy_probs_p{target}_{kind}` (every pair of f32, f16 and bf16
+/// has one).
+fn probs_kernel(kind: &str, dtype: DType, target: DType) -> String {
+    if dtype == target {
+        format!("cross_entropy_probs_{kind}")
+    } else {
+        format!("cross_entropy_probs_p{}_{kind}", target.suffix())
     }
+}
+
+/// The loss's dtype (and its gradient's) for logits of `dtype` and a target
+/// of `target`: torch's promotion of the two, f32 where they differ.
+pub fn probs_loss_dtype(dtype: DType, target: DType) -> DType {
+    if dtype == target {
+        dtype
+    } else {
+        DType::F32
+    }
+}
+
+/// Checks that the loss's (or its gradient's) element type `O` is
+/// [`probs_loss_dtype`] of the pair.
+fn check_loss_type(op: &'static str, arg: &'static str, dtype: DType, target: DType, o: DType) -> Result<()> {
+    let want = probs_loss_dtype(dtype, target);
+    if o == want {
+        return Ok(());
+    }
+    let msg = format!(
+        "must be of {} (the loss's type for {} logits and a {} target), got {}",
+        want.suffix(),
+        dtype.suffix(),
+        target.suffix(),
+        o.suffix()
+    );
+    Err(Error::Invalid { op, arg, msg })
 }
 
 /// CUDA forward against probability targets (see [`forward_probs_cpu`]) on
 /// raw device pointers. No synchronisation: no target is out of range. `lse`
 /// is 0, or where each row's log-sum-exp is written (`rows` f32s); `weight`
-/// is 0, or the class weights (`cols` of `target_dtype`). `target_dtype` is `dtype`,
-/// or [`DType::F32`] for 16-bit logits (an error otherwise); the loss has
-/// the target's dtype (torch's promotion of the two).
+/// is 0, or the class weights (`cols` of `target_dtype`). `target_dtype` is
+/// any of the three; the loss has [`probs_loss_dtype`] (torch's promotion of
+/// the two).
 ///
 /// # Safety
 /// `logits` (`rows * cols` of `dtype`) and `target` (`rows * cols` of
 /// `target_dtype`), a non-zero
 /// `weight` (`cols` of `target_dtype`), `out`
-/// (`reduction.out_len(rows)` of `target_dtype`), `scratch` ([`scratch_len`] f32s)
+/// (`reduction.out_len(rows)` of the loss's dtype), `scratch` ([`scratch_len`] f32s)
 /// and a non-zero `lse` must be device addresses on `stream`'s device; `out`,
 /// `lse` and `scratch` must not overlap anything else.
 #[allow(clippy::too_many_arguments)]
@@ -134,7 +157,7 @@ pub(crate) unsafe fn forward_probs_on(
     reduction: Reduction,
 ) -> Result<()> {
     check_probs_dims("cross_entropy", rows, cols, label_smoothing)?;
-    let kernel = probs_kernel("cross_entropy", "rows", dtype, target_dtype)?;
+    let kernel = probs_kernel("rows", dtype, target_dtype);
     let (r, c) = (Arg::I64(rows as i64), Arg::I32(cols as i32));
     if rows > 0 {
         let ls = Arg::F32(label_smoothing as f32);
@@ -143,7 +166,7 @@ pub(crate) unsafe fn forward_probs_on(
         unsafe { launch_rows(t, MODULE, &kernel, dtype, rows, cols, &args)? };
     }
     let args = [Arg::Ptr(scratch), Arg::Ptr(out), r, Arg::I32(reduction_code(reduction))];
-    let name = format!("cross_entropy_probs_reduce_{}", target_dtype.suffix());
+    let name = format!("cross_entropy_probs_reduce_{}", probs_loss_dtype(dtype, target_dtype).suffix());
     // SAFETY: matches cross_entropy_probs_reduce_*; pointers per our contract.
     unsafe { t.launch(MODULE, &name, single_block(), &args) }
 }
@@ -154,7 +177,7 @@ pub(crate) unsafe fn forward_probs_on(
 ///
 /// # Safety
 /// As [`forward_probs_cuda_raw`], with `grad` (`reduction.out_len(rows)` of
-/// `target_dtype`, the loss's) in place of `out`, `lse` an input, `weight` and `target_dtype` as there, and
+/// the loss's dtype) in place of `out`, `lse` an input, `weight` and `target_dtype` as there, and
 /// `grad_logits` (`rows * cols`) not overlapping the inputs.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn backward_probs_cuda_raw(
@@ -188,7 +211,7 @@ pub(crate) unsafe fn backward_probs_on(
     reduction: Reduction,
 ) -> Result<()> {
     check_probs_dims("cross_entropy_backward", rows, cols, label_smoothing)?;
-    let kernel = probs_kernel("cross_entropy_backward", "bwd", dtype, target_dtype)?;
+    let kernel = probs_kernel("bwd", dtype, target_dtype);
     if rows == 0 {
         return Ok(());
     }
@@ -210,16 +233,16 @@ pub(crate) unsafe fn backward_probs_on(
 
 /// CUDA forward against probability targets on `cudarc` buffers, launched on
 /// `stream` (no synchronisation); each row's log-sum-exp into `lse` when
-/// given; `weight`, the class weights (`cols`) where given; `target` of `T`,
-/// or f32 for f16 and bf16 logits (an error otherwise), and the weights and
-/// the loss of the target's type.
+/// given; `weight`, the class weights (`cols`, of the target's type) where
+/// given; `target` of any of the three types, and the loss of
+/// [`probs_loss_dtype`] (`T` where `P` is `T`, else f32; an error otherwise).
 #[allow(clippy::too_many_arguments)]
-pub fn forward_probs_cuda<T: CudaElement, P: CudaElement>(
+pub fn forward_probs_cuda<T: CudaElement, P: CudaElement, O: CudaElement>(
     stream: &Arc<CudaStream>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<P>,
     weight: Option<&CudaSlice<P>>,
-    out: &mut CudaSlice<P>,
+    out: &mut CudaSlice<O>,
     lse: Option<&mut CudaSlice<f32>>,
     cols: usize,
     label_smoothing: f64,
@@ -229,6 +252,7 @@ pub fn forward_probs_cuda<T: CudaElement, P: CudaElement>(
     let wl = weight.map(|w| w.len());
     let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), wl, cols, label_smoothing)?;
     check_len(OP, "out", out.len(), reduction.out_len(rows))?;
+    check_loss_type(OP, "out", T::DTYPE, P::DTYPE, O::DTYPE)?;
     if let Some(l) = &lse {
         check_len(OP, "lse", l.len(), rows)?;
     }
@@ -247,11 +271,11 @@ pub fn forward_probs_cuda<T: CudaElement, P: CudaElement>(
 
 /// CUDA backward of [`forward_probs_cuda`] on `cudarc` buffers, launched on
 /// `stream`, given the forward's `lse` or recomputing it (`target` as there,
-/// `grad` of its type, the loss's).
+/// `grad` of the loss's type).
 #[allow(clippy::too_many_arguments)]
-pub fn backward_probs_cuda<T: CudaElement, P: CudaElement>(
+pub fn backward_probs_cuda<T: CudaElement, P: CudaElement, O: CudaElement>(
     stream: &Arc<CudaStream>,
-    grad: &CudaSlice<P>,
+    grad: &CudaSlice<O>,
     logits: &CudaSlice<T>,
     target: &CudaSlice<P>,
     weight: Option<&CudaSlice<P>>,
@@ -265,6 +289,7 @@ pub fn backward_probs_cuda<T: CudaElement, P: CudaElement>(
     let wl = weight.map(|w| w.len());
     let rows = keel_cpu::cross_entropy_probs::check(OP, logits.len(), target.len(), wl, cols, label_smoothing)?;
     check_len(OP, "grad", grad.len(), reduction.out_len(rows))?;
+    check_loss_type(OP, "grad", T::DTYPE, P::DTYPE, O::DTYPE)?;
     check_len(OP, "grad_logits", grad_logits.len(), logits.len())?;
     if let Some(l) = lse {
         check_len(OP, "lse", l.len(), rows)?;
