@@ -82,28 +82,31 @@ fn bench<T: Element>(c: &mut Criterion) {
     g.finish();
 }
 
-/// Probability targets in f32 for 16-bit logits `T` (a teacher's float32
-/// softmax against a student's logits), read by the kernels as they are.
-fn bench_f32_targets<T: Element<Acc = f32>>(c: &mut Criterion) {
+/// Probability targets of `P`, another type than the logits' `T` (f32 ones of
+/// 16-bit logits: a teacher's float32 softmax against a student's logits; a
+/// 16-bit one of f32 logits or of the other 16-bit type), read by the
+/// kernels as they are; an f32 loss.
+fn bench_other_targets<T: Element<Acc = f32>, P: Element<Acc = f32>>(c: &mut Criterion) {
     let (par, mean) = (Par::Rayon, Reduction::Mean);
     let mut g = c.benchmark_group(format!("cross_entropy/{}", T::NAME));
     for (rows, vocab) in ROWS_VOCAB {
         let n = rows * vocab;
         let id = format!("{rows}x{vocab}");
         let x = data::<T>(n, 0);
-        let p: Vec<f32> = data::<f32>(n, 1).iter().map(|v| v.abs() * 2.0 / vocab as f32).collect();
-        let (mut loss, grad, mut dx) = (vec![T::default(); 1], vec![T::from_f64(1.0)], vec![T::default(); n]);
+        let p: Vec<P> =
+            data::<f32>(n, 1).iter().map(|v| P::from_f64(f64::from(v.abs() * 2.0 / vocab as f32))).collect();
+        let (mut loss, grad, mut dx) = (vec![0f32; 1], vec![1f32], vec![T::default(); n]);
         let mut lse = vec![0f32; rows];
-        // Bytes: the logits and the f32 targets read, the gradient written.
-        let per = |k: usize| Throughput::Bytes((n * (k * std::mem::size_of::<T>() + 4)) as u64);
+        // Bytes: the logits and the targets read, the gradient written.
+        let per = |k: usize| Throughput::Bytes((n * (k * std::mem::size_of::<T>() + std::mem::size_of::<P>())) as u64);
         g.throughput(per(1));
-        g.bench_function(BenchmarkId::new("probs_f32/fwd", &id), |bn| {
+        g.bench_function(BenchmarkId::new(format!("probs_{}/fwd", P::NAME), &id), |bn| {
             bn.iter(|| {
                 forward_probs_cpu(black_box(&x), &p, None, &mut loss, Some(&mut lse), vocab, 0.0, mean, par).unwrap()
             })
         });
         g.throughput(per(2));
-        g.bench_function(BenchmarkId::new("probs_f32/bwd_lse", &id), |bn| {
+        g.bench_function(BenchmarkId::new(format!("probs_{}/bwd_lse", P::NAME), &id), |bn| {
             bn.iter(|| {
                 backward_probs_cpu(&grad, black_box(&x), &p, None, Some(&lse), &mut dx, vocab, 0.0, mean, par).unwrap()
             })
@@ -113,9 +116,14 @@ fn bench_f32_targets<T: Element<Acc = f32>>(c: &mut Criterion) {
 }
 
 fn benches(c: &mut Criterion) {
+    use keel::cpu::{bf16, f16};
     every_dtype!(c, bench);
-    bench_f32_targets::<keel::cpu::f16>(c);
-    bench_f32_targets::<keel::cpu::bf16>(c);
+    bench_other_targets::<f16, f32>(c);
+    bench_other_targets::<bf16, f32>(c);
+    bench_other_targets::<f32, bf16>(c);
+    bench_other_targets::<f32, f16>(c);
+    bench_other_targets::<bf16, f16>(c);
+    bench_other_targets::<f16, bf16>(c);
 }
 
 criterion_group! { name = cross_entropy; config = common::config(); targets = benches }

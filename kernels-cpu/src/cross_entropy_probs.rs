@@ -15,10 +15,11 @@
 //! over the rows (torch's, for probabilities). `a` is made in the sums, in
 //! `T::Acc`, not stored.
 //!
-//! The target may have another element type `P` of the logits'
+//! The target may have another element type `P` with the logits'
 //! accumulation type (f32 probabilities of bf16 or f16 logits: a teacher's
-//! float32 softmax against a student's 16-bit logits), read as it is: no
-//! copy rounded to the logits' dtype. The class weights have the target's
+//! float32 softmax against a student's 16-bit logits; bf16 or f16 ones of
+//! f32 logits, or of the other 16-bit type), read as it is: no copy rounded
+//! to the logits' dtype, nor widened. The class weights have the target's
 //! type. The loss has a type of its own, `O` (torch's is the promotion of
 //! the logits' and the target's: f32 there), and so does its gradient.
 //!
@@ -227,9 +228,15 @@ fn row_loss<T: Element, P: Element<Acc = T::Acc>>(
     // f16 on x86: both rows widened by `vcvtph2ps` (exactly) for the sums,
     // as in the backward (`row_grad_into`): the software widening of
     // subnormal targets took the forward 213 ms at `[4096, 32000]` (bf16: 37).
+    // An f16 target beside other logits is widened so too, and they are read
+    // as f32 beside it: f32 ones as they are, bf16 ones widened (the f16
+    // target's software widening took the forward of f32 logits 218 ms at
+    // `[4096, 32000]`, 57 widened; of bf16 logits 196, 43).
     let (wp, wx) = wide;
-    let rows32 = match (widened_with(w), widen::to_f32(x, wx), target_f32(p, wp)) {
-        (true, Some(x), Some(p)) => Some((p, x)),
+    let rows32 = match (widened_with(w), target_f32(p, wp)) {
+        (true, Some(p)) if is::<P, half::f16>() && is::<T, f32>() => Some((p, cast::<T, f32>(x))),
+        (true, Some(p)) if is::<P, half::f16>() => widen::to_f32_beside_f16(x, wx).map(|x| (p, x)),
+        (true, Some(p)) => widen::to_f32(x, wx).map(|x| (p, x)),
         _ => None,
     };
     if let Some(w) = w {
@@ -329,12 +336,25 @@ fn row_grad_into<T: Element, P: Element<Acc = T::Acc>>(
     if let (Some(m), false) = (lse, narrow) {
         let ga = T::Acc::from_f64(g * total);
         let e = |x: T| (x.to_acc() - m).exp_nonpos() * ga;
-        match w {
-            Some(w) => {
+        // f32 logits: the target (and weights) as widened above where they
+        // were (an f16 target read in software took this backward 239 ms at
+        // `[4096, 32000]`, 66 widened); `T::Acc` is then f32.
+        let acc = |v: f32| cast::<f32, T::Acc>(std::slice::from_ref(&v))[0];
+        match (w, wide_p) {
+            (Some(Weights { wide: Some(w), .. }), Some(p)) => {
+                let f = |x: T, p: f32, w: f32| T::from_acc(e(x) - acc(w) * (acc(p) * gp + off));
+                map3_into(x, p, w, dx, f, ahead, ahead_w);
+            }
+            (None, Some(p)) => {
+                map3_into(x, p, p, dx, |x, p, _| T::from_acc(e(x) - (acc(p) * gp + off)), ahead, ahead_w)
+            }
+            (Some(w), _) => {
                 let f = |x: T, p: P, w: P| T::from_acc(e(x) - w.to_acc() * (p.to_acc() * gp + off));
                 map3_into(x, p, w.w, dx, f, ahead, ahead_w);
             }
-            None => map3_into(x, p, p, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w),
+            (None, None) => {
+                map3_into(x, p, p, dx, |x, p, _| T::from_acc(e(x) - (p.to_acc() * gp + off)), ahead, ahead_w)
+            }
         }
         return;
     }

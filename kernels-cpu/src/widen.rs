@@ -56,7 +56,7 @@ mod x86 {
     use crate::wide::x86::{Kernel, Lanes};
 
     /// `dst[i] = src[i]` as f32, for `T` in f32, bf16, f16 (callers pass
-    /// f16); `dst` at least as long as `src`.
+    /// f16 and bf16); `dst` at least as long as `src`.
     pub(super) struct Widen<'a, T> {
         pub(super) src: &'a [T],
         pub(super) dst: &'a mut [f32],
@@ -84,6 +84,21 @@ mod x86 {
             }
         }
     }
+}
+
+/// As [`to_f32`], and a bf16 row widened too where f16 is widened on this
+/// CPU: for a loop that reads it beside an f16 row widened so (whose software
+/// widening is what costs; bf16's is a shift, but the loop's types must
+/// match).
+#[inline(always)]
+pub(crate) fn to_f32_beside_f16<'a, T: 'static>(src: &[T], buf: &'a mut Vec<f32>) -> Option<&'a [f32]> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::wide::is::<T, half::bf16>() && applies::<f16>() {
+        buf.resize(src.len(), 0.0);
+        crate::wide::x86::run(x86::Widen { src, dst: &mut buf[..] })?;
+        return Some(&buf[..src.len()]);
+    }
+    to_f32(src, buf)
 }
 
 /// What the tests that compare a widened f16 path with the plain one share.
