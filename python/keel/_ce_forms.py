@@ -4,13 +4,13 @@
 
 The op takes class weights that need no gradient itself (in the logits' dtype),
 with class indices (:func:`weighted`) or probabilities, and takes probabilities
-where the target has the logits' dtype (:func:`fused`), and float32 targets of
-16-bit logits as they are (outside autocast); targets of other dtypes are
-widened to one of those where that holds them exactly (:func:`target_dtype`: a
-16-bit target of float32 logits, float16 logits with a bfloat16 target and the
-reverse, any target of float64 logits; a 16-bit target of 16-bit logits with
-float32 weights needing a gradient, which the op reads in the target's dtype);
-a target and weights needing a gradient too (its autograd formulas give them,
+where the target has the logits' dtype (:func:`fused`), and, outside autocast,
+targets of another of float32, float16 and bfloat16 as they are (a float32
+loss); targets of other dtypes are widened to one of those where that holds
+them exactly (:func:`target_dtype`: any target of float64 logits; a target
+that does not hold the class weights, which the op reads in the target's
+dtype: float32 weights of a 16-bit target); a target and weights needing a
+gradient too (its autograd formulas give them,
 ``_autograd``): its kernels (CPU and CUDA) read each row of logits (and of
 targets) once in the forward and once in the backward, the weights beside them.
 Every other case is built here on the op's per-row results
@@ -53,7 +53,9 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   rounded to the logits' dtype): session 80; class weights read by the
   kernels: session 78; targets widened for them (2.3-4.4x torch's speed where
   this composite was 0.8-1.05x; 1.6-2.4x with float32 weights needing a
-  gradient beside 16-bit logits and targets, where it was 0.6-0.7x): session 81.
+  gradient beside 16-bit logits and targets, where it was 0.6-0.7x): session 81;
+  16-bit targets of float32 logits and of the other 16-bit dtype read as they
+  are, not widened: session 82.
 """
 import math
 from typing import Callable, Optional, Tuple
@@ -61,7 +63,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import class_weighted
+from ._common import ce_loss_dtype, class_weighted
 
 REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)
@@ -202,14 +204,14 @@ def probabilities(
     shape = loss_shape(logits)
     rows, p = as_rows(logits, math.prod(shape)), as_rows(target, math.prod(shape))
     out = result_dtype(logits, target, weight)
-    read = target_dtype(rows.dtype, p.dtype, weight.dtype if weight is not None and weight.requires_grad else None)
+    read = target_dtype(rows.dtype, p.dtype, weight, _autocast(rows.device))
     if fused(rows, read, weight):
-        # The op itself takes the target's rows (one read of each, a float32
-        # target of 16-bit logits as it is: a float32 loss; other dtypes widened
-        # to one it reads, exactly) and the weights (`with_lse` casts them to the
-        # target's dtype, but under autocast).
+        # The op itself takes the target's rows (one read of each, a target of
+        # another of float32, float16 and bfloat16 as it is: a float32 loss;
+        # other dtypes widened to one it reads, exactly) and the weights
+        # (`with_lse` casts them to the target's dtype, but under autocast).
         p = p.to(read)
-        if out == p.dtype or reduction == "none":
+        if out == ce_loss_dtype(rows, p) or reduction == "none":
             loss, lse = with_lse(rows, p, -100, label_smoothing, reduction, weight)
             loss = loss.to(out)
             return (loss.reshape(shape) if reduction == "none" else loss), lse
@@ -270,43 +272,65 @@ def _autocast(device: torch.device) -> bool:
         return False
 
 
+_NARROW = (torch.float32,) + _HALF
+
+
 def reads(logits: torch.dtype, target: torch.dtype) -> bool:
     """Whether the op reads probabilities of dtype `target` beside logits of
-    dtype `logits` as they are: the logits' dtype, or float32 for float16 and
-    bfloat16 logits (it refuses other pairs, naming the target)."""
-    return target == logits or (logits in _HALF and target == torch.float32)
+    dtype `logits` as they are: the logits' dtype, or two of float32, float16
+    and bfloat16 (a float32 loss; it refuses other pairs, naming the target)."""
+    return target == logits or (logits in _NARROW and target in _NARROW)
 
 
-def target_dtype(logits: torch.dtype, target: torch.dtype, weight: Optional[torch.dtype] = None) -> torch.dtype:
+def target_dtype(logits: torch.dtype, target: torch.dtype, weight: Optional[Tensor] = None, autocast=False) -> torch.dtype:
     """The dtype in which the op reads a probability target of `target`'s dtype
-    beside logits of `logits`' dtype: the target's own where the op takes the
-    pair (the logits' dtype, or float32 for float16 and bfloat16 logits), else
-    one it takes that holds the target's values exactly, for :func:`fused`: the
-    logits' dtype where it is wider (a float16 or bfloat16 target of float32
-    logits, any target of float64 logits) and float32 for float16 logits and a
-    bfloat16 target or the reverse (torch's promotion of the pair, and the dtype
-    of its loss). `weight`: the dtype of class weights that need a gradient,
-    which the op reads in the target's dtype, so that dtype must hold them too
-    (float32 weights of a bfloat16 target of bfloat16 logits: a float32 target,
-    and the float32 loss torch gives). The copy costs a read of the target and
-    a write of it widened: far less than the composite (docs/BENCHMARKS.md
-    session 81). A float64 target (or weights) of narrower logits keeps its
-    dtype (the loss is float64: the composite's, in float64)."""
+    beside logits of `logits`' dtype, for :func:`fused`: the target's own where
+    the op takes the pair (:func:`reads`), else one it takes that holds the
+    target's values exactly (:func:`_widened`: a float64 target's own, which
+    it does not take, beside narrower logits: the composite's, in float64).
+
+    `weight`, the class weights where given, which the op reads in the
+    target's dtype: a 16-bit target of other logits (whose loss is float32) is
+    widened where that dtype does not hold them (float32 weights of a bfloat16
+    target of float32 logits), as torch multiplies by them unrounded; weights
+    that need a gradient widen any target that does not hold them, where the
+    op reads the wider dtype (float32 weights of a bfloat16 target of bfloat16
+    logits: a float32 target, and the float32 loss torch gives). Under
+    `autocast`, a 16-bit target of other logits is widened too (the fused
+    kernel takes another dtype's target outside autocast only, :func:`fused`).
+    A copy costs a read of the target and a write of it widened (a float32
+    target of float32 logits took 211 ms where a bfloat16 one widened took 317,
+    fwd+bwd ``[4096, 32000]``, docs/BENCHMARKS.md session 81); the composite
+    costs far more."""
     read = target
-    if not reads(logits, target):
-        if torch.promote_types(logits, target) == logits:
-            read = logits
-        elif logits in _HALF and target in _HALF:
-            read = torch.float32
-    if weight is not None and reads(logits, read) and reads(logits, torch.promote_types(read, weight)):
-        read = torch.promote_types(read, weight)
+    other = target != logits and target in _HALF
+    hold = weight is None or torch.promote_types(target, weight.dtype) == target
+    if not reads(logits, target) or (other and (autocast or not hold)):
+        read = _widened(logits, target)
+    if weight is not None and weight.requires_grad and reads(logits, read):
+        wide = torch.promote_types(read, weight.dtype)
+        if reads(logits, wide):
+            read = wide
     return read
+
+
+def _widened(logits: torch.dtype, target: torch.dtype) -> torch.dtype:
+    """The dtype the op reads beside `logits` that holds a `target` exactly: the
+    logits' where it is wider (a 16-bit target of float32 logits, any target of
+    float64 logits), float32 for a 16-bit target of the other 16-bit logits
+    (torch's promotion of the pair, and the dtype of its loss), else the
+    target's own."""
+    if torch.promote_types(logits, target) == logits:
+        return logits
+    if logits in _HALF and target in _HALF:
+        return torch.float32
+    return target
 
 
 def fused(rows: Tensor, p: torch.dtype, weight: Optional[Tensor]) -> bool:
     """Whether the op takes the probabilities of dtype `p` itself (its fused
-    kernel; :func:`target_dtype` gives `p`): `p` the logits' dtype, or float32
-    `p` for float16 or bfloat16 logits outside autocast, which the kernels read
+    kernel; :func:`target_dtype` gives `p`): `p` the logits' dtype, or another
+    of float32, float16 and bfloat16 outside autocast, which the kernels read
     as it is. The target and the class weights may need a gradient, the weights
     where `p` holds them exactly (no rounded copy between them and their
     gradient); the op's autograd formulas give both from its lse in float32
@@ -320,13 +344,14 @@ def fused(rows: Tensor, p: torch.dtype, weight: Optional[Tensor]) -> bool:
     value takes them as they are (``_autocast``). A float32 target of 16-bit
     logits (a student's logits against a teacher's probabilities): the kernels
     read it and the weights in float32, and the loss is float32, as torch's
-    (see :func:`probabilities`). Not under autocast, whose kernel takes a
-    float32 copy of the logits anyway."""
+    (see :func:`probabilities`); so is the loss of a 16-bit target of float32
+    logits or of the other 16-bit dtype. Not under autocast, whose kernel takes
+    a float32 copy of 16-bit logits anyway."""
     if weight is not None and weight.requires_grad and torch.promote_types(weight.dtype, p) != p:
         return False
     if p == rows.dtype:
         return True
-    return rows.dtype in _HALF and p == torch.float32 and not _autocast(rows.device)
+    return reads(rows.dtype, p) and not _autocast(rows.device)
 
 
 def _reduce(loss: Tensor, reduction: str, mean_over: Callable[[], object], dtype: torch.dtype) -> Tensor:

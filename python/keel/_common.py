@@ -29,9 +29,18 @@ def acc_of(dtype: torch.dtype) -> torch.dtype:
 
 def ce_weight_dtype(logits: torch.Tensor, target: torch.Tensor) -> torch.dtype:
     """The dtype of the class weights that Keel's cross_entropy ops take: the
-    target's for probabilities (the logits', or float32 for 16-bit logits: the
-    loss's), else the logits'."""
+    target's for probabilities, else the logits'."""
     return target.dtype if target.dtype.is_floating_point else logits.dtype
+
+
+def ce_loss_dtype(logits: torch.Tensor, target: torch.Tensor) -> torch.dtype:
+    """The dtype of the loss (and its gradient) of Keel's cross_entropy ops:
+    the logits', or float32 for probabilities of another dtype (torch's
+    promotion of the pairs the ops take: two of float32, float16 and
+    bfloat16)."""
+    if target.dtype.is_floating_point and target.dtype != logits.dtype:
+        return torch.float32
+    return logits.dtype
 
 
 def class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reduction):

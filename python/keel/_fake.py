@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from ._common import acc_dtype, one_device, nograd
+from ._common import acc_dtype, ce_loss_dtype, one_device, nograd
 
 ops = torch.ops.keel
 # Set by register() to torch.utils._python_dispatch._disable_current_modes; until
@@ -98,10 +98,9 @@ def _gated(x):
 
 
 def _loss(logits, target, reduction):
-    """The loss: the logits' dtype, or a float target's (probabilities: the
-    logits' dtype, or float32 for 16-bit logits, torch's promotion of the two)."""
-    dtype = target.dtype if target.dtype.is_floating_point else logits.dtype
-    return ((logits.shape[0],) if reduction == "none" else ()), dtype
+    """The loss: ``_common.ce_loss_dtype`` (the logits' dtype, or float32 for
+    probabilities of another, torch's promotion of the two)."""
+    return ((logits.shape[0],) if reduction == "none" else ()), ce_loss_dtype(logits, target)
 
 
 def _lse(logits):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
-from ._common import acc_dtype, class_weighted, one_device
+from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device
 from ._fake import meta_outputs
 
 
@@ -162,14 +162,14 @@ def softmax_backward(grad, y, scale):
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """`F.cross_entropy` and each row's log-sum-exp (0 for ignored rows), in
-    Keel's accumulation dtype; the loss in the logits' dtype (a float target's
-    with probabilities, as the op). `weight`: class weights (or None), as the
+    Keel's accumulation dtype; the loss in the op's dtype
+    (``_common.ce_loss_dtype``). `weight`: class weights (or None), as the
     op takes them."""
     a = logits.to(acc_dtype(logits))
     w = None if weight is None else weight.to(a.dtype)
     if target.dtype.is_floating_point:  # probabilities: no row is ignored
         loss = F.cross_entropy(a, target.to(a.dtype), w, label_smoothing=label_smoothing, reduction=reduction)
-        return loss.to(target.dtype), torch.logsumexp(a, -1)
+        return loss.to(ce_loss_dtype(logits, target)), torch.logsumexp(a, -1)
     lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
     if w is not None:
         # d = -log p_t, smooth = -sum_c w_c log p_c: torch's nll_loss is not

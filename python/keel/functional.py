@@ -259,13 +259,14 @@ def cross_entropy(
             ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
             a target of the logits' dtype (with a ``weight`` needing no gradient)
             goes to the op's fused kernel (one read of each row of logits and
-            targets a pass, the class weights read beside them), and so does a
-            float32 one for float16 or bfloat16 logits, read as it is (outside
-            autocast; a float32 loss, as torch's), and a target of another dtype
-            widened exactly to one of those (a copy: a bfloat16 or float16 target
-            of float32 logits, float16 logits with a bfloat16 target or the
-            reverse, any target of float64 logits; float32 where float32
-            weights needing a gradient go beside 16-bit logits); other cases (a
+            targets a pass, the class weights read beside them), and so does,
+            outside autocast, a target of another of float32, float16 and
+            bfloat16 (a float32 target of 16-bit logits, a 16-bit one of float32
+            logits or of the other 16-bit dtype), read as it is (a float32 loss,
+            as torch's), and a target of another dtype widened exactly to one of
+            those (a copy: any target of float64 logits; float32 where float32
+            weights go beside a 16-bit target, which the kernels would read in
+            its dtype); other cases (a
             float64 target, or float64 weights needing a gradient, of narrower
             logits) are built on the op with torch's
             elementwise ops (``keel._ce_forms``, which gives the costs: not
@@ -446,7 +447,7 @@ def cross_entropy_with_lse(
 def _with_lse(logits, target, ignore_index, label_smoothing, reduction, weight=None):
     """:func:`cross_entropy_with_lse` of ``[N, V]`` rows for ``_ce_forms``, which
     checked the arguments already: with `weight` (class weights), the op itself
-    takes them, in the logits' dtype, or a float32 target's (under autocast, its
+    takes them, in the logits' dtype, or a probability target's (under autocast, its
     autocast kernel casts them, and its float32 value takes them as given)."""
     if weight is None:
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)

@@ -357,10 +357,12 @@ class _Calls(TorchDispatchMode):
 # logits, target, weight needing a gradient (or None), the target's dtype in the op's
 # fused kernel (int64: the composite, which calls the op with class-0 targets).
 WIDENED = [
-    (torch.float32, torch.bfloat16, None, torch.float32),
-    (torch.float32, torch.float16, torch.float16, torch.float32),
-    (torch.float16, torch.bfloat16, None, torch.float32),
-    (torch.bfloat16, torch.float16, torch.float16, torch.float32),
+    (torch.float32, torch.bfloat16, None, torch.bfloat16),  # read as it is
+    (torch.float32, torch.float16, torch.float16, torch.float16),
+    (torch.float16, torch.bfloat16, None, torch.bfloat16),
+    (torch.bfloat16, torch.float16, torch.float16, torch.float16),
+    (torch.float32, torch.bfloat16, torch.float32, torch.float32),  # weights a bfloat16 target does not hold
+    (torch.float16, torch.bfloat16, torch.float16, torch.float32),
     (torch.float64, torch.float32, torch.float32, torch.float64),
     (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32),  # for the weights
     (torch.float16, torch.float16, torch.bfloat16, torch.float32),
@@ -372,10 +374,10 @@ WIDENED = [
 @pytest.mark.parametrize("xd,pd,wd,read", WIDENED, ids=[" ".join(str(d)[6:] for d in m if d) for m in WIDENED])
 @pytest.mark.parametrize("with_lse", [False, True])
 def test_probability_targets_of_other_dtypes_are_widened_for_the_fused_kernel(xd, pd, wd, read, with_lse):
-    """A target of a dtype the op does not read beside the logits is widened to
+    """A target of a dtype the op reads beside the logits goes to it as it is
+    (two of float32, float16 and bfloat16); one it does not read is widened to
     one it reads where that holds its values (``_ce_forms.target_dtype``), and
-    the values of weights that need a gradient (the op reads them in the
-    target's dtype): the
+    the values of the weights (the op reads them in the target's dtype): the
     fused kernel, not the composite, through cross_entropy and
     cross_entropy_with_lse (which refused these pairs before), with the target
     and weights needing gradients; the values are torch's in float64."""
@@ -545,12 +547,14 @@ def test_the_op_takes_probabilities_of_the_logits_dtype_on_cpu():
     for given in (None, lse):
         torch.testing.assert_close(torch.ops.keel.cross_entropy_backward(g, x, p, -100, 0.1, "none", given), xr.grad)
     bad = [
-        (lambda: torch.ops.keel.cross_entropy(x, p.double()), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' dtype torch.float32 \(or float32 for float16 and bfloat16 logits\), got torch.float64"),
-        (lambda: torch.ops.keel.cross_entropy(x.bfloat16(), p.half()), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' dtype torch.bfloat16 \(or float32 for float16 and bfloat16 logits\), got torch.float16"),
+        (lambda: torch.ops.keel.cross_entropy(x, p.double()), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' dtype torch.float32 \(or, for float32, float16 and bfloat16 logits, another of those three\), got torch.float64"),
+        (lambda: torch.ops.keel.cross_entropy(x.double(), p.half()), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' dtype torch.float64 \(or, for float32, float16 and bfloat16 logits, another of those three\), got torch.float16"),
+        (lambda: torch.ops.keel.cross_entropy(x, p.half(), -100, 0.0, "mean", class_weights(9, "cpu")), r"keel::cross_entropy: argument 'weight' must have the target's dtype torch.float16 \(probabilities of torch.float32 logits\), got torch.float32"),
         (lambda: torch.ops.keel.cross_entropy(x, p[:, :5]), r"keel::cross_entropy: argument 'target' of probabilities must have the logits' shape \[4, 9\], got \[4, 5\]"),
         (lambda: torch.ops.keel.cross_entropy(x, p, 0), r"keel::cross_entropy: argument 'ignore_index' applies to class indices only, not to probabilities \(a float target\), got 0"),
         (lambda: torch.ops.keel.cross_entropy(x, p.int()), r"keel::cross_entropy: argument 'target' must have dtype torch.int64 \(class indices\) or the logits' torch.float32 \(probabilities\), got torch.int32"),
-        (lambda: torch.ops.keel.cross_entropy_backward(g, x, p.half(), -100, 0.1, "none"), r"keel::cross_entropy_backward: argument 'target' of probabilities must have the logits' dtype torch.float32 \(or float32 for float16 and bfloat16 logits\), got torch.float16"),
+        (lambda: torch.ops.keel.cross_entropy_backward(g, x, p.double(), -100, 0.1, "none"), r"keel::cross_entropy_backward: argument 'target' of probabilities must have the logits' dtype torch.float32 \(or, for float32, float16 and bfloat16 logits, another of those three\), got torch.float64"),
+        (lambda: torch.ops.keel.cross_entropy_backward(g.half(), x, p.half(), -100, 0.1, "none"), r"keel::cross_entropy_backward: argument 'grad' must have the loss's dtype torch.float32 \(that of a torch.float16 target of torch.float32 logits\), got torch.float16"),
     ]
     for call, msg in bad:
         with pytest.raises(RuntimeError, match=msg):
@@ -561,16 +565,18 @@ def test_the_op_takes_probabilities_of_the_logits_dtype_on_cpu():
 def test_the_op_reads_float32_probabilities_of_16bit_logits(device):
     """torch.ops.keel's cross_entropy ops take a float32 target for float16 and
     bfloat16 logits and read it as it is (a teacher's float32 softmax against a
-    student's logits): the loss is float32 (torch's promotion), and so are its
-    gradient and the class weights; loss, lse, the backward op given the lse and without it, with and
+    student's logits), and a 16-bit target of float32 logits or of the other
+    16-bit dtype: the loss is float32 (torch's promotion), and so is its
+    gradient; the class weights have the target's dtype; loss, lse, the backward op given the lse and without it, with and
     without class weights and label smoothing, against float64 with the same
     target; then a target value that bfloat16 cannot hold, whose gradient is not
     that of the rounded value."""
-    for dtype in (d for d in dtypes_for(device) if d in (torch.float16, torch.bfloat16)):
+    narrow = [d for d in dtypes_for(device) if d in (torch.float32, torch.float16, torch.bfloat16)]
+    for dtype, pd in ((d, e) for d in narrow for e in narrow if d != e):
         atol, rtol = TOL[dtype]
-        x, p = make((6, 1000), dtype, device, 0, 3.0), probabilities((6, 1000), device, torch.float32)
-        # float32 weights (the target's dtype), of values 16-bit floats cannot hold.
-        for w in (None, class_weights(1000, device, torch.float32)):
+        x, p = make((6, 1000), dtype, device, 0, 3.0), probabilities((6, 1000), device, pd)
+        # Weights of the target's dtype (float32 ones of values 16-bit floats cannot hold).
+        for w in (None, class_weights(1000, device, pd)):
             for ls in (0.0, 0.1):
                 xr = x.double().requires_grad_()
                 wr = None if w is None else w.double()
@@ -597,10 +603,10 @@ def test_the_op_reads_float32_probabilities_of_16bit_logits(device):
     one = torch.ones((), device=device)
     dx = torch.ops.keel.cross_entropy_backward(one, x, p, -100, 0.0, "sum")
     assert dx[0, 0].item() == -0.75390625, dx
-    with pytest.raises(RuntimeError, match=r"keel::cross_entropy_backward: argument 'grad' must have the loss's dtype torch.float32 \(that of a float32 target of torch.bfloat16 logits\), got torch.bfloat16"):
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy_backward: argument 'grad' must have the loss's dtype torch.float32 \(that of a torch.float32 target of torch.bfloat16 logits\), got torch.bfloat16"):
         torch.ops.keel.cross_entropy_backward(one.bfloat16(), x, p, -100, 0.0, "sum")
     w = torch.ones(4, dtype=torch.bfloat16, device=device)
-    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'weight' must have the target's dtype torch.float32 \(float32 probabilities of torch.bfloat16 logits\), got torch.bfloat16"):
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'weight' must have the target's dtype torch.float32 \(probabilities of torch.bfloat16 logits\), got torch.bfloat16"):
         torch.ops.keel.cross_entropy(x, p, -100, 0.0, "sum", w)
     # Through the typed API (the fused kernel): the float32 loss, and the gradient.
     xk = x.clone().requires_grad_()
