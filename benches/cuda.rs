@@ -29,6 +29,41 @@ fn up32(s: &Arc<CudaStream>, v: f32) -> CudaSlice<f32> {
     s.clone_htod(&[v]).unwrap()
 }
 
+/// cross_entropy's forward and backward given the lse against probabilities of
+/// `P`, another type than the logits' `T` (the `_p{P}_` kernels: a float32
+/// loss), on the logits `x` with its `lse` and gradient `dx` buffers.
+fn bench_probs_other<T: Element + CudaElement, P: Element + CudaElement>(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    s: &Arc<CudaStream>,
+    (x, lse, dx): (&CudaSlice<T>, &mut CudaSlice<f32>, &mut CudaSlice<T>),
+    vocab: usize,
+    id: &str,
+) {
+    let (n, mean) = (x.len(), cross_entropy::Reduction::Mean);
+    let p: Vec<P> = data::<f32>(n, 1).iter().map(|v| P::from_f64(f64::from(v.abs() * 2.0 / vocab as f32))).collect();
+    let (p, mut loss, grad) = (s.clone_htod(&p).unwrap(), s.alloc_zeros::<f32>(1).unwrap(), up32(s, 1.0));
+    let per =
+        |k: usize| criterion::Throughput::Bytes((n * (k * std::mem::size_of::<T>() + std::mem::size_of::<P>())) as u64);
+    g.throughput(per(1));
+    g.bench_function(BenchmarkId::new(format!("cross_entropy/probs_{}/fwd", P::NAME), id), |bn| {
+        bn.iter_custom(|it| {
+            timed(s, it, || {
+                let lse = Some(&mut *lse);
+                cross_entropy::forward_probs_cuda(s, x, &p, None, &mut loss, lse, vocab, 0.0, mean).unwrap()
+            })
+        })
+    });
+    g.throughput(per(2));
+    g.bench_function(BenchmarkId::new(format!("cross_entropy/probs_{}/bwd_lse", P::NAME), id), |bn| {
+        bn.iter_custom(|it| {
+            timed(s, it, || {
+                let lse = Some(&*lse);
+                cross_entropy::backward_probs_cuda(s, &grad, x, &p, None, lse, dx, vocab, 0.0, mean).unwrap()
+            })
+        })
+    });
+}
+
 fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
     let up = |v: &[T]| -> CudaSlice<T> { s.clone_htod(v).unwrap() };
     let zeros = |n: usize| -> CudaSlice<T> { s.alloc_zeros::<T>(n).unwrap() };
@@ -148,56 +183,12 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
                 })
             });
         }
-        // float32 probabilities of 16-bit logits (the `_pf32_` kernels): a float32 loss.
+        // Probabilities of another type than the logits (the `_p{P}_` kernels): float32 ones
+        // of 16-bit logits, bfloat16 ones of float32 logits.
         if T::DTYPE != keel::cuda::DType::F32 {
-            let p: Vec<f32> = data::<f32>(n, 1).iter().map(|v| v.abs() * 2.0 / vocab as f32).collect();
-            let (p, mut loss, grad) = (s.clone_htod(&p).unwrap(), s.alloc_zeros::<f32>(1).unwrap(), up32(s, 1.0));
-            let per = |k: usize| criterion::Throughput::Bytes((n * (k * std::mem::size_of::<T>() + 4)) as u64);
-            g.throughput(per(1));
-            g.bench_function(BenchmarkId::new("cross_entropy/probs_f32/fwd", &id), |bn| {
-                bn.iter_custom(|it| {
-                    timed(s, it, || {
-                        let lse = Some(&mut lse);
-                        cross_entropy::forward_probs_cuda(s, &x, &p, None, &mut loss, lse, vocab, 0.0, mean).unwrap()
-                    })
-                })
-            });
-            g.throughput(per(2));
-            g.bench_function(BenchmarkId::new("cross_entropy/probs_f32/bwd_lse", &id), |bn| {
-                bn.iter_custom(|it| {
-                    timed(s, it, || {
-                        let lse = Some(&lse);
-                        cross_entropy::backward_probs_cuda(s, &grad, &x, &p, None, lse, &mut dx, vocab, 0.0, mean)
-                            .unwrap()
-                    })
-                })
-            });
-        }
-        // bfloat16 probabilities of float32 logits (the `_pbf16_` kernels): a float32 loss.
-        if T::DTYPE == keel::cuda::DType::F32 {
-            let p: Vec<keel::cpu::bf16> =
-                data::<f32>(n, 1).iter().map(|v| keel::cpu::bf16::from_f32(v.abs() * 2.0 / vocab as f32)).collect();
-            let (p, mut loss, grad) = (s.clone_htod(&p).unwrap(), s.alloc_zeros::<f32>(1).unwrap(), up32(s, 1.0));
-            let per = |k: usize| criterion::Throughput::Bytes((n * (k * std::mem::size_of::<T>() + 2)) as u64);
-            g.throughput(per(1));
-            g.bench_function(BenchmarkId::new("cross_entropy/probs_bf16/fwd", &id), |bn| {
-                bn.iter_custom(|it| {
-                    timed(s, it, || {
-                        let lse = Some(&mut lse);
-                        cross_entropy::forward_probs_cuda(s, &x, &p, None, &mut loss, lse, vocab, 0.0, mean).unwrap()
-                    })
-                })
-            });
-            g.throughput(per(2));
-            g.bench_function(BenchmarkId::new("cross_entropy/probs_bf16/bwd_lse", &id), |bn| {
-                bn.iter_custom(|it| {
-                    timed(s, it, || {
-                        let lse = Some(&lse);
-                        cross_entropy::backward_probs_cuda(s, &grad, &x, &p, None, lse, &mut dx, vocab, 0.0, mean)
-                            .unwrap()
-                    })
-                })
-            });
+            bench_probs_other::<T, f32>(&mut g, s, (&x, &mut lse, &mut dx), vocab, &id);
+        } else {
+            bench_probs_other::<T, bf16>(&mut g, s, (&x, &mut lse, &mut dx), vocab, &id);
         }
     }
     for (batch, seq) in BATCH_SEQ {

@@ -43,12 +43,20 @@ pub(crate) fn applies<T: 'static>() -> bool {
 pub(crate) fn to_f32<'a, T: 'static>(src: &[T], buf: &'a mut Vec<f32>) -> Option<&'a [f32]> {
     #[cfg(target_arch = "x86_64")]
     if applies::<T>() {
-        buf.resize(src.len(), 0.0);
-        crate::wide::x86::run(x86::Widen { src, dst: &mut buf[..] })?;
-        return Some(&buf[..src.len()]);
+        return widen_into(src, buf);
     }
     let _ = (src, buf);
     None
+}
+
+/// `src` widened into `buf` (resized to fit) by the x86 kernel, for `T` in
+/// f16 and bf16 where the CPU has the lanes (`None` where it has not).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn widen_into<'a, T: 'static>(src: &[T], buf: &'a mut Vec<f32>) -> Option<&'a [f32]> {
+    buf.resize(src.len(), 0.0);
+    crate::wide::x86::run(x86::Widen { src, dst: &mut buf[..] })?;
+    Some(&buf[..src.len()])
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -94,9 +102,7 @@ mod x86 {
 pub(crate) fn to_f32_beside_f16<'a, T: 'static>(src: &[T], buf: &'a mut Vec<f32>) -> Option<&'a [f32]> {
     #[cfg(target_arch = "x86_64")]
     if crate::wide::is::<T, half::bf16>() && applies::<f16>() {
-        buf.resize(src.len(), 0.0);
-        crate::wide::x86::run(x86::Widen { src, dst: &mut buf[..] })?;
-        return Some(&buf[..src.len()]);
+        return widen_into(src, buf);
     }
     to_f32(src, buf)
 }
