@@ -89,6 +89,9 @@ fi
 step "cargo doc (public items documented)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps -q
 
+step "cargo package: the Rust crates as they would be published (keel-cpu, keel-abi, keel; keel-ops is the wheel's), each built alone from its package, keel from the committed ptx/"
+KEEL_NO_NVCC=1 cargo package --workspace --exclude keel-ops --allow-dirty -q
+
 step "build the sdist, and from it the wheel once (manylinux_2_28: linked against glibc 2.28's symbols, as torch's wheels are), and load its library under Debian 11's glibc 2.31"
 build_wheel
 echo "$SDIST"; echo "$WHEEL"
