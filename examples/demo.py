@@ -4,7 +4,8 @@ For each op: the largest error of Keel and of torch against a float64
 reference (Keel must be within the dtype's tolerance), then the medians of
 interleaved timings (keel, torch, clone, keel, ...) from one run, so the ratios
 compare like with like under the same machine load; each op is timed in
-five passes through all of them, and its median pass kept. Torch's side is the eager
+five passes through all of them (up to four more where most passes disagree), and
+its median pass kept. Torch's side is the eager
 expression the op replaces. `clone` copies the op's inputs into fresh tensors:
 the floor for an op that returns new tensors (allocation, page faults, one
 write). The ops and inputs are those of the benchmark report

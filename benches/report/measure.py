@@ -23,15 +23,15 @@ import torch
 
 import keel
 from cases import DECODE_OPS, OVERHEAD_MODES, make_cases, max_rel_err, tiny_cases, tolerance
-from timing import interleaved, kernel_us, passes_arg, per_call, rounds
+from timing import agreeing, extra_passes_arg, interleaved, kernel_us, passes_arg, per_call, rounds
 
 try:
     from tqdm import tqdm
 except ImportError:  # the report installs tqdm; smoke tests may run without it
 
     class tqdm:  # noqa: N801 - tqdm's name, for the calls made of it here
-        def __init__(self, *_, **__):
-            pass
+        def __init__(self, *_, total=0, **__):
+            self.total = total
 
         def update(self, _):
             pass
@@ -137,6 +137,10 @@ KERNEL_TIMED = ("keel", "eager", "compile")
 # three slowed passes to move.
 PASSES = 5
 
+# The most passes a row takes after PASSES while its passes disagree
+# (`time_cases`): with nine, its median needs five slowed passes to move.
+EXTRA_PASSES = 4
+
 
 def own_code(fn: Callable) -> Callable:
     """A copy of `fn` with a code object of its own.
@@ -238,16 +242,22 @@ def _finish(row: dict, times: Dict[str, List[List[float]]], faults: Dict[str, Li
 
 
 def time_cases(cases, device: str, dname: str, compile_: bool, budget_s: float, passes: int = PASSES,
-               typed: bool = False, kernels: bool = True, ctx=contextlib.nullcontext, desc: str = ""):
-    """Yields the row of each of `cases`, timed as `contenders` in
-    interleaved rounds (`timing.rounds`) over `passes` passes through all the
-    cases, `budget_s / passes` seconds of rounds a case a pass, under `ctx`.
+               typed: bool = False, kernels: bool = True, ctx=contextlib.nullcontext, desc: str = "",
+               extra: int = EXTRA_PASSES):
+    """Yields the row of each of `cases`, in their order, timed as
+    `contenders` in interleaved rounds (`timing.rounds`) over `passes` passes
+    through all the cases, `budget_s / passes` seconds of rounds a case a
+    pass, under `ctx`.
 
     A burst of load on the machine (this VM has some lasting seconds) then
     falls into one pass of a row, not the whole of it, and the median of the
-    passes' medians leaves it out. On CUDA with `kernels`, a row also gets the
-    GPU kernel time per call of Keel, eager and compile (`kernel_us`), which
-    a wall time bound by the CPU hides. A case that raises becomes a failed row."""
+    passes' medians leaves it out. A row whose passes do not agree on Keel's
+    time (`timing.agreeing`: no majority of them within `UNSTEADY` of each
+    other) is timed in further passes through the rows still in that state,
+    up to `extra` more, until they do; `extra_passes` in its row counts them.
+    On CUDA with `kernels`, a row also gets the GPU kernel time per call of
+    Keel, eager and compile (`kernel_us`), which a wall time bound by the CPU
+    hides. A case that raises becomes a failed row."""
     live = []  # [case, row, fns, times, faults]
     for case in cases:
         try:
@@ -258,35 +268,50 @@ def time_cases(cases, device: str, dname: str, compile_: bool, budget_s: float, 
             yield _failed(case, device, dname, e)
     per_pass = dict(min_reps=max(2, math.ceil(5 / passes)), max_reps=math.ceil(41 / passes))
     bar = tqdm(total=passes * len(live), desc=desc, file=sys.stderr, leave=False)
-    for p in range(passes):
-        for item in live:
+    done: Dict[int, dict] = {}  # the finished rows not yet yielded, by position
+    first = 0  # the position of the first row not yet yielded
+    for p in range(passes + extra):
+        for at, item in enumerate(live):
             case, row, fns, times, faults = item
             if fns is None:
                 continue
+            if p >= passes:
+                bar.total += 1
             # Each pass goes on rotating the contenders' order from where the
             # case's earlier passes left it.
-            done = sum(len(r) for r in times["keel"])
+            start = sum(len(r) for r in times["keel"])
             try:
                 with ctx():
-                    t, f = rounds(fns, device, budget_s / passes, start=done, **per_pass)
+                    t, f = rounds(fns, device, budget_s / passes, start=start, **per_pass)
             except Exception as e:  # noqa: BLE001
                 item[2] = None
-                yield _failed(case, device, dname, e)
+                done[at] = _failed(case, device, dname, e)
                 continue
             finally:
                 bar.update(1)
             for k in fns:
                 times[k].append(t[k])
                 faults[k] += f[k]
-            if p == passes - 1:
-                if device == "cuda" and kernels:
-                    try:
-                        with ctx():
-                            row["kernel_us"] = {k: kernel_us(fns[k]) for k in KERNEL_TIMED if k in fns}
-                    except Exception as e:  # noqa: BLE001 - the profiler's failure costs the column, not the row
-                        row["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                yield _finish(row, times, faults, device, dname)
-                item[2] = None  # its inputs and compiled code may go
+            if p < passes - 1:
+                continue
+            if p < passes + extra - 1 and not agreeing([statistics.median(t) for t in times["keel"]]):
+                continue
+            if p >= passes:
+                row["extra_passes"] = p - passes + 1
+            if device == "cuda" and kernels:
+                try:
+                    with ctx():
+                        row["kernel_us"] = {k: kernel_us(fns[k]) for k in KERNEL_TIMED if k in fns}
+                except Exception as e:  # noqa: BLE001 - the profiler's failure costs the column, not the row
+                    row["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            done[at] = _finish(row, times, faults, device, dname)
+            item[2] = None  # its inputs and compiled code may go
+        # The finished rows up to the first that is not, in the cases' order.
+        while first in done:
+            yield done.pop(first)
+            first += 1
+        if first == len(live):
+            break
     bar.close()
 
 
@@ -313,6 +338,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=1.5, help="seconds of timed rounds per case")
     ap.add_argument("--passes", type=passes_arg, default=PASSES, help="passes through the cases, each timing every case "
                     "for budget/passes seconds (a burst of load then spoils one pass of a row, not all of it)")
+    ap.add_argument("--extra-passes", type=extra_passes_arg, default=EXTRA_PASSES,
+                    help="the most further passes a row takes while its passes disagree on Keel's time")
     ap.add_argument("--no-overhead", action="store_true", help="skip the per-call overhead of tiny calls")
     ap.add_argument("--no-kernel-times", action="store_true",
                     help="CUDA: skip each row's GPU kernel times (torch.profiler, about a second a row)")
@@ -326,7 +353,8 @@ def main() -> None:
             sys.exit("measure: --devices: cuda was asked for, but torch finds no CUDA device")
     names = [n for n in a.ops.split(",") if n]
     decode_names = [n for n in a.decode_ops.split(",") if n]
-    out = {"label": a.label, "size": a.size, "passes": a.passes, "machine": machine(devices), "bandwidth": {},
+    out = {"label": a.label, "size": a.size, "passes": a.passes, "extra_passes": a.extra_passes,
+           "machine": machine(devices), "bandwidth": {},
            "rows": [], "decode": [], "overhead": [], "complete": False}
     for device in devices:
         out["bandwidth"][device] = bandwidth(device)
@@ -334,7 +362,8 @@ def main() -> None:
             dtype = DTYPES[dname]
             cases = make_cases(device, dtype, a.size, names)
             for row in time_cases(cases, device, dname, not a.no_compile, a.budget, a.passes,
-                                  kernels=not a.no_kernel_times, desc=f"{a.label or 'run'} {device} {dname}"):
+                                  kernels=not a.no_kernel_times, extra=a.extra_passes,
+                                  desc=f"{a.label or 'run'} {device} {dname}"):
                 out["rows"].append(row)
                 save(out, a.out)
             del cases
@@ -342,7 +371,7 @@ def main() -> None:
             # Decoding runs under no_grad (as Hugging Face's generate() does);
             # the typed API is timed too: it skips the Python autograd kernel there.
             for row in time_cases(decode, device, dname, not a.no_compile, a.budget, a.passes, typed=True,
-                                  kernels=not a.no_kernel_times, ctx=torch.no_grad,
+                                  kernels=not a.no_kernel_times, ctx=torch.no_grad, extra=a.extra_passes,
                                   desc=f"{a.label or 'run'} {device} {dname} decode"):
                 out["decode"].append(row)
                 save(out, a.out)

@@ -6,6 +6,8 @@ import os
 import statistics
 from typing import Callable, List, Optional, Tuple
 
+from timing import UNSTEADY, agreeing
+
 BW_TARGET = {"cpu": 0.80, "cuda": 0.85}  # fraction of the bandwidth line a bandwidth-bound op must reach
 BW_LINE = {"cpu": "clone_GBps", "cuda": "copy_GBps"}  # CPU: fresh outputs pay page faults as clone does
 KERNEL_NOTE = ("The `kernel` columns are the GPU's time per call in each contender's kernels (torch.profiler, the "
@@ -290,34 +292,42 @@ def _medians(runs: list) -> str:
     passes = max((run.get("passes", 1) for run in runs), default=1)
     if passes == 1:
         return "medians"
+    extra = max((run.get("extra_passes", 0) for run in runs), default=0)
+    again = (f"; a row whose passes disagree on Keel's time (no majority of them within "
+             f"{round(100 * (UNSTEADY - 1))}% of each other) is timed in further passes, up to {extra} more, until "
+             "they agree (`extra_passes` in raw.json counts them)") if extra else ""
     return (f"the median of {passes} passes' medians: each run goes {passes} times through all its cases, timing "
             "each for a part of its budget, so that a burst of load on the machine spoils one pass of a row, not "
-            "the row (`ms_passes` in raw.json keeps each pass's medians). A ratio (`vs eager`, `vs compile`, `of "
-            "bandwidth` against the row's clone, `Keel / clone`) is the median of the ratios within each pass, "
+            f"the row (`ms_passes` in raw.json keeps each pass's medians){again}. A ratio (`vs eager`, `vs compile`, "
+            "`of bandwidth` against the row's clone, `Keel / clone`) is the median of the ratios within each pass, "
             "whose contenders shared its load, so it need not be the ratio of the two times shown")
 
 
-# Spread between a row's passes (slowest over fastest pass of Keel's call)
-# from which the report names the row as timed under a moving load.
-UNSTEADY = 1.25
-
-
 def _unsteady(runs: list) -> list:
-    """A line naming the rows whose passes disagreed on Keel's time by more
-    than UNSTEADY: their medians stand, but the machine's load moved under
-    them. Nothing for runs timed in one pass."""
-    names = []
+    """Lines naming the rows timed in extra passes (`measure.time_cases`), and
+    those whose passes still did not agree on Keel's time (`timing.agreeing`):
+    their medians stand, but the machine's load moved under them. Nothing for
+    runs timed in one pass."""
+    again, names = [], []
     for title, run, device in _runs_by_device(runs):
         for part in ("rows", "decode"):
             for r in run.get(part, []):
                 p = r.get("ms_passes", {}).get("keel", [])
-                if r.get("device") == device and len(p) > 1 and max(p) > UNSTEADY * min(p):
-                    names.append(f"{title}{', decode' if part == 'decode' else ''}: {r['op']} {r['dtype']} "
-                                 f"({min(p):.3g}-{max(p):.3g} ms)")
-    if not names:
-        return []
-    return [f"Rows whose passes disagreed on Keel's time by more than {round(100 * (UNSTEADY - 1))}% (the machine's "
-            "load moved during them; the median pass stands): " + "; ".join(names) + ".", ""]
+                if r.get("device") != device or len(p) < 2:
+                    continue
+                name = f"{title}{', decode' if part == 'decode' else ''}: {r['op']} {r['dtype']}"
+                if r.get("extra_passes"):
+                    again.append(f"{name} ({r['extra_passes']})")
+                if not agreeing(p):
+                    names.append(f"{name} ({min(p):.3g}-{max(p):.3g} ms)")
+    lines = []
+    if again:
+        lines += [f"Rows timed in extra passes (how many), their first passes disagreeing: {'; '.join(again)}.", ""]
+    if names:
+        lines += [f"Rows whose passes did not agree on Keel's time (no majority of them within "
+                  f"{round(100 * (UNSTEADY - 1))}% of each other; the machine's load moved during them, and the "
+                  "median pass stands): " + "; ".join(names) + ".", ""]
+    return lines
 
 
 def _us(ms: float) -> str:

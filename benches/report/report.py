@@ -25,7 +25,7 @@ sys.path.insert(0, HERE)
 
 from malloc import settings  # noqa: E402
 from render import markdown, plots  # noqa: E402
-from timing import passes_arg  # noqa: E402
+from timing import extra_passes_arg, passes_arg  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--passes", type=passes_arg, default=None,
                     help="passes through the cases, each timing every case for budget/passes seconds "
                          "(default: measure.py's PASSES)")
+    ap.add_argument("--extra-passes", type=extra_passes_arg, default=None,
+                    help="the most further passes a row takes while its passes disagree on Keel's time "
+                         "(default: measure.py's EXTRA_PASSES)")
     ap.add_argument("--no-kernel-times", action="store_true",
                     help="CUDA: skip each row's GPU kernel times (torch.profiler)")
     ap.add_argument("--decode-ops", default=None,
@@ -66,6 +69,7 @@ def main() -> None:
         cmd += ["--devices", devices] if devices else []
         cmd += ["--budget", str(a.budget)]
         cmd += ["--passes", str(a.passes)] if a.passes is not None else []
+        cmd += ["--extra-passes", str(a.extra_passes)] if a.extra_passes is not None else []
         rc = subprocess.run(cmd, env={**os.environ, **env}).returncode
         if not os.path.exists(path):
             sys.exit(f"report: the measuring run '{label or 'default'}' failed (exit {rc})")

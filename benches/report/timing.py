@@ -86,6 +86,33 @@ def passes_arg(text: str) -> int:
     return n
 
 
+def extra_passes_arg(text: str) -> int:
+    """The argparse type of `--extra-passes` (report.py, measure.py): a whole
+    number of further passes a row may take, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
+# The spread (slowest over fastest) within which a row's passes agree.
+UNSTEADY = 1.25
+
+
+def agreeing(passes: List[float]) -> bool:
+    """Whether most of `passes` (one contender's time in each pass of a row:
+    more than half of them) lie within UNSTEADY of each other. Such a group
+    holds the median pass (of an odd count; both middle ones of an even
+    count), so the median is a time that most passes agree on, not one that
+    a load moving during the row made. One pass agrees with itself."""
+    s = sorted(passes)
+    k = len(s) // 2 + 1
+    return any(s[i + k - 1] <= UNSTEADY * s[i] for i in range(len(s) - k + 1))
+
+
 def interleaved(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
                 min_reps: int = 5, max_reps: int = 41, faults: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """Median seconds per call of each function, timed in interleaved

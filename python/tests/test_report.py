@@ -62,8 +62,12 @@ def test_small_report_runs_and_checks_values(tmp_path):
         assert r["err"]["keel"] > 0, r  # positions 0-31: the rotation is not the identity
         assert r["err"]["typed"] == r["err"]["keel"], r  # the same kernels
     assert all("typed" not in r["ms"] for r in rows), rows  # timed at decode shapes only
-    # Every contender of every row timed in the default five passes.
-    assert raw["passes"] == 5 and all(len(p) == 5 for r in rows + raw["decode"] for p in r["ms_passes"].values())
+    # Every contender of every row timed in the default five passes, and in the same
+    # extra ones (up to four) where Keel's first five disagreed.
+    assert raw["passes"] == 5 and raw["extra_passes"] == 4
+    for r in rows + raw["decode"]:
+        n = 5 + r.get("extra_passes", 0)
+        assert n <= 9 and all(len(p) == n for p in r["ms_passes"].values()), r
     assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
     # Every contender's outputs of 1 MiB or more are fresh memory (report.py).
     assert raw["machine"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
@@ -490,6 +494,15 @@ def test_every_command_refuses_passes_below_one(script, value, says):
     assert r.returncode == 2 and f"argument --passes: {says}" in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("script", ["benches/report/report.py", "benches/report/measure.py"])
+@pytest.mark.parametrize("value, says", [("-1", "must be 0 or more, got -1"), ("x", "must be a whole number, got 'x'")])
+def test_every_command_refuses_extra_passes_below_zero(script, value, says):
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    r = subprocess.run([sys.executable, os.path.join(root, script), "--out", "/nonexistent", "--extra-passes", value],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and f"argument --extra-passes: {says}" in r.stderr, r.stderr
+
+
 def test_each_contender_follows_each_other_one_in_turn(monkeypatch):
     """A call pays for the state the call before it left (freed memory, fresh
     pages, caches): rounds rotate the contenders' order, and each pass of
@@ -524,15 +537,83 @@ def test_each_contender_follows_each_other_one_in_turn(monkeypatch):
 
 def test_rows_timed_in_passes_say_so_and_a_moving_load_is_named():
     steady = dict(_row("steady", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 1.1, 0.95]})
-    moved = dict(_row("moved", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 2.6, 0.9]})
-    run = dict(_run([steady, moved]), passes=3)
+    # One pass of three spoiled: the other two agree, and the median is one of them.
+    spoiled = dict(_row("spoiled", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 2.6, 0.9]})
+    moved = dict(_row("moved", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 2.6, 1.6]}, extra_passes=2)
+    again = dict(_row("again", 1.0, 2.0, 2.0), ms_passes={"keel": [1.0, 2.6, 1.6, 1.1, 1.05]}, extra_passes=2)
+    run = dict(_run([steady, spoiled, moved, again]), passes=3, extra_passes=4)
     text = markdown([run], [])
     assert "the median of 3 passes' medians" in text
-    line = next(t for t in text.splitlines() if t.startswith("Rows whose passes disagreed"))
-    assert "CPU: moved float32 (0.9-2.6 ms)" in line and "steady" not in line, line
-    # Runs recorded before passes: medians, and no such line.
+    assert "is timed in further passes, up to 4 more, until they agree" in text
+    line = next(t for t in text.splitlines() if t.startswith("Rows whose passes did not agree"))
+    assert "CPU: moved float32 (1-2.6 ms)" in line and "within 25% of each other" in line, line
+    assert not any(n in line for n in ("steady", "spoiled", "again")), line
+    line = next(t for t in text.splitlines() if t.startswith("Rows timed in extra passes"))
+    assert "CPU: moved float32 (2); CPU: again float32 (2)." in line, line
+    # Runs recorded before passes: medians, and no such lines.
     old = markdown([_run([_row("moved", 1.0, 2.0, 2.0)])], [])
-    assert "figures are medians." in old and "Rows whose passes disagreed" not in old
+    assert "figures are medians." in old and "Rows whose passes" not in old and "extra passes" not in old
+    # Runs recorded before extra passes: the disagreeing rows are named, nothing said of extra passes.
+    before = markdown([dict(_run([moved | {"extra_passes": 0}]), passes=3)], [])
+    assert "Rows whose passes did not agree" in before and "further passes" not in before
+
+
+@pytest.mark.parametrize("passes, agree", [
+    ([], False), ([3.0], True), ([1.0, 1.3], False), ([1.0, 1.25], True),
+    ([1.0, 9.0, 1.2], True), ([1.0, 2.6, 1.6], False), ([5.0, 1.0, 1.1, 9.0], False),
+    ([5.0, 1.0, 1.1, 1.2, 9.0], True), ([1.0, 1.3, 1.6, 2.0, 2.5], False), ([2.0, 2.4, 2.45, 1.0, 9.0], True),
+])
+def test_passes_agree_where_most_of_them_lie_within_a_quarter_of_each_other(passes, agree):
+    from timing import agreeing
+
+    assert agreeing(passes) is agree
+
+
+def test_rows_whose_passes_disagree_are_timed_again_until_most_agree(monkeypatch):
+    """Extra passes go through the rows still disagreeing, each one until most
+    of its passes agree or it has had `extra` more; the rows come out in the
+    cases' order all the same."""
+    import measure
+    from cases import Case
+
+    # Keel's time in each pass of each case (ms); the others' are 1 ms.
+    script = {"steady": [1.0, 1.1, 1.0], "late": [1.0, 2.0, 4.0, 1.05, 1.1, 9.0],
+              "never": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]}
+    timed = []
+
+    def fake(fns, device, budget_s, start=0, **kw):
+        name = current[0]
+        timed.append(name)
+        ms = script[name][sum(1 for n in timed if n == name) - 1]
+        return ({k: [(ms if k == "keel" else 1.0) * 1e-3] * 2 for k in fns}, {k: [0.0] * 2 for k in fns})
+
+    current = [None]
+    real = measure.contenders
+
+    def contenders(case, *a, **kw):
+        row, fns = real(case, *a, **kw)
+        # Which case a call of `rounds` times: its keel function, wrapped to say so.
+        return row, {k: (lambda f=f, n=case.name: current.__setitem__(0, n) or f()) for k, f in fns.items()}
+
+    def rounds(fns, *a, **kw):
+        fns["keel"]()
+        return fake(fns, *a, **kw)
+
+    monkeypatch.setattr(measure, "contenders", contenders)
+    monkeypatch.setattr(measure, "rounds", rounds)
+    cases = [Case(n, "4x8", (torch.randn(4, 8),), _twice, _twice, 1) for n in ("never", "late", "steady")]
+    rows = list(measure.time_cases(cases, "cpu", "float32", False, 0.0, passes=3, extra=4))
+    assert [r["op"] for r in rows] == ["never", "late", "steady"], rows
+    by = {r["op"]: r for r in rows}
+    assert by["steady"]["ms_passes"]["keel"] == pytest.approx([1.0, 1.1, 1.0]) and "extra_passes" not in by["steady"]
+    assert by["late"]["ms_passes"]["keel"] == pytest.approx([1.0, 2.0, 4.0, 1.05, 1.1]), by["late"]
+    assert by["late"]["extra_passes"] == 2 and by["late"]["ms"]["keel"] == pytest.approx(1.1)
+    assert len(by["never"]["ms_passes"]["keel"]) == 7 and by["never"]["extra_passes"] == 4, by["never"]
+    assert timed.count("steady") == 3 and timed.count("late") == 5 and timed.count("never") == 7, timed
+    # No extra passes asked for: three passes each, whatever they say.
+    timed.clear()
+    rows = list(measure.time_cases(cases, "cpu", "float32", False, 0.0, passes=3, extra=0))
+    assert all(len(r["ms_passes"]["keel"]) == 3 and "extra_passes" not in r for r in rows), rows
 
 
 def test_ratios_are_taken_within_each_pass():
