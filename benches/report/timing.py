@@ -74,13 +74,18 @@ def rounds(fns: Dict[str, Callable], device: str = "cpu", budget_s: float = 1.5,
     return times, flt
 
 
+def _whole(text: str) -> int:
+    """`text` as a whole number, for argparse: refused, saying so, where it is not one."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+
+
 def passes_arg(text: str) -> int:
     """The argparse type of `--passes` (report.py, measure.py, the demo): a
     whole number of passes through the cases, at least 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    n = _whole(text)
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
     return n
@@ -89,10 +94,7 @@ def passes_arg(text: str) -> int:
 def extra_passes_arg(text: str) -> int:
     """The argparse type of `--extra-passes` (report.py, measure.py): a whole
     number of further passes a row may take, 0 or more."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    n = _whole(text)
     if n < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
     return n
