@@ -56,7 +56,7 @@ for ver in "${versions[@]}"; do
   got="$("$PY" -c 'import torch; print(torch.__version__)')"
   log="$(mktemp)"
   rc=0
-  "$PY" -m pytest -q -p no:cacheprovider python/tests 2>&1 | tee "$log" || rc=$?
+  "$PY" -m pytest -q -p no:cacheprovider "${PYTEST_WORKERS[@]}" python/tests 2>&1 | tee "$log" || rc=$?
   result="$(grep -E '^(=+ )?[0-9]+ (passed|failed)' "$log" | tail -n1 | sed 's/=//g; s/^ *//; s/ *$//')"
   rm -f "$log"
   [ "$rc" = 0 ] || failed=1

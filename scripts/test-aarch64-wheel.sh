@@ -27,7 +27,11 @@ echo "$WHEEL"
 
 env="$root/.venv-aarch64"
 sysroot="$env/sysroot" site="$env/site"
-if [ ! -f "$env/.ready" ]; then
+# torch and the tests' tools, as aarch64 wheels for CPython 3.11 (.ready names
+# them: a change rebuilds the environment).
+wheels=(torch==2.10.0 filelock typing-extensions sympy mpmath networkx jinja2 markupsafe fsspec numpy
+  pytest pluggy iniconfig packaging pygments expecttest pytest-xdist execnet)
+if [ "$(cat "$env/.ready" 2>/dev/null)" != "${wheels[*]}" ]; then
   rm -rf "$env"
   mkdir -p "$env/debs"
   # Debian 12's arm64 CPython and what it and torch load, by Depends.
@@ -38,16 +42,14 @@ if [ ! -f "$env/.ready" ]; then
     skip "Debian's arm64 packages could not be downloaded"
   for deb in "$env"/debs/*.deb; do dpkg-deb -x "$deb" "$sysroot"; done
   rm -rf "$env/debs"
-  # torch and the tests' tools, aarch64 wheels for CPython 3.11, no resolver:
-  # pip would judge the dependencies' markers by this x86_64 machine.
+  # No resolver: pip would judge the dependencies' markers by this x86_64 machine.
   plats=()
   for v in 17 24 27 28 31 34 35 36; do plats+=(--platform "manylinux_2_${v}_aarch64"); done
   PIP_NO_CACHE_DIR=1 python3 -m pip install -q --disable-pip-version-check --target "$site" "${plats[@]}" \
     --platform manylinux2014_aarch64 --python-version 3.11 --implementation cp --abi cp311 \
-    --only-binary=:all: --no-deps torch==2.10.0 filelock typing-extensions sympy mpmath networkx \
-    jinja2 markupsafe fsspec numpy pytest pluggy iniconfig packaging pygments expecttest ||
+    --only-binary=:all: --no-deps "${wheels[@]}" ||
     skip "torch 2.10.0's aarch64 wheel and its dependencies could not be downloaded"
-  touch "$env/.ready"
+  echo "${wheels[*]}" > "$env/.ready"
 fi
 rm -rf "$env/keel"
 python3 -m zipfile -e "$WHEEL" "$env/keel"
@@ -75,5 +77,7 @@ ignored=(test_capability test_report)
 args=()
 for t in "${ignored[@]}"; do args+=(--ignore "python/tests/$t.py"); done
 args+=(--deselect python/tests/test_fork.py::test_dataloader_fork_workers_run_keel_ops_after_the_parent_did)
-py "import pytest; sys.exit(pytest.main(sys.argv[1:]))" -q -p no:cacheprovider "${args[@]}" \
+# pytest-xdist's workers (PYTEST_WORKERS): each its own qemu process, each
+# emulated on one core.
+py "import pytest; sys.exit(pytest.main(sys.argv[1:]))" -q -p no:cacheprovider "${PYTEST_WORKERS[@]}" "${args[@]}" \
   -k "not compile and not inductor and not aot" python/tests

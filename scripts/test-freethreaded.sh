@@ -59,4 +59,4 @@ py="$PY"
 PYTHON_GIL=0 "$py" -c "import sys, torch, keel
 assert not sys._is_gil_enabled()
 print('torch', torch.__version__, 'on CPython', sys.version.split()[0], 'free-threaded, GIL disabled')"
-PYTHON_GIL=0 "$py" -m pytest -q -p no:cacheprovider python/tests
+PYTHON_GIL=0 "$py" -m pytest -q -p no:cacheprovider "${PYTEST_WORKERS[@]}" python/tests

@@ -77,12 +77,12 @@ find_python() {
 # install fails.
 torch_env() {
   local ver="$1" python="${2:-python3}" venv="$_root/.venv-torch-$1" spec
-  local extras=(numpy pytest expecttest matplotlib tqdm)
+  local extras=(numpy pytest pytest-xdist expecttest matplotlib tqdm)
   if [ -n "${2:-}" ]; then
     venv="$venv-py$("$python" -c 'import sys; print("%d.%d%s" % (*sys.version_info[:2], sys.abiflags))')"
   fi
   if "$python" -c 'import sys, sysconfig; sys.exit(not sysconfig.get_config_var("Py_GIL_DISABLED"))'; then
-    extras=(--only-binary=:all: numpy pytest expecttest tqdm)
+    extras=(--only-binary=:all: numpy pytest pytest-xdist expecttest tqdm)
   fi
   if [ "$ver" = latest ]; then spec="torch"; else spec="torch==$ver"; fi
   if [ "$ver" = latest ] && [ -f "$venv/.ready" ] && _newer_torch "$venv"; then
@@ -94,10 +94,19 @@ torch_env() {
     _make_room "$venv"
     "$python" -m venv "$venv" || return 1
     _install_frugal "$venv" "$spec" "${extras[@]}" || return 1
-    touch "$venv/.ready"
+    echo "${extras[*]}" > "$venv/.ready"
+  elif [ "$(cat "$venv/.ready")" != "${extras[*]}" ]; then
+    # A venv made before the tools changed: the tools added, torch kept.
+    PIP_NO_CACHE_DIR=1 "$venv/bin/pip" install -q --disable-pip-version-check "${extras[@]}" || return 1
+    echo "${extras[*]}" > "$venv/.ready"
   fi
   PY="$venv/bin/python"
 }
+
+# pytest's arguments that spread a suite over pytest-xdist's workers, one per
+# CPU: the suites are mostly single-threaded Python, so on CI's 2 cores this
+# nearly halves them. KEEL_TEST_WORKERS sets the count (0: one process).
+PYTEST_WORKERS=(-n "${KEEL_TEST_WORKERS:-auto}")
 # The glibc whose symbol versions the wheel's library is linked against: torch's
 # own wheels' floor (manylinux_2_28) since torch 2.6, so Keel installs wherever
 # torch does, not only where glibc is as new as the machine that built it.
