@@ -68,7 +68,7 @@ prefetch_pid=""
 # Where a step fails first, the background job (its pip too) is stopped.
 trap 'rm -f "$prefetch_log"; [ -z "$prefetch_pid" ] || { pkill -P "$prefetch_pid"; kill "$prefetch_pid"; } 2>/dev/null || true' EXIT
 need_mb=$(( (${#plan[@]} + 2) * KEEL_TORCH_NEED_MB ))
-if [ "$(df -Pm "$root" | awk 'NR==2 {print $4}')" -ge "$need_mb" ]; then
+if [ "$(_free_mb)" -ge "$need_mb" ]; then
   (
     for entry in "${plan[@]}"; do
       IFS='|' read -r ver pyv python <<<"$entry"
@@ -179,7 +179,8 @@ for entry in "${plan[@]}"; do
 done
 
 # The levels do not depend on torch: under the last torch that ran only. The op tests
-# in one pytest process per level (test_capability.py checks the level took).
+# in one pytest run per level (its workers inherit the level; test_capability.py
+# checks the level took).
 for cap in avx2 default; do
   step "python op tests at KEEL_CPU_CAPABILITY=$cap (torch $ran_ver)"
   (cd "$root" && KEEL_CPU_CAPABILITY="$cap" "$PY" -m pytest -q -p no:cacheprovider "${PYTEST_WORKERS[@]}" \
