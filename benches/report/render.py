@@ -56,8 +56,8 @@ def _regime_switch(row: dict, device: str) -> Optional[str]:
 def _line_gbps(row: dict, bw: dict, device: str) -> float:
     """The bandwidth an op's GB/s is held against. CPU: the floor timed beside
     the op in this row ([`_own_floor`]: same minutes, same sizes: this
-    machine's bandwidth drifts up to 2x within a run, and a line measured once
-    at the start does not say what the op had), unless the op's call and the
+    machine's bandwidth drifts up to 2x within a run, and a line measured at
+    its ends does not say what the op had), unless the op's call and the
     clone did not pay the same page faults ([`_regime_switch`]): then the run's
     line of Keel's kind, the fresh clone or the copy into an existing tensor.
     CUDA, or rows from before their floor was recorded: the run's bandwidth
@@ -199,8 +199,8 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               f"{_medians(runs)}. GB/s counts the bytes an op must read and write once (the least any kernel moves). The "
               "bandwidth an op is held against (`of bandwidth`) is, on CPU, that of the fresh `clone` timed beside "
               "it in the same row (outputs are fresh allocations there, and pay the same page faults; the clone "
-              "line of the table below is measured once, at the start, and this machine's bandwidth drifts during a "
-              "run; where a row's clone and Keel's call did not pay the same page faults, one writing fresh pages and "
+              "line of the table below is the faster of two measures, at the start of the run and after its rows, and "
+              "this machine's bandwidth drifts during a run; where a row's clone and Keel's call did not pay the same page faults, one writing fresh pages and "
               "the other reusing memory freed before, the row is held against the run's line of Keel's kind instead, "
               "and marked: see below the tables), and on CUDA "
               "a copy into an existing tensor. `err` is the largest error against float64, "

@@ -68,7 +68,11 @@ def test_small_report_runs_and_checks_values(tmp_path):
     for r in rows + raw["decode"]:
         n = 5 + r.get("extra_passes", 0)
         assert n <= 9 and all(len(p) == n for p in r["ms_passes"].values()), r
-    assert raw["bandwidth"]["cpu"]["clone_GBps"] > 0 and raw["bandwidth"]["cpu"]["copy_GBps"] > 0
+    # The bandwidth line: measured at the start and after the rows, each GB/s the faster.
+    bw = raw["bandwidth"]["cpu"]
+    start, end = bw["measures"]["start"], bw["measures"]["end"]
+    for k in ("clone_GBps", "copy_GBps"):
+        assert start[k] > 0 and end[k] > 0 and bw[k] == max(start[k], end[k]), bw
     # Every contender's outputs of 1 MiB or more are fresh memory (report.py).
     assert raw["machine"]["MALLOC_MMAP_THRESHOLD_"] == os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
     # ... and freed heap memory stays mapped (see the test below).
