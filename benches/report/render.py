@@ -53,6 +53,14 @@ def _regime_switch(row: dict, device: str) -> Optional[str]:
     return None if keel == clone else "clone" if keel else "copy"
 
 
+def _line(bw: dict, key: str) -> str:
+    """A bandwidth line's GB/s for the table, with its two measures (at the
+    start of the run and after its rows) where the run recorded them."""
+    m = bw.get("measures")
+    both = f" ({m['start'][key]:.1f} at the start, {m['end'][key]:.1f} after the rows)" if m else ""
+    return f"{bw[key]:.1f}{both}"
+
+
 def _line_gbps(row: dict, bw: dict, device: str) -> float:
     """The bandwidth an op's GB/s is held against. CPU: the floor timed beside
     the op in this row ([`_own_floor`]: same minutes, same sizes: this
@@ -216,7 +224,7 @@ def markdown(runs: List[dict], images: List[str]) -> str:
               "|---|---|---|---|"]
     for title, run, device in _runs_by_device(runs):
         bw = run["bandwidth"][device]
-        lines.append(f"| {title} | {device} | {bw['clone_GBps']:.1f} | {bw['copy_GBps']:.1f} |")
+        lines.append(f"| {title} | {device} | {_line(bw, 'clone_GBps')} | {_line(bw, 'copy_GBps')} |")
     lines.append("")
     misses = []
     for title, run, device in _runs_by_device(runs):

@@ -158,6 +158,17 @@ def test_verdicts(keel_ms, misses):
         assert "None." in tail
 
 
+def test_the_bandwidth_table_gives_the_line_and_both_of_its_measures():
+    run = _run([_row("op", 1.0, 2.0, 2.0)])
+    start = {"bytes": 1, "clone_GBps": 1.0, "copy_GBps": 41.0}
+    end = {"bytes": 1, "clone_GBps": 8.0, "copy_GBps": 40.0}
+    run["bandwidth"]["cpu"] = {"bytes": 1, "clone_GBps": 8.0, "copy_GBps": 41.0, "measures": {"start": start, "end": end}}
+    text = markdown([run], [])
+    assert "| cpu | 8.0 (1.0 at the start, 8.0 after the rows) | 41.0 (41.0 at the start, 40.0 after the rows) |" in text
+    # A run from before the second measure: the line alone.
+    assert "| cpu | 10.0 | 40.0 |" in markdown([_run([_row("op", 1.0, 2.0, 2.0)])], [])
+
+
 def test_compute_bound_ops_have_no_bandwidth_target_and_overhead_is_judged():
     run = _run([_row("ce", 5.0, 10.0, 10.0, bound=False, err=1.0)],
                [{"device": "cpu", "name": "tiny", "keel_us": 3.0, "typed_us": 2.5, "torch_us": 1.0}])
