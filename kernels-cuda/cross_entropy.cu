@@ -21,14 +21,15 @@
 //     not ignored, or with weights the sum of their targets' weights) and
 //     writes the output: the row losses cast to T (reduction 0 = "none"), or
 //     their mean (1) or sum (2) over the rows not ignored (NaN when a target
-//     is bad).
+//     is bad, and for a mean over no weight, as torch's).
 // Backward: cross_entropy_count (one block, the same status), then
 //   cross_entropy_bwd_*: one block per row, taking the row's lse from the
 //   forward, or recomputing it when lse is null or |lse| >= 64 (one read, as
 //   above), then
 //   the gradient (one more read, and the write):
 //   dx = g (softmax(x) - ls / cols) - g (1 - ls) [j == t], g = the row's loss
-//   gradient (grad[row], or grad[0], over status[1] for "mean"); 0 for
+//   gradient (grad[row], or grad[0], over status[1] for "mean", NaN where
+//   that is 0, as torch's); 0 for
 //   ignored rows, NaN for bad ones. With weights, g (A softmax(x) - ls / cols
 //   w[j]) - g (1 - ls) w[t] [j == t], A = (1 - ls) w[t] + ls W / cols (W
 //   summed once per block).
@@ -146,7 +147,9 @@ __device__ __forceinline__ void ce_reduce(const float* __restrict__ loss, const 
   }
   s = block_sum(s, scratch);
   valid = block_sum(valid, scratch);
-  if (threadIdx.x == 0) out[0] = from_f32<T>(reduction == 1 ? s / valid : s);
+  // "mean" over no weight (every row ignored, or every target's weight 0) is
+  // NaN, as torch's, even where label smoothing leaves s above 0.
+  if (threadIdx.x == 0) out[0] = from_f32<T>(reduction == 1 ? (valid == 0.f ? NAN : s / valid) : s);
 }
 
 template <typename T>
@@ -175,7 +178,10 @@ __device__ __forceinline__ void ce_bwd(const T* __restrict__ grad, const T* __re
       continue;
     }
     float g = to_f32(grad[reduction == 0 ? row : 0]);
-    if (reduction == 1) g /= __int_as_float(status[1]);
+    if (reduction == 1) {  // NaN over no weight, as the forward's mean
+      const float over = __int_as_float(status[1]);
+      g = over == 0.f ? NAN : g / over;
+    }
     // exp(x - m) / s: m = lse and s = 1 when the forward left the lse and
     // |lse| < 64 (LSE_TRUSTED_BELOW in kernels-cpu/src/cross_entropy.rs: lse's
     // rounding is a relative error of every probability, 2^-24 |lse|); the

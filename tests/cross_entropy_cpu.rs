@@ -244,6 +244,33 @@ fn known_values_with_class_weights() {
     assert!(err.to_string().contains("cross_entropy_backward: argument 'weight' has length 3"), "{err}");
 }
 
+/// "mean" over no weight is NaN, as torch's, with label smoothing too (where the
+/// smoothed term's sum is above 0: inf before): every row ignored, or every
+/// target's weight 0. The rows not ignored take a NaN gradient, the ignored 0.
+#[test]
+fn mean_over_no_weight_is_nan_as_torch() {
+    let (x, w) = ([0.5f32, -1.0, 2.0, 0.0, 1.0, 3.0], [1f32, 2.0, 0.0]);
+    for (t, weight) in [([IGNORE, IGNORE], None), ([IGNORE, IGNORE], Some(&w[..])), ([2, IGNORE], Some(&w[..]))] {
+        for ls in [0.0, 0.1] {
+            let opts = Options { ignore_index: IGNORE, label_smoothing: ls, reduction: Reduction::Mean };
+            let mut out = [0f32];
+            forward_cpu(&x, &t, weight, &mut out, None, 3, opts, Par::Seq).unwrap();
+            assert!(out[0].is_nan(), "{t:?} {ls}: {out:?}");
+            assert!(forward_ref(&x, &t, weight, 3, opts)[0].is_nan());
+            let mut dx = [1f32; 6];
+            backward_cpu(&[1.0f32], &x, &t, weight, None, &mut dx, 3, opts, Par::Seq).unwrap();
+            let want = backward_ref(&[1.0f32], &x, &t, weight, 3, opts);
+            for (i, (got, want)) in dx.iter().zip(&want).enumerate() {
+                let ignored = t[i / 3] == IGNORE;
+                assert!(
+                    if ignored { *got == 0.0 && *want == 0.0 } else { got.is_nan() && want.is_nan() },
+                    "{t:?} {ls}: {dx:?}"
+                );
+            }
+        }
+    }
+}
+
 /// The loss of f32 and f64 rows far from 0 keeps the precision of the loss,
 /// not of the offset: with label smoothing, `sum_c w_c (lse - x_c)` is summed
 /// from `x - max` (`W lse - sum(w x)` cancelled the offset: 1.8e-6 relative

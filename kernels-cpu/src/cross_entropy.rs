@@ -118,6 +118,19 @@ pub fn mean_over<T: Element>(target: &[i64], weight: Option<&[T]>, ignore_index:
     }
 }
 
+/// `sum / over` for `Mean`, NaN where `over` is 0 (no rows, every row ignored,
+/// or every target's class weight 0), as torch's: there its loss is NaN even
+/// where label smoothing leaves a sum above 0 (`0/0` of its unsmoothed term
+/// plus `x/0` of the smoothed one), and so is the gradient of each row not
+/// ignored (those ignored take 0).
+pub fn mean_of(sum: f64, over: f64) -> f64 {
+    if over == 0.0 {
+        f64::NAN
+    } else {
+        sum / over
+    }
+}
+
 /// Class weights and their sum.
 #[derive(Clone, Copy)]
 struct Weights<'a, T> {
@@ -237,7 +250,7 @@ pub(crate) fn write_losses<O: Element, A: Acc>(
     match reduction {
         Reduction::None => out.iter_mut().zip(losses).for_each(|(o, l)| *o = O::from_f64(l[0])),
         Reduction::Sum => out[0] = O::from_f64(sum()),
-        Reduction::Mean => out[0] = O::from_f64(sum() / mean_over),
+        Reduction::Mean => out[0] = O::from_f64(mean_of(sum(), mean_over)),
     }
 }
 
@@ -273,7 +286,7 @@ pub fn backward<T: Element>(
         match opts.reduction {
             Reduction::None => grad[i].to_f64(),
             Reduction::Sum => grad[0].to_f64(),
-            Reduction::Mean => grad[0].to_f64() / over,
+            Reduction::Mean => mean_of(grad[0].to_f64(), over),
         }
     };
     let w = Weights::new(weight);
@@ -527,7 +540,7 @@ pub fn forward_ref<T: Element>(
     match opts.reduction {
         Reduction::None => losses,
         Reduction::Sum => vec![losses.iter().sum()],
-        Reduction::Mean => vec![losses.iter().sum::<f64>() / over],
+        Reduction::Mean => vec![mean_of(losses.iter().sum::<f64>(), over)],
     }
 }
 
@@ -556,7 +569,7 @@ pub fn backward_ref<T: Element>(
         let g = match opts.reduction {
             Reduction::None => grad[i].to_f64(),
             Reduction::Sum => grad[0].to_f64(),
-            Reduction::Mean => grad[0].to_f64() / over,
+            Reduction::Mean => mean_of(grad[0].to_f64(), over),
         };
         let x: Vec<f64> = x.iter().map(|v| v.to_f64()).collect();
         let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);

@@ -84,9 +84,6 @@ struct Checked {
 /// label_smoothing, reduction, weight.
 type Args = (Tensor, Tensor, i64, f64, String, Option<Tensor>);
 
-/// torch's `ignore_index` default, the only one it takes with probabilities.
-const IGNORE_INDEX: i64 = -100;
-
 /// Checks logits, target, the options and the weights; returns the tensors
 /// contiguous ([`checks::dense`]).
 fn check(
@@ -131,8 +128,8 @@ fn check(
 }
 
 /// Checks a target of probabilities (a float tensor) against the logits
-/// (`sizes`): their shape, a dtype [`probs_pair`] takes, with the default
-/// `ignore_index` (`ii`).
+/// (`sizes`): their shape, a dtype [`probs_pair`] takes, and an
+/// `ignore_index` (`ii`) no class has (a negative one, as torch takes).
 fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i64) -> Result<()> {
     let dtype = target.dtype()?;
     if !probs_pair(c.dtype, dtype) {
@@ -147,7 +144,8 @@ fn check_probabilities(op: &str, target: &Tensor, c: &Rows, sizes: &[i64], ii: i
         let msg = format!("of probabilities must have the logits' shape {sizes:?}, got {:?}", target.sizes()?);
         return Err(invalid(op, "target", msg));
     }
-    if ii != IGNORE_INDEX {
+    // torch takes any negative one (no class has it) and refuses the others.
+    if ii >= 0 {
         let msg = format!("applies to class indices only, not to probabilities (a float target), got {ii}");
         return Err(invalid(op, "ignore_index", msg));
     }

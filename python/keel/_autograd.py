@@ -12,7 +12,7 @@ must itself be differentiable (``create_graph=True``): see ``_twice``.
 import torch
 
 from . import _twice
-from ._common import acc_dtype, class_weighted, heads_contiguous, nograd
+from ._common import acc_dtype, class_weighted, heads_contiguous, mean_over, nograd
 
 ops = torch.ops.keel
 
@@ -244,16 +244,18 @@ def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing
     g = grad if reduction == "none" else grad.expand(x.shape[0])
     if reduction == "mean":
         w_t = torch.where(live, w[t], 0.0)
-        over = w_t.sum()
-        g = g / over
+        g = mean_over(g, w_t.sum())
     g = torch.where(live, g, 0.0)
     c, s = x.shape[1], label_smoothing
     gw = torch.zeros_like(w).index_add_(0, t, g * (1.0 - s) * d)
+    # lse - x_c, each of the size of the loss's terms (W lse - x @ w would leak
+    # the logits' offset into the smoothing term, 2^-24 of it in float32).
+    minus = lse[:, None] - x if s != 0 else None
     if s != 0:
         # Ignored rows (lse 0, any x) contribute nothing: masked, not multiplied by 0.
-        gw = gw + (s / c) * torch.where(live[:, None], g[:, None] * (lse[:, None] - x), 0.0).sum(0)
+        gw = gw + (s / c) * torch.where(live[:, None], g[:, None] * minus, 0.0).sum(0)
     if reduction == "mean":
-        smooth = w.sum() * lse - x @ w if s != 0 else None
+        smooth = minus @ w if s != 0 else None
         mean = class_weighted(d, smooth, w, target, ignore_index, s, "mean")
         gw = gw - torch.zeros_like(w).index_add_(0, t, torch.where(live, g * mean, 0.0))
     return gw

@@ -22,11 +22,12 @@ given), as ``F.cross_entropy``:
 
 - class indices: row loss ``(1 - s) w_t (lse - x_t) + s / C * sum_c w_c (lse - x_c)``
   (0 for an ignored row); ``"mean"`` divides the sum by ``sum w_t`` over the rows
-  not ignored (NaN where that is 0/0, as torch);
+  not ignored (NaN where that is 0, as torch, label smoothing or not);
 - probabilities ``p`` (``q = (1 - s) p + s / C``): row loss
   ``sum_c w_c q_c (lse - x_c) = lse sum_c w_c q_c - sum_c w_c q_c x_c``;
   ``"mean"`` divides by the rows (NaN for none, as torch); an ``ignore_index``
-  other than the default is refused, as torch refuses it. ``p`` is taken in
+  of 0 or more is refused, as torch refuses it (a negative one, which no class
+  has, is taken and does nothing, as in torch). ``p`` is taken in
   float32 (float64 for float64 logits): a float32 copy of 16-bit targets.
 
 The weighting runs in float32 (float64 for float64 logits) on ``[N]`` vectors.
@@ -58,6 +59,7 @@ against ``F.cross_entropy`` with the same arguments in the same process:
   are, not widened: session 82.
 """
 import math
+import operator
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -144,15 +146,22 @@ def weighted(
     w = weight.to(acc)
     smooth = None
     if label_smoothing != 0:
-        # sum_c w_c (lse - x_c) = W (lse - mean(x)) + sum_c (W / C - w_c) x_c, W =
-        # sum(w): the op's loss with label smoothing 1 (whose gradient is
-        # softmax(x) - 1 / C: no gradient through lse, which would take a softmax of
-        # its own), and a matrix-vector product, rounded to the logits' dtype once
-        # (its error is s / C of it: under that rounding of the loss).
+        # sum_c w_c (lse - x_c) = W (lse - mean(x)) + sum_c (W / C - w_c) (x_c - lse),
+        # W = sum(w) (the coefficients sum to 0, so any shift of a row leaves the
+        # product as it is): the op's loss with label smoothing 1 (whose gradient is
+        # softmax(x) - 1 / C: no gradient through lse, which would take a softmax
+        # of its own), and a matrix-vector product of the logits less their lse in
+        # `acc`, whose terms are of the size of the loss's (log-probabilities), not
+        # of the logits'. Unshifted, or with its coefficients rounded to 16 bits,
+        # it leaked the logits' offset into the loss and the weights' gradient
+        # (bfloat16 logits near 300: 22% of a loss of 0.14; float32: 3e-5 of it;
+        # test_cross_entropy_differential.py). It costs one logits-sized buffer in
+        # `acc`, kept for the backward (the weights' gradient).
         c = logits.shape[-1]
         total = w.sum()
         uniform = with_lse(logits, target, ignore_index, 1.0, "none")[0]
-        smooth = total * uniform.to(acc) + torch.mv(logits, (total / c - w).to(logits.dtype)).to(acc)
+        shifted = logits.to(acc) - lse.detach()[:, None]
+        smooth = total * uniform.to(acc) + torch.mv(shifted, total / c - w)
     loss = class_weighted(losses.to(acc), smooth, w, target, ignore_index, label_smoothing, reduction)
     return loss.to(losses.dtype), lse
 
@@ -162,16 +171,20 @@ def check_probabilities(
     logits: Tensor,
     target: Tensor,
     ignore_index,
-    default_ignore_index: int,
     weight: Optional[Tensor],
     label_smoothing,
     reduction,
 ) -> None:
     """Raises a RuntimeError naming `op` and the argument where a float `target`
     (probabilities) is not shaped like `logits` on its device, the logits have
-    no classes to take them, or `ignore_index` is not the default (torch refuses
-    it for probabilities); then :func:`check` of the other arguments."""
-    if ignore_index != default_ignore_index:
+    no classes to take them, or `ignore_index` could be a class (0 or more: torch
+    refuses it for probabilities, and takes a negative one, which no class has);
+    then :func:`check` of the other arguments."""
+    try:
+        index = operator.index(ignore_index)
+    except TypeError:
+        _refuse(op, "ignore_index", f"must be an int, got {type(ignore_index).__name__}")
+    if index >= 0:
         _refuse(op, "ignore_index", f"applies to class indices only, not to probabilities (a float target), got {ignore_index}")
     if target.layout != torch.strided or target.is_nested:
         _refuse(op, "target", f"must be a dense (strided) tensor, got layout {target.layout}")

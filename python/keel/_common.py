@@ -48,8 +48,8 @@ def class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reductio
     ``d = lse - x[t]`` and ``smooth = sum_c w_c (lse - x_c)`` (anything on an
     ignored row; `smooth` unread without label smoothing): row loss ``(1 - s)
     w[t] d + s / C smooth``, 0 where `target` is `ignore_index`; ``"mean"``
-    divides the sum by that of ``w[t]`` over the rows not ignored (NaN where it
-    is 0/0, as torch). ``_autocast`` (the float32 value), ``_autograd`` (the
+    divides the sum by that of ``w[t]`` over the rows not ignored
+    (:func:`mean_over`). ``_autocast`` (the float32 value), ``_autograd`` (the
     "mean" term of the weights' gradient), ``_twice`` (differentiable twice)
     and ``_ce_forms`` (weights needing a gradient) each give their own ``d``
     and ``smooth``."""
@@ -62,7 +62,16 @@ def class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reductio
     if reduction == "none":
         return rows
     total = rows.sum()
-    return total / w_t.sum() if reduction == "mean" else total
+    return mean_over(total, w_t.sum()) if reduction == "mean" else total
+
+
+def mean_over(total, over):
+    """``total / over``, NaN where `over` is 0 (every row ignored, or every
+    target's class weight 0), as torch's cross-entropy mean: its loss is NaN
+    there even where label smoothing leaves `total` above 0, and so is the
+    gradient of each row not ignored (the ignored ones take 0: their terms are
+    masked, not multiplied by 0)."""
+    return total / torch.where(over == 0, torch.nan, over)
 
 
 def one_device(name, named):

@@ -272,7 +272,8 @@ def cross_entropy(
             elementwise ops (``keel._ce_forms``, which gives the costs: not
             faster than torch's).
         ignore_index: rows with this target contribute no loss and no gradient (class
-            indices only: with probabilities, one other than the default raises, as in torch).
+            indices only: with probabilities, as in torch, a negative one is taken and has no
+            effect, and one of 0 or more raises).
         label_smoothing: in ``[0, 1]``, as in torch.
         reduction: ``"mean"`` (over the rows not ignored; NaN when all are),
             ``"sum"`` or ``"none"`` (``[N]`` losses; target's shape for the other layouts).
@@ -304,7 +305,7 @@ def cross_entropy(
         kw = {} if weight is None else {"weight": weight}
         return _handle(cross_entropy, (logits, target, weight), logits, target, ignore_index, label_smoothing, reduction, **kw)
     if _probabilities(logits, target):
-        _ce_forms.check_probabilities(_CE, logits, target, ignore_index, _IGNORE_INDEX, weight, label_smoothing, reduction)
+        _ce_forms.check_probabilities(_CE, logits, target, ignore_index, weight, label_smoothing, reduction)
         return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)[0]
     if _other_layout(logits, target):
         return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight)
@@ -426,7 +427,7 @@ def cross_entropy_with_lse(
         # it takes the target, the target widened where it must be, else the loss
         # is built on it).
         op = "keel::cross_entropy_with_lse"
-        _ce_forms.check_probabilities(op, logits, target, ignore_index, _IGNORE_INDEX, weight, label_smoothing, reduction)
+        _ce_forms.check_probabilities(op, logits, target, ignore_index, weight, label_smoothing, reduction)
         return _ce_forms.probabilities(_with_lse, logits, target, weight, label_smoothing, reduction)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
         _ce_forms.check(

@@ -509,6 +509,8 @@ BAD_PROBABILITIES = [
     ("int logits", lambda: keel.cross_entropy(torch.ones(3, 5, dtype=torch.int64), torch.rand(3, 5)), r"keel::cross_entropy: argument 'logits' must be float32, float16, bfloat16 or float64, got torch.int64"),
     ("weight shape", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), weight=torch.ones(3)), r"keel::cross_entropy: argument 'weight' must have shape \[5\]"),
     ("ignore_index", lambda: keel.nn.CrossEntropyLoss(ignore_index=0)(torch.randn(3, 5), torch.rand(3, 5)), r"keel::cross_entropy: argument 'ignore_index' applies to class indices only, not to probabilities \(a float target\), got 0"),
+    ("ignore_index 1, with_lse", lambda: keel.cross_entropy_with_lse(torch.randn(3, 5), torch.rand(3, 5), 1), r"keel::cross_entropy_with_lse: argument 'ignore_index' applies to class indices only, not to probabilities \(a float target\), got 1"),
+    ("ignore_index not an int", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), "-1"), r"keel::cross_entropy: argument 'ignore_index' must be an int, got str"),
     ("reduction", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), reduction="avg"), r"keel::cross_entropy: argument 'reduction' must be"),
     ("label_smoothing", lambda: keel.cross_entropy(torch.randn(3, 5), torch.rand(3, 5), label_smoothing=-0.1), r"keel::cross_entropy: argument 'label_smoothing' must be in \[0, 1\], got -0.1"),
 ]
@@ -518,6 +520,37 @@ BAD_PROBABILITIES = [
 def test_bad_probability_targets_raise_naming_op_and_argument(call, msg):
     with pytest.raises(RuntimeError, match=msg):
         call()
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("ignore_index", [-1, -100, -7])
+def test_probability_targets_take_a_negative_ignore_index_as_torch(device, ignore_index):
+    """torch refuses an ignore_index of 0 or more with probabilities and takes a
+    negative one, which no class has and which changes nothing (``nn.CrossEntropyLoss
+    (ignore_index=-1)`` given soft labels, say); so do the typed API, the module and
+    the op called directly, forward and backward."""
+    x, p = make((4, 9), torch.float32, device, 0, 3.0), probabilities((4, 9), device)
+    xr = x.clone().requires_grad_()
+    want = F.cross_entropy(xr, p, ignore_index=ignore_index, label_smoothing=0.1)
+    want.backward()
+    for call in (
+        lambda x: keel.cross_entropy(x, p, ignore_index, 0.1),
+        lambda x: keel.cross_entropy_with_lse(x, p, ignore_index, 0.1)[0],
+        lambda x: keel.nn.CrossEntropyLoss(ignore_index=ignore_index, label_smoothing=0.1)(x, p),
+        lambda x: torch.ops.keel.cross_entropy(x, p, ignore_index, 0.1),
+    ):
+        xk = x.clone().requires_grad_()
+        got = call(xk)
+        got.backward()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(xk.grad, xr.grad)
+    g = make((4,), torch.float32, device, 2)
+    lse = torch.logsumexp(x, -1)
+    for given in (None, lse):
+        got = torch.ops.keel.cross_entropy_backward(g, x, p, ignore_index, 0.1, "none", given)
+        xn = x.clone().requires_grad_()
+        F.cross_entropy(xn, p, label_smoothing=0.1, reduction="none").backward(g)
+        torch.testing.assert_close(got, xn.grad)
 
 
 def test_torch_func_grad_and_vmap_match_torch():

@@ -429,13 +429,20 @@ fn softmax_and_ce<T: Dt>(c: Case) {
     close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad"));
 
     // cross_entropy: every third row ignored, label smoothing 0.1 (and 0 with
-    // weights), each reduction, with and without class weights (in [0.25, 2))
+    // weights), each reduction, with and without class weights (in [0.25, 2));
+    // and weights 0 at every target's class, whose mean is NaN (as torch's)
+    // with label smoothing too, and so is each gradient of a row not ignored
     let target: Vec<i64> = (0..rows).map(|i| if i % 3 == 1 { -100 } else { ((i * 7919) % cols) as i64 }).collect();
     let weights: Vec<T> = data::<T>(cols, 23).iter().map(|v| T::from_f64(v.to_f64().abs() * 0.5 + 0.25)).collect();
+    let mut unweighted_targets = weights.clone();
+    target.iter().filter(|&&t| t >= 0).for_each(|&t| unweighted_targets[t as usize] = T::from_f64(0.0));
     let reductions = [cross_entropy::Reduction::None, cross_entropy::Reduction::Mean, cross_entropy::Reduction::Sum];
     let weighted = Some(&weights[..]);
-    for (reduction, ls, w) in
-        reductions.into_iter().flat_map(|r| [(r, 0.1, None), (r, 0.1, weighted), (r, 0.0, weighted)])
+    let mean = cross_entropy::Reduction::Mean;
+    for (reduction, ls, w) in reductions
+        .into_iter()
+        .flat_map(|r| [(r, 0.1, None), (r, 0.1, weighted), (r, 0.0, weighted)])
+        .chain([(mean, 0.1, Some(&unweighted_targets[..])), (mean, 0.0, Some(&unweighted_targets[..]))])
     {
         let opts = cross_entropy::Options { ignore_index: -100, label_smoothing: ls, reduction };
         let m = reduction.out_len(rows);
