@@ -17,6 +17,8 @@ there the typed API (``keel.rms_norm`` ...) returns these torch-op versions afte
 Keel's argument checks (``through_torch``), and a Keel backward that meets dual
 gradients takes the path above.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
@@ -148,9 +150,16 @@ def layer_norm(x, weight, bias, eps):
 
 
 def gated(x, approximate=None):
-    """`act(x[..., :d]) * x[..., d:]`: silu where `approximate` is None, else gelu."""
+    """`act(x[..., :d]) * x[..., d:]`: silu where `approximate` is None, else gelu.
+
+    The tanh gelu in the kernels' sigmoid form, `a sigmoid(2u)`: F.gelu's `0.5 a (1 +
+    tanh u)` loses a result near 0 for negative `a` (0 in float32 at a = -5.3, where
+    the kernel gives 7.8e-9), so forward-mode AD's values would differ from Keel's."""
     a, g = x.to(acc_dtype(x)).chunk(2, -1)
-    act = F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)
+    if approximate == "tanh":
+        act = a * torch.sigmoid((2 * math.sqrt(2 / math.pi)) * (a + 0.044715 * a * a * a))
+    else:
+        act = F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)
     return (act * g).to(x.dtype)
 
 

@@ -7,8 +7,9 @@ permuted in memory, a strided last dim, a broadcast leading dim), values far fro
 0 or tiny, offsets that a one-pass variance would lose, rows of zeros, ``-inf``
 entries in softmax rows, every option (eps, scale, approximate, interleaved,
 partial rotary dims), and a gradient asked of any differentiable input, with a
-random cotangent. The in-place forms must give the out-of-place bits, and leave
-the rest of their storage alone.
+random cotangent; then second derivatives (double backward) and forward-mode
+products (dual tensors, ``torch.func.jvp``) on more such calls. The in-place forms
+must give the out-of-place bits, and leave the rest of their storage alone.
 
 Each result is held against the op's definition run in float64 by torch's
 autograd, within a few units in the last place of the dtype relative to the
@@ -22,6 +23,7 @@ import random
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import keel
@@ -405,6 +407,69 @@ def test_second_derivatives_at_random_agree_with_their_definitions(device, seed)
                 continue
             assert m is not None and m.dtype == dtype, f"{where}: second derivative {k}"
             _close(f"{where}: second derivative {k}", m, w, [n[k] for n in nears], TOL[dtype], floor, case.slack)
+            checked += 1
+    assert checked >= 20  # the generator reaches the comparisons
+
+
+def _jvp(fn, args, tangents):
+    """`fn(*args)`'s outputs and their tangents, by forward-mode AD (dual tensors)."""
+    with fwAD.dual_level():
+        duals = [a if t is None else fwAD.make_dual(a, t) for a, t in zip(args, tangents)]
+        outs = [fwAD.unpack_dual(o) for o in _outs(fn(*duals))]
+        return [o.primal.detach().clone() for o in outs], [o.tangent for o in outs]
+
+
+def _func_jvp(fn, args, tangents):
+    """As `_jvp`, through ``torch.func.jvp`` (a functorch transform) over the args with tangents."""
+    which = [k for k, t in enumerate(tangents) if t is not None]
+
+    def of(*xs):
+        full = list(args)
+        for k, x in zip(which, xs):
+            full[k] = x
+        return tuple(_outs(fn(*full)))
+
+    outs, tans = torch.func.jvp(of, tuple(args[k] for k in which), tuple(tangents[k] for k in which))
+    return list(outs), list(tans)
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("seed", range(5))
+def test_forward_mode_at_random_agrees_with_the_definitions(device, seed):
+    """Jacobian-vector products (dual tensors, and ``torch.func.jvp``) on the same random
+    calls, against the float64 definition's."""
+    rng = random.Random(2000 + seed)
+    g = torch.Generator().manual_seed(2000 + seed)
+    checked = 0
+    for i in range(60):
+        dtype = rng.choice(dtypes_for(device))
+        case = rng.choice(KINDS)(rng, g, dtype, device)
+        tans = [
+            None if a is None or not r or rng.random() < 0.3 else (torch.rand(a.shape, generator=g, dtype=torch.float64) - 0.5).to(dtype).to(device)
+            for a, r in zip(case.args, case.grads)
+        ]
+        if all(t is None for t in tans):
+            continue
+        # torch makes no dual of a broadcast (stride 0) primal, for its own ops either.
+        case.args = [a.contiguous() if t is not None and 0 in a.stride() else a for a, t in zip(case.args, tans)]
+        how = rng.choice([_jvp, _func_jvp])
+        where = f"seed {2000 + seed} case {i} ({how.__name__}): {case}, tangents {[t is not None for t in tans]}"
+        outs, got = how(case.keel, case.args, tans)
+
+        def on_cpu(d):
+            return [None if a is None else a.cpu().to(d) for a in case.args], [None if t is None else t.cpu().to(d) for t in tans]
+
+        want, want_t = _jvp(case.ref, *on_cpu(torch.float64))
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        nears = [_jvp(case.ref, *on_cpu(d)) for d in dict.fromkeys([acc, dtype])]
+        floor = max(case.terms()) * max(_finite_max(t) for t in tans if t is not None)
+        for k, (o, t, w, wt) in enumerate(zip(outs, got, want, want_t)):
+            _close(f"{where}: output {k}", o, w, [n[0][k] for n in nears], TOL[dtype], slack=case.slack)
+            if wt is None:
+                assert t is None or not t.nan_to_num(0).abs().any(), f"{where}: tangent {k}"
+                continue
+            assert t is not None and t.dtype == dtype, f"{where}: tangent {k}"
+            _close(f"{where}: tangent {k}", t, wt, [n[1][k] for n in nears], TOL[dtype], floor, case.slack)
             checked += 1
     assert checked >= 20  # the generator reaches the comparisons
 
