@@ -2,8 +2,9 @@
 :func:`keel.cross_entropy`: class weights (``weight=``) and probability targets
 (a float target shaped like the logits).
 
-The op takes class weights that need no gradient itself (in the logits' dtype),
-with class indices (:func:`weighted`) or probabilities, and takes probabilities
+The op takes class weights itself (in the logits' dtype): with class indices
+(:func:`weighted`) whether they need a gradient or not (its autograd gives it,
+``_autograd``), with probabilities where they need none; it takes probabilities
 where the target has the logits' dtype (:func:`fused`), and, outside autocast,
 targets of another of float32, float16 and bfloat16 as they are (a float32
 loss); targets of other dtypes are widened to one of those where that holds
@@ -38,12 +39,13 @@ whose gradient is ``softmax(x) - 1 / C``.
 Costs, forward + backward of ``[2048, 32000]`` on a 2-core Zen 4 (session 75),
 against ``F.cross_entropy`` with the same arguments in the same process:
 
-- weights needing a gradient, with class indices: the op's time (2.9x torch's
-  speed in float32, 3.2x in bfloat16); with label smoothing, the op twice and a
-  matrix-vector product, two more logits-sized buffers in the backward (1.5x
-  torch's speed); on CUDA the targets are checked (a synchronisation) by each
-  of the two calls. Weights read by the kernels: ``docs/BENCHMARKS.md``,
-  session 79;
+- weights needing a gradient, with class indices: the op with the weights, and
+  their gradient from its per-row results; with label smoothing also a
+  product of blocks of rows of ``lse - x`` in float32 with the rows' gradients
+  (one more pass over the logits, no logits-sized buffer; bfloat16 ``[2048,
+  32000]`` on the 2-core Xeon, session 88: 119 ms, torch 274 ms without a weight
+  gradient, this module's former composite 419 ms). Weights read by the
+  kernels: ``docs/BENCHMARKS.md``, session 79;
 - probabilities built here (a float64 target, or float64 weights needing a
   gradient, of narrower logits; under autocast, 16-bit logits with a target
   of another dtype): the op, and
@@ -65,7 +67,7 @@ from typing import Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ._common import ce_loss_dtype, class_weighted
+from ._common import ce_loss_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
 _HALF = (torch.float16, torch.bfloat16)
@@ -136,34 +138,14 @@ def weighted(
     `target`, and each row's log-sum-exp (0 where ignored); `with_lse` is
     ``keel.functional._with_lse``, whose op checks logits, target and
     ignore_index (a target out of range raises before `weight` is indexed). The
-    other arguments are checked already (:func:`check`). Weights that need no
-    gradient go to the op itself, whose kernels read them; others are applied
-    here to its unweighted per-row results."""
-    if not weight.requires_grad:
-        return with_lse(logits, target, ignore_index, label_smoothing, reduction, weight)
-    losses, lse = with_lse(logits, target, ignore_index, 0.0, "none")
-    acc = lse.dtype  # float32, or float64 for float64 logits
-    w = weight.to(acc)
-    smooth = None
-    if label_smoothing != 0:
-        # sum_c w_c (lse - x_c) = W (lse - mean(x)) + sum_c (W / C - w_c) (x_c - lse),
-        # W = sum(w) (the coefficients sum to 0, so any shift of a row leaves the
-        # product as it is): the op's loss with label smoothing 1 (whose gradient is
-        # softmax(x) - 1 / C: no gradient through lse, which would take a softmax
-        # of its own), and a matrix-vector product of the logits less their lse in
-        # `acc`, whose terms are of the size of the loss's (log-probabilities), not
-        # of the logits'. Unshifted, or with its coefficients rounded to 16 bits,
-        # it leaked the logits' offset into the loss and the weights' gradient
-        # (bfloat16 logits near 300: 22% of a loss of 0.14; float32: 3e-5 of it;
-        # test_cross_entropy_differential.py). It costs one logits-sized buffer in
-        # `acc`, kept for the backward (the weights' gradient).
-        c = logits.shape[-1]
-        total = w.sum()
-        uniform = with_lse(logits, target, ignore_index, 1.0, "none")[0]
-        shifted = logits.to(acc) - lse.detach()[:, None]
-        smooth = total * uniform.to(acc) + torch.mv(shifted, total / c - w)
-    loss = class_weighted(losses.to(acc), smooth, w, target, ignore_index, label_smoothing, reduction)
-    return loss.to(losses.dtype), lse
+    other arguments are checked already (:func:`check`). The op takes the
+    weights, its kernels read them; where they need a gradient, its autograd
+    gives it (``_autograd._ce_class_weight_grad``: with label smoothing, blocks
+    of rows of ``lse - x``, no logits-sized buffer). Until session 88 such weights
+    were applied here to the op's unweighted results, with label smoothing by the
+    op a second time and a float32 copy of the logits: 3.5x slower (bfloat16
+    ``[2048, 32000]``, fwd+bwd 419 ms against 119, docs/BENCHMARKS.md)."""
+    return with_lse(logits, target, ignore_index, label_smoothing, reduction, weight)
 
 
 def check_probabilities(

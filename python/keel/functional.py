@@ -289,10 +289,9 @@ def cross_entropy(
             autocast the float32 loss takes them as given. Weights that need a
             gradient: with probabilities, the op's formula gives it, the target
             widened where its dtype does not hold them (float32 weights of a
-            bfloat16 target); with class indices they are applied in float32
-            (float64 for float64 logits) to the op's unweighted per-row results
-            instead (``keel._ce_forms``: with label smoothing, the op twice and
-            a matrix-vector product).
+            bfloat16 target); with class indices, the op's autograd, computed
+            in float32 (float64 for float64 logits) and rounded to the dtype
+            the op reads the weights in (``keel._ce_forms.weighted``).
 
     Returns:
         The loss in ``logits``' dtype; under ``torch.autocast``, float32 for float16
