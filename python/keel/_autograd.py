@@ -274,8 +274,8 @@ def _shifted_dot(x, lse, live, rows=None, cols=None):
     """Products of ``m = lse[:, None] - x`` (in lse's dtype), rows not `live` left
     out whatever their logits, taken a block of rows at a time, so that no ``[N, C]``
     buffer is made: ``(m @ rows, cols @ m)`` (one value per row, 0 where not live;
-    one per class, the blocks' sums added, which keeps float32's error at that of
-    short chains, as :func:`_row_sums`), each where asked. Blocks of about 4 MB of
+    one per class, the blocks' sums added pairwise, which keeps float32's error
+    at that of short chains, as :func:`_row_sums`), each where asked. Blocks of about 4 MB of
     float32; ``lse - x`` is one pass over a block (torch promotes and subtracts
     at once)."""
     n, c = x.shape
@@ -285,14 +285,21 @@ def _shifted_dot(x, lse, live, rows=None, cols=None):
         x, lse = x.index_select(0, keep), lse.index_select(0, keep)
         cols = None if cols is None else cols.index_select(0, keep)
     block = min(max(2**20 // max(c, 1), 8), 1024)
-    by_row, by_col = [], None
+    by_row, pending = [], []  # pending: (level, partial sum of 2^level blocks)
     for i in range(0, x.shape[0], block):
         m = lse[i : i + block, None] - x[i : i + block]
         if rows is not None:
             by_row.append(m @ rows)
         if cols is not None:
-            part = cols[i : i + block] @ m
-            by_col = part if by_col is None else by_col + part
+            level, part = 0, cols[i : i + block] @ m
+            # Pairwise: the blocks' sums added as a binary tree, log2 of them deep.
+            while pending and pending[-1][0] == level:
+                part = pending.pop()[1] + part
+                level += 1
+            pending.append((level, part))
+    by_col = None
+    for _, part in reversed(pending):
+        by_col = part if by_col is None else by_col + part
     if cols is not None and by_col is None:
         by_col = lse.new_zeros(c)
     if rows is None:
