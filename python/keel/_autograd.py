@@ -146,9 +146,8 @@ def _cross_entropy_backward(ctx, grad):
 def _ce_weight_grad(ctx, grad, logits, target, weight, lse):
     """The gradient of the class weights, where they need one (with
     probabilities, ``keel.cross_entropy`` sends such weights here where they
-    have the target's dtype; with class indices it builds them on the op's
-    unweighted results, faster than this), in float32 (float64 for float64
-    logits); `lse` as :func:`_formula_lse` gives it. Probabilities: each row's ``g q_c
+    have the target's dtype; with class indices, always), in float32 (float64
+    for float64 logits); `lse` as :func:`_formula_lse` gives it. Probabilities: each row's ``g q_c
     (lse - x_c)`` summed over the rows, ``q = (1 - s) p + s / C``; class
     indices: :func:`_ce_class_weight_grad`."""
     if weight is None or grad is None or not ctx.needs_input_grad[5]:
@@ -240,7 +239,8 @@ def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing
     s / C sum_c w_c (lse - x_c)``, ``d = lse - x_t``, so ``(1 - s) d`` goes to
     the target's class and ``s / C (lse - x_c)`` to every class, times the row's
     gradient; ``"mean"`` (the sum over ``D = sum w_t``) also takes ``-M / D`` for
-    each row from its target's class, ``M`` the loss. All in `x`'s dtype."""
+    each row from its target's class, ``M`` the loss. All in `lse`'s dtype (`x`
+    in its own where the backward is plain: see :func:`_shifted_dot`)."""
     live = target != ignore_index
     t = torch.where(live, target, 0)
     d = torch.where(live, lse - x.gather(1, t[:, None]).squeeze(1).to(lse.dtype), 0.0)

@@ -333,6 +333,26 @@ def _close(where, got, want, nears, tol, floor=0.0, slack=0.0):
     assert err <= allowed, f"{where}: error {err:.3g} over {allowed:.3g} (result size {size:.3g})"
 
 
+def _torch_dtypes(dtype):
+    """The dtypes torch's own arithmetic is run in beside Keel's: the accumulation
+    dtype (float32 for 16-bit inputs), then `dtype` itself where that differs."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    return list(dict.fromkeys([acc, dtype]))
+
+
+def _draw(rng, g, device, seed, i):
+    """A random call and Keel's run of it: (dtype, case, the gradients asked of each
+    argument, a description, Keel's leaves, its outputs, random cotangents of them)."""
+    dtype = rng.choice(dtypes_for(device))
+    case = rng.choice(KINDS)(rng, g, dtype, device)
+    grads = [a is not None and r and rng.random() < 0.7 for a, r in zip(case.args, case.grads)]
+    where = f"seed {seed} case {i}: {case}, asked {grads}"
+    ours = [None if a is None else a.detach().requires_grad_(r) for a, r in zip(case.args, grads)]
+    got = _outs(case.keel(*ours))
+    cots = [(torch.rand(o.shape, generator=g, dtype=torch.float64) + 0.5).to(dtype).to(device) for o in got]
+    return dtype, case, grads, where, ours, got, cots
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("seed", range(10))
 def test_ops_at_random_agree_with_their_definitions(device, seed):
@@ -340,18 +360,11 @@ def test_ops_at_random_agree_with_their_definitions(device, seed):
     g = torch.Generator().manual_seed(seed)
     counts = {}
     for i in range(90):
-        dtype = rng.choice(dtypes_for(device))
-        case = rng.choice(KINDS)(rng, g, dtype, device)
-        grads = [a is not None and r and rng.random() < 0.7 for a, r in zip(case.args, case.grads)]
-        where = f"seed {seed} case {i}: {case}, asked {grads}"
-        ours = [None if a is None else a.detach().requires_grad_(r) for a, r in zip(case.args, grads)]
-        got = _outs(case.keel(*ours))
-        cots = [(torch.rand(o.shape, generator=g, dtype=torch.float64) + 0.5).to(dtype).to(device) for o in got]
+        dtype, case, grads, where, ours, got, cots = _draw(rng, g, device, seed, i)
         want, want_grads, _ = _ref_run(case, torch.float64, grads, cots)
         # torch's own arithmetic: in the accumulation dtype, rounded, and in the dtype itself
         # (a 16-bit softmax's backward reads its rounded output, as Keel's does).
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        nears = [_ref_run(case, d, grads, cots) for d in dict.fromkeys([acc, dtype])]
+        nears = [_ref_run(case, d, grads, cots) for d in _torch_dtypes(dtype)]
         assert len(got) == len(want), where
         for k, (o, w) in enumerate(zip(got, want)):
             assert o.dtype == dtype and o.device.type == device, f"{where}: output {k}"
@@ -386,19 +399,12 @@ def test_second_derivatives_at_random_agree_with_their_definitions(device, seed)
     g = torch.Generator().manual_seed(1000 + seed)
     checked = 0
     for i in range(60):
-        dtype = rng.choice(dtypes_for(device))
-        case = rng.choice(KINDS)(rng, g, dtype, device)
-        grads = [a is not None and r and rng.random() < 0.7 for a, r in zip(case.args, case.grads)]
-        where = f"seed {1000 + seed} case {i}: {case}, asked {grads}"
-        ours = [None if a is None else a.detach().requires_grad_(r) for a, r in zip(case.args, grads)]
-        got = _outs(case.keel(*ours))
-        cots = [(torch.rand(o.shape, generator=g, dtype=torch.float64) + 0.5).to(dtype).to(device) for o in got]
+        dtype, case, grads, where, ours, got, cots = _draw(rng, g, device, 1000 + seed, i)
         vs = [None if a is None else (torch.rand(a.shape, generator=g, dtype=torch.float64) - 0.5).to(dtype).to(device) for a in case.args]
         _, mine = _grads(got, ours, cots, vs)
         floor = case.terms2 * max(_finite_max(c) for c in cots) * max(_finite_max(v) for v in vs if v is not None)
         _, _, want = _ref_run(case, torch.float64, grads, cots, vs)
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        nears = [_ref_run(case, d, grads, cots, vs)[2] for d in dict.fromkeys([acc, dtype])]
+        nears = [_ref_run(case, d, grads, cots, vs)[2] for d in _torch_dtypes(dtype)]
         for k, (m, w) in enumerate(zip(mine, want)):
             if w is None:
                 # No second derivative in the definition: Keel's is absent, 0, or NaN where
@@ -460,8 +466,7 @@ def test_forward_mode_at_random_agrees_with_the_definitions(device, seed):
             return [None if a is None else a.cpu().to(d) for a in case.args], [None if t is None else t.cpu().to(d) for t in tans]
 
         want, want_t = _jvp(case.ref, *on_cpu(torch.float64))
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
-        nears = [_jvp(case.ref, *on_cpu(d)) for d in dict.fromkeys([acc, dtype])]
+        nears = [_jvp(case.ref, *on_cpu(d)) for d in _torch_dtypes(dtype)]
         floor = max(case.terms()) * max(_finite_max(t) for t in tans if t is not None)
         for k, (o, t, w, wt) in enumerate(zip(outs, got, want, want_t)):
             _close(f"{where}: output {k}", o, w, [n[0][k] for n in nears], TOL[dtype], slack=case.slack)
