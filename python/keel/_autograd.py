@@ -60,6 +60,10 @@ def _layer_norm_backward(ctx, grad):
 
 def _fused_add_rms_norm_setup(ctx, inputs, output):
     _, _, weight, eps = inputs
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        # The sum depends on neither input needing a gradient (only the weight
+        # does): it needs none either, as torch's `input + residual` then.
+        ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(output[1], weight)
     ctx.eps = eps
     ctx.set_materialize_grads(False)

@@ -52,6 +52,28 @@ def test_gradient_through_one_output_only():
     assert x.grad is None
 
 
+@pytest.mark.parametrize("needs", [(False, False, True), (True, False, True), (False, True, False), (True, True, None)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_outputs_need_gradients_as_torchs(needs, compiled):
+    # Which outputs require a gradient is torch's `s = x + r; rms_norm(s, w)`'s:
+    # with only the weight needing one, the sum needs none (it does not depend on w).
+    x, r = (torch.randn(3, 8, requires_grad=n) for n in needs[:2])
+    w = None if needs[2] is None else torch.randn(8, requires_grad=needs[2])
+    calls = [keel.fused_add_rms_norm, torch.ops.keel.fused_add_rms_norm]
+    if compiled:
+        calls = [torch.compile(c, backend="aot_eager", fullgraph=True) for c in calls]
+    want = (F.rms_norm(x + r, (8,), w, 1e-6).requires_grad, (x + r).requires_grad)
+    for call in calls:
+        y, s = call(x, r, w)
+        assert (y.requires_grad, s.requires_grad) == want, call
+        # The norm's gradient in w is still there, and the sum's is not asked for.
+        if needs[2]:
+            (gw,) = torch.autograd.grad(y.pow(2).sum(), w)
+            wr = w.detach().clone().requires_grad_()
+            (want_gw,) = torch.autograd.grad(F.rms_norm(x + r, (8,), wr, 1e-6).pow(2).sum(), wr)
+            torch.testing.assert_close(gw, want_gw)
+
+
 def _fused_add_grads(fn, mode):
     """Gradients of `fn(x, r, w)` (keel's or torch's `s = x + r; rms_norm(s)`) for
     leaves x, r (mode "leaf"), for non-leaves made from them ("nonleaf"), or for
