@@ -388,6 +388,24 @@ def test_meta_and_empty():
     assert torch.isnan(empty) and torch.isnan(F.cross_entropy(torch.empty(0, 4), torch.empty(0, dtype=torch.int64)))
 
 
+WEIGHT_GRAD_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cross_entropy_weight_grad.py")
+
+
+def test_weight_grad_example_runs():
+    """examples/cross_entropy_weight_grad.py (docs/BENCHMARKS.md session 88), small: every row timed."""
+    out = subprocess.run(
+        [sys.executable, WEIGHT_GRAD_SCRIPT, "--n", "16", "--v", "40", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    rows = [line for line in out.splitlines() if "torch/this" in line]
+    # Two dtypes, two smoothings, three rows each; torch's own row at 1.00x.
+    assert len(rows) == 12, out
+    assert sum("torch, weights without gradient" in r and "1.00x" in r for r in rows) == 4, out
+
+
 MEMORY_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cross_entropy_memory.py")
 
 
