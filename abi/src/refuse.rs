@@ -113,7 +113,7 @@ fn not_dense(t: &Tensor) -> Option<String> {
 
 /// The argument names of `schema`, in order (`"f(Tensor x, int[] l=[1, 2]) -> T"`
 /// gives `["x", "l"]`).
-fn arg_names(schema: &str) -> Vec<&str> {
+pub(crate) fn arg_names(schema: &str) -> Vec<&str> {
     let Some(args) = schema.split_once('(').and_then(|(_, rest)| rest.rsplit_once(") ->")).map(|(a, _)| a) else {
         return Vec::new();
     };

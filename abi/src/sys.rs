@@ -93,6 +93,10 @@ api! {
         // 2.13+
         torch_delete_stable_ivalue: fn(*mut u64) -> ErrorCode;
         torch_exception_get_what_without_backtrace: fn() -> *const c_char;
+        // Whether a tensor is defined (a `Tensor` argument given None is an
+        // undefined tensor); optional, `Tensor::is_defined` falls back to
+        // whether the tensor has a device.
+        aoti_torch_is_defined: fn(AtenTensorHandle, *mut bool) -> ErrorCode;
         // In every torch Keel supports; optional all the same, as `numel`
         // can fall back to the product of the sizes.
         aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;

@@ -105,6 +105,19 @@ impl Tensor {
         Ok(v)
     }
 
+    /// Whether the tensor is defined: torch hands an op an undefined tensor
+    /// where a `Tensor` argument (not `Tensor?`) was given None. Every other
+    /// query of an undefined tensor fails (its device) or says nothing
+    /// (its dim, 0).
+    pub fn is_defined(&self) -> Result<bool> {
+        let a = api()?;
+        match a.aoti_torch_is_defined {
+            Some(f) => self.get("aoti_torch_is_defined", f),
+            // Every defined tensor has a device; an undefined one has none.
+            None => Ok(self.get("aoti_torch_get_device_type", a.aoti_torch_get_device_type).is_ok()),
+        }
+    }
+
     /// Number of dimensions.
     pub fn dim(&self) -> Result<usize> {
         Ok(self.get("aoti_torch_get_dim", api()?.aoti_torch_get_dim)? as usize)

@@ -83,3 +83,49 @@ def test_cross_entropy_names_itself_where_logits_require_grad(target, arg):
     with pytest.raises(RuntimeError) as e:
         keel.cross_entropy(torch.randn(4, 8, requires_grad=True), target)
     assert str(e.value).startswith(f"keel::cross_entropy: argument '{arg}'"), str(e.value)
+
+
+def _required_tensor_args():
+    """(op, index, name) for every `Tensor` argument (not `Tensor?`) of every
+    torch.ops.keel op."""
+    out = []
+    for name in dir(torch.ops.keel):
+        try:
+            schema = getattr(torch.ops.keel, name).default._schema
+        except AttributeError:
+            continue
+        for i, a in enumerate(schema.arguments):
+            if str(a.type) == "Tensor":
+                out.append((name, i, a.name))
+    return out
+
+
+def _filler(a):
+    """A value of argument `a`'s type (a tensor whatever its op wants: the call
+    must stop at the None before looking at the others)."""
+    t = str(a.type)
+    if "Tensor" in t:
+        return torch.randn(2, 4)
+    return {"int": 0, "float": 1e-6, "bool": False, "str": "none", "int[]": [1], "ScalarType": torch.float32}[t]
+
+
+@pytest.mark.parametrize("op,index,arg", _required_tensor_args(), ids=lambda v: str(v))
+def test_none_for_a_tensor_names_op_and_argument(op, index, arg):
+    """torch hands a kernel an undefined tensor where a `Tensor` argument is given
+    None; every op refuses it naming itself and the argument (it said "keel: torch
+    call aoti_torch_get_device_type failed: tensor does not have a device")."""
+    overload = getattr(torch.ops.keel, op).default
+    args = [_filler(a) for a in overload._schema.arguments]
+    args[index] = None
+    with pytest.raises(RuntimeError) as e:
+        overload(*args)
+    if not any(isinstance(a, torch.Tensor) for a in args):
+        # No tensor left to dispatch on: torch's dispatcher refuses the call itself
+        # (NotImplementedError, a RuntimeError), naming the op (or its twin) that
+        # it reached.
+        assert "There were no tensor arguments" in str(e.value), str(e.value)
+        assert op.removeprefix("_").removesuffix("_nograd") in str(e.value), str(e.value)
+        return
+    # A `_nograd` twin's errors name the op itself, as all of Keel's do.
+    public = op.removeprefix("_").removesuffix("_nograd")
+    assert str(e.value).startswith(f"keel::{public}: argument '{arg}' is None"), str(e.value)
