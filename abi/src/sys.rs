@@ -59,6 +59,7 @@ api! {
         aoti_torch_get_device_type: fn(AtenTensorHandle, *mut i32) -> ErrorCode;
         aoti_torch_get_device_index: fn(AtenTensorHandle, *mut i32) -> ErrorCode;
         aoti_torch_is_contiguous: fn(AtenTensorHandle, *mut bool) -> ErrorCode;
+        aoti_torch_is_defined: fn(AtenTensorHandle, *mut bool) -> ErrorCode;
         aoti_torch_empty_strided: fn(i64, *const i64, *const i64, i32, i32, i32, *mut AtenTensorHandle) -> ErrorCode;
         aoti_torch_copy_: fn(AtenTensorHandle, AtenTensorHandle, i32) -> ErrorCode;
         aoti_torch_dtype_float16: fn() -> i32;
@@ -93,10 +94,6 @@ api! {
         // 2.13+
         torch_delete_stable_ivalue: fn(*mut u64) -> ErrorCode;
         torch_exception_get_what_without_backtrace: fn() -> *const c_char;
-        // Whether a tensor is defined (a `Tensor` argument given None is an
-        // undefined tensor); optional, `Tensor::is_defined` falls back to
-        // whether the tensor has a device.
-        aoti_torch_is_defined: fn(AtenTensorHandle, *mut bool) -> ErrorCode;
         // In every torch Keel supports; optional all the same, as `numel`
         // can fall back to the product of the sizes.
         aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;

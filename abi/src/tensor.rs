@@ -110,12 +110,7 @@ impl Tensor {
     /// query of an undefined tensor fails (its device) or says nothing
     /// (its dim, 0).
     pub fn is_defined(&self) -> Result<bool> {
-        let a = api()?;
-        match a.aoti_torch_is_defined {
-            Some(f) => self.get("aoti_torch_is_defined", f),
-            // Every defined tensor has a device; an undefined one has none.
-            None => Ok(self.get("aoti_torch_get_device_type", a.aoti_torch_get_device_type).is_ok()),
-        }
+        self.get("aoti_torch_is_defined", api()?.aoti_torch_is_defined)
     }
 
     /// Number of dimensions.

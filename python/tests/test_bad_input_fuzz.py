@@ -311,11 +311,27 @@ def _judge(name, args):
         wants = [_definition(name, keep, torch.float64), _definition(name, keep, torch.float32)]
     except Exception as e:  # noqa: BLE001
         return f"accepted, where the definition refuses: {type(e).__name__}: {str(e)[:200]}"
-    # Within the tolerance of the float64 definition, or of the same computed as
-    # torch computes it (float32 for 16-bit and float32 inputs): where an input
-    # overflows float32's squares or sums, Keel does what torch does.
-    verdicts = [_compare(name, keep, got, want) for want in wants]
+    # Within the tolerance of the float64 definition plus twice the error of the
+    # same computed as torch computes it (float32 for 16-bit and float32 inputs):
+    # where the definition cancels (a norm's gradient over one value near eps),
+    # Keel may be as far off as torch's own arithmetic, but not much further; or
+    # within the tolerance of that float32 definition itself (where a float32 sum
+    # overflows, Keel does what torch does).
+    verdicts = [_compare(keep, got, wants[0], _spread(wants)), _compare(keep, got, wants[1], [0.0] * len(got))]
     return None if None in verdicts else verdicts[0]
+
+
+def _spread(wants):
+    """Twice the largest gap between the two definitions, per output, where both are finite."""
+    out = []
+    for a, b in zip(*wants):
+        if a is None or b is None or a.shape != b.shape or not a.numel():
+            out.append(0.0)
+            continue
+        a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
+        both = a.isfinite() & b.isfinite()
+        out.append(2 * float((a[both] - b[both]).abs().max()) if both.any() else 0.0)
+    return out
 
 
 def _definition(name, args, work):
@@ -326,7 +342,7 @@ def _definition(name, args, work):
         _WORK[0] = torch.float64
 
 
-def _compare(name, keep, got, want):
+def _compare(keep, got, want, slack):
     for k, (y, w) in enumerate(zip(got, want)):
         if w is None:
             continue
@@ -353,7 +369,7 @@ def _compare(name, keep, got, want):
         tol = max(TOL.get(d, 1e-10) for d in dts + [y.dtype])
         scale = float(w[fin].abs().max()) if fin.any() else 0.0
         err = float((yd[fin] - w[fin]).abs().max()) if fin.any() else 0.0
-        if err > tol * max(scale, 1.0) * 4:
+        if err > tol * max(scale, 1.0) * 4 + slack[k]:
             return f"output {k}: off by {err:.3g} (scale {scale:.3g}, tolerance {tol:.1g})"
     return None
 
