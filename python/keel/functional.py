@@ -310,7 +310,13 @@ def cross_entropy(
         return _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduction, weight)
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
         _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
-        return _as_cross_entropy(_ce_forms.weighted, logits, target, weight, ignore_index, label_smoothing, reduction)[0]
+        try:
+            return _as_cross_entropy(_ce_forms.weighted, logits, target, weight, ignore_index, label_smoothing, reduction)[0]
+        except _PREPARING as err:
+            # A target that is no tensor (None, a list) failed in the form's
+            # preparation (`.contiguous()`): named as the op names it.
+            _refuse(_CROSS_ENTROPY[0], (logits, target, ignore_index, label_smoothing, reduction, weight), err)
+            raise
     if _transformed():
         return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
     try:

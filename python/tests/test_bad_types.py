@@ -38,6 +38,12 @@ CASES = [
     ("gelu_and_mul-approximate", "gelu_and_mul", "approximate", lambda x: keel.gelu_and_mul(x(), None)),
     ("softmax-input", "softmax", "input", lambda x: keel.softmax([[1.0, 2.0]])),
     ("softmax-scale", "softmax", "scale", lambda x: keel.softmax(x(), "a")),
+    # With class weights the typed API builds the weighted loss on the op: a target
+    # that is no tensor raised AttributeError there ('NoneType' ... 'contiguous').
+    ("cross_entropy-target-weighted", "cross_entropy", "target",
+     lambda x: keel.cross_entropy(x(), None, weight=torch.ones(8))),
+    ("cross_entropy-target-weighted-smoothed", "cross_entropy", "target",
+     lambda x: keel.cross_entropy(x(), [0, 1, 2, 3], label_smoothing=0.1, weight=torch.ones(8))),
     ("cross_entropy-target", "cross_entropy", "target", lambda x: keel.cross_entropy(x(), [0, 1, 2, 3])),
     ("cross_entropy-reduction", "cross_entropy", "reduction", lambda x: keel.cross_entropy(x(), _TARGET, -100, 0.0, 3)),
     ("cross_entropy_with_lse-logits", "cross_entropy_with_lse", "logits",
