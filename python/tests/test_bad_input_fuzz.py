@@ -7,7 +7,9 @@ infinite, negative or huge, unknown strings, one tensor passed twice).
 
 Each call must end in one of two ways: a RuntimeError whose message names the op,
 or a result that the op's definition (float64, torch's own ops) also gives on the
-same arguments, within the dtype's tolerance (NaN where it has NaN). A call that
+same arguments, within the dtype's tolerance (NaN where it has NaN). A third of
+the typed calls have their float inputs need a gradient: their gradients (with
+fixed cotangents) are held to the definition's by autograd the same way. A call that
 succeeds where the definition refuses its arguments is a failure too: the input
 was bad and the op did not say so. The calls run in a child process, one line
 printed before each, so that a crash (an abort, a segfault) fails the test and
@@ -78,7 +80,12 @@ def _rot(x, cos, sin, interleaved):
 
 def _ce(logits, target, ignore_index, ls, reduction, weight):
     t = _d(target) if target.is_floating_point() else target
-    return F.cross_entropy(_d(logits), t, weight=_d(weight), ignore_index=ignore_index, label_smoothing=ls, reduction=reduction)
+    # With class indices the weight detached: torch gives class weights no gradient
+    # there (and refuses ones that need it); with probabilities it does.
+    w = _d(weight)
+    if w is not None and not target.is_floating_point():
+        w = w.detach()
+    return F.cross_entropy(_d(logits), t, weight=w, ignore_index=ignore_index, label_smoothing=ls, reduction=reduction)
 
 
 def _vjp(fn, primals, cot):
@@ -354,7 +361,49 @@ def _judge(name, args, typed=False):
     # within the tolerance of that float32 definition itself (where a float32 sum
     # overflows, Keel does what torch does).
     verdicts = [_compare(keep, got, wants[0], _spread(wants)), _compare(keep, got, wants[1], [0.0] * len(got))]
-    return None if None in verdicts else verdicts[0]
+    if None in verdicts:
+        return _judge_gradients(name, args, got) if typed else None
+    return verdicts[0]
+
+
+def _judge_gradients(name, args, got):
+    """Where a typed call's inputs need a gradient: the gradients of its outputs,
+    with cotangents of cosines, against the definition's (float64, and float32 for
+    the spread), judged as values are. None where they agree."""
+    leaves = list({id(a): a for a in args if isinstance(a, torch.Tensor) and a.requires_grad}.values())
+    if name == "cross_entropy" and args[5] is not None and args[5] is args[0] and not args[1].is_floating_point():
+        return None  # the logits as the weights: the definition (torch) has no weight gradient there
+    outs = [(k, y) for k, y in enumerate(got) if isinstance(y, torch.Tensor) and y.requires_grad]
+    if not leaves or not outs:
+        return None
+    cots = [torch.cos(torch.arange(y.numel(), dtype=torch.float64)).reshape(y.shape).to(y.dtype) for _, y in outs]
+    grads = torch.autograd.grad([y for _, y in outs], leaves, cots, allow_unused=True)
+    refs = []
+    for work in (torch.float64, torch.float32):
+        twins = {id(a): a.detach().to(work if a.dtype != torch.float64 else a.dtype).requires_grad_() for a in leaves}
+        ref_args = [twins.get(id(a), a.detach() if isinstance(a, torch.Tensor) else a) for a in args]
+        try:
+            want = _definition(name, ref_args, work)
+            ref_outs = [want[k] for k, _ in outs]
+            ref = torch.autograd.grad(ref_outs, [twins[id(a)] for a in leaves], [c.to(o.dtype) for c, o in zip(cots, ref_outs)], allow_unused=True)
+        except Exception:  # noqa: BLE001 (the float32 definition may refuse mixed dtypes)
+            ref = refs[0] if refs else None
+        if ref is None:
+            return None  # the definition has no gradient here: nothing to hold Keel's to
+        refs.append(ref)
+    keep = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    for i, (g, leaf) in enumerate(zip(grads, leaves)):
+        r64, r32 = refs[0][i], refs[1][i]
+        if r64 is None:
+            continue  # cross_entropy's class weights: the definition detaches them
+        g = torch.zeros_like(leaf) if g is None else g
+        r32 = r64 if r32 is None else r32
+        verdict = _compare(keep, [g], [r64], _spread([[r64], [r32]]))
+        # Or as torch computes it, as for values (a float32 sum that overflows or
+        # underflows: values past 1e19 or, with eps 0, under 1e-19).
+        if verdict is not None and _compare(keep, [g], [r32], [0.0]) is not None:
+            return f"gradient of input {i}: {verdict}"
+    return None
 
 
 def _spread(wants):
@@ -421,7 +470,14 @@ def fuzz(seed, calls):
         # The typed API (the forwards and in-place ops) on copies first: the in-place
         # ops write their arguments.
         if not name.endswith("_backward"):
-            verdict = _judge(name, _dup(args), typed=True)
+            dup = _dup(args)
+            if rng.random() < 0.3:
+                # In grad mode with inputs that need a gradient: the formula's path
+                # (the in-place ops refuse such inputs, naming themselves).
+                for t in dup:
+                    if isinstance(t, torch.Tensor) and t.is_leaf and t.dtype.is_floating_point and t.device.type == "cpu":
+                        t.requires_grad_()
+            verdict = _judge(name, dup, typed=True)
             if verdict is not None:
                 bad.append(f"{line} (typed API)\n    {verdict}")
         verdict = _judge(name, args)
