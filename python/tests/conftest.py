@@ -47,6 +47,21 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 LEADING = [(0,), (1,), (3,), (2, 3)]
 
 
+def rotary_ref(x, cos, sin, interleaved):
+    """Rotary embedding by its definition, in `x`'s dtype: x ``[B, S, H, D]``, cos and
+    sin ``[S, R/2]``; the pairs are halves of the first R dims (NeoX) or neighbours
+    (GPT-J, `interleaved`); the dims past R pass through."""
+    half = cos.shape[-1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if interleaved:
+        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
+        rot = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
+    else:
+        a, b = x[..., :half], x[..., half : 2 * half]
+        rot = torch.cat([a * c - b * s, b * c + a * s], -1)
+    return torch.cat([rot, x[..., 2 * half :]], -1)
+
+
 def make(shape, dtype, device, seed, scale=1.0):
     """Reproducible normal samples, rounded to dtype on the CPU then moved."""
     g = torch.Generator().manual_seed(seed)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import keel
+from conftest import rotary_ref
 
 OPS = torch.ops.keel
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
@@ -67,15 +68,7 @@ def _rot(x, cos, sin, interleaved):
     x, c, s = _d(x), _d(cos), _d(sin)
     if x.dim() != 4 or c.dim() != 2 or c.shape != s.shape or c.shape[0] != x.shape[1] or 2 * c.shape[1] > x.shape[-1]:
         raise ValueError("rotary shapes")
-    half = c.shape[1]
-    c, s = c[None, :, None, :], s[None, :, None, :]
-    if interleaved:
-        a, b = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-        rot = torch.stack([a * c - b * s, b * c + a * s], -1).flatten(-2)
-    else:
-        a, b = x[..., :half], x[..., half : 2 * half]
-        rot = torch.cat([a * c - b * s, b * c + a * s], -1)
-    return torch.cat([rot, x[..., 2 * half :]], -1)
+    return rotary_ref(x, c, s, interleaved)
 
 
 def _ce(logits, target, ignore_index, ls, reduction, weight):

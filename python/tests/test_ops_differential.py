@@ -27,7 +27,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import keel
-from conftest import devices, dtypes_for
+from conftest import devices, dtypes_for, rotary_ref
 
 # A few units in the last place of a dtype, relative to the result's scale.
 TOL = {torch.float64: 1e-12, torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -238,14 +238,7 @@ def _rotary(rng, g, dtype, device):
     interleaved = rng.random() < 0.5
 
     def ref(x, cos, sin):
-        c, sn = cos[None, :, None, :], sin[None, :, None, :]
-        if interleaved:
-            a, bb = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
-            rot = torch.stack([a * c - bb * sn, bb * c + a * sn], -1).flatten(-2)
-        else:
-            a, bb = x[..., :half], x[..., half : 2 * half]
-            rot = torch.cat([a * c - bb * sn, bb * c + a * sn], -1)
-        return torch.cat([rot, x[..., 2 * half :]], -1)
+        return rotary_ref(x, cos, sin, interleaved)
 
     def inplace(x, cos, sin):
         keel.rotary_embedding_(x, cos, sin, interleaved)
