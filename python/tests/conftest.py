@@ -47,6 +47,13 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 LEADING = [(0,), (1,), (3,), (2, 3)]
 
 
+def finite_max(t):
+    """The largest magnitude among `t`'s finite values (0 where there are none)."""
+    t = t.detach().double().cpu()
+    t = t[t.isfinite()]
+    return float(t.abs().max()) if t.numel() else 0.0
+
+
 def rotary_ref(x, cos, sin, interleaved):
     """Rotary embedding by its definition, in `x`'s dtype: x ``[B, S, H, D]``, cos and
     sin ``[S, R/2]``; the pairs are halves of the first R dims (NeoX) or neighbours

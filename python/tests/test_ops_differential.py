@@ -27,7 +27,7 @@ import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import keel
-from conftest import devices, dtypes_for, rotary_ref
+from conftest import devices, dtypes_for, finite_max, rotary_ref
 
 # A few units in the last place of a dtype, relative to the result's scale.
 TOL = {torch.float64: 1e-12, torch.float32: 4e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -52,12 +52,6 @@ def _layout(rng, g, shape, dtype, device, scale, offset=0.0):
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + offset).to(dtype).to(device)
 
 
-def _finite_max(t):
-    t = t.double().cpu()
-    t = t[t.isfinite()]
-    return float(t.abs().max()) if t.numel() else 0.0
-
-
 def _norm_terms(x, w, eps, centred):
     """Gradient term sizes of a norm over x's last dim: ``rstd max|w|`` in x, ``rows
     max|x_hat|`` in the weight and ``rows`` in the bias."""
@@ -65,8 +59,8 @@ def _norm_terms(x, w, eps, centred):
     xc = x - x.mean(-1, keepdim=True) if centred else x
     rstd = torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps)
     rows = x.numel() // max(x.shape[-1], 1)
-    wmax = 1.0 if w is None else _finite_max(w)
-    return _finite_max(rstd) * wmax, rows * _finite_max(xc * rstd), float(rows)
+    wmax = 1.0 if w is None else finite_max(w)
+    return finite_max(rstd) * wmax, rows * finite_max(xc * rstd), float(rows)
 
 
 def _rows(rng):
@@ -217,14 +211,14 @@ def _gated(rng, g, dtype, device):
 
     if kind == "silu":
         case = Case("silu_and_mul", keel.silu_and_mul, ref, [x], [True], {})
-        case.terms2 = 2 * (1 + _finite_max(x))  # act' (at most 1.1) and act'' b (at most 0.5 |b|)
+        case.terms2 = 2 * (1 + finite_max(x))  # act' (at most 1.1) and act'' b (at most 0.5 |b|)
         return case
     case = Case("gelu_and_mul", lambda x: keel.gelu_and_mul(x, kind), ref, [x], [True], {"approximate": kind})
-    case.terms2 = 2 * (1 + _finite_max(x))
+    case.terms2 = 2 * (1 + finite_max(x))
     if kind == "none" and dtype != torch.float64:
         # The float32 erf is within 5e-7 absolute (kernels-cpu/src/math.rs), so gelu(a) b
         # within 2.5e-7 |a b| and its gradients alike: all of a result near 0 at a < -4.
-        case.slack = 1e-6 * _finite_max(x[..., :half]) * max(_finite_max(x[..., half:]), 1.0)
+        case.slack = 1e-6 * finite_max(x[..., :half]) * max(finite_max(x[..., half:]), 1.0)
     return case
 
 
@@ -252,7 +246,7 @@ def _rotary(rng, g, dtype, device):
         [True, rng.random() < 0.3, rng.random() < 0.3],
         {"interleaved": interleaved, "rotary_dim": 2 * half},
         inplace,
-        lambda: [1.0, b * h * _finite_max(x), b * h * _finite_max(x)],
+        lambda: [1.0, b * h * finite_max(x), b * h * finite_max(x)],
     )
 
 
@@ -365,7 +359,7 @@ def test_ops_at_random_agree_with_their_definitions(device, seed):
 
         mine_grads, _ = _grads(got, ours, cots)
         if any(m is not None for m in mine_grads):
-            cmax = max(_finite_max(c) for c in cots)
+            cmax = max(finite_max(c) for c in cots)
             for name, a, mine, w, term, *nr in zip(range(len(ours)), ours, mine_grads, want_grads, case.terms(), *(n[1] for n in nears)):
                 if a is None or not a.requires_grad:
                     continue
@@ -395,7 +389,7 @@ def test_second_derivatives_at_random_agree_with_their_definitions(device, seed)
         dtype, case, grads, where, ours, got, cots = _draw(rng, g, device, 1000 + seed, i)
         vs = [None if a is None else (torch.rand(a.shape, generator=g, dtype=torch.float64) - 0.5).to(dtype).to(device) for a in case.args]
         _, mine = _grads(got, ours, cots, vs)
-        floor = case.terms2 * max(_finite_max(c) for c in cots) * max(_finite_max(v) for v in vs if v is not None)
+        floor = case.terms2 * max(finite_max(c) for c in cots) * max(finite_max(v) for v in vs if v is not None)
         _, _, want = _ref_run(case, torch.float64, grads, cots, vs)
         nears = [_ref_run(case, d, grads, cots, vs)[2] for d in _torch_dtypes(dtype)]
         for k, (m, w) in enumerate(zip(mine, want)):
@@ -460,7 +454,7 @@ def test_forward_mode_at_random_agrees_with_the_definitions(device, seed):
 
         want, want_t = _jvp(case.ref, *on_cpu(torch.float64))
         nears = [_jvp(case.ref, *on_cpu(d)) for d in _torch_dtypes(dtype)]
-        floor = max(case.terms()) * max(_finite_max(t) for t in tans if t is not None)
+        floor = max(case.terms()) * max(finite_max(t) for t in tans if t is not None)
         for k, (o, t, w, wt) in enumerate(zip(outs, got, want, want_t)):
             _close(f"{where}: output {k}", o, w, [n[0][k] for n in nears], TOL[dtype], slack=case.slack)
             if wt is None:
