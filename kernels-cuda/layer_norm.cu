@@ -2,11 +2,11 @@
 //
 // One block per row (grid-stride over rows), 128-bit vector loads when the
 // row length is a multiple of 16 bytes and every pointer is aligned, f32
-// accumulation. The forward takes the mean and variance from one read of the
-// row (row_moments), the output from a second, or, as for every row a block
-// holds in registers, from the same read. The backward takes the moments
-// and its two gradient sums from one read and one block reduction (its own
-// way: see layer_norm_bwd), dx from a second, and sums dw/db per block into
+// accumulation. The forward takes the moments (shifted sums: moments_of)
+// from one read of the row (row_moments), the output from a second, or, as
+// for every row a block holds in registers, from the same read. The backward
+// takes the moments and its two gradient sums from one read and one block
+// reduction (see layer_norm_bwd), dx from a second, and sums dw/db per block into
 // f32 scratch rows, summed by layer_norm_bwd_sum (deterministic).
 // Kernel symbols: layer_norm_{fwd,bwd,bwd2,bwd2h,bwd2s,bwd_sum}_{f32,f16,bf16},
 // layer_norm_bwd4h_f32.
@@ -18,61 +18,7 @@ using namespace keel;
 // would be a silent wrong answer), as the CPU kernels do.
 __device__ __forceinline__ float ln_rstd(float var, float eps) { return isinf(var) ? nanf("") : rsqrtf(var + eps); }
 
-// Mean and 1/sqrt(var + eps) of one row, returned to every thread, from one
-// read of the row. Each thread sums its own elements shifted by the first of
-// them, (sum(x - k), sum((x - k)^2)); where the shift was poor (the shifted
-// mean's square over half the shifted mean square, so that the subtraction
-// would lose more than a bit) it re-reads its own elements for an exact
-// sum((x - mean_t)^2). The block then combines the threads' (count, mean,
-// M2) as Chan et al.: mean = sum(n_t mean_t) / n, M2 = sum(M2_t + n_t (mean_t
-// - mean)^2).
-//
-// `each(f)` calls f(i, x[i]) for this thread's elements in row_each's order,
-// from memory (row_moments) or from a row held in registers.
-template <typename Each>
-__device__ __forceinline__ float2 moments_of(Each each, int cols, float eps, float* scratch) {
-  float k = 0.f, s1 = 0.f, s2 = 0.f;
-  int n = 0;
-  each([&](int, float v) {
-    if (n == 0) k = v;
-    const float d = v - k;
-    s1 += d;
-    s2 = fmaf(d, d, s2);
-    ++n;
-  });
-  float mean_t = 0.f, m2 = 0.f;
-  if (n > 0) {
-    const float d1 = s1 / n;
-    mean_t = k + d1;
-    if (d1 * d1 <= 0.5f * (s2 / n)) {
-      m2 = fmaf(-s1, d1, s2);
-    } else {
-      each([&](int, float v) {
-        const float d = v - mean_t;
-        m2 = fmaf(d, d, m2);
-      });
-    }
-  }
-  const float mean = block_sum(mul_rn(n, mean_t), scratch) / cols;
-  const float dm = mean_t - mean;
-  const float var = block_sum(fmaf(n * dm, dm, m2), scratch) / cols;
-  return make_float2(mean, ln_rstd(var, eps));
-}
-
-// moments_of a row read from memory.
-template <typename T>
-__device__ __forceinline__ float2 row_moments(const T* __restrict__ xr, int cols, bool vec, float eps,
-                                              float* scratch) {
-  return moments_of([&](auto f) { row_each(xr, cols, vec, f); }, cols, eps, scratch);
-}
-
-// One output: (x - mean) rstd w + b, each rounding spelled out (mul_rn), so
-// the vector and element-wise loops give the same bits.
-__device__ __forceinline__ float ln_y(float x, float2 m, float w, float b) {
-  return add_rn(mul_rn(mul_rn(x - m.x, m.y), w), b);
-}
-
-// The backward's moments, kept as the CPU kernels keep them
+// A row's moments, forward and backward, kept as the CPU kernels keep them
 // (kernels-cpu/src/layer_norm.rs): mean = k + m1 with k a shift near the
 // row's values, rstd = 1 / sqrt(var + eps), and xh = ((x - k) - m1) rstd,
 // which stays accurate where the mean is large against the spread.
@@ -95,6 +41,54 @@ __device__ __forceinline__ bool shift_good(float m1m1, float m2) { return m1m1 <
 // (x - mean) rstd, each rounding spelled out.
 __device__ __forceinline__ float ln_xh(float x, LnMoments m) { return mul_rn((x - m.k) - m.m1, m.rstd); }
 
+// A row's moments for the forward, returned to every thread: the backward's
+// (LnMoments, the shift k = row_shift), from the block's sums [sum(x - k),
+// sum((x - k)^2)] of one read; where the shift was poor (shift_good), the
+// same again with k + m1, the mean now known to a few bits, as the shift.
+// The output is then ((x - k) - m1) rstd: x - k is exact, so a row whose mean
+// is large against its spread keeps the precision of its normalised values.
+// (The forward took x - mean with the mean rounded to f32 before, which
+// erred by half an ulp of the mean times rstd: 3e-3 for rows near 1000
+// spread by 0.01, where torch's float32 erred by 8e-6.)
+//
+// `each(f)` calls f(i, x[i]) for this thread's elements in row_each's order,
+// from memory (row_moments) or from a row held in registers; `k` is
+// row_shift's.
+template <typename Each>
+__device__ __forceinline__ LnMoments moments_of(Each each, float k, int cols, float eps, float* scratch) {
+  LnMoments m{k, 0.f, 0.f};
+  for (int pass = 0;; ++pass) {
+    float s1 = 0.f, s2 = 0.f;
+    each([&](int, float v) {
+      const float d = v - m.k;
+      s1 = add_rn(s1, d);
+      s2 = fmaf(d, d, s2);
+    });
+    const float2 s = block_sum2(make_float2(s1, s2), scratch);
+    const float m1 = s.x / cols, m2 = s.y / cols, m1m1 = mul_rn(m1, m1);
+    if (pass == 0 && !shift_good(m1m1, m2)) {
+      m.k = add_rn(m.k, m1);
+      continue;
+    }
+    m.m1 = m1;
+    m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
+    return m;
+  }
+}
+
+// moments_of a row read from memory.
+template <typename T>
+__device__ __forceinline__ LnMoments row_moments(const T* __restrict__ xr, int cols, bool vec, float eps,
+                                                 float* scratch) {
+  return moments_of([&](auto f) { row_each(xr, cols, vec, f); }, row_shift(xr, cols), cols, eps, scratch);
+}
+
+// One output: xh w + b, each rounding spelled out (mul_rn), so the vector
+// and element-wise loops give the same bits.
+__device__ __forceinline__ float ln_y(float x, LnMoments m, float w, float b) {
+  return add_rn(mul_rn(ln_xh(x, m), w), b);
+}
+
 // One gradient: rstd (g w - mean(g w) - xh mean(g w xh)), likewise.
 __device__ __forceinline__ float ln_dx(float rstd, float g, float w, float mg, float xh, float mgx) {
   return mul_rn(rstd, add_rn(add_rn(mul_rn(g, w), -mg), -mul_rn(xh, mgx)));
@@ -104,7 +98,7 @@ template <typename T>
 __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
                                                const T* __restrict__ b, T* __restrict__ y, int64_t rows,
                                                int cols, float eps) {
-  __shared__ float scratch[32];
+  __shared__ float scratch[64];
   constexpr int N = Pack<T>::N;
   const bool vec = cols % N == 0 && aligned16(x) && aligned16(y) && (w == nullptr || aligned16(w)) &&
                    (b == nullptr || aligned16(b));
@@ -114,7 +108,7 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
   // once, the same elements in the same order as the loops below.
   const bool regs = vec && packs <= ROW_PACKS * (int)blockDim.x;
   // Vector i of the output, from p = x's vector i.
-  auto write = [&](T* yr, int i, const Pack<T>& p, float2 m) {
+  auto write = [&](T* yr, int i, const Pack<T>& p, LnMoments m) {
     Pack<T> pw, pb, o;
     if (w) pw = load_pack(w + i * N);
     if (b) pb = load_pack(b + i * N);
@@ -135,11 +129,11 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
           for (int k = 0; k < N; ++k) f(i * N + k, to_f32(held[p].v[k]));
         });
       };
-      const float2 m = moments_of(each, cols, eps, scratch);
+      const LnMoments m = moments_of(each, row_shift(xr, cols), cols, eps, scratch);
       each_pack(packs, true, [&](int i, int p) { write(yr, i, held[p], m); });
       continue;
     }
-    const float2 m = row_moments(xr, cols, vec, eps, scratch);
+    const LnMoments m = row_moments(xr, cols, vec, eps, scratch);
     if (vec) {
       for (int i = threadIdx.x; i < packs; i += blockDim.x) write(yr, i, load_pack(xr + i * N), m);
     } else {
@@ -231,9 +225,8 @@ __device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr
 // shift is good (shift_good); elsewhere the same again with k + m1, the mean
 // now known to a few bits, as the shift, so that m1 is tiny against the
 // spread. Then a second read writes dx. Moments and sums took two reads and
-// three block reductions before (row_moments, then the sums about its mean);
-// the forward keeps row_moments, which needs fewer registers. Rows held in
-// registers (layer_norm_bwd_held_row) are read once: with HELD
+// three block reductions before (the moments, then the sums about the mean).
+// Rows held in registers (layer_norm_bwd_held_row) are read once: with HELD
 // (layer_norm_bwd2h_*, two blocks of 256 an SM) the dw/db sums stay in
 // registers, with HELD_SMEM (layer_norm_bwd2s_*, three blocks) in shared
 // memory. Neither has been timed on a GPU yet (docs/GPU.md).

@@ -873,6 +873,44 @@ fn emulated_cross_entropy_of_shifted_logits_keeps_the_losss_precision() {
     }
 }
 
+/// The CUDA layer_norm forward of f32 rows whose mean is large against their
+/// spread keeps the precision of the normalised values, not of the mean: it
+/// normalises as `((x - k) - m1) rstd` with `k` near the row's values (the
+/// backward's and the CPU kernels' moments). `x - mean` with the mean
+/// rounded to f32 erred by half an ulp of the mean times `rstd`: 3e-3 for a
+/// mean of 1000 and a spread of 0.01 (found on an H200 by
+/// `test_ops_differential.py`). Widths of 2 (a warp-row of two values), 130
+/// and 2003 (element by element), 2048 (held in registers) and 16384 (vectors
+/// read twice), each output against the f64 reference.
+#[test]
+fn emulated_layer_norm_of_rows_far_from_0_keeps_the_outputs_precision() {
+    if skip("emulated_layer_norm_of_rows_far_from_0_keeps_the_outputs_precision") {
+        return;
+    }
+    use crate::cpu::layer_norm::forward_ref;
+    let (t, rows, dt) = (Emu::new(2), 3, f32::DTYPE);
+    for cols in [2, 130, 2003, 2048, 16384] {
+        let noise = |i: usize| ((i * 7919 % 4001) as f64 - 2000.0) / 2000.0;
+        let w: Vec<f32> = (0..cols).map(|i| 0.5 + (i % 7) as f32 * 0.25).collect();
+        let b: Vec<f32> = (0..cols).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect();
+        for (off, spread) in [(0.0, 1.0), (-1e3, 1e-2), (1e3, 1.0), (1e4, 0.5), (-3e5, 64.0)] {
+            let x: Vec<f32> = (0..rows * cols).map(|i| (off + spread * noise(i)) as f32).collect();
+            let (xd, wd, bd) = (Buf::shifted(&x, 0), Buf::shifted(&w, 0), Buf::shifted(&b, 0));
+            for (weighted, biased) in [(false, false), (true, true)] {
+                let yd = garbage::<f32>(rows * cols, 0);
+                let (pw, pb) = (if weighted { wd.addr() } else { 0 }, if biased { bd.addr() } else { 0 });
+                unsafe { layer_norm::forward_on(&t, dt, xd.addr(), pw, pb, yd.addr(), rows, cols, 1e-5) }.unwrap();
+                let want = forward_ref(&x, weighted.then_some(&w[..]), biased.then_some(&b[..]), cols, 1e-5);
+                for (i, (g, w)) in yd.to_vec().iter().zip(&want).enumerate() {
+                    // A few roundings of values of at most about 4.
+                    let err = (f64::from(*g) - w).abs();
+                    assert!(err <= 4e-6, "offset {off} spread {spread} cols {cols} at {i}: {g} vs {w} ({err:.1e})");
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn emulated_gated_and_rotary_match_cpu() {
     every_case("emulated_gated_and_rotary_match_cpu", Family::GatedAndRotary);
