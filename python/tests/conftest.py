@@ -41,6 +41,11 @@ def dtypes_for(device):
     return CPU_DTYPES if device == "cpu" else CUDA_DTYPES
 
 
+def widest(device):
+    """The widest float dtype Keel takes on `device`: float64 on CPU, float32 on CUDA."""
+    return torch.float64 if device == "cpu" else torch.float32
+
+
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 # Leading dims of 0, 1 and several; odd and even widths (the gated ops need even).

@@ -47,10 +47,48 @@ def test_loss_is_float32_with_torchs_value_and_gradient(device, dtype, reduction
             got = call(lin(x))
         assert got.dtype == torch.float32 and got.shape == want.shape, name
         # float32's precision (a bfloat16 loss would be 2e-3 off at these values).
-        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6 * got.numel(), msg=name)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6 * got.numel(), msg=lambda m: f"{name}: {m}")
         got.sum().backward()
         # The gradient reaches the float32 weight through autocast's casts, as torch's.
-        torch.testing.assert_close(lin.weight.grad, want_grad, rtol=2e-2, atol=2e-4, msg=name)
+        torch.testing.assert_close(lin.weight.grad, want_grad, rtol=2e-2, atol=2e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("ls", [0.0, 0.1])
+def test_logits_gradient_is_the_float64_one_rounded(device, dtype, reduction, ls):
+    """Keel's own part of the test above: the gradient each entry point gives
+    autocast's half-precision logits is the float64 gradient of the same logits
+    rounded to their dtype: within half an ulp (at most 2^-8 of the value in
+    bfloat16, 2^-11 in float16) and float32's error, which can tip a rounding.
+    (The test above failed on an H200 for bfloat16 "sum" and "none", where
+    float16 and "mean" passed; this separates the op from the linear layer.)"""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96, device=device)
+    x = torch.randn(16, 64, device=device)
+    target = torch.randint(0, 96, (16,), device=device)
+    target[3] = -100
+    with torch.autocast(device, dtype=dtype):
+        h = lin(x).detach()
+    exact = h.double().requires_grad_()
+    F.cross_entropy(exact, target, label_smoothing=ls, reduction=reduction).sum().backward()
+    half_ulp = 2.0**-8 if dtype == torch.bfloat16 else 2.0**-11
+    # float32's error in each value, and float16's subnormal spacing.
+    allowed = half_ulp * exact.grad.abs() * (1 + 1e-5) + 1e-6 * exact.grad.abs().amax(-1, keepdim=True) + 2.0**-24
+    for name, call in _entry_points(target, ls, reduction).items():
+        hk = h.clone().requires_grad_()
+        with torch.autocast(device, dtype=dtype):
+            got = call(hk)
+        got.sum().backward()
+        assert hk.grad.dtype == dtype, name
+        err = (hk.grad.double() - exact.grad).abs()
+        worst = (err - allowed).argmax()
+        i, j = divmod(worst.item(), err.shape[1])
+        assert (err <= allowed).all(), (
+            f"{name}: {(err > allowed).sum().item()} values off; worst [{i}, {j}] (target {target[i].item()}): "
+            f"{hk.grad[i, j].item()} vs float64 {exact.grad[i, j].item()}"
+        )
 
 
 def test_a_large_loss_keeps_float32_precision():
