@@ -345,9 +345,16 @@ __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T
   }
 }
 
+// The forward's blocks have up to 1024 threads (rows_config), so it is
+// bounded to fit them: 64 registers. Without the bound, f32 took 79 with the
+// shifted moments (64 before), which no 1024-thread block fits (rows of more
+// than about 3200 vectors, 12800 f32, would fail to launch), and three
+// blocks of 256 an SM where it had four. ptxas fits 64 without spills;
+// softmax_fwd is bounded the same way.
 #define KEEL_LAYER_NORM(SUFFIX, T)                                                                 \
-  extern "C" __global__ void layer_norm_fwd_##SUFFIX(const T* x, const T* w, const T* b, T* y,     \
-                                                     int64_t rows, int cols, float eps) {          \
+  extern "C" __global__ void __launch_bounds__(1024)                                               \
+      layer_norm_fwd_##SUFFIX(const T* x, const T* w, const T* b, T* y, int64_t rows, int cols,    \
+                              float eps) {                                                         \
     layer_norm_fwd<T>(x, w, b, y, rows, cols, eps);                                                \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(512, 1)                                             \

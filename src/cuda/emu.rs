@@ -250,6 +250,21 @@ fn emu_error(kernel: &str, msg: impl Into<String>) -> Error {
     Error::Emu { kernel: kernel.into(), msg: msg.into() }
 }
 
+/// The most threads a block of `kernel` may have, read from its PTX in
+/// `ptx`: its `.maxntid` (`__launch_bounds__`), which a GPU refuses a larger
+/// block for, or 1024 (the hardware's) where it declares none.
+/// (scripts/check-ptx.sh holds every kernel without one to 64 registers, so
+/// that a block of 1024 fits: a layer_norm forward that took 79 would have
+/// failed to launch for rows of more than about 12800 f32.) `None` where
+/// the PTX has no such kernel.
+fn max_block(ptx: &str, kernel: &str) -> Option<u32> {
+    let entry = ptx.find(&format!(".entry {kernel}("))?;
+    let head = &ptx[entry..];
+    let head = &head[..head.find('{').unwrap_or(head.len())];
+    let bound = head.lines().find_map(|l| l.trim().strip_prefix(".maxntid "));
+    Some(bound.map_or(1024, |b| b.split(',').map(|n| n.trim().parse::<u32>().unwrap_or(0)).product()))
+}
+
 impl Target for Emu {
     fn sm_count(&self) -> u32 {
         self.sm_count
@@ -263,6 +278,17 @@ impl Target for Emu {
         let (g, b) = (cfg.grid_dim, cfg.block_dim);
         if (g.1, g.2, b.1, b.2, cfg.shared_mem_bytes) != (1, 1, 1, 1, 0) {
             return Err(emu_error(kernel, format!("only 1-D launches without dynamic shared memory: {cfg:?}")));
+        }
+        // A block over the kernel's declared bound, which a GPU refuses.
+        match max_block(module.1, kernel) {
+            Some(max) if b.0 <= max => {}
+            Some(max) => {
+                return Err(emu_error(
+                    kernel,
+                    format!("a block of {} threads, where its PTX's __launch_bounds__ allow {max}", b.0),
+                ))
+            }
+            None => return Err(emu_error(kernel, format!("no such kernel in the PTX of {}", module.0))),
         }
         // Each argument in an 8-byte slot (little-endian), as kernelParams points to.
         let mut slots: Vec<u64> = args
@@ -395,5 +421,26 @@ impl<T> Drop for Buf<T> {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `shifted`, unmapped once.
         unsafe { libc::munmap(self.map, self.map_len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::max_block;
+
+    /// `.maxntid` between an entry's parameters and its body, else 1024; a
+    /// kernel the PTX lacks is `None`. Then the committed PTX's own.
+    #[test]
+    fn max_block_reads_the_entrys_bound_or_allows_256() {
+        let ptx = ".visible .entry a_f32(\n\t.param .u64 a_f32_param_0\n)\n.maxntid 1024, 1, 1\n{\n}\n\
+                   .visible .entry b_f32(\n\t.param .u64 b_f32_param_0\n)\n{\n}\n\
+                   .visible .entry c_f32(\n)\n.maxntid 16, 2, 1\n{\n}\n";
+        assert_eq!(max_block(ptx, "a_f32"), Some(1024));
+        assert_eq!(max_block(ptx, "b_f32"), Some(1024));
+        assert_eq!(max_block(ptx, "c_f32"), Some(32));
+        assert_eq!(max_block(ptx, "d_f32"), None);
+        assert_eq!(max_block(crate::ptx::SOFTMAX, "softmax_fwd_f32"), Some(1024));
+        assert_eq!(max_block(crate::ptx::LAYER_NORM, "layer_norm_bwd2h_f32"), Some(256));
+        assert_eq!(max_block(crate::ptx::ROTARY, "rotary_f32"), Some(1024));
     }
 }
