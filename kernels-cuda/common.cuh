@@ -166,8 +166,9 @@ constexpr int ROW_PACKS = 4;
 
 // How a norm's backward keeps a row that its threads hold (two vectors a
 // thread at most; four in the f32 *_bwd4h kernels): RELOAD reads it again for
-// the write of dx (the default); HELD keeps it in registers as loaded, with
-// the parameter gradient's sums in registers too; HELD_SMEM keeps the row in
+// the write of dx; HELD (the default: docs/GPU.md, run 20) keeps it in
+// registers as loaded, with the parameter gradient's sums in registers too;
+// HELD_SMEM keeps the row in
 // registers and the sums in shared memory (smem_sums), which leaves room for
 // more blocks an SM than HELD: three, as RELOAD.
 enum Keep : int { RELOAD, HELD, HELD_SMEM };

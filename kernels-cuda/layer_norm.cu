@@ -49,7 +49,7 @@ __device__ __forceinline__ float ln_xh(float x, LnMoments m) { return mul_rn((x 
 // is large against its spread keeps the precision of its normalised values.
 // (The forward took x - mean with the mean rounded to f32 before, which
 // erred by half an ulp of the mean times rstd: 3e-3 for rows near 1000
-// spread by 0.01, where torch's float32 erred by 8e-6.)
+// spread by 0.01, where a test allowed 8e-6.)
 //
 // `each(f)` calls f(i, x[i]) for this thread's elements in row_each's order,
 // from memory (row_moments) or from a row held in registers; `k` is
@@ -227,9 +227,10 @@ __device__ __forceinline__ void layer_norm_bwd_held_row(const T* __restrict__ xr
 // spread. Then a second read writes dx. Moments and sums took two reads and
 // three block reductions before (the moments, then the sums about the mean).
 // Rows held in registers (layer_norm_bwd_held_row) are read once: with HELD
-// (layer_norm_bwd2h_*, two blocks of 256 an SM) the dw/db sums stay in
-// registers, with HELD_SMEM (layer_norm_bwd2s_*, three blocks) in shared
-// memory. Neither has been timed on a GPU yet (docs/GPU.md).
+// (layer_norm_bwd2h_*, two blocks of 256 an SM; the default since an H200
+// timed it at 0.85x RELOAD's time in bf16, 0.65x as bwd4h in f32: docs/GPU.md)
+// the dw/db sums stay in registers, with HELD_SMEM (layer_norm_bwd2s_*, three
+// blocks; 0.95x in bf16) in shared memory.
 template <int P, Keep KEEP, typename T>
 __device__ __forceinline__ void layer_norm_bwd(const T* __restrict__ dy, const T* __restrict__ x,
                                                const T* __restrict__ w, T* __restrict__ dx,

@@ -169,9 +169,9 @@ __device__ __forceinline__ void rms_norm_fwd_teams(const T* __restrict__ x, cons
 // dw_partial itself. With HELD (rms_norm_bwd2h_*, rms_norm_bwd4h_f32: two
 // blocks of 256 an SM, w's packs loaded once for all the block's rows) and
 // HELD_SMEM (rms_norm_bwd2s_*: three blocks, dw's sums in shared memory),
-// neither timed on a GPU yet (docs/GPU.md), a row held in registers is read
-// once: x, dy and add kept as loaded for the write of dx; the same bits as
-// RELOAD.
+// a row held in registers is read once: x, dy and add kept as loaded for the
+// write of dx; the same bits as RELOAD. HELD is the default since an H200
+// timed it (docs/GPU.md, run 20).
 // r g w - x c + a for one element, each rounding spelled out (mul_rn).
 __device__ __forceinline__ float rms_dx(float r, float g, float w, float x, float c, float a) {
   return add_rn(add_rn(mul_rn(mul_rn(r, g), w), -mul_rn(x, c)), a);

@@ -7,7 +7,7 @@
 #
 #   checks  the machine (nvidia-smi, torch, CUDA); the Rust CUDA tests (every
 #           op's CUDA kernels against the CPU kernels, and again with each of
-#           the norms' held backward kernels); the rms_norm example;
+#           the norms' other backward kernels); the rms_norm example;
 #           the Python tests with the wheel (CPU and CUDA cases).
 #   report  benches/report/report.py: Keel against torch eager and
 #           torch.compile, CPU and CUDA, into OUT_DIR/report/; on CUDA each
@@ -17,8 +17,8 @@
 #   profile benches/report/profile_cuda.py: wall time against GPU kernel time
 #           per call of the training cases, Keel and torch, and where their
 #           CPU time goes (not in all); then the norms' fwd+bwd cases again
-#           with each of their held backward kernels (KEEL_NORM_BWD=held and
-#           smem, into profile-held.log and profile-smem.log): the A/B that
+#           with each of their other backward kernels (KEEL_NORM_BWD=reload and
+#           smem, into profile-reload.log and profile-smem.log): the A/B that
 #           docs/GPU.md asks for.
 #   verify  what a short lease needs after kernel changes: checks of the CUDA
 #           cases alone (KEEL_PYTEST_ARGS defaults to "-k cuda"), the CUDA
@@ -26,8 +26,8 @@
 #           0.5"), and profile; about 3 minutes on the H200 of docs/GPU.md.
 #           Then ab, where the bundle has a baseline.
 #   abenv   this tree's wheel against itself under each assignment of
-#           KEEL_AB_ENV (default "KEEL_NORM_BWD=held KEEL_NORM_BWD=smem": the
-#           norms' held backward kernels), on measure.py's CUDA rows of
+#           KEEL_AB_ENV (default "KEEL_NORM_BWD=reload KEEL_NORM_BWD=smem": the
+#           norms' other backward kernels), on measure.py's CUDA rows of
 #           KEEL_AB_OPS (default the norms' fwd+bwd cases), alternated as in
 #           ab, into OUT_DIR/ab/NAME/AB.md (NAME: the assignment, = made -):
 #           the A/B of a launch choice that main keeps off by default.
@@ -56,7 +56,7 @@
 #
 # Logs go to OUT_DIR (default $OUT where set, else /tmp/keel-gpu): checks.log,
 # bench.log, report.log, report/ (8 files in all), profile.log,
-# profile-{held,smem}.log. KEEL_REPORT_ARGS adds words to report.py's command line
+# profile-{reload,smem}.log. KEEL_REPORT_ARGS adds words to report.py's command line
 # (e.g. "--devices cuda": the CUDA rows alone, where time is short).
 # KEEL_REQUIRE_GPU=1 (the default here) turns every CUDA
 # test that would skip for want of a GPU into a failure; KEEL_REQUIRE_GPU=0
@@ -151,8 +151,8 @@ if wants checks; then
   step "$log" 60 "$py" -c "import torch, keel; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'GPU', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, 'keel', keel.LIBRARY_PATH)"
   step "$log" 60 .gpu/rms_norm_cuda --nocapture
   step "$log" 120 .gpu/ops_cuda --nocapture
-  # The norms' held backward kernels (KEEL_NORM_BWD=held, smem; off by default until timed).
-  for keep in held smem; do
+  # The norms' other backward kernels (KEEL_NORM_BWD=reload, smem; held is the default).
+  for keep in reload smem; do
     step "$log" 60 env KEEL_NORM_BWD=$keep .gpu/rms_norm_cuda
     step "$log" 120 env KEEL_NORM_BWD=$keep .gpu/ops_cuda cuda_matches_cpu
   done
@@ -178,9 +178,10 @@ fi
 if wants profile; then
   log="$out/profile.log"; : > "$log"
   step "$log" 120 "$py" benches/report/profile_cuda.py
-  # The norms' backward with each of its held kernels (*_bwd2h_*, *_bwd2s_*),
-  # the same cases: their kernel times against the default's just above.
-  for keep in held smem; do
+  # The norms' backward with each of its other kernels (*_bwd2_*, *_bwd_*
+  # for reload; *_bwd2s_* for smem), the same cases: their kernel times
+  # against the default's (*_bwd2h_*, *_bwd4h_f32) just above.
+  for keep in reload smem; do
     log="$out/profile-$keep.log"; : > "$log"
     step "$log" 90 env KEEL_NORM_BWD=$keep "$py" benches/report/profile_cuda.py \
       --ops "rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd" --dtypes bfloat16,float32
@@ -188,13 +189,13 @@ if wants profile; then
 fi
 if wants abenv; then
   # This tree's wheel against itself under each of KEEL_AB_ENV's assignments
-  # (default: the norms' held backward kernels), on the norms' training
+  # (default: the norms' other backward kernels), on the norms' training
   # cases unless KEEL_AB_OPS says otherwise: the A/B of a launch choice.
   log="$out/abenv.log"; : > "$log"
   new_rev="$(cat .gpu/REV 2>/dev/null || echo new)"
   devices=cuda; [ "$KEEL_REQUIRE_GPU" = 1 ] || devices=cpu
   ops="${KEEL_AB_OPS:-rms_norm fwd+bwd,layer_norm fwd+bwd,fused_add_rms_norm fwd+bwd}"
-  for assign in ${KEEL_AB_ENV:-KEEL_NORM_BWD=held KEEL_NORM_BWD=smem}; do
+  for assign in ${KEEL_AB_ENV:-KEEL_NORM_BWD=reload KEEL_NORM_BWD=smem}; do
     ab_rounds "$out/ab/${assign//=/-}" "" "$assign" "$new_rev" "$new_rev $assign" \
       --no-overhead --ops "$ops" "${ab_args[@]}"
   done
