@@ -41,9 +41,24 @@ __device__ __forceinline__ bool shift_good(float m1m1, float m2) { return m1m1 <
 // (x - mean) rstd, each rounding spelled out.
 __device__ __forceinline__ float ln_xh(float x, LnMoments m) { return mul_rn((x - m.k) - m.m1, m.rstd); }
 
+// A row's moments from the block's shifted sums s1 = sum(x - m.k) and s2 =
+// sum((x - m.k)^2) of pass `pass` (forward and backward): true with m.m1 and
+// m.rstd filled in; false where the shift was poor on the first pass, m.k
+// then moved by the shifted mean for a second pass.
+__device__ __forceinline__ bool ln_moments(float s1, float s2, int pass, int cols, float eps, LnMoments& m) {
+  const float m1 = s1 / cols, m2 = s2 / cols, m1m1 = mul_rn(m1, m1);
+  if (pass == 0 && !shift_good(m1m1, m2)) {
+    m.k = add_rn(m.k, m1);
+    return false;
+  }
+  m.m1 = m1;
+  m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
+  return true;
+}
+
 // A row's moments for the forward, returned to every thread: the backward's
 // (LnMoments, the shift k = row_shift), from the block's sums [sum(x - k),
-// sum((x - k)^2)] of one read; where the shift was poor (shift_good), the
+// sum((x - k)^2)] of one read (ln_moments); where the shift was poor, the
 // same again with k + m1, the mean now known to a few bits, as the shift.
 // The output is then ((x - k) - m1) rstd: x - k is exact, so a row whose mean
 // is large against its spread keeps the precision of its normalised values.
@@ -65,14 +80,7 @@ __device__ __forceinline__ LnMoments moments_of(Each each, float k, int cols, fl
       s2 = fmaf(d, d, s2);
     });
     const float2 s = block_sum2(make_float2(s1, s2), scratch);
-    const float m1 = s.x / cols, m2 = s.y / cols, m1m1 = mul_rn(m1, m1);
-    if (pass == 0 && !shift_good(m1m1, m2)) {
-      m.k = add_rn(m.k, m1);
-      continue;
-    }
-    m.m1 = m1;
-    m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
-    return m;
+    if (ln_moments(s.x, s.y, pass, cols, eps, m)) return m;
   }
 }
 
@@ -145,21 +153,13 @@ __device__ __forceinline__ void layer_norm_fwd(const T* __restrict__ x, const T*
 }
 
 // A backward row's moments and gradient means from the block's sums s =
-// [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))] of pass `pass`: true
-// with m, mg = mean(g) and mgx = mean(g xh) filled in; false where the
-// shift was poor on the first pass, m.k then moved by the shifted mean for
-// a second pass.
+// [sum(x - k), sum((x - k)^2), sum(g), sum(g (x - k))] of pass `pass`: as
+// ln_moments, with mg = mean(g) and mgx = mean(g xh) filled in too.
 __device__ __forceinline__ bool ln_sums(float4 s, int pass, int cols, float eps, LnMoments& m, float& mg,
                                         float& mgx) {
-  const float m1 = s.x / cols, m2 = s.y / cols, m1m1 = mul_rn(m1, m1);
-  if (pass == 0 && !shift_good(m1m1, m2)) {
-    m.k = add_rn(m.k, m1);
-    return false;
-  }
-  m.m1 = m1;
-  m.rstd = ln_rstd(add_rn(m2, -m1m1), eps);
+  if (!ln_moments(s.x, s.y, pass, cols, eps, m)) return false;
   mg = s.z / cols;
-  mgx = mul_rn(m.rstd, add_rn(s.w, -mul_rn(m1, s.z))) / cols;
+  mgx = mul_rn(m.rstd, add_rn(s.w, -mul_rn(m.m1, s.z))) / cols;
   return true;
 }
 

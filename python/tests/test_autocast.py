@@ -22,16 +22,22 @@ def _entry_points(target, ls, reduction):
     }
 
 
+def _layer_and_batch(device):
+    """A linear layer into 96 classes, a batch of 16 and its targets, one row ignored."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 96, device=device)
+    x = torch.randn(16, 64, device=device)
+    target = torch.randint(0, 96, (16,), device=device)
+    target[3] = -100
+    return lin, x, target
+
+
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("ls", [0.0, 0.1])
 def test_loss_is_float32_with_torchs_value_and_gradient(device, dtype, reduction, ls):
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 96, device=device)
-    x = torch.randn(16, 64, device=device)
-    target = torch.randint(0, 96, (16,), device=device)
-    target[3] = -100  # an ignored row
+    lin, x, target = _layer_and_batch(device)
     lin.zero_grad()
     with torch.autocast(device, dtype=dtype):
         h = lin(x)
@@ -64,11 +70,7 @@ def test_logits_gradient_is_the_float64_one_rounded(device, dtype, reduction, ls
     bfloat16, 2^-11 in float16) and float32's error, which can tip a rounding.
     (The test above failed on an H200 for bfloat16 "sum" and "none", where
     float16 and "mean" passed; this separates the op from the linear layer.)"""
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(64, 96, device=device)
-    x = torch.randn(16, 64, device=device)
-    target = torch.randint(0, 96, (16,), device=device)
-    target[3] = -100
+    lin, x, target = _layer_and_batch(device)
     with torch.autocast(device, dtype=dtype):
         h = lin(x).detach()
     exact = h.double().requires_grad_()

@@ -431,7 +431,7 @@ mod tests {
     /// `.maxntid` between an entry's parameters and its body, else 1024; a
     /// kernel the PTX lacks is `None`. Then the committed PTX's own.
     #[test]
-    fn max_block_reads_the_entrys_bound_or_allows_256() {
+    fn max_block_reads_the_entrys_bound_or_allows_1024() {
         let ptx = ".visible .entry a_f32(\n\t.param .u64 a_f32_param_0\n)\n.maxntid 1024, 1, 1\n{\n}\n\
                    .visible .entry b_f32(\n\t.param .u64 b_f32_param_0\n)\n{\n}\n\
                    .visible .entry c_f32(\n)\n.maxntid 16, 2, 1\n{\n}\n";

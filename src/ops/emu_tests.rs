@@ -879,9 +879,10 @@ fn emulated_cross_entropy_of_shifted_logits_keeps_the_losss_precision() {
 /// backward's and the CPU kernels' moments). `x - mean` with the mean
 /// rounded to f32 erred by half an ulp of the mean times `rstd`: 3e-3 for a
 /// mean of 1000 and a spread of 0.01 (found on an H200 by
-/// `test_ops_differential.py`). Widths of 2 (a warp-row of two values), 130
-/// and 2003 (element by element), 2048 (held in registers) and 16384 (vectors
-/// read twice), each output against the f64 reference.
+/// `test_ops_differential.py`). Widths of 2 (two values in a block of 32
+/// threads), 130 and 2003 (element by element), 2048 (held in registers) and
+/// 16384 (vectors read twice, blocks of 1024 threads), each output against
+/// the f64 reference.
 #[test]
 fn emulated_layer_norm_of_rows_far_from_0_keeps_the_outputs_precision() {
     if skip("emulated_layer_norm_of_rows_far_from_0_keeps_the_outputs_precision") {
