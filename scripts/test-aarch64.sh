@@ -52,7 +52,7 @@ emu_tests=(emulated_norms_and_rotary_give_the_same_bits_without_vectors emulated
 if command -v aarch64-linux-gnu-g++ >/dev/null; then
   echo "CUDA kernels' source on the emulation, built by aarch64-linux-gnu-g++, under qemu: ${emu_tests[*]}"
   out="$(KEEL_EMU_CXX=aarch64-linux-gnu-g++ KEEL_REQUIRE_CUDA_EMU="$require_emu" \
-    cargo test -p keel --profile ci -q --target "$target" --lib -- --exact "${emu_tests[@]/#/ops::emu_tests::}" 2>&1)" \
+    cargo test -p keel --profile ci -q --target "$target" --lib -- --exact "${emu_tests[@]/#/ops::emu_tests::layouts::}" 2>&1)" \
     || { echo "$out"; echo "aarch64 emulated CUDA tests failed" >&2; exit 1; }
   grep -E '^test result' <<<"$out"
   grep -q "^test result: ok. ${#emu_tests[@]} passed" <<<"$out" || { echo "$out"; echo "expected ${#emu_tests[@]} tests to run" >&2; exit 1; }
