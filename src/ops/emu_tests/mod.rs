@@ -20,18 +20,23 @@ use crate::cuda::emu::{unavailable, Buf, Emu};
 use crate::cuda::{CudaElement, NormKeep, Target};
 use proptest::prelude::*;
 
-/// The CUDA element types, with the tolerance of `close` for each.
+/// The CUDA element types, with the tolerance of `close` for each and their
+/// unit roundoff (half an ulp, relative) for `close_rounded`.
 trait Dt: Element<Acc = f32> + CudaElement {
     const TOL: f64;
+    const UNIT: f64;
 }
 impl Dt for f32 {
     const TOL: f64 = 2e-5;
+    const UNIT: f64 = 1.0 / (1u64 << 24) as f64;
 }
 impl Dt for f16 {
     const TOL: f64 = 2e-3;
+    const UNIT: f64 = 1.0 / (1u64 << 11) as f64;
 }
 impl Dt for bf16 {
     const TOL: f64 = 1.6e-2;
+    const UNIT: f64 = 1.0 / (1u64 << 8) as f64;
 }
 
 fn skip(test: &str) -> bool {
@@ -101,6 +106,33 @@ fn close_scaled<T: Element>(got: &[T], want: &[T], tol: f64, scale: impl Fn(usiz
             a == b || (a.is_nan() && b.is_nan())
         };
         assert!(ok, "{what} {} at {i}: {a} vs {b} (scale {s})", T::NAME);
+    }
+}
+
+/// Two roundings to `T` of f32 results that differ by at most `rel` of their
+/// value and `abs` of their row's scale: `|got - want| <= (2.1 u + rel) |want|
+/// + abs s` (u: `T::UNIT`, one ulp where the f32 values straddle a rounding
+/// boundary; `s` the larger of the row's largest finite `|want|` and
+/// `scale(row)`, the size of the terms it sums, for values that cancel); a
+/// non-finite `want` as [`close`]. Far tighter than [`close`] on small
+/// values, which it holds to `tol` absolute.
+fn close_rounded<T: Dt>(
+    got: &[T],
+    want: &[T],
+    cols: usize,
+    (rel, abs): (f64, f64),
+    scale: impl Fn(usize) -> f64,
+    what: &str,
+) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (r, (gr, wr)) in got.chunks(cols.max(1)).zip(want.chunks(cols.max(1))).enumerate() {
+        let top = wr.iter().map(|v| v.to_f64().abs()).filter(|v| v.is_finite()).fold(scale(r), f64::max);
+        for (j, (a, b)) in gr.iter().zip(wr).enumerate() {
+            let (a, b) = (a.to_f64(), b.to_f64());
+            let allowed = (2.1 * T::UNIT + rel) * b.abs() + abs * top;
+            let ok = if b.is_finite() { (a - b).abs() <= allowed } else { a == b || (a.is_nan() && b.is_nan()) };
+            assert!(ok, "{what} {} at [{r}, {j}]: {a} vs {b} (allowed {allowed:.3e}, the row's scale {top})", T::NAME);
+        }
     }
 }
 
