@@ -47,6 +47,16 @@ def _d(t):
     return t.to(torch.float64 if _WORK[0] == torch.float64 or t.dtype == torch.float64 else torch.float32)
 
 
+def _stored_sum(x, r):
+    """``x + r`` as fused_add_rms_norm stores and then normalises it: the sum rounded
+    once to the inputs' dtype (a float16 sum past 65504 is inf, as torch's ``x + r``),
+    with the exact sum's gradient."""
+    s = _d(x) + _d(r)
+    exact = s.detach()
+    rounded = exact.to(x.dtype).to(s.dtype)
+    return s + torch.where(rounded == exact, 0.0, rounded - exact)
+
+
 def _rms(x, w, eps):
     x = _d(x)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -98,7 +108,7 @@ def _ce_bwd(grad, logits, target, ii, ls, red, lse, weight):
 DEFS = {
     "rms_norm": lambda x, w, eps: [_rms(x, w, eps)],
     "layer_norm": lambda x, w, b, eps: [_ln(x, w, b, eps)],
-    "fused_add_rms_norm": lambda x, r, w, eps: [_rms(_d(x) + _d(r), w, eps), _d(x) + _d(r)],
+    "fused_add_rms_norm": lambda x, r, w, eps: [_rms(_stored_sum(x, r), w, eps), _stored_sum(x, r)],
     "softmax": lambda x, scale: [torch.softmax(_d(x) * scale, -1)],
     "silu_and_mul": lambda x: [_gate(x)],
     "gelu_and_mul": lambda x, approximate: [_gate(x, approximate)],
@@ -109,7 +119,7 @@ DEFS = {
     "silu_and_mul_backward": lambda g, x: _vjp(_gate, [x], g),
     "rotary_embedding_backward": lambda g, c, s, il: [_rot(g, c, -_d(s), il)],
     "cross_entropy_backward": lambda *a: [_ce_bwd(*a)],
-    "fused_add_rms_norm_": lambda x, r, w, eps: [_rms(_d(x) + _d(r), w, eps), _d(x) + _d(r)],
+    "fused_add_rms_norm_": lambda x, r, w, eps: [_rms(_stored_sum(x, r), w, eps), _stored_sum(x, r)],
     "rotary_embedding_": lambda x, c, s, il: [_rot(x, c, s, il)],
 }
 
