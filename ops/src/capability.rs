@@ -1,4 +1,4 @@
-//! `keel_cpu_capability`: the one plain C function this library exports, so
+//! `keel_cpu_capability`: a plain C function this library exports, so
 //! that Python can tell which SIMD level Keel's CPU kernels run at
 //! (`keel.cpu_capability()`, through ctypes) without an op: an op needs a
 //! tensor to dispatch on.

@@ -19,6 +19,7 @@ mod registry;
 mod rms_norm;
 mod rotary;
 mod softmax;
+mod target_checks;
 mod torch_pool;
 
 /// Runs when the library is loaded: registers every op. Must not unwind.

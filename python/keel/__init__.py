@@ -31,6 +31,34 @@ def cpu_capability() -> str:
     return _capability.cpu_capability(LIBRARY_PATH)
 
 
+from . import _target_checks  # noqa: E402
+
+
+def set_cuda_target_checks(enabled: bool) -> bool:
+    """Turns cross_entropy's check of class targets on CUDA on (the default) or off,
+    for the whole process; returns whether it was on.
+
+    The check raises a RuntimeError naming ``target`` where a class index is out of
+    range and not ``ignore_index``. It reads a count back from the GPU, so each
+    forward waits for the work queued on its stream: the host cannot queue the next
+    step's kernels while the GPU runs this one's (``keel.cross_entropy``'s backward,
+    given the forward's log-sum-exp, does not check again). Off, nothing is read back
+    and nothing waits, and a bad target gives its row a NaN loss (so a ``"mean"`` or
+    ``"sum"`` is NaN) and a NaN gradient instead of the error, as during CUDA graph
+    capture, where the check cannot run. CPU kernels check either way (no wait), and
+    probability targets have nothing to check. On at the start of a process, unless
+    the environment variable ``KEEL_CUDA_TARGET_CHECKS`` is ``0`` (``1`` or unset: on;
+    another value is reported on stderr and ignored). Not traced by ``torch.compile``:
+    call it outside compiled code.
+    """
+    return _target_checks.set_checks(LIBRARY_PATH, enabled)
+
+
+def cuda_target_checks() -> bool:
+    """Whether cross_entropy checks class targets on CUDA (``set_cuda_target_checks``)."""
+    return _target_checks.checks(LIBRARY_PATH)
+
+
 from . import _autograd  # noqa: E402
 
 _autograd.register()
@@ -77,5 +105,7 @@ __all__ = [
     "rotary_embedding_",
     "nn",
     "cpu_capability",
+    "set_cuda_target_checks",
+    "cuda_target_checks",
     "LIBRARY_PATH",
 ]

@@ -193,6 +193,9 @@ def describe() -> List[str]:
                          f"{p.total_memory / 2**30:.0f} GiB")
     else:
         lines.append("CUDA: not used (torch.cuda.is_available() is False)")
+    checks = os.environ.get("KEEL_CUDA_TARGET_CHECKS")
+    lines.append(f"cross_entropy's CUDA target check: {'on' if keel.cuda_target_checks() else 'off'}"
+                 + (f" (KEEL_CUDA_TARGET_CHECKS={checks})" if checks else ""))
     return lines
 
 

@@ -254,7 +254,8 @@ def cross_entropy(
         target: ``[N]`` int64 class indices in ``[0, V)``, or ``ignore_index``; any other
             value raises a RuntimeError (on CUDA this check synchronises the stream, in
             the forward only: the backward trusts the targets the forward checked; during
-            CUDA graph capture, where nothing may synchronise, such a row's loss is NaN
+            CUDA graph capture, where nothing may synchronise, and after
+            ``keel.set_cuda_target_checks(False)``, such a row's loss is NaN
             instead). Or, as torch, probabilities: a float tensor shaped like
             ``logits`` (``[V]``, ``[N, V]`` or ``[N, V, d1, ...]``), differentiable too:
             a target of the logits' dtype (with a ``weight`` needing no gradient)

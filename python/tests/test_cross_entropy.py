@@ -377,6 +377,79 @@ def test_cuda_graph_capture_and_replay(device):
     assert xs.grad[3].isnan().all().item()
 
 
+@pytest.fixture
+def target_checks_off():
+    """keel.set_cuda_target_checks(False) for one test, then as it was."""
+    was = keel.set_cuda_target_checks(False)
+    yield
+    keel.set_cuda_target_checks(was)
+
+
+def test_set_cuda_target_checks_returns_what_it_was():
+    """(On at the start of a process: the environment test below.)"""
+    was = keel.cuda_target_checks()
+    try:
+        assert keel.set_cuda_target_checks(True) is was
+        assert keel.set_cuda_target_checks(False) is True
+        assert keel.cuda_target_checks() is False
+        assert keel.set_cuda_target_checks(False) is False
+        with pytest.raises(TypeError, match="keel.set_cuda_target_checks: enabled must be a bool, got int"):
+            keel.set_cuda_target_checks(1)
+        assert keel.cuda_target_checks() is False
+        assert keel.set_cuda_target_checks(True) is False
+        assert keel.cuda_target_checks() is True
+    finally:
+        keel.set_cuda_target_checks(was)
+
+
+@pytest.mark.parametrize(
+    "value,on,warns", [("0", False, False), ("1", True, False), ("", True, False), ("off", True, True)]
+)
+def test_the_environment_sets_the_checks_starting_state(value, on, warns):
+    code = "import keel; print(keel.cuda_target_checks(), keel.set_cuda_target_checks(True), keel.cuda_target_checks())"
+    env = dict(os.environ, KEEL_CUDA_TARGET_CHECKS=value)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert r.stdout.split() == [str(on), str(on), "True"]
+    warning = "keel: KEEL_CUDA_TARGET_CHECKS=off is neither 0 nor 1; ignored (targets are checked)"
+    assert (warning in r.stderr) == warns, r.stderr
+
+
+def test_cpu_checks_targets_with_the_cuda_check_off(target_checks_off):
+    """The switch is CUDA's: the CPU kernels check as they read (no wait to save)."""
+    with pytest.raises(RuntimeError, match="keel::cross_entropy: argument 'target' holds 5 at row 1"):
+        keel.cross_entropy(torch.randn(3, 5), torch.tensor([0, 5, 1]))
+
+
+@pytest.mark.parametrize("device", devices()[1:])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_cuda_bad_target_with_the_check_off_gives_nan(device, reduction, target_checks_off):
+    """With the check off nothing is read back: a bad target's row has a NaN loss and
+    gradient, as during graph capture, and the other rows are torch's."""
+    n, v = 64, 1000
+    x, t = torch.randn(n, v, device=device), targets(n, v, device)
+    t[3] = v
+    xs = x.clone().requires_grad_()
+    loss = keel.cross_entropy(xs, t, reduction=reduction)
+    loss.sum().backward()
+    if reduction == "none":
+        assert loss[3].isnan().item()
+    else:
+        assert loss.isnan().item()
+    assert xs.grad[3].isnan().all().item()
+    ok = torch.arange(n, device=device) != 3
+    xr = x[ok].clone().requires_grad_()
+    want = F.cross_entropy(xr, t[ok], reduction=reduction)
+    want.sum().backward()
+    atol, rtol = TOL[torch.float32]
+    if reduction == "none":
+        torch.testing.assert_close(loss[ok].detach(), want.detach(), atol=atol, rtol=rtol)
+    if reduction != "mean":  # "mean" divides the good rows by one more row
+        torch.testing.assert_close(xs.grad[ok], xr.grad, atol=atol, rtol=rtol)
+    keel.set_cuda_target_checks(True)
+    with pytest.raises(RuntimeError, match="keel::cross_entropy: argument 'target'"):
+        keel.cross_entropy(x, t, reduction=reduction)
+
+
 def test_meta_and_empty():
     x = torch.empty(5, 7, device="meta")
     t = torch.empty(5, dtype=torch.int64, device="meta")

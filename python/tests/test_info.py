@@ -38,6 +38,12 @@ def test_prints_the_environment_and_every_op_passes():
     assert out.rstrip().endswith("all checks passed")
 
 
+def test_says_whether_cross_entropy_checks_cuda_targets():
+    assert "cross_entropy's CUDA target check: on\n" in _run("--no-check", KEEL_CUDA_TARGET_CHECKS="").stdout
+    p = _run("--no-check", KEEL_CUDA_TARGET_CHECKS="0")
+    assert "cross_entropy's CUDA target check: off (KEEL_CUDA_TARGET_CHECKS=0)\n" in p.stdout, p.stdout
+
+
 def test_no_check_prints_the_environment_only_and_names_a_lowered_simd_level():
     p = _run("--no-check", KEEL_CPU_CAPABILITY="default")
     assert p.returncode == 0, p.stderr

@@ -32,20 +32,23 @@ struct Lib {
 /// The emulated device: its SM count sizes the grids, as a GPU's does;
 /// `reverse` runs each block's threads in the opposite order between barriers;
 /// `capturing` plays a stream being captured into a CUDA graph, on which a
-/// read back fails as the driver's would; `norm_keep` is
+/// read back fails as the driver's would; `checks_targets` is
+/// [`Target::checks_targets`]'s setting (off, a read back fails too);
+/// `norm_keep` is
 /// [`Target::norm_keep`]'s choice (the environment's on a GPU).
 pub(crate) struct Emu {
     pub(crate) sm_count: u32,
     pub(crate) reverse: bool,
     pub(crate) capturing: bool,
+    pub(crate) checks_targets: bool,
     pub(crate) norm_keep: NormKeep,
 }
 
 impl Emu {
-    /// A device of `sm_count` SMs, threads in order, not capturing, the
-    /// norms' default backward kernels.
+    /// A device of `sm_count` SMs, threads in order, not capturing,
+    /// checking cross_entropy's targets, the norms' reload backward kernels.
     pub(crate) fn new(sm_count: u32) -> Self {
-        Emu { sm_count, reverse: false, capturing: false, norm_keep: NormKeep::Reload }
+        Emu { sm_count, reverse: false, capturing: false, checks_targets: true, norm_keep: NormKeep::Reload }
     }
 }
 
@@ -340,9 +343,16 @@ impl Target for Emu {
         Ok(self.capturing)
     }
 
+    fn checks_targets(&self) -> bool {
+        self.checks_targets
+    }
+
     unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()> {
         if self.capturing {
             return Err(emu_error(what, "a synchronising read during stream capture (it would invalidate the graph)"));
+        }
+        if !self.checks_targets {
+            return Err(emu_error(what, "a synchronising read with the target checks off"));
         }
         // SAFETY: `src` is host memory holding `dst.len()` i32s (our contract).
         unsafe { std::ptr::copy_nonoverlapping(src as *const i32, dst.as_mut_ptr(), dst.len()) };

@@ -47,6 +47,15 @@ pub(crate) trait Target {
     /// `src` must hold `dst.len()` i32s on this target.
     unsafe fn read_i32s(&self, what: &str, src: u64, dst: &mut [i32]) -> Result<()>;
 
+    /// Whether cross_entropy reads its bad-target count back (and waits for
+    /// it): on a GPU, [`set_cuda_target_checks`]'s process-wide setting; the
+    /// tests' emulation sets it per target.
+    ///
+    /// [`set_cuda_target_checks`]: crate::ops::cross_entropy::set_cuda_target_checks
+    fn checks_targets(&self) -> bool {
+        crate::ops::cross_entropy::cuda_target_checks()
+    }
+
     /// How the norms' two-vector backward kernels keep a row (the held
     /// ones not yet timed on a GPU): on a GPU, the `KEEL_NORM_BWD`
     /// environment variable ([`norm_keep`](super::choice::norm_keep)); `op`

@@ -17,6 +17,9 @@
 //! wrote it checked the same targets (autograd saves both and refuses them
 //! if either changed), so a training step synchronises once, not twice; a
 //! bad target there gives its row a NaN gradient, as under capture.
+//! [`set_cuda_target_checks`]`(false)` (or `KEEL_CUDA_TARGET_CHECKS=0` in the
+//! environment) turns the check off for the process: no synchronisation at
+//! all, and a bad target gives NaN as under capture.
 //!
 //! CUDA: one block per row; the row's max, sum of exp and (for label
 //! smoothing) sum come from one read of it (online softmax). The backward
@@ -35,12 +38,14 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
 use std::sync::Arc;
 
 mod probs;
+mod target_checks;
 pub use probs::{
     backward_probs_cpu, backward_probs_cuda, backward_probs_cuda_raw, forward_probs_cpu, forward_probs_cuda,
     forward_probs_cuda_raw, probs_loss_dtype,
 };
 #[cfg(test)]
 pub(crate) use probs::{backward_probs_on, forward_probs_on};
+pub use target_checks::{cuda_target_checks, set_cuda_target_checks, TARGET_CHECKS_VAR};
 
 const MODULE: (&str, &str) = ("cross_entropy", crate::ptx::CROSS_ENTROPY);
 
@@ -103,7 +108,8 @@ fn single_block() -> LaunchConfig {
 /// `scratch` (waiting for them), and turns a non-zero count into an error.
 /// While the stream is being captured into a CUDA graph nothing may wait for
 /// it, so nothing is read: a bad target's row then has a NaN loss (so a
-/// "mean" or "sum" is NaN) and a NaN gradient, as the kernels leave them.
+/// "mean" or "sum" is NaN) and a NaN gradient, as the kernels leave them;
+/// likewise where `t` does not check targets ([`Target::checks_targets`]).
 ///
 /// # Safety
 /// `scratch` must hold [`scratch_len`]`(rows)` f32s on `t`.
@@ -115,7 +121,7 @@ unsafe fn check_status(
     opts: &Options,
     cols: usize,
 ) -> Result<()> {
-    if t.capturing()? {
+    if !t.checks_targets() || t.capturing()? {
         return Ok(());
     }
     let mut status = [0i32; 2];
@@ -141,8 +147,9 @@ fn check_dims(op: &'static str, rows: usize, cols: usize, opts: &Options) -> Res
 }
 
 /// CUDA forward on raw device pointers; synchronises `stream` to check the
-/// targets, except while `stream` is being captured into a CUDA graph (then a
-/// target out of range gives its row a NaN loss instead of an error). `lse`
+/// targets, except while `stream` is being captured into a CUDA graph or with
+/// [`set_cuda_target_checks`]`(false)` (then a target out of range gives its
+/// row a NaN loss instead of an error). `lse`
 /// is 0, or where each row's log-sum-exp is written (`rows` f32s; 0 for
 /// ignored rows); `weight` is 0, or the class weights (`cols` of `dtype`).
 ///
@@ -220,7 +227,8 @@ pub(crate) unsafe fn forward_on(
 
 /// CUDA backward on raw device pointers. `lse` is 0 (recomputed), or the
 /// forward's `rows` f32s. Without `lse` it synchronises `stream` to check the
-/// targets, except during graph capture (see [`forward_cuda_raw`]); with it, it
+/// targets, except during graph capture or with the check off (see
+/// [`forward_cuda_raw`]); with it, it
 /// does not: the targets must be those the forward that wrote `lse` checked
 /// (a bad one gives its row a NaN gradient, no error).
 ///
@@ -306,7 +314,8 @@ fn scratch(stream: &Arc<CudaStream>, rows: usize) -> Result<CudaSlice<f32>> {
 }
 
 /// CUDA forward on `cudarc` buffers, launched on `stream` (which it
-/// synchronises, except during graph capture: see [`forward_cuda_raw`]); each
+/// synchronises, except during graph capture or with the check off: see
+/// [`forward_cuda_raw`]); each
 /// row's log-sum-exp into `lse` when given; class weights `weight` where given.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_cuda<T: CudaElement>(
@@ -340,7 +349,8 @@ pub fn forward_cuda<T: CudaElement>(
 
 /// CUDA backward on `cudarc` buffers, launched on `stream`, given the
 /// forward's `lse` or recomputing it. Without `lse` it synchronises `stream`
-/// to check the targets (except during graph capture); with it, the targets
+/// to check the targets (except during graph capture or with the check off);
+/// with it, the targets
 /// must be the ones that forward checked (see [`backward_cuda_raw`]).
 /// `weight`: the forward's class weights, or none.
 #[allow(clippy::too_many_arguments)]

@@ -157,29 +157,37 @@ pub(super) fn case<T: Dt>(c: Case) {
     assert!(dxd.to_vec()[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient");
 
     // ... except during graph capture, where nothing is read back (the emulated
-    // read fails there, as a synchronising one would end a real capture): the
-    // bad row's loss is NaN, so is the sum, and so is its gradient.
-    let t = Emu { capturing: true, ..Emu::new(sm) };
-    let (od, sd) = (z(1), garbage::<f32>(rows + 2, 0));
-    unsafe { cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), pw, od.addr(), 0, sd.addr(), rows, cols, opts) }
-        .expect("no read back while capturing");
-    assert!(od.to_vec()[0].to_f64().is_nan(), "the sum over a bad target while capturing");
-    let (dxd, sd) = (z(n), garbage::<f32>(rows + 2, 0));
-    unsafe {
-        let (g, x, tg, d, sc) = (gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr());
-        cross_entropy::backward_on(&t, dt, g, x, tg, pw, 0, d, sc, rows, cols, opts)
-    }
-    .expect("no read back while capturing");
-    let dx = dxd.to_vec();
-    assert!(dx[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient while capturing");
-    // The other rows' gradients are those with the bad row ignored.
+    // read fails there, as a synchronising one would end a real capture), and
+    // with the target checks off (set_cuda_target_checks(false); the emulated
+    // read fails there too): the bad row's loss is NaN, so is the sum, and so
+    // is its gradient.
     let mut ignored = bad.clone();
     ignored[rows - 1] = opts.ignore_index;
     let mut want = cpu(n);
     let one = [T::from_f64(1.0)];
     cross_entropy::backward_cpu(&one, &x, &ignored, Some(&weights), None, &mut want, cols, opts, Par::Seq).unwrap();
     let good = (rows - 1) * cols;
-    close(&dx[..good], &want[..good], 4.0 * tol, "good rows' gradient while capturing");
+    for (t, how) in [
+        (Emu { capturing: true, ..Emu::new(sm) }, "while capturing"),
+        (Emu { checks_targets: false, ..Emu::new(sm) }, "with the target checks off"),
+    ] {
+        let (od, sd) = (z(1), garbage::<f32>(rows + 2, 0));
+        unsafe {
+            cross_entropy::forward_on(&t, dt, xd.addr(), td.addr(), pw, od.addr(), 0, sd.addr(), rows, cols, opts)
+        }
+        .unwrap_or_else(|e| panic!("no read back {how}: {e}"));
+        assert!(od.to_vec()[0].to_f64().is_nan(), "the sum over a bad target {how}");
+        let (dxd, sd) = (z(n), garbage::<f32>(rows + 2, 0));
+        unsafe {
+            let (g, x, tg, d, sc) = (gd.addr(), xd.addr(), td.addr(), dxd.addr(), sd.addr());
+            cross_entropy::backward_on(&t, dt, g, x, tg, pw, 0, d, sc, rows, cols, opts)
+        }
+        .unwrap_or_else(|e| panic!("no read back {how}: {e}"));
+        let dx = dxd.to_vec();
+        assert!(dx[(rows - 1) * cols..].iter().all(|v| v.to_f64().is_nan()), "the bad row's gradient {how}");
+        // The other rows' gradients are those with the bad row ignored.
+        close(&dx[..good], &want[..good], 4.0 * tol, &format!("good rows' gradient {how}"));
+    }
 }
 
 /// cross_entropy against the probabilities `probs` (of the logits' dtype, or
