@@ -1,4 +1,6 @@
 """Loads Keel's native library into torch and checks the torch version."""
+import ctypes
+import functools
 import glob
 import os
 import re
@@ -41,3 +43,14 @@ def load() -> str:
             f"keel: {libs[0]} loaded but registered no ops (its reason was printed to stderr above)"
         )
     return libs[0]
+
+
+@functools.lru_cache(maxsize=None)
+def c_function(path: str, name: str, argtypes: tuple, restype):
+    """The plain C function ``name`` that the library at ``path`` exports (one an op
+    cannot be: it takes no tensor to dispatch on), through ctypes: the library torch
+    loaded already, so the same process state."""
+    fn = getattr(ctypes.CDLL(path), name)
+    fn.argtypes = list(argtypes)
+    fn.restype = restype
+    return fn

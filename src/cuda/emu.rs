@@ -34,8 +34,7 @@ struct Lib {
 /// `capturing` plays a stream being captured into a CUDA graph, on which a
 /// read back fails as the driver's would; `checks_targets` is
 /// [`Target::checks_targets`]'s setting (off, a read back fails too);
-/// `norm_keep` is
-/// [`Target::norm_keep`]'s choice (the environment's on a GPU).
+/// `norm_keep` is [`Target::norm_keep`]'s choice (the environment's on a GPU).
 pub(crate) struct Emu {
     pub(crate) sm_count: u32,
     pub(crate) reverse: bool,
