@@ -36,7 +36,7 @@ mod types;
 pub use boxed::{boxed, BoxedOp};
 pub use cuda::{current_cuda_stream, DeviceGuard};
 pub use error::{raise, Error, Result};
-pub use library::{DispatchKey, Library};
+pub use library::{DispatchKey, Library, Tag};
 pub use parallel::{get_num_threads, parallel_for};
 pub use refuse::{refuse, OpSchema, REFUSED_KEYS};
 pub use stack::{FromStack, IntoStack, StableIValue};

@@ -1,5 +1,5 @@
 use crate::error::{invalid_cstr, Result};
-use crate::sys::{api, check, BoxedKernel, TorchLibraryHandle};
+use crate::sys::{api, check, Api, BoxedKernel, TorchLibraryHandle};
 use crate::EXTENSION_BUILD_VERSION;
 use std::ffi::CString;
 
@@ -24,6 +24,30 @@ impl DispatchKey {
             DispatchKey::Meta => c"Meta",
             DispatchKey::Named(name) => name,
         }
+    }
+}
+
+/// A tag that an op's definition can carry (torch's `at::Tag`), as
+/// `torch.library.define(..., tags=...)` gives one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tag {
+    /// `pt2_compliant_tag`: the op's registrations (schema, Meta kernel,
+    /// autograd) pass `torch.library.opcheck`, so `torch.compile` keeps it in
+    /// its graph even under `torch._dynamo.config.only_allow_pt2_compliant_ops`.
+    /// `torch.library.custom_op` gives every op it defines this tag.
+    Pt2Compliant,
+}
+
+impl Tag {
+    /// The tag's value in this torch (read from its getter, so that the
+    /// enum's order in torch is no part of the ABI); None where this torch
+    /// has no getter for it.
+    fn value(self, api: &Api) -> Option<i32> {
+        let getter = match self {
+            Tag::Pt2Compliant => api.torch_tag_pt2_compliant_tag?,
+        };
+        // SAFETY: a getter with no arguments that returns an int.
+        Some(unsafe { getter() })
     }
 }
 
@@ -74,6 +98,23 @@ impl Library {
         let s = invalid_cstr(schema)?;
         // SAFETY: live handle, valid C string.
         check("aoti_torch_library_def", unsafe { (api()?.aoti_torch_library_def)(self.handle, s.as_ptr()) })
+    }
+
+    /// Defines an op from its schema string with `tags`. A torch that takes
+    /// no tags at definition (before 2.12) gets the op without them: tags
+    /// tell torch's tooling what holds of the op, and the op works the same
+    /// without them.
+    pub fn def_with_tags(&self, schema: &str, tags: &[Tag]) -> Result<()> {
+        let a = api()?;
+        let values: Option<Vec<i32>> = tags.iter().map(|t| t.value(a)).collect();
+        let (Some(def), Some(values)) = (a.torch_library_def_with_tags, values) else {
+            return self.def(schema);
+        };
+        let s = invalid_cstr(schema)?;
+        // A handful of tags: the count fits.
+        let n = values.len() as i32;
+        // SAFETY: live handle, valid C string, `values` holds `n` tag values.
+        check("torch_library_def_with_tags", unsafe { def(self.handle, s.as_ptr(), values.as_ptr(), n) })
     }
 
     /// Registers the boxed kernel of op `name` (see [`crate::boxed`]).

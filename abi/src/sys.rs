@@ -94,6 +94,9 @@ api! {
         // 2.13+
         torch_delete_stable_ivalue: fn(*mut u64) -> ErrorCode;
         torch_exception_get_what_without_backtrace: fn() -> *const c_char;
+        // 2.12+: op tags, passed as the values their getters return.
+        torch_library_def_with_tags: fn(TorchLibraryHandle, *const c_char, *const i32, i32) -> ErrorCode;
+        torch_tag_pt2_compliant_tag: fn() -> i32;
         // In every torch Keel supports; optional all the same, as `numel`
         // can fall back to the product of the sizes.
         aoti_torch_get_numel: fn(AtenTensorHandle, *mut i64) -> ErrorCode;

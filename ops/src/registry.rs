@@ -1,5 +1,5 @@
 //! The list of ops and their registration with torch.
-use keel_abi::{boxed, refuse, DispatchKey, Library, OpSchema, Result, REFUSED_KEYS};
+use keel_abi::{boxed, refuse, DispatchKey, Library, OpSchema, Result, Tag, REFUSED_KEYS};
 use std::sync::OnceLock;
 
 /// One op: its name, schema, boxed kernel (served for CPU, CUDA and Meta) and
@@ -106,6 +106,20 @@ fn all_ops() -> Vec<Defined> {
     all
 }
 
+impl Defined {
+    /// The op's tags: `pt2_compliant_tag` for every op but the ABI self-test,
+    /// which is Keel's test of its own binding, not an op for models. Each
+    /// has its `torch.library.opcheck` test in python/tests (the twins' in
+    /// test_tags.py), which is what the tag claims.
+    fn tags(&self) -> &'static [Tag] {
+        if self.name.starts_with("_abi_selftest") {
+            &[]
+        } else {
+            &[Tag::Pt2Compliant]
+        }
+    }
+}
+
 /// Keeps the library fragments alive for the life of the process (dropping
 /// one would unregister its kernels).
 static LIBRARIES: OnceLock<Vec<Library>> = OnceLock::new();
@@ -114,7 +128,7 @@ pub(crate) fn register_all() -> Result<()> {
     let ops = all_ops();
     let def = Library::define_namespace("keel")?;
     for op in &ops {
-        def.def(&op.schema)?;
+        def.def_with_tags(&op.schema, op.tags())?;
     }
     let mut libs = vec![def];
     for key in [DispatchKey::Cpu, DispatchKey::Cuda, DispatchKey::Meta] {
