@@ -7,8 +7,9 @@ from torch import Tensor, nn
 
 from .._common import acc_of
 from ..functional import _dense, _handle, _has_torch_function, _overridden, cross_entropy, layer_norm, rms_norm, silu_and_mul
+from ._convert import convert
 
-__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss"]
+__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "convert"]
 
 
 def _shape(normalized_shape) -> tuple:

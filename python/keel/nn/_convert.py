@@ -1,0 +1,112 @@
+"""``keel.nn.convert``: torch's norm and loss modules in a model swapped for Keel's."""
+from typing import Dict
+
+import torch
+from torch import nn
+
+__all__ = ["convert"]
+
+
+def convert(module: nn.Module) -> nn.Module:
+    """Replaces each ``torch.nn.RMSNorm``, ``torch.nn.LayerNorm`` and
+    ``torch.nn.CrossEntropyLoss`` in ``module``'s tree by Keel's module of the
+    same name, and returns ``module`` (or its replacement, where ``module`` is
+    itself one of those), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``
+    does for batch norms.
+
+    Each replacement holds the very parameters and buffers of the module it
+    replaces (the same ``Parameter`` objects, so an optimizer made before the
+    conversion still updates them, and the state dict's keys and values do not
+    change), its settings (``eps``, ``normalized_shape``, ``ignore_index``,
+    ``reduction``, ``label_smoothing``) and its ``training`` flag. A module
+    that stands at several places in the tree gets one replacement, standing
+    at each. Modules of other classes, subclasses of these three among them
+    (a parametrized ``LayerNorm`` is one), are left as they are.
+
+    Raises:
+        ValueError: where a module to replace has hooks of its own (forward,
+            backward or state-dict hooks), which the replacement would not
+            have: remove them, convert, then register them on the new module.
+            Nothing in the tree is changed then.
+
+    Keel's ops run on CPU and CUDA tensors (float32, float16, bfloat16, and
+    float64 on CPU); a converted model on another device, or in another dtype,
+    raises an error naming the op and the argument on its first call.
+    """
+    found: Dict[int, nn.Module] = {}
+    _plan(module, "", found, set())
+    done = {key: _replacement(m) for key, m in found.items()}
+    _swap(module, done, set())
+    return done.get(id(module), module)
+
+
+_TYPES = (nn.RMSNorm, nn.LayerNorm, nn.CrossEntropyLoss)
+
+# The hook dicts that a module's replacement would not carry (torch 2.10 on
+# has each; `getattr` with a default keeps a later torch that drops one working).
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_pre_hooks",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+
+
+def _plan(m: nn.Module, path: str, found: Dict[int, nn.Module], seen: set) -> None:
+    """Collects the modules to replace below and at `m` (by id), checking each
+    first, so that a refusal leaves the whole tree unchanged."""
+    if id(m) in seen:
+        return
+    seen.add(id(m))
+    if type(m) in _TYPES:
+        hooked = [h for h in _HOOKS if getattr(m, h, None)]
+        if hooked:
+            where = f"at '{path}'" if path else "(the module passed)"
+            raise ValueError(
+                f"keel.nn.convert: the torch.nn.{type(m).__name__} {where} has hooks ({', '.join(hooked)}), "
+                "which its replacement would not have: remove them, convert, and register them again"
+            )
+        found[id(m)] = m
+    for name, child in m.named_children():
+        _plan(child, f"{path}.{name}" if path else name, found, seen)
+
+
+def _replacement(m: nn.Module) -> nn.Module:
+    """Keel's module for `m`, holding `m`'s own parameters and buffers."""
+    from . import CrossEntropyLoss, LayerNorm, RMSNorm
+
+    if type(m) is nn.CrossEntropyLoss:
+        new = CrossEntropyLoss(None, ignore_index=m.ignore_index, reduction=m.reduction,
+                               label_smoothing=m.label_smoothing)
+        new.weight = m.weight  # the same buffer (or None), as registered
+    else:
+        # Made on the meta device, then given `m`'s own tensors: no throwaway
+        # parameters are allocated or initialised on the real device.
+        with torch.device("meta"):
+            if type(m) is nn.RMSNorm:
+                new = RMSNorm(m.normalized_shape, m.eps, m.elementwise_affine)
+            else:
+                new = LayerNorm(m.normalized_shape, m.eps, m.elementwise_affine, bias=m.bias is not None)
+        new.weight = m.weight
+        if isinstance(new, LayerNorm):
+            new.bias = m.bias
+    new.train(m.training)
+    return new
+
+
+def _swap(m: nn.Module, done: Dict[int, nn.Module], seen: set) -> None:
+    """Puts each replacement where its module stood, below `m`."""
+    if id(m) in seen:
+        return
+    seen.add(id(m))
+    for name, child in list(m._modules.items()):
+        if child is None:
+            continue
+        if id(child) in done:
+            m._modules[name] = done[id(child)]
+        else:
+            _swap(child, done, seen)
