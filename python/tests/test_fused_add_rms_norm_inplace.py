@@ -168,6 +168,23 @@ def test_every_dispatch_path_bumps_versions_once():
     assert (x._version, r._version, w._version) == (4, 4, 0)
 
 
+MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "below autograd": torch._C._AutoDispatchBelowAutograd}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("call", ["typed", "op"])
+def test_strided_arguments_are_bumped_once(mode, call):
+    """A strided argument is worked on in a copy that the kernel writes back
+    with torch's copy_, which must not bump its version again: below autograd,
+    the ADInplaceOrView kernel let it (two bumps a call, until session 93)."""
+    x, r = torch.randn(2, 16)[:, ::2], torch.randn(2, 16)[:, ::2]
+    want_x, want_r = keel.fused_add_rms_norm(x, r, None, 1e-6)
+    with MODES[mode]():
+        (keel.fused_add_rms_norm_ if call == "typed" else op)(x, r, None, 1e-6)
+    assert (x._version, r._version) == (1, 1)
+    assert torch.equal(x, want_x) and torch.equal(r, want_r)
+
+
 def test_torch_func_transforms_raise_rather_than_write_wrongly():
     """vmap has no batching rule for an in-place custom op (torch's error);
     torch.func.grad meets the refusal. Neither writes the inputs."""

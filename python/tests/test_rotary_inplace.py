@@ -52,6 +52,21 @@ def test_typed_api_makes_no_copy():
     assert calls.ops == ["keel.rotary_embedding_.default"], calls.ops
 
 
+@pytest.mark.parametrize("mode", ["grad", "no_grad", "below autograd"])
+@pytest.mark.parametrize("call", ["typed", "op"])
+def test_a_strided_x_is_bumped_once(mode, call):
+    """As for fused_add_rms_norm_: the write-back of the copy a strided x is
+    rotated in bumps no version of its own."""
+    modes = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "below autograd": torch._C._AutoDispatchBelowAutograd}
+    a = angles(3, 4, "cpu")
+    cos, sin = a.cos().float(), a.sin().float()
+    x = torch.randn(1, 3, 2, 16)[..., ::2]
+    want = keel.rotary_embedding(x, cos, sin)
+    with modes[mode]():
+        (keel.rotary_embedding_ if call == "typed" else op)(x, cos, sin, False)
+    assert x._version == 1 and torch.equal(x, want)
+
+
 @pytest.mark.parametrize("call", ["typed", "op"])
 def test_bumps_version_and_refuses_gradients(call):
     f = keel.rotary_embedding_ if call == "typed" else op
