@@ -121,6 +121,16 @@ def _layer_norm_module(
     return _unflat(out, flat, x)
 
 
+# _LOOKUP: the modules' forwards read their parameters and buffers from the
+# module's own ``_parameters`` / ``_buffers`` dict: ``self.weight`` goes through
+# ``nn.Module.__getattr__``, a Python function, 0.45 us a lookup ([1, 64]
+# LayerNorm under no_grad: 7.0 -> 6.1 us a call, measured). Where the name is
+# not in that dict, ``self.weight`` after all: a parametrization's property
+# (``torch.nn.utils.parametrize``), or the plain attribute that
+# ``torch.nn.utils.weight_norm`` sets. What ``torch.func.functional_call`` and
+# FSDP put in its place, they put in that dict.
+
+
 class RMSNorm(nn.Module):
     """Keel's ``torch.nn.RMSNorm``: same constructor, parameters and state dict.
 
@@ -156,7 +166,9 @@ class RMSNorm(nn.Module):
             nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _rms_norm_module(x, self.normalized_shape, self.weight, self.eps)
+        p = self._parameters  # see _LOOKUP
+        w = p["weight"] if "weight" in p else self.weight
+        return _rms_norm_module(x, self.normalized_shape, w, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -202,7 +214,10 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _layer_norm_module(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        p = self._parameters  # see _LOOKUP
+        w = p["weight"] if "weight" in p else self.weight
+        b = p["bias"] if "bias" in p else self.bias
+        return _layer_norm_module(x, self.normalized_shape, w, b, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -294,7 +309,9 @@ class CrossEntropyLoss(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction, weight=self.weight)
+        buffers = self._buffers  # see _LOOKUP
+        w = buffers["weight"] if "weight" in buffers else self.weight
+        return cross_entropy(input, target, self.ignore_index, self.label_smoothing, self.reduction, weight=w)
 
     def extra_repr(self) -> str:
         return f"ignore_index={self.ignore_index}, reduction={self.reduction}, label_smoothing={self.label_smoothing}"
