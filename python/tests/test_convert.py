@@ -106,6 +106,12 @@ def test_the_module_itself_and_a_shared_module_are_replaced_once():
     m = nn.Sequential(shared, nn.Linear(8, 8), shared)
     keel.nn.convert(m)
     assert isinstance(m[0], keel.nn.RMSNorm) and m[0] is m[2] and m[0].weight is shared.weight
+    # Shared under different parents, and a shared parent holding one.
+    shared, inner = nn.RMSNorm(8), nn.Sequential(nn.LayerNorm(8))
+    m = nn.Sequential(inner, shared, nn.Sequential(shared), inner)
+    keel.nn.convert(m)
+    assert m[0] is m[3] is inner and isinstance(inner[0], keel.nn.LayerNorm)
+    assert isinstance(m[1], keel.nn.RMSNorm) and m[1] is m[2][0] and m[1].weight is shared.weight
 
 
 def test_subclasses_and_other_modules_are_left_alone():

@@ -1,5 +1,5 @@
 """``keel.nn.convert``: torch's norm and loss modules in a model swapped for Keel's."""
-from typing import Dict
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -33,10 +33,12 @@ def convert(module: nn.Module) -> nn.Module:
     float64 on CPU); a converted model on another device, or in another dtype,
     raises an error naming the op and the argument on its first call.
     """
-    found: Dict[int, nn.Module] = {}
-    _plan(module, "", found, set())
-    done = {key: _replacement(m) for key, m in found.items()}
-    _swap(module, done, set())
+    sites: List[Tuple[Optional[nn.Module], str, nn.Module]] = []
+    _walk(None, "", module, "", sites, set())
+    done = {id(m): _replacement(m) for _, _, m in sites}
+    for parent, name, m in sites:
+        if parent is not None:
+            parent._modules[name] = done[id(m)]
     return done.get(id(module), module)
 
 
@@ -56,12 +58,11 @@ _HOOKS = (
 )
 
 
-def _plan(m: nn.Module, path: str, found: Dict[int, nn.Module], seen: set) -> None:
-    """Collects the modules to replace below and at `m` (by id), checking each
-    first, so that a refusal leaves the whole tree unchanged."""
-    if id(m) in seen:
-        return
-    seen.add(id(m))
+def _walk(parent: Optional[nn.Module], name: str, m: nn.Module, path: str,
+          sites: list, seen: set) -> None:
+    """Records each place (parent, name) where a module to replace stands, at
+    and below `m`, checking each such module first, so that a refusal leaves
+    the tree unchanged. A module met again is recorded again, not walked again."""
     if type(m) in _TYPES:
         hooked = [h for h in _HOOKS if getattr(m, h, None)]
         if hooked:
@@ -70,9 +71,13 @@ def _plan(m: nn.Module, path: str, found: Dict[int, nn.Module], seen: set) -> No
                 f"keel.nn.convert: the torch.nn.{type(m).__name__} {where} has hooks ({', '.join(hooked)}), "
                 "which its replacement would not have: remove them, convert, and register them again"
             )
-        found[id(m)] = m
-    for name, child in m.named_children():
-        _plan(child, f"{path}.{name}" if path else name, found, seen)
+        sites.append((parent, name, m))
+    if id(m) in seen:
+        return
+    seen.add(id(m))
+    for child_name, child in m._modules.items():
+        if child is not None:
+            _walk(m, child_name, child, f"{path}.{child_name}" if path else child_name, sites, seen)
 
 
 def _replacement(m: nn.Module) -> nn.Module:
@@ -96,17 +101,3 @@ def _replacement(m: nn.Module) -> nn.Module:
             new.bias = m.bias
     new.train(m.training)
     return new
-
-
-def _swap(m: nn.Module, done: Dict[int, nn.Module], seen: set) -> None:
-    """Puts each replacement where its module stood, below `m`."""
-    if id(m) in seen:
-        return
-    seen.add(id(m))
-    for name, child in list(m._modules.items()):
-        if child is None:
-            continue
-        if id(child) in done:
-            m._modules[name] = done[id(child)]
-        else:
-            _swap(child, done, seen)
