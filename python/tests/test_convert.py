@@ -98,7 +98,7 @@ def test_settings_and_training_mode_carry_over():
     assert m[2].ignore_index == -100 and m[2].label_smoothing == 0.0
 
 
-def test_the_module_itself_and_a_shared_module_are_replaced_once():
+def test_the_module_itself_and_a_shared_module_are_replaced_once(monkeypatch):
     ln = nn.LayerNorm(8)
     new = keel.nn.convert(ln)
     assert isinstance(new, keel.nn.LayerNorm) and new.weight is ln.weight and new.bias is ln.bias
@@ -112,6 +112,14 @@ def test_the_module_itself_and_a_shared_module_are_replaced_once():
     keel.nn.convert(m)
     assert m[0] is m[3] is inner and isinstance(inner[0], keel.nn.LayerNorm)
     assert isinstance(m[1], keel.nn.RMSNorm) and m[1] is m[2][0] and m[1].weight is shared.weight
+    # One replacement is built for a module however many places it stands at.
+    from keel.nn import _convert
+
+    built = []
+    monkeypatch.setattr(_convert, "_replacement", lambda m, make=_convert._replacement: built.append(m) or make(m))
+    shared = nn.RMSNorm(8)
+    keel.nn.convert(nn.Sequential(shared, nn.Sequential(shared), shared))
+    assert built == [shared]
 
 
 def test_subclasses_and_other_modules_are_left_alone():

@@ -1,5 +1,5 @@
 """``keel.nn.convert``: torch's norm and loss modules in a model swapped for Keel's."""
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -35,8 +35,10 @@ def convert(module: nn.Module) -> nn.Module:
     """
     sites: List[Tuple[Optional[nn.Module], str, nn.Module]] = []
     _walk(None, "", module, "", sites, set())
-    done = {id(m): _replacement(m) for _, _, m in sites}
+    done: Dict[int, nn.Module] = {}
     for parent, name, m in sites:
+        if id(m) not in done:  # a module met at several places: one replacement
+            done[id(m)] = _replacement(m)
         if parent is not None:
             parent._modules[name] = done[id(m)]
     return done.get(id(module), module)
