@@ -100,7 +100,8 @@ fn bench_qk<T: Element>(c: &mut Criterion) {
     g.throughput(bytes::<T>(2 * y.len() + d));
     g.bench_function(BenchmarkId::new("fwd_qkv_view", format!("{tokens}x{heads}x{d}")), |bn| {
         bn.iter(|| {
-            rms_norm::forward_strided_cpu(black_box(&qkv), layout, Some(&w), &mut y, d, 1e-6, Par::Rayon).unwrap()
+            let once = rms_norm::Rounding::Once;
+            rms_norm::forward_strided_cpu(black_box(&qkv), layout, Some(&w), &mut y, d, 1e-6, once, Par::Rayon).unwrap()
         })
     });
     g.finish();

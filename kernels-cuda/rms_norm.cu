@@ -37,15 +37,29 @@ template <typename T> __device__ __forceinline__ void sum_sq_pack(const Pack<T>&
   }
 }
 
+// x r, rounded to T first where ROUND: Hugging Face's LlamaRMSNorm rounds the
+// normalised value to the input dtype before the weight multiplies it
+// (`weight * hidden.to(input_dtype)`); torch's F.rms_norm rounds once.
+template <bool ROUND, typename T> __device__ __forceinline__ float rms_normed(float x, float r) {
+  const float v = x * r;
+  return ROUND ? to_f32(from_f32<T>(v)) : v;
+}
+
+// One output element: x r (rms_normed) times w's element where w is given.
+template <bool ROUND, typename T> __device__ __forceinline__ T rms_out(T x, float r, const T* w, int i) {
+  return w ? from_f32<T>(rms_normed<ROUND, T>(to_f32(x), r) * to_f32(w[i])) : from_f32<T>(to_f32(x) * r);
+}
+
 // Vector i of output row yr: p's elements times r (times w's).
-template <typename T>
+template <bool ROUND, typename T>
 __device__ __forceinline__ void rms_write_pack(T* __restrict__ yr, const T* __restrict__ w, int i, const Pack<T>& p,
                                                float r) {
   constexpr int N = Pack<T>::N;
   Pack<T> o, pw;
   if (w) pw = load_pack(w + i * N);
 #pragma unroll
-  for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * r * (w ? to_f32(pw.v[k]) : 1.f));
+  for (int k = 0; k < N; ++k)
+    o.v[k] = w ? from_f32<T>(rms_normed<ROUND, T>(to_f32(p.v[k]), r) * to_f32(pw.v[k])) : from_f32<T>(to_f32(p.v[k]) * r);
   store_pack(yr + i * N, o);
 }
 
@@ -53,7 +67,8 @@ __device__ __forceinline__ void rms_write_pack(T* __restrict__ yr, const T* __re
 // thread is held in registers between its two passes (every load in flight
 // at once, one read of x), as the softmax forward holds its rows. Each thread
 // takes the same vectors in the same order as the plain loop: the same bits.
-template <typename T>
+// ROUND: x r rounded to T before the weight (rms_normed).
+template <bool ROUND, typename T>
 __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ w,
                                              T* __restrict__ y, int64_t rows, int cols, float eps, int64_t n1,
                                              int64_t n2, int64_t s0, int64_t s1, int64_t s2) {
@@ -81,11 +96,11 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
     }
     const float r = rsqrtf(block_sum(ss, scratch) / cols + eps);
     if (regs) {
-      each_pack(packs, true, [&](int i, int p) { rms_write_pack(yr, w, i, held[p], r); });
+      each_pack(packs, true, [&](int i, int p) { rms_write_pack<ROUND>(yr, w, i, held[p], r); });
     } else if (vec) {
-      for (int i = threadIdx.x; i < packs; i += blockDim.x) rms_write_pack(yr, w, i, load_pack(xr + i * N), r);
+      for (int i = threadIdx.x; i < packs; i += blockDim.x) rms_write_pack<ROUND>(yr, w, i, load_pack(xr + i * N), r);
     } else {
-      scalar_cols<T>(cols, [&](int i) { yr[i] = from_f32<T>(to_f32(xr[i]) * r * (w ? to_f32(w[i]) : 1.f)); });
+      scalar_cols<T>(cols, [&](int i) { yr[i] = rms_out<ROUND>(xr[i], r, w, i); });
     }
   }
 }
@@ -96,8 +111,9 @@ __device__ __forceinline__ void rms_norm_fwd(const T* __restrict__ x, const T* _
 // once; sums by shuffles within the team, no block barriers; a row of up to
 // 32 vectors held in registers between the two passes. The same bits as a
 // team of 32 (the kernel before): the lanes past a row's vectors hold zeros,
-// and the shuffles a 32-lane sum adds first add only those zeros.
-template <typename T>
+// and the shuffles a 32-lane sum adds first add only those zeros. ROUND as
+// rms_norm_fwd.
+template <bool ROUND, typename T>
 __device__ __forceinline__ void rms_norm_fwd_teams(const T* __restrict__ x, const T* __restrict__ w,
                                                    T* __restrict__ y, int64_t rows, int cols, float eps, int64_t n1,
                                                    int64_t n2, int64_t s0, int64_t s1, int64_t s2) {
@@ -148,12 +164,11 @@ __device__ __forceinline__ void rms_norm_fwd_teams(const T* __restrict__ x, cons
     for (int g = 0; g < G; ++g) {
       if (!live[g]) continue;
       if (one) {
-        if (lane < packs) rms_write_pack(yr[g], w, lane, held[g], r[g]);
+        if (lane < packs) rms_write_pack<ROUND>(yr[g], w, lane, held[g], r[g]);
       } else if (vec) {
-        for (int i = lane; i < packs; i += team) rms_write_pack(yr[g], w, i, load_pack(xr[g] + i * N), r[g]);
+        for (int i = lane; i < packs; i += team) rms_write_pack<ROUND>(yr[g], w, i, load_pack(xr[g] + i * N), r[g]);
       } else {
-        scalar_cols<T>(cols, lane, team,
-                       [&](int i) { yr[g][i] = from_f32<T>(to_f32(xr[g][i]) * r[g] * (w ? to_f32(w[i]) : 1.f)); });
+        scalar_cols<T>(cols, lane, team, [&](int i) { yr[g][i] = rms_out<ROUND>(xr[g][i], r[g], w, i); });
       }
     }
   }
@@ -308,14 +323,21 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
 #define KEEL_RMS_NORM(SUFFIX, T)                                                                  \
   extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
                                                    int cols, float eps, int64_t n1, int64_t n2,  \
-                                                   int64_t s0, int64_t s1, int64_t s2) {         \
-    rms_norm_fwd<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                                \
+                                                   int64_t s0, int64_t s1, int64_t s2,           \
+                                                   int round) {                                  \
+    if (round)                                                                                    \
+      rms_norm_fwd<true, T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                        \
+    else                                                                                          \
+      rms_norm_fwd<false, T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                       \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(256, 4)                                            \
       rms_norm_fwd_warp_rows_##SUFFIX(const T* x, const T* w, T* y, int64_t rows, int cols,       \
                                       float eps, int64_t n1, int64_t n2, int64_t s0, int64_t s1,  \
-                                      int64_t s2) {                                               \
-    rms_norm_fwd_teams<T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                          \
+                                      int64_t s2, int round) {                                    \
+    if (round)                                                                                    \
+      rms_norm_fwd_teams<true, T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                  \
+    else                                                                                          \
+      rms_norm_fwd_teams<false, T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                 \
   }                                                                                               \
   extern "C" __global__ void __launch_bounds__(512, 1)                                            \
       rms_norm_bwd_##SUFFIX(const T* dy, const T* add, const T* x, const T* w, T* dx,             \

@@ -5,9 +5,10 @@
 mod common;
 
 use common::{assert_close, assert_close_floor, grad_floor, in_pool, in_pool_if, sum_scale, to_elems, Tol};
+use keel::cpu::Element;
 use keel::cpu::{bf16, f16, Par, RowLayout};
-use keel::ops::rms_norm::{backward_cpu, backward_strided_cpu, forward_cpu, forward_strided_cpu};
-use keel_cpu::rms_norm::{backward_ref, forward_ref};
+use keel::ops::rms_norm::{backward_cpu, backward_strided_cpu, forward_cpu, forward_strided_cpu, Rounding};
+use keel_cpu::rms_norm::{backward_ref, forward_ref, forward_ref_rounded};
 use proptest::prelude::*;
 
 fn case() -> impl Strategy<Value = (usize, usize, Vec<f64>, Vec<f64>, Vec<f64>, bool, f64)> {
@@ -35,6 +36,11 @@ fn check<T: Tol>(rows: usize, cols: usize, x: &[f64], w: &[f64], dy: &[f64], wit
         // f32 accumulation over `cols` terms: allow sqrt(cols) roundings of f32.
         let scale = sum_scale::<T>(cols);
         assert_close(&y, &want, scale, "forward");
+        // Rounded before the weight, against the reference that rounds there.
+        let layout = RowLayout::contiguous(rows, cols);
+        let rounded = Rounding::BeforeWeight;
+        forward_strided_cpu(&x, layout, w, &mut y, cols, eps, rounded, par).unwrap();
+        assert_close(&y, &forward_ref_rounded(&x, w, cols, eps, rounded), scale, "forward rounded before the weight");
 
         let mut dx = vec![T::default(); rows * cols];
         let mut dw = vec![T::default(); cols];
@@ -95,7 +101,8 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: 
             // rayon from inside its pool, where inputs this size are split.
             let pool = name == "rayon";
             let mut y = vec![T::default(); x.len()];
-            in_pool_if(pool, || forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, par).unwrap());
+            let once = Rounding::Once;
+            in_pool_if(pool, || forward_strided_cpu(&storage, layout, weight, &mut y, cols, 1e-6, once, par).unwrap());
             // The same arithmetic per row as on the contiguous copy.
             assert_eq!(y, want, "{layout:?} cols {cols} {name}");
             let (mut dx, mut dw) = (vec![T::default(); x.len()], vec![T::default(); cols]);
@@ -142,10 +149,11 @@ fn strided_forward_over_many_blocks() {
 fn strided_forward_refuses_a_short_input() {
     let layout = RowLayout::new(&[2, 3], &[40, 10]).unwrap();
     let mut y = vec![0f32; 6 * 8];
-    let err = forward_strided_cpu(&[0f32; 67], layout, None, &mut y, 8, 1e-6, Par::Seq).unwrap_err().to_string();
+    let once = Rounding::Once;
+    let err = forward_strided_cpu(&[0f32; 67], layout, None, &mut y, 8, 1e-6, once, Par::Seq).unwrap_err().to_string();
     assert!(err.contains("argument 'input': holds 67 elements, but its layout"), "{err}");
     assert!(err.contains("reaches 68"), "{err}");
-    assert!(forward_strided_cpu(&[0f32; 68], layout, None, &mut y, 8, 1e-6, Par::Seq).is_ok());
+    assert!(forward_strided_cpu(&[0f32; 68], layout, None, &mut y, 8, 1e-6, once, Par::Seq).is_ok());
 }
 
 proptest! {
@@ -213,4 +221,56 @@ fn zero_rows_give_zero_weight_gradient() {
     let mut dw = vec![f32::NAN; 3];
     backward_cpu::<f32>(&[], &[], Some(&[1.0; 3]), &mut [], Some(&mut dw), 3, 1e-6, Par::Rayon).unwrap();
     assert_eq!(dw, vec![0.0; 3]);
+}
+
+/// `Rounding::BeforeWeight` bit for bit: `T(y0 w)` in f32, `y0` the forward
+/// without a weight (`T(x r)`, the same `r`), on every kernel path (row
+/// widths with and without part vectors, contiguous and strided rows, each
+/// parallelism). It must also differ from the rounding once for 16-bit
+/// types, or the check could not tell the two apart.
+fn check_before_weight<T: Element<Acc = f32> + PartialEq + std::fmt::Debug>() {
+    for cols in [1usize, 7, 64, 100, 128, 1000, 2100] {
+        let (a, b, pad) = (9usize, 3usize, 5usize);
+        let h = cols + pad;
+        for layout in [RowLayout::contiguous(a * b, cols), RowLayout::new(&[a, b], &[(b + 1) * h, h]).unwrap()] {
+            let storage: Vec<T> = (0..layout.span(cols).unwrap())
+                .map(|i| T::from_f64(((i * 7919 % 2001) as f64 - 1000.0) / 300.0))
+                .collect();
+            let w: Vec<T> = (0..cols).map(|j| T::from_f64(0.3 + (j % 11) as f64 * 0.37)).collect();
+            let n = layout.rows() * cols;
+            for par in [Par::Seq, Par::Rayon] {
+                let (mut y0, mut y, mut once) = (vec![T::default(); n], vec![T::default(); n], vec![T::default(); n]);
+                let rounded = Rounding::BeforeWeight;
+                in_pool_if(matches!(par, Par::Rayon), || {
+                    forward_strided_cpu(&storage, layout, None, &mut y0, cols, 1e-6, rounded, par).unwrap();
+                    forward_strided_cpu(&storage, layout, Some(&w), &mut y, cols, 1e-6, rounded, par).unwrap();
+                    forward_strided_cpu(&storage, layout, Some(&w), &mut once, cols, 1e-6, Rounding::Once, par)
+                        .unwrap();
+                });
+                let want: Vec<T> =
+                    y0.iter().enumerate().map(|(i, v)| T::from_acc(v.to_acc() * w[i % cols].to_acc())).collect();
+                assert_eq!(y, want, "{} cols {cols} {layout:?}", T::NAME);
+                if std::mem::size_of::<T>() == 2 && n > 100 {
+                    assert_ne!(y, once, "{} cols {cols}: the two roundings agree everywhere", T::NAME);
+                } else if std::mem::size_of::<T>() == 4 {
+                    assert_eq!(y, once, "f32 cols {cols}: rounding to f32 first changes nothing");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn before_weight_rounds_the_normalised_value_f32() {
+    check_before_weight::<f32>();
+}
+
+#[test]
+fn before_weight_rounds_the_normalised_value_bf16() {
+    check_before_weight::<bf16>();
+}
+
+#[test]
+fn before_weight_rounds_the_normalised_value_f16() {
+    check_before_weight::<f16>();
 }

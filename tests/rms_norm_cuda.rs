@@ -2,7 +2,7 @@
 //! reference), contiguous and strided. Skips, saying why, where no GPU is usable.
 use keel::cpu::{bf16, f16, Element, Par, RowLayout};
 use keel::cuda::{gpu, CudaElement};
-use keel::ops::rms_norm as op;
+use keel::ops::rms_norm::{self as op, Rounding};
 
 mod common;
 
@@ -54,10 +54,13 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
         let n = layout.rows() * cols;
         let mut out = stream.alloc_zeros::<T>(n).unwrap();
         let sd = stream.clone_htod(&storage).unwrap();
-        op::forward_strided_cuda(&stream, &sd, layout, Some(&dw_d), &mut out, cols, 1e-6).unwrap();
-        let mut want = vec![T::default(); n];
-        op::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, Par::Seq).unwrap();
-        close(&stream.clone_dtoh(&out).unwrap(), &want, &format!("forward {layout:?}"), 1.0);
+        // Each rounding against the CPU kernel's same rounding.
+        for rounding in [Rounding::Once, Rounding::BeforeWeight] {
+            op::forward_strided_cuda(&stream, &sd, layout, Some(&dw_d), &mut out, cols, 1e-6, rounding).unwrap();
+            let mut want = vec![T::default(); n];
+            op::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, rounding, Par::Seq).unwrap();
+            close(&stream.clone_dtoh(&out).unwrap(), &want, &format!("forward {layout:?} {rounding:?}"), 1.0);
+        }
         let g: Vec<T> = (0..n).map(|i| T::from_f64(((i * 104729 % 1001) as f64 - 500.0) / 300.0)).collect();
         let gd = stream.clone_htod(&g).unwrap();
         let (mut gi, mut gw) = (stream.alloc_zeros::<T>(n).unwrap(), stream.alloc_zeros::<T>(cols).unwrap());

@@ -109,7 +109,7 @@ pub fn forward<T: Element>(
                         },
                     );
                     // `s` is still in L1: the norm reads it from there.
-                    forward_row(s, weight, y, eps, &[]);
+                    forward_row(s, weight, y, eps, false, &[]);
                 }
             },
         );
@@ -153,7 +153,7 @@ pub fn forward_inplace<T: Element>(
             || {
                 for (x, r) in x.chunks_exact_mut(cols).zip(r.chunks_exact_mut(cols)) {
                     add_into(x, r);
-                    forward_row(r, weight, x, eps, &[]);
+                    forward_row(r, weight, x, eps, false, &[]);
                 }
             },
         );

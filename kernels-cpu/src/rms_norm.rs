@@ -34,6 +34,23 @@ mod x86_backward;
 mod x86_rows;
 
 const OP_FWD: &str = "rms_norm";
+
+/// Where the forward rounds to the element type `T`, when there is a weight
+/// (without one the two are the same).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Rounding {
+    /// Once, at the end: `T((x r) w)` with `r = 1 / rms`, as torch's
+    /// `F.rms_norm` computes.
+    #[default]
+    Once,
+    /// The normalised value first, then its product with the weight:
+    /// `T(T(x r) w)`, as Hugging Face's `LlamaRMSNorm` computes (`weight *
+    /// hidden.to(input_dtype)`), and the models that copy it (Mistral,
+    /// Qwen2, Qwen3 ...), vLLM's kernels and Liger's "llama" casting mode.
+    /// The same as [`Rounding::Once`] for f32 and f64.
+    BeforeWeight,
+}
+
 const OP_BWD: &str = "rms_norm_backward";
 
 /// Checks the buffer lengths of a forward call (`weight` is the weight's
@@ -75,7 +92,8 @@ pub fn check_backward(
     Ok(rows)
 }
 
-/// Forward: writes `rms_norm(x) * weight` to `out`.
+/// Forward: writes `rms_norm(x) * weight` to `out`, rounded once
+/// ([`Rounding::Once`]).
 ///
 /// Errors if a length does not match `cols`, or `eps` is negative or not finite.
 pub fn forward<T: Element>(
@@ -87,17 +105,34 @@ pub fn forward<T: Element>(
     par: Par<'_>,
 ) -> Result<()> {
     let rows = check_forward(x.len(), weight.map(<[T]>::len), out.len(), cols, eps)?;
-    if rows == 0 {
-        return Ok(());
+    forward_contiguous(x, weight, out, rows, cols, eps, Rounding::Once, par);
+    Ok(())
+}
+
+/// [`forward`] over checked lengths (`rows` of `cols`), rounding as `rounding` says.
+#[allow(clippy::too_many_arguments)]
+fn forward_contiguous<T: Element>(
+    x: &[T],
+    weight: Option<&[T]>,
+    out: &mut [T],
+    rows: usize,
+    cols: usize,
+    eps: f64,
+    rounding: Rounding,
+    par: Par<'_>,
+) {
+    if rows * cols == 0 {
+        return;
     }
     let eps = T::Acc::from_f64(eps);
+    let round = rounds_first::<T>(weight, rounding);
     let blocks = Blocks::new(&par, rows, cols);
     let ys = Split::new(out, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
         let (mut y, order) = ys.get_ordered(b);
         let x = &x[blocks.rows(b).start * cols..][..y.len()];
         let at = RowLayout::contiguous(y.len() / cols, cols).offsets_from(0);
-        if forward_explicit(x, at, weight, &mut y, cols, eps, order) {
+        if forward_explicit(x, at, weight, &mut y, cols, eps, round, order) {
             return;
         }
         dispatch(
@@ -105,17 +140,24 @@ pub fn forward<T: Element>(
             || {
                 for (r, y) in y.chunks_exact_mut(cols).enumerate() {
                     let (x, ahead) = row_and_next(x, r, cols);
-                    forward_row(x, weight, y, eps, ahead);
+                    forward_row(x, weight, y, eps, round, ahead);
                 }
             },
         );
     });
-    Ok(())
+}
+
+/// Whether the forward rounds `x r` to `T` before the weight: only where
+/// `rounding` asks, there is a weight, and `T` is narrower than its
+/// accumulator (f32 and f64 values are already in it).
+fn rounds_first<T: Element>(weight: Option<&[T]>, rounding: Rounding) -> bool {
+    rounding == Rounding::BeforeWeight && weight.is_some() && std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>()
 }
 
 /// [`forward`] of an `x` whose rows `layout` places (each row `cols`
-/// contiguous elements); `out` is contiguous. `x` must hold at least
-/// `layout.span(cols)` elements.
+/// contiguous elements), rounding as `rounding` says; `out` is contiguous.
+/// `x` must hold at least `layout.span(cols)` elements.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_strided<T: Element>(
     x: &[T],
     layout: RowLayout,
@@ -123,6 +165,7 @@ pub fn forward_strided<T: Element>(
     out: &mut [T],
     cols: usize,
     eps: f64,
+    rounding: Rounding,
     par: Par<'_>,
 ) -> Result<()> {
     let rows = layout.rows();
@@ -132,15 +175,17 @@ pub fn forward_strided<T: Element>(
         return Ok(());
     }
     if layout.is_contiguous(cols) {
-        return forward(&x[..rows * cols], weight, out, cols, eps, par);
+        forward_contiguous(&x[..rows * cols], weight, out, rows, cols, eps, rounding, par);
+        return Ok(());
     }
     let eps = T::Acc::from_f64(eps);
+    let round = rounds_first::<T>(weight, rounding);
     let blocks = Blocks::new(&par, rows, cols);
     let ys = Split::new(out, blocks.per * cols);
     par.for_each(blocks.count, &|b| {
         let (mut y, order) = ys.get_ordered(b);
         let mut at = layout.offsets_from(blocks.rows(b).start);
-        if forward_explicit(x, at.clone(), weight, &mut y, cols, eps, order) {
+        if forward_explicit(x, at.clone(), weight, &mut y, cols, eps, round, order) {
             return;
         }
         dispatch(
@@ -149,7 +194,7 @@ pub fn forward_strided<T: Element>(
                 let n = y.len() / cols;
                 for (r, y) in y.chunks_exact_mut(cols).enumerate() {
                     let (row, ahead) = strided_row_and_next(x, &mut at, r + 1 < n, cols);
-                    forward_row(row, weight, y, eps, ahead);
+                    forward_row(row, weight, y, eps, round, ahead);
                 }
             },
         );
@@ -158,8 +203,10 @@ pub fn forward_strided<T: Element>(
 }
 
 /// The forward's rows that `at` places in `x`, into `y`, in explicit SIMD
-/// (`rms_norm/x86.rs`); false (without running) where there is none: `T`
-/// not f32, bf16 or f16, or a CPU without AVX2 (with FMA and F16C).
+/// (`rms_norm/x86.rs`), `x r` rounded to `T` before the weight where
+/// `round`; false (without running) where there is none: `T` not f32, bf16
+/// or f16, or a CPU without AVX2 (with FMA and F16C).
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn forward_explicit<T: Element>(
     x: &[T],
@@ -168,14 +215,15 @@ fn forward_explicit<T: Element>(
     y: &mut [T],
     cols: usize,
     eps: T::Acc,
+    round: bool,
     order: Order,
 ) -> bool {
     #[cfg(target_arch = "x86_64")]
     if crate::wide::has_lanes::<T>() {
-        let k = x86::Forward { x, at, w: weight, y, cols, eps: eps.to_f64() as f32, order };
+        let k = x86::Forward { x, at, w: weight, y, cols, eps: eps.to_f64() as f32, round, order };
         return crate::wide::x86::run(k).is_some();
     }
-    let _ = (x, at, weight, y, cols, eps, order);
+    let _ = (x, at, weight, y, cols, eps, round, order);
     false
 }
 
@@ -345,7 +393,8 @@ pub(crate) fn inv_rms<A: Acc>(sum_sq: A, cols: usize, eps: A) -> A {
 /// One row of the forward; the write pass prefetches `ahead` (the next row,
 /// or empty), whose first read otherwise waits on memory (measured,
 /// criterion 4096x4096 on an AVX2 CPU: bf16 3.2 -> 2.6 ms, f16 5.3 -> 4.6,
-/// f32 unchanged).
+/// f32 unchanged). Where `round` (and there is a weight), `x r` is rounded
+/// to `O` before the weight multiplies it ([`Rounding::BeforeWeight`]).
 ///
 /// The inputs are `I`, the output `O`: the same type, or f32 inputs widened
 /// from f16 for f16 outputs (fused_add_rms_norm's widened f16 rows).
@@ -355,11 +404,23 @@ pub(crate) fn forward_row<I: Element, O: Element<Acc = I::Acc>>(
     weight: Option<&[I]>,
     y: &mut [O],
     eps: I::Acc,
+    round: bool,
     ahead: &[O],
 ) {
     let sum_sq = I::sum_squares(x);
     let r = inv_rms(sum_sq, x.len(), eps);
     match weight {
+        Some(w) if round => O::write_acc(
+            y,
+            #[inline(always)]
+            |at, y| {
+                prefetch_part::<O, false>(ahead, at / BLOCK, BLOCK);
+                let (x, w) = (&x[at..][..y.len()], &w[at..][..y.len()]);
+                for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+                    *y = O::from_acc(x.to_acc() * r).to_acc() * w.to_acc();
+                }
+            },
+        ),
         Some(w) => O::write_acc(
             y,
             #[inline(always)]
@@ -501,12 +562,30 @@ fn grad_part<T: Element>(
 
 /// Reference forward: plain loops in f64 from the given values.
 pub fn forward_ref<T: Element>(x: &[T], weight: Option<&[T]>, cols: usize, eps: f64) -> Vec<f64> {
+    forward_ref_rounded(x, weight, cols, eps, Rounding::Once)
+}
+
+/// [`forward_ref`] rounding as `rounding` says: for
+/// [`Rounding::BeforeWeight`] with a weight and `T` f16 or bf16, `x r` (in
+/// f64) rounded to `T` before the weight multiplies it.
+pub fn forward_ref_rounded<T: Element>(
+    x: &[T],
+    weight: Option<&[T]>,
+    cols: usize,
+    eps: f64,
+    rounding: Rounding,
+) -> Vec<f64> {
     let mut out = Vec::with_capacity(x.len());
     for row in x.chunks(cols.max(1)) {
         let ms = row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / cols as f64;
         let r = 1.0 / (ms + eps).sqrt();
         for (j, v) in row.iter().enumerate() {
-            out.push(v.to_f64() * r * weight.map_or(1.0, |w| w[j].to_f64()));
+            let normed = v.to_f64() * r;
+            let normed = match rounding {
+                Rounding::BeforeWeight if rounds_first::<T>(weight, rounding) => T::from_f64(normed).to_f64(),
+                _ => normed,
+            };
+            out.push(normed * weight.map_or(1.0, |w| w[j].to_f64()));
         }
     }
     out

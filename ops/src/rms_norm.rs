@@ -13,6 +13,7 @@ use crate::checks::{self, invalid, with_float_type, Rows};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::torch_pool::with_torch_par;
 use keel::cpu::RowLayout;
+use keel::ops::rms_norm::Rounding;
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 const OP: &str = "rms_norm";
@@ -76,7 +77,7 @@ impl BoxedOp for RmsNorm {
                     (input.as_span_slice::<T>()?, weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?, out.as_mut_slice::<T>()?)
                 };
                 let x = x.ok_or_else(|| invalid(OP, "input", "has strides that overflow the address space"))?;
-                with_torch_par(|par| keel::ops::rms_norm::forward_strided_cpu(x, layout, w, y, c.cols, eps, par)).map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::rms_norm::forward_strided_cpu(x, layout, w, y, c.cols, eps, Rounding::Once, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP, c.device)?;
@@ -93,6 +94,7 @@ impl BoxedOp for RmsNorm {
                         ptr(Some(&out))?,
                         c.cols,
                         eps,
+                        Rounding::Once,
                     )
                 }
                 .map_err(kernel_err)?

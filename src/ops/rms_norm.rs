@@ -5,7 +5,9 @@
 //!   `weight` and `grad_weight` hold `cols`.
 //! - Dtypes: f32, f16, bf16 on CPU and CUDA; f64 on CPU.
 //! - Numerics: f32 accumulation (f64 for f64 inputs), one rounding to the
-//!   output type. Tolerance against an f64 reference: f32 `1e-5` abs + `1.3e-6`
+//!   output type; or, with [`Rounding::BeforeWeight`] (the `_strided`
+//!   functions and [`forward_cuda_raw`]), `x / rms` rounded to it before the
+//!   weight multiplies it, as Hugging Face's `LlamaRMSNorm`. Tolerance against an f64 reference: f32 `1e-5` abs + `1.3e-6`
 //!   rel per `sqrt(cols)`-sized sum, f16 `1e-3` rel, bf16 `1.6e-2` rel (the
 //!   `torch.testing` defaults; see `tests/rms_norm_cpu.rs`).
 //! - Layout: the forward's `_strided` functions and [`forward_cuda_raw`] read
@@ -18,6 +20,7 @@ use crate::cpu::{Element, Par, RowLayout};
 use crate::cuda::{gpu, rows_config, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::{Error, Result};
 use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig};
+pub use keel_cpu::rms_norm::Rounding;
 use std::sync::Arc;
 
 const OP: &str = "rms_norm";
@@ -50,8 +53,9 @@ pub fn backward_cpu<T: Element>(
     Ok(keel_cpu::rms_norm::backward(grad_out, x, weight, grad_input, grad_weight, cols, eps, par)?)
 }
 
-/// CPU forward of an `x` whose rows `layout` places. See
-/// [`keel_cpu::rms_norm::forward_strided`].
+/// CPU forward of an `x` whose rows `layout` places, rounding as `rounding`
+/// says. See [`keel_cpu::rms_norm::forward_strided`].
+#[allow(clippy::too_many_arguments)]
 pub fn forward_strided_cpu<T: Element>(
     x: &[T],
     layout: RowLayout,
@@ -59,9 +63,10 @@ pub fn forward_strided_cpu<T: Element>(
     out: &mut [T],
     cols: usize,
     eps: f64,
+    rounding: Rounding,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::rms_norm::forward_strided(x, layout, weight, out, cols, eps, par)?)
+    Ok(keel_cpu::rms_norm::forward_strided(x, layout, weight, out, cols, eps, rounding, par)?)
 }
 
 /// CPU backward of an `x` whose rows `layout` places. See
@@ -109,7 +114,8 @@ pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
 
 /// CUDA forward on raw device pointers (`weight` 0 for none), launched on
 /// `stream`; `x`'s rows placed by `layout` (`RowLayout::contiguous(rows,
-/// cols)` for a contiguous one), `out` contiguous.
+/// cols)` for a contiguous one), `out` contiguous; rounding as `rounding`
+/// says.
 ///
 /// # Safety
 /// Every pointer must be a device address on `stream`'s device, valid for
@@ -126,9 +132,10 @@ pub unsafe fn forward_cuda_raw(
     out: u64,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, layout, weight, out, cols, eps) }
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, layout, weight, out, cols, eps, rounding) }
 }
 
 /// [`forward_cuda_raw`] on any [`Target`].
@@ -145,11 +152,14 @@ pub(crate) unsafe fn forward_on(
     out: u64,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     let rows = rows_to_launch(layout, cols, eps)?;
     if rows == 0 {
         return Ok(());
     }
+    // f32 values are already rounded to f32 (the CPU kernel skips it too).
+    let round = rounding == Rounding::BeforeWeight && weight != 0 && dtype.size() < 4;
     let ([_, n1, n2], [s0, s1, s2]) = (layout.sizes(), layout.strides());
     let (cfg, warp_rows) = forward_config(t.sm_count(), rows, cols, dtype.size());
     let args = [
@@ -164,6 +174,7 @@ pub(crate) unsafe fn forward_on(
         Arg::I64(s0 as i64),
         Arg::I64(s1 as i64),
         Arg::I64(s2 as i64),
+        Arg::I32(i32::from(round)),
     ];
     let kernel = if warp_rows { "rms_norm_fwd_warp_rows" } else { "rms_norm_fwd" };
     // SAFETY: the argument list matches rms_norm_fwd_* and rms_norm_fwd_warp_rows_*; pointers per our contract.
@@ -342,11 +353,13 @@ pub fn forward_cuda<T: CudaElement>(
     eps: f64,
 ) -> Result<()> {
     let rows = keel_cpu::rms_norm::check_forward(x.len(), weight.map(|w| w.len()), out.len(), cols, eps)?;
-    forward_strided_cuda(stream, x, RowLayout::contiguous(rows, cols), weight, out, cols, eps)
+    forward_strided_cuda(stream, x, RowLayout::contiguous(rows, cols), weight, out, cols, eps, Rounding::Once)
 }
 
 /// CUDA forward on `cudarc` buffers, `x`'s rows placed by `layout` (it must
-/// hold at least `layout.span(cols)` elements), launched on `stream`.
+/// hold at least `layout.span(cols)` elements), launched on `stream`,
+/// rounding as `rounding` says.
+#[allow(clippy::too_many_arguments)]
 pub fn forward_strided_cuda<T: CudaElement>(
     stream: &Arc<CudaStream>,
     x: &CudaSlice<T>,
@@ -355,6 +368,7 @@ pub fn forward_strided_cuda<T: CudaElement>(
     out: &mut CudaSlice<T>,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     let n = layout.rows() * cols;
     keel_cpu::rms_norm::check_forward(n, weight.map(|w| w.len()), out.len(), cols, eps)?;
@@ -365,7 +379,8 @@ pub fn forward_strided_cuda<T: CudaElement>(
     let (po, _go) = out.device_ptr_mut(stream);
     // SAFETY: lengths checked above; the buffers live on this stream's device
     // and the guards keep cudarc's event tracking in order.
-    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, layout, pw.as_ref().map_or(0, |p| p.0), po, cols, eps) }
+    let pw = pw.as_ref().map_or(0, |p| p.0);
+    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, layout, pw, po, cols, eps, rounding) }
 }
 
 /// CUDA backward on `cudarc` buffers; allocates its scratch on `stream`.

@@ -24,7 +24,9 @@ use crate::wide::x86::write_row::{load_bf16_pair, load_bf16_pair_opt, load_n_opt
 use crate::wide::x86::{load_n as load, Kernel, Lanes};
 
 /// The forward over the rows `at` places in `x` (each `cols` long), into
-/// `y` (whole rows), with `w` of `cols` when given, storing in `order`.
+/// `y` (whole rows), with `w` of `cols` when given, storing in `order`;
+/// where `round`, `x r` is rounded to `T` before the weight multiplies it
+/// (`Rounding::BeforeWeight`).
 /// For `T` in f32, bf16, f16 only (the callers check
 /// [`crate::wide::has_lanes`]).
 pub(super) struct Forward<'a, T> {
@@ -34,6 +36,7 @@ pub(super) struct Forward<'a, T> {
     pub(super) y: &'a mut [T],
     pub(super) cols: usize,
     pub(super) eps: f32,
+    pub(super) round: bool,
     pub(super) order: Order,
 }
 
@@ -41,7 +44,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let Forward { x, mut at, w, y, cols, eps, order } = self;
+        let Forward { x, mut at, w, y, cols, eps, round, order } = self;
         let rows = y.len() / cols;
         if let Some(w) = w {
             assert_eq!(w.len(), cols, "rms_norm x86: the weight is not one row long");
@@ -72,7 +75,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
                         at.advance();
                         next = scaled_row(l, x, &at, cols, eps);
                     }
-                    norm_row(l, cur, ahead, w, y, order);
+                    norm_row(l, cur, ahead, w, y, round, order);
                     if !early && r < last {
                         at.advance();
                         next = scaled_row(l, x, &at, cols, eps);
@@ -96,7 +99,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
                         at.retreat();
                         next = scaled_row(l, x, &at, cols, eps);
                     }
-                    norm_row(l, cur, ahead, w, y, order);
+                    norm_row(l, cur, ahead, w, y, round, order);
                     if !early && r > 0 {
                         at.retreat();
                         next = scaled_row(l, x, &at, cols, eps);
@@ -190,20 +193,30 @@ fn rows_ahead(row_bytes: usize) -> usize {
 const AHEAD_BYTES: usize = 4096;
 
 /// One row of [`Forward`]: `x` normalised by its `1 / rms` `rs` (from
-/// [`scaled_row`]), times `w`, into `y` in `order`, prefetching `ahead` (a
-/// row to come, or empty).
+/// [`scaled_row`]), rounded to `T` where `round`, times `w`, into `y` in
+/// `order`, prefetching `ahead` (a row to come, or empty).
 #[inline(always)]
-fn norm_row<L: Lanes, T: Element>(l: L, (x, rs): (&[T], f32), ahead: &[T], w: Option<&[T]>, y: &mut [T], order: Order) {
-    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
+fn norm_row<L: Lanes, T: Element>(
+    l: L,
+    (x, rs): (&[T], f32),
+    ahead: &[T],
+    w: Option<&[T]>,
+    y: &mut [T],
+    round: bool,
+    order: Order,
+) {
+    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), round, len: x.len() };
     write_row(l, row, y, &[ahead], order);
 }
 
-/// One row's input, the weight and `1 / rms`.
+/// One row's input, the weight and `1 / rms`, and whether `x r` is rounded
+/// to `T` before the weight.
 #[derive(Clone, Copy)]
 pub(crate) struct Row<T, V> {
     x: *const T,
     w: Option<*const T>,
     r: V,
+    round: bool,
     /// `x` and `w` hold this many values.
     len: usize,
 }
@@ -216,7 +229,7 @@ pub(crate) fn write_normed<L: Lanes, T: Element>(l: L, x: &[T], w: Option<&[T]>,
     if let Some(w) = w {
         assert_eq!(w.len(), x.len(), "rms_norm x86: the weight is not one row long");
     }
-    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), len: x.len() };
+    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), round: false, len: x.len() };
     write_row(l, row, y, &[ahead], Order::Ascending);
 }
 
@@ -244,12 +257,14 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
     }
 }
 
-impl<T, V: Copy> Row<T, V> {
-    /// `(x r) w`, or `x r`, of the widened `x` and `w`.
+impl<T: 'static, V: Copy> Row<T, V> {
+    /// `(x r) w`, or `x r`, of the widened `x` and `w`; `T(x r) w` where
+    /// `round`.
     #[inline(always)]
     fn of<L: Lanes<V = V>>(self, l: L, x: V, w: Option<V>) -> V {
         let v = l.mul(x, self.r);
         match w {
+            Some(w) if self.round => l.mul(l.round_to::<T>(v), w),
             Some(w) => l.mul(v, w),
             None => v,
         }
@@ -274,7 +289,8 @@ mod tests {
     /// and infinities in row 1 and in a third weight (bf16 rows on AVX2
     /// round in registers with no NaN check: `RowValues::ARITHMETIC`; a NaN
     /// counts as any NaN, as LLVM orders a multiply's operands its own way
-    /// in each type's code). `x` ends with the last row, and the kernel
+    /// in each type's code), each with `x r` rounded to `T` before the
+    /// weight and without. `x` ends with the last row, and the kernel
     /// asserts (in tests) the row it prefetches.
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
         // `sum_early` takes rows of up to 128 16-bit values early on
@@ -297,9 +313,10 @@ mod tests {
                 let tiny: Vec<T> = (0..cols).map(|j| T::from_f64(1e-38 * (1 + j % 3) as f64)).collect();
                 let odd: Vec<T> = (0..cols).map(|j| if j % 6 == 5 { specials[j % 4] } else { w[j] }).collect();
                 let weights = [Some(&w[..]), Some(&tiny[..]), Some(&odd[..]), None];
-                for (w, order) in weights.into_iter().flat_map(|w| ORDERS.map(|o| (w, o))) {
+                let cases = weights.into_iter().flat_map(|w| ORDERS.map(|o| (w, o)));
+                for ((w, order), round) in cases.flat_map(|c| [(c, false), (c, true)]) {
                     let mut y = vec![T::default(); rows * cols];
-                    let k = Forward { x: &x, at: layout.offsets_from(0), w, y: &mut y, cols, eps: 1e-6, order };
+                    let k = Forward { x: &x, at: layout.offsets_from(0), w, y: &mut y, cols, eps: 1e-6, round, order };
                     run_with(l, k);
                     // The lane loop's formulas in scalar code, with the sum
                     // of squares of this width (the lane loop takes the
@@ -310,7 +327,8 @@ mod tests {
                         let rs = 1.0 / (run_with(l, SumSq(row)) / cols as f32 + 1e-6).sqrt();
                         for (j, want) in want.iter_mut().enumerate() {
                             let v = row[j].to_acc() * rs;
-                            *want = T::from_acc(w.map_or(v, |w| v * w[j].to_acc()));
+                            let normed = if round { T::from_acc(v).to_acc() } else { v };
+                            *want = T::from_acc(w.map_or(v, |w| normed * w[j].to_acc()));
                         }
                     }
                     let bits = |v: &[T]| {
@@ -325,7 +343,7 @@ mod tests {
                     assert_eq!(
                         bits(&y),
                         bits(&want),
-                        "{} cols={cols} sizes={sizes:?} w={} {order:?}",
+                        "{} cols={cols} sizes={sizes:?} w={} {order:?} round={round}",
                         T::NAME,
                         w.is_some()
                     );

@@ -174,6 +174,12 @@ pub(crate) trait Lanes: Copy {
     /// takes the floor), AVX2 makes `2^floor(t)` from its bits and
     /// multiplies. The two agree wherever the product is a normal f32.
     fn mul_pow2_floor(self, y: Self::V, t: Self::V) -> Self::V;
+    /// Each lane rounded to `T` (f32, bf16 or f16) and widened back: the
+    /// value [`crate::Element::from_acc`] then `to_acc` gives, subnormals
+    /// included (a NaN stays a NaN, not necessarily the same one). f32
+    /// lanes come back unchanged. For the norms' rounding of `x / rms`
+    /// before the weight (`rms_norm::Rounding::BeforeWeight`).
+    fn round_to<T: 'static>(self, v: Self::V) -> Self::V;
     /// The sum of the lanes (in a tree order).
     fn reduce_add(self, v: Self::V) -> f32;
     /// The largest lane (no lane may be NaN).
@@ -419,6 +425,41 @@ mod tests {
                 assert_eq!(lanes(l, vh), want, "f16 {t}");
             }
         }
+    }
+
+    /// `round_to` against `half`'s rounding, bit for bit (any NaN for a
+    /// NaN): every f32 whose low 16 bits are one of a few patterns (ties to
+    /// even both ways, just above and below a tie, 0 and all ones), which
+    /// covers each exponent, subnormals, infinities and NaN, for bf16 and
+    /// f16; f32 comes back unchanged.
+    struct RoundTo;
+    impl Kernel for RoundTo {
+        type Output = ();
+        #[inline(always)]
+        fn run<L: Lanes>(self, l: L) {
+            let bits = |v: f32| if v.is_nan() { u32::MAX } else { v.to_bits() };
+            let low = [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff, 0x1234, 0x4000];
+            let all: Vec<f32> =
+                (0..=0xffffu32).flat_map(|high| low.map(|lo| f32::from_bits(high << 16 | lo))).collect();
+            for v in all.chunks_exact(L::N) {
+                // SAFETY: `N` values.
+                let x = unsafe { l.load(v.as_ptr()) };
+                let want_bf16: Vec<u32> = v.iter().map(|&v| bits(half::bf16::from_f32(v).to_f32())).collect();
+                let want_f16: Vec<u32> = v.iter().map(|&v| bits(half::f16::from_f32(v).to_f32())).collect();
+                let got = |r: L::V| lanes(l, r).into_iter().map(bits).collect::<Vec<_>>();
+                assert_eq!(got(l.round_to::<half::bf16>(x)), want_bf16, "bf16 {v:?}");
+                assert_eq!(got(l.round_to::<half::f16>(x)), want_f16, "f16 {v:?}");
+                assert_eq!(got(l.round_to::<f32>(x)), v.iter().map(|&v| bits(v)).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    #[test]
+    fn round_to_rounds_as_half_at_every_width() {
+        fn round<L: Width>(l: L) {
+            run_with(l, RoundTo)
+        }
+        every_width!(round);
     }
 
     #[test]

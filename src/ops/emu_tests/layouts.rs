@@ -12,7 +12,7 @@ fn emulated_rms_norm_of_zero_width_rows_is_a_no_op() {
     }
     let t = Emu::new(1);
     for layout in [RowLayout::contiguous(6, 0), RowLayout::new(&[3, 2], &[2, 1]).unwrap()] {
-        unsafe { rms_norm::forward_on(&t, f32::DTYPE, 0, layout, 0, 0, 0, 1e-6) }.unwrap();
+        unsafe { rms_norm::forward_on(&t, f32::DTYPE, 0, layout, 0, 0, 0, 1e-6, Rounding::Once) }.unwrap();
         unsafe { rms_norm::backward_add_on(&t, f32::DTYPE, 0, 0, 0, 0, 0, 0, 0, layout, 0, 1e-6) }.unwrap();
     }
 }
@@ -44,7 +44,7 @@ fn same_bits_without_vectors<T: Dt>() {
         let layout = RowLayout::contiguous(rows, cols);
         let s = scratch();
         unsafe {
-            rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6).unwrap();
+            rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6, Rounding::Once).unwrap();
             let (g, x, w) = (dyd.addr(), xd.addr(), wd.addr());
             rms_norm::backward_add_on(&t, dt, g, 0, x, w, dx.addr(), dw.addr(), s.addr(), layout, cols, 1e-6).unwrap();
         }
@@ -102,7 +102,8 @@ fn same_bits_without_vectors<T: Dt>() {
     let t = Emu::new(sm);
     let fwd = |v: &[T], layout: RowLayout| {
         let (xd, wd, y) = (Buf::shifted(v, 0), Buf::shifted(&w, 0), garbage::<T>(n, 0));
-        unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6) }.unwrap();
+        unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6, Rounding::Once) }
+            .unwrap();
         bits(&y.to_vec())
     };
     let want = fwd(&packed, RowLayout::contiguous(rows, cols));
@@ -115,7 +116,8 @@ fn same_bits_without_vectors<T: Dt>() {
     let fwd_wide = |shift: usize| {
         let (xd, wd, y) = (Buf::shifted(&xw, shift), Buf::shifted(&ww, shift), garbage::<T>(rows * wide, shift));
         let layout = RowLayout::contiguous(rows, wide);
-        unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), wide, 1e-6) }.unwrap();
+        unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), wide, 1e-6, Rounding::Once) }
+            .unwrap();
         bits(&y.to_vec())
     };
     assert_eq!(fwd_wide(0), fwd_wide(1), "rms_norm {} of {wide}-wide rows: bits depend on the alignment", T::NAME);
@@ -155,7 +157,8 @@ fn teams_give_the_bits_of_a_warp<T: Dt>() {
         let fwd = |x: &[T], rows: usize| {
             let (xd, y) = (Buf::shifted(x, 0), garbage::<T>(rows * cols, 0));
             let layout = RowLayout::contiguous(rows, cols);
-            unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6) }.unwrap();
+            unsafe { rms_norm::forward_on(&t, dt, xd.addr(), layout, wd.addr(), y.addr(), cols, 1e-6, Rounding::Once) }
+                .unwrap();
             bits(&y.to_vec())
         };
         let together = fwd(&x, rows);

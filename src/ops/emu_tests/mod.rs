@@ -12,6 +12,7 @@ mod layouts;
 mod norms;
 mod softmax_ce;
 
+use super::rms_norm::Rounding;
 use super::{
     cross_entropy, fused_add_rms_norm, gated, layer_norm, norm_backward_config, reduce_parts, rms_norm, rotary, softmax,
 };

@@ -13,16 +13,17 @@ pub(super) fn case<T: Dt>(c: Case) {
     let sum_tol = 4.0 * tol * (rows as f64).sqrt();
     let scratch = |t: &dyn Target| garbage::<f32>(reduce_parts(t.sm_count(), rows) * cols + 1, 0);
 
-    // rms_norm, with and without weight
-    for weighted in [true, false] {
-        let what = format!("rms_norm weighted={weighted} {c:?}");
+    // rms_norm, with and without weight, and with the weight rounding both ways
+    let cases = [(true, Rounding::Once), (true, Rounding::BeforeWeight), (false, Rounding::Once)];
+    for (weighted, rounding) in cases {
+        let what = format!("rms_norm weighted={weighted} {rounding:?} {c:?}");
         let wt = weighted.then_some(&w[..]);
         let sums = Sums { at: &[2], tol: sum_tol, rows, cols };
         let got = both_kernels::<T>(sm, &what, sums, |t| {
             let (xd, wd, yd) = (up(&x), up(&w), z(n));
             let pw = if weighted { wd.addr() } else { 0 };
             let layout = RowLayout::contiguous(rows, cols);
-            unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, pw, yd.addr(), cols, 1e-6) }.unwrap();
+            unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, pw, yd.addr(), cols, 1e-6, rounding) }.unwrap();
             let (dyd, dxd, dwd, s) = (up(&dy), z(n), z(cols), scratch(t));
             let pdw = if weighted { dwd.addr() } else { 0 };
             unsafe {
@@ -44,9 +45,26 @@ pub(super) fn case<T: Dt>(c: Case) {
             .unwrap();
             vec![yd.to_vec(), dxd.to_vec(), dwd.to_vec()]
         });
-        let mut want = cpu(n);
-        rms_norm::forward_cpu(&x, wt, &mut want, cols, 1e-6, Par::Seq).unwrap();
+        let cpu_fwd = |rounding| {
+            let mut want = cpu(n);
+            let layout = RowLayout::contiguous(rows, cols);
+            rms_norm::forward_strided_cpu(&x, layout, wt, &mut want, cols, 1e-6, rounding, Par::Seq).unwrap();
+            want
+        };
+        let want = cpu_fwd(rounding);
         close(&got[0], &want, tol, &what);
+        if weighted {
+            // One ulp is within `tol`: the rounding asked for must also be
+            // the nearer of the two, counted in values that differ.
+            let other = cpu_fwd(if rounding == Rounding::Once { Rounding::BeforeWeight } else { Rounding::Once });
+            let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+            let differ = |a: &[T], b: &[T]| a.iter().zip(b).filter(|(a, b)| !same(a.to_f64(), b.to_f64())).count();
+            let (near, far) = (differ(&got[0], &want), differ(&got[0], &other));
+            assert!(near <= far, "{what}: {near} values differ from the CPU's rounding, {far} from the other");
+            if differ(&want, &other) > 0 {
+                assert!(near < far, "{what}: {near} values differ from the CPU's rounding, {far} from the other");
+            }
+        }
         let (mut wdx, mut wdw) = (cpu(n), cpu(cols));
         rms_norm::backward_cpu(&dy, &x, wt, &mut wdx, weighted.then_some(&mut wdw[..]), cols, 1e-6, Par::Seq).unwrap();
         close(&got[1], &wdx, 4.0 * tol, &format!("{what} grad_input"));
@@ -73,7 +91,8 @@ pub(super) fn case<T: Dt>(c: Case) {
         let sums = Sums { at: &[2], tol: 4.0 * tol * (m as f64 / cols as f64).sqrt(), rows: m / cols, cols };
         let got = both_kernels::<T>(sm, &what, sums, |t| {
             let (xd, wd, yd) = (up(&storage), up(&w), z(m));
-            unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, wd.addr(), yd.addr(), cols, 1e-6) }.unwrap();
+            let once = Rounding::Once;
+            unsafe { rms_norm::forward_on(t, dt, xd.addr(), layout, wd.addr(), yd.addr(), cols, 1e-6, once) }.unwrap();
             let (dyd, dxd, dwd) = (up(&dy2), z(m), z(cols));
             let s = garbage::<f32>(reduce_parts(t.sm_count(), layout.rows()) * cols + 1, 0);
             let (px, pw) = (xd.addr(), wd.addr());
@@ -97,7 +116,8 @@ pub(super) fn case<T: Dt>(c: Case) {
             vec![yd.to_vec(), dxd.to_vec(), dwd.to_vec()]
         });
         let mut want = cpu(m);
-        rms_norm::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, Par::Seq).unwrap();
+        let once = Rounding::Once;
+        rms_norm::forward_strided_cpu(&storage, layout, Some(&w), &mut want, cols, 1e-6, once, Par::Seq).unwrap();
         close(&got[0], &want, tol, &what);
         let (mut wdx, mut wdw) = (cpu(m), cpu(cols));
         let (x, ww) = (&storage[..], Some(&w[..]));

@@ -193,6 +193,23 @@ impl Lanes for V8 {
     }
 
     #[inline(always)]
+    fn round_to<T: 'static>(self, v: __m256) -> __m256 {
+        unsafe {
+            if is::<T, bf16>() {
+                // As `V16::round_to`: the integer round, NaN made quiet.
+                let b = _mm256_castps_si256(v);
+                let quiet = _mm256_castsi256_ps(_mm256_or_si256(b, _mm256_set1_epi32(0x0040_0000)));
+                let rounded = _mm256_castsi256_ps(bf16_bits_high(v));
+                let high = _mm256_blendv_ps(rounded, quiet, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+                _mm256_and_ps(high, _mm256_castsi256_ps(_mm256_set1_epi32(0xffff_0000_u32 as i32)))
+            } else if is::<T, f16>() {
+                _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+            } else {
+                v
+            }
+        }
+    }
+    #[inline(always)]
     fn add(self, a: __m256, b: __m256) -> __m256 {
         unsafe { _mm256_add_ps(a, b) }
     }

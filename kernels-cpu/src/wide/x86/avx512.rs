@@ -128,6 +128,27 @@ impl Lanes for V16 {
     }
 
     #[inline(always)]
+    fn round_to<T: 'static>(self, v: __m512) -> __m512 {
+        unsafe {
+            if is::<T, bf16>() {
+                // The integer round to nearest even (exact for subnormals,
+                // which `vcvtneps2bf16` flushes), a NaN made quiet and cut
+                // as `half` cuts it.
+                let b = _mm512_castps_si512(v);
+                let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(b), _mm512_set1_epi32(1));
+                let rounded = _mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb);
+                let quiet = _mm512_or_si512(b, _mm512_set1_epi32(0x0040_0000));
+                let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v, v);
+                let high = _mm512_mask_blend_epi32(nan, rounded, quiet);
+                _mm512_castsi512_ps(_mm512_and_si512(high, _mm512_set1_epi32(0xffff_0000_u32 as i32)))
+            } else if is::<T, f16>() {
+                _mm512_cvtph_ps(_mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v))
+            } else {
+                v
+            }
+        }
+    }
+    #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
         unsafe { _mm512_add_ps(a, b) }
     }
