@@ -28,7 +28,7 @@ macro_rules! ops {
 ops! {
     crate::abi_selftest::AbiSelfTest =>
         "_abi_selftest(Tensor anchor, Tensor? t, int i, float f, bool b, str s, int[] l, ScalarType dtype) -> (Tensor, Tensor)",
-    crate::rms_norm::RmsNorm => "rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor",
+    crate::rms_norm::RmsNorm => "rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06, bool round_before_weight=False) -> Tensor",
     crate::rms_norm::RmsNormBackward =>
         "rms_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, float eps) -> (Tensor, Tensor)",
     crate::layer_norm::LayerNorm =>

@@ -1,7 +1,10 @@
 //! `keel::rms_norm` and `keel::rms_norm_backward`.
 //!
-//! `rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06) -> Tensor`
-//! matches `torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)`.
+//! `rms_norm(Tensor input, Tensor? weight=None, float eps=1e-06, bool
+//! round_before_weight=False) -> Tensor` matches
+//! `torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)`; with
+//! `round_before_weight`, Hugging Face's `LlamaRMSNorm` (`x / rms` rounded to
+//! the dtype before the weight multiplies it: [`Rounding::BeforeWeight`]).
 //! `rms_norm_backward(grad_out, input, weight, eps) -> (grad_input, grad_weight)`;
 //! `grad_weight` has shape `[0]` when `weight` is None.
 //!
@@ -62,11 +65,12 @@ pub(crate) struct RmsNorm;
 
 impl BoxedOp for RmsNorm {
     const NAME: &'static str = OP;
-    type Args = (Tensor, Option<Tensor>, f64);
+    type Args = (Tensor, Option<Tensor>, f64, bool);
     type Out = (Tensor,);
 
-    fn run((input, weight, eps): Self::Args) -> Result<Self::Out> {
+    fn run((input, weight, eps, round_before_weight): Self::Args) -> Result<Self::Out> {
         let (input, weight, c, layout) = check_strided(OP, input, weight, eps)?;
+        let rounding = if round_before_weight { Rounding::BeforeWeight } else { Rounding::Once };
         let out = c.empty_like(&input)?;
         match c.device.kind {
             DeviceType::Cpu => with_float_type!(c.dtype, T => {
@@ -77,7 +81,7 @@ impl BoxedOp for RmsNorm {
                     (input.as_span_slice::<T>()?, weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?, out.as_mut_slice::<T>()?)
                 };
                 let x = x.ok_or_else(|| invalid(OP, "input", "has strides that overflow the address space"))?;
-                with_torch_par(|par| keel::ops::rms_norm::forward_strided_cpu(x, layout, w, y, c.cols, eps, Rounding::Once, par)).map_err(kernel_err)?
+                with_torch_par(|par| keel::ops::rms_norm::forward_strided_cpu(x, layout, w, y, c.cols, eps, rounding, par)).map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
                 let call = CudaCall::new(OP, c.device)?;
@@ -94,7 +98,7 @@ impl BoxedOp for RmsNorm {
                         ptr(Some(&out))?,
                         c.cols,
                         eps,
-                        Rounding::Once,
+                        rounding,
                     )
                 }
                 .map_err(kernel_err)?

@@ -23,19 +23,22 @@ def _grad(ctx, i, g):
 
 
 def _rms_norm_setup(ctx, inputs, output):
-    x, weight, eps = inputs
+    x, weight, eps, round_before_weight = inputs
     ctx.save_for_backward(x, weight)
     ctx.eps = eps
+    ctx.round_before_weight = round_before_weight
 
 
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
     if _twice.wanted():
-        gx, gw, _ = _twice.vjp(_twice.rms_norm, (x, weight, ctx.eps), (grad,), ctx.needs_input_grad)
-        return gx, gw, None
+        args = (x, weight, ctx.eps, ctx.round_before_weight)
+        gx, gw, _, _ = _twice.vjp(_twice.rms_norm, args, (grad,), ctx.needs_input_grad)
+        return gx, gw, None, None
     # x as the forward got it: the backward reads a strided one in place too.
+    # The same kernel for either rounding: see `keel.rms_norm`.
     gx, gw = ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
-    return _grad(ctx, 0, gx), _grad(ctx, 1, gw) if weight is not None else None, None
+    return _grad(ctx, 0, gx), _grad(ctx, 1, gw) if weight is not None else None, None, None
 
 
 def _layer_norm_setup(ctx, inputs, output):

@@ -110,7 +110,7 @@ def _lse(logits):
 # Each op's outputs, (sizes, dtype) each, from its arguments (as the schema
 # names them; the defaults do not matter, the Rust kernel checks the values).
 _RULES = {
-    "rms_norm": lambda input, weight=None, eps=1e-6: [_like(input)],
+    "rms_norm": lambda input, weight=None, eps=1e-6, round_before_weight=False: [_like(input)],
     "rms_norm_backward": lambda grad_out, input, weight, eps: [
         _like(input),
         _param_grad(weight, input.dtype),

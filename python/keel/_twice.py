@@ -120,11 +120,14 @@ def vjp(fn, inputs, grads, needs):
     return result
 
 
-def rms_norm(x, weight, eps):
-    """`F.rms_norm` over the last dim, in Keel's accumulation dtype."""
+def rms_norm(x, weight, eps, round_before_weight=False):
+    """`F.rms_norm` over the last dim, in Keel's accumulation dtype; with
+    `round_before_weight`, `x / rms` rounded to `x`'s dtype before the weight."""
     a = x.to(acc_dtype(x))
     y = a * torch.rsqrt(a.square().mean(-1, keepdim=True) + eps)
     if weight is not None:
+        if round_before_weight:
+            y = y.to(x.dtype).to(y.dtype)
         y = y * weight.to(y.dtype)
     return y.to(x.dtype)
 

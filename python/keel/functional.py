@@ -51,7 +51,9 @@ _REDUCTION = _default("cross_entropy", "reduction")
 _INTERLEAVED = _default("rotary_embedding", "interleaved")
 
 
-def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS) -> Tensor:
+def rms_norm(
+    input: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS, round_before_weight: bool = False
+) -> Tensor:
     """RMS normalisation over the last dimension.
 
     Same result as ``torch.nn.functional.rms_norm(input, (input.shape[-1],), weight, eps)``,
@@ -64,17 +66,29 @@ def rms_norm(input: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_E
             for QK-norm; a transposed tensor); other layouts are copied first.
         weight: optional ``[n]`` scale, same dtype and device as ``input``.
         eps: added to the mean square before the square root; finite and >= 0.
+        round_before_weight: round ``input / rms`` to ``input``'s dtype before the
+            weight multiplies it, as Hugging Face's ``LlamaRMSNorm`` does
+            (``weight * hidden.to(input_dtype)``; Mistral's, Qwen2's and the other
+            copies of it too, vLLM's kernels, Liger's ``casting_mode="llama"``).
+            torch's ``F.rms_norm`` rounds once, at the end (the default). Changes
+            nothing for float32 and float64, or without a weight. The backward is
+            the same either way (the rounding's gradient is taken as 1, as
+            autograd takes ``.to(dtype)``'s; the weight's gradient sums
+            ``grad * input / rms`` unrounded, within the dtype's rounding of the
+            rounded form's).
 
     Returns:
         A new contiguous tensor shaped like ``input``. Differentiable in ``input``
         and ``weight`` (the backward reads a strided ``input`` in place too).
     """
     if _has_torch_function(input, weight) and _overridden(input, weight):
-        return _handle(rms_norm, (input, weight), input, weight, eps)
-    return _call(_rms_norm, _RMS_NORM, _twice.rms_norm, input, weight, eps)
+        return _handle(rms_norm, (input, weight), input, weight, eps, round_before_weight)
+    return _call(_rms_norm, _RMS_NORM, _twice.rms_norm, input, weight, eps, round_before_weight)
 
 
-def _rms_norm(op, input, weight, eps):
+def _rms_norm(op, input, weight, eps, round_before_weight=False):
+    if round_before_weight is not False:
+        return op(rows_in_place(input), _c(weight), eps, round_before_weight)
     if eps.__class__ is float and eps == _RMS_EPS:  # the default: left out (see `_call`)
         return op(rows_in_place(input), _c(weight))
     return op(rows_in_place(input), _c(weight), eps)

@@ -95,16 +95,22 @@ def _default_eps(x: Tensor) -> float:
     return _DEFAULT_EPS.get(x.dtype, 0.0)
 
 
-def _rms_norm_module(x: Tensor, normalized_shape: tuple, weight: Optional[Tensor], eps: Optional[float]) -> Tensor:
+def _rms_norm_module(
+    x: Tensor,
+    normalized_shape: tuple,
+    weight: Optional[Tensor],
+    eps: Optional[float],
+    round_before_weight: bool = False,
+) -> Tensor:
     """:class:`RMSNorm`'s forward. A function of its own, checked for
     ``__torch_function__`` as torch.nn.functional's are, so that torch.fx
     records the module as one call (the shape and dtype checks here cannot run
     on its proxies) and tensor subclasses and modes see that call."""
     if _has_torch_function(x, weight) and _overridden(x, weight):
-        return _handle(_rms_norm_module, (x, weight), x, normalized_shape, weight, eps)
+        return _handle(_rms_norm_module, (x, weight), x, normalized_shape, weight, eps, round_before_weight)
     flat, n = _flat("keel.nn.RMSNorm", x, normalized_shape, rms_norm)
     w = _param("keel.nn.RMSNorm", "weight", weight, x, normalized_shape, n)
-    out = rms_norm(flat, w, _default_eps(x) if eps is None else eps)
+    out = rms_norm(flat, w, _default_eps(x) if eps is None else eps, round_before_weight)
     return _unflat(out, flat, x)
 
 
@@ -141,7 +147,14 @@ class RMSNorm(nn.Module):
     dtype than the input (float32 parameters, bfloat16 activations) is cast to
     the input's dtype, where torch multiplies by it in float32: the results
     agree within the input dtype's rounding.
+
+    ``round_before_weight=True`` (keyword only, Keel's own) rounds ``x / rms``
+    to the input's dtype before the weight multiplies it, as Hugging Face's
+    ``LlamaRMSNorm`` does: see :func:`keel.rms_norm`.
     """
+
+    # The class's value for modules pickled before the option existed.
+    round_before_weight: bool = False
 
     def __init__(
         self,
@@ -150,11 +163,14 @@ class RMSNorm(nn.Module):
         elementwise_affine: bool = True,
         device=None,
         dtype=None,
+        *,
+        round_before_weight: bool = False,
     ) -> None:
         super().__init__()
         self.normalized_shape = _shape(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
+        self.round_before_weight = round_before_weight
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, device=device, dtype=dtype))
         else:
@@ -168,10 +184,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         p = self._parameters  # see _LOOKUP
         w = p["weight"] if "weight" in p else self.weight
-        return _rms_norm_module(x, self.normalized_shape, w, self.eps)
+        return _rms_norm_module(x, self.normalized_shape, w, self.eps, self.round_before_weight)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        extra = ", round_before_weight=True" if self.round_before_weight else ""
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{extra}"
 
 
 class LayerNorm(nn.Module):
