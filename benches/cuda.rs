@@ -6,6 +6,7 @@
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{bf16, f16, Element};
 use keel::cuda::{gpu, is_available, CudaElement, CudaSlice, CudaStream};
+use keel::ops::rms_norm::Rounding;
 use keel::ops::{cross_entropy, fused_add_rms_norm, gated, layer_norm, rms_norm, rotary, softmax};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -89,7 +90,8 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
         g.bench_function(BenchmarkId::new("fused_add_rms_norm/fwd", &id), |bn| {
             bn.iter_custom(|it| {
                 timed(s, it, || {
-                    fused_add_rms_norm::forward_cuda(s, &x, &r, Some(&w), &mut y, &mut sum, cols, 1e-6).unwrap()
+                    fused_add_rms_norm::forward_cuda(s, &x, &r, Some(&w), &mut y, &mut sum, cols, 1e-6, Rounding::Once)
+                        .unwrap()
                 })
             })
         });
@@ -97,7 +99,8 @@ fn bench<T: Element + CudaElement>(c: &mut Criterion, s: &Arc<CudaStream>) {
         g.bench_function(BenchmarkId::new("fused_add_rms_norm/fwd_inplace", &id), |bn| {
             bn.iter_custom(|it| {
                 timed(s, it, || {
-                    fused_add_rms_norm::forward_inplace_cuda(s, &mut xi, &mut ri, Some(&w), cols, 1e-6).unwrap()
+                    fused_add_rms_norm::forward_inplace_cuda(s, &mut xi, &mut ri, Some(&w), cols, 1e-6, Rounding::Once)
+                        .unwrap()
                 })
             })
         });

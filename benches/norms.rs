@@ -3,6 +3,7 @@
 //! Throughput counts the bytes read and written.
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use keel::cpu::{Element, Par, RowLayout};
+use keel::ops::rms_norm::Rounding;
 use keel::ops::{fused_add_rms_norm, layer_norm, rms_norm};
 use std::hint::black_box;
 
@@ -26,6 +27,14 @@ fn bench<T: Element>(c: &mut Criterion) {
                 bn.iter(|| rms_norm::forward_cpu(black_box(&x), Some(&w), &mut y, cols, 1e-6, p).unwrap())
             });
         }
+        // Hugging Face LlamaRMSNorm's rounding (x / rms rounded to T before the weight).
+        let layout = RowLayout::contiguous(rows, cols);
+        g.bench_function(BenchmarkId::new("fwd_before_weight/rayon", &id), |bn| {
+            bn.iter(|| {
+                let before = Rounding::BeforeWeight;
+                rms_norm::forward_strided_cpu(black_box(&x), layout, Some(&w), &mut y, cols, 1e-6, before, par).unwrap()
+            })
+        });
         g.throughput(bytes::<T>(3 * n + 2 * cols));
         g.bench_function(BenchmarkId::new("bwd", &id), |bn| {
             bn.iter(|| {
@@ -53,7 +62,9 @@ fn bench<T: Element>(c: &mut Criterion) {
         g.throughput(bytes::<T>(4 * n + cols));
         g.bench_function(BenchmarkId::new("fwd", &id), |bn| {
             bn.iter(|| {
-                fused_add_rms_norm::forward_cpu(black_box(&x), &r, Some(&w), &mut y, &mut s, cols, 1e-6, par).unwrap()
+                let once = Rounding::Once;
+                fused_add_rms_norm::forward_cpu(black_box(&x), &r, Some(&w), &mut y, &mut s, cols, 1e-6, once, par)
+                    .unwrap()
             })
         });
         // In place (vLLM's form): the same bytes, into x and r. Repeated calls
@@ -61,7 +72,9 @@ fn bench<T: Element>(c: &mut Criterion) {
         let (mut xi, mut ri) = (x.clone(), r.clone());
         g.bench_function(BenchmarkId::new("fwd_inplace", &id), |bn| {
             bn.iter(|| {
-                fused_add_rms_norm::forward_inplace_cpu(black_box(&mut xi), &mut ri, Some(&w), cols, 1e-6, par).unwrap()
+                let once = Rounding::Once;
+                fused_add_rms_norm::forward_inplace_cpu(black_box(&mut xi), &mut ri, Some(&w), cols, 1e-6, once, par)
+                    .unwrap()
             })
         });
         // Backward with both output gradients: reads dy, d(sum), sum; writes d(sum).
@@ -100,7 +113,7 @@ fn bench_qk<T: Element>(c: &mut Criterion) {
     g.throughput(bytes::<T>(2 * y.len() + d));
     g.bench_function(BenchmarkId::new("fwd_qkv_view", format!("{tokens}x{heads}x{d}")), |bn| {
         bn.iter(|| {
-            let once = rms_norm::Rounding::Once;
+            let once = Rounding::Once;
             rms_norm::forward_strided_cpu(black_box(&qkv), layout, Some(&w), &mut y, d, 1e-6, once, Par::Rayon).unwrap()
         })
     });

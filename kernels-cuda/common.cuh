@@ -16,6 +16,15 @@ template <> __device__ __forceinline__ float from_f32<float>(float v) { return v
 template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return __float2half_rn(v); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// x r, the norms' normalised value, rounded to T first where ROUND: Hugging
+// Face's LlamaRMSNorm and vLLM round it to the input dtype before the weight
+// multiplies it (`weight * hidden.to(input_dtype)`); torch's F.rms_norm
+// rounds once, at the end (Rust: rms_norm::Rounding).
+template <bool ROUND, typename T> __device__ __forceinline__ float rms_normed(float x, float r) {
+  const float v = x * r;
+  return ROUND ? to_f32(from_f32<T>(v)) : v;
+}
+
 // 16 bytes of T: one 128-bit load or store.
 template <typename T> struct alignas(16) Pack {
   static constexpr int N = 16 / sizeof(T);

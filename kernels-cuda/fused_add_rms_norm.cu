@@ -1,4 +1,5 @@
-// fused_add_rms_norm forward: s = x + r (rounded to T, stored), y = rms_norm(s) * w.
+// fused_add_rms_norm forward: s = x + r (rounded to T, stored), y = rms_norm(s) * w
+// (s / rms rounded to T before the weight where ROUND: rms_normed).
 //
 // One block per row (grid-stride over rows), 128-bit vector access when the
 // row length is a multiple of 16 bytes and every pointer is aligned. Each
@@ -16,7 +17,7 @@
 using namespace keel;
 
 // The rows; the callers own the aliasing promises (see the entry points).
-template <bool InPlace, typename T>
+template <bool InPlace, bool ROUND, typename T>
 __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, const T* w, T* y, T* s, int64_t rows,
                                                         int cols, float eps) {
   __shared__ float scratch[32];
@@ -54,38 +55,49 @@ __device__ __forceinline__ void fused_add_rms_norm_rows(const T* x, const T* r, 
         Pack<T> p = *reinterpret_cast<const Pack<T>*>(sr + i * N), pw, o;
         if (w) pw = load_pack(w + i * N);
 #pragma unroll
-        for (int k = 0; k < N; ++k) o.v[k] = from_f32<T>(to_f32(p.v[k]) * inv * (w ? to_f32(pw.v[k]) : 1.f));
+        for (int k = 0; k < N; ++k)
+          o.v[k] = from_f32<T>(w ? rms_normed<ROUND, T>(to_f32(p.v[k]), inv) * to_f32(pw.v[k]) : to_f32(p.v[k]) * inv);
         store_pack(yr + i * N, o);
       }
     } else {
-      scalar_cols<T>(cols, [&](int i) { yr[i] = from_f32<T>(to_f32(sr[i]) * inv * (w ? to_f32(w[i]) : 1.f)); });
+      scalar_cols<T>(cols, [&](int i) {
+        yr[i] = from_f32<T>(w ? rms_normed<ROUND, T>(to_f32(sr[i]), inv) * to_f32(w[i]) : to_f32(sr[i]) * inv);
+      });
     }
   }
 }
 
 // Out of place: y and s overlap nothing.
-template <typename T>
+template <bool ROUND, typename T>
 __device__ __forceinline__ void fused_add_rms_norm_fwd(const T* __restrict__ x, const T* __restrict__ r,
                                                        const T* __restrict__ w, T* __restrict__ y,
                                                        T* __restrict__ s, int64_t rows, int cols, float eps) {
-  fused_add_rms_norm_rows<false>(x, r, w, y, s, rows, cols, eps);
+  fused_add_rms_norm_rows<false, ROUND>(x, r, w, y, s, rows, cols, eps);
 }
 
 // In place: r becomes the sum, x the output; x and r do not overlap.
-template <typename T>
+template <bool ROUND, typename T>
 __device__ __forceinline__ void fused_add_rms_norm_inplace(T* x, T* r, const T* __restrict__ w, int64_t rows,
                                                            int cols, float eps) {
-  fused_add_rms_norm_rows<true>(x, r, w, x, r, rows, cols, eps);
+  fused_add_rms_norm_rows<true, ROUND>(x, r, w, x, r, rows, cols, eps);
 }
 
+// `round` (0 or 1) picks ROUND.
 #define KEEL_FUSED_ADD_RMS_NORM(SUFFIX, T)                                                                      \
   extern "C" __global__ void fused_add_rms_norm_fwd_##SUFFIX(const T* x, const T* r, const T* w, T* y,           \
-                                                             T* s, int64_t rows, int cols, float eps) {           \
-    fused_add_rms_norm_fwd<T>(x, r, w, y, s, rows, cols, eps);                                                    \
+                                                             T* s, int64_t rows, int cols, float eps,             \
+                                                             int round) {                                         \
+    if (round)                                                                                                    \
+      fused_add_rms_norm_fwd<true, T>(x, r, w, y, s, rows, cols, eps);                                            \
+    else                                                                                                          \
+      fused_add_rms_norm_fwd<false, T>(x, r, w, y, s, rows, cols, eps);                                           \
   }                                                                                                               \
   extern "C" __global__ void fused_add_rms_norm_inplace_##SUFFIX(T* x, T* r, const T* w, int64_t rows, int cols, \
-                                                                 float eps) {                                     \
-    fused_add_rms_norm_inplace<T>(x, r, w, rows, cols, eps);                                                      \
+                                                                 float eps, int round) {                          \
+    if (round)                                                                                                    \
+      fused_add_rms_norm_inplace<true, T>(x, r, w, rows, cols, eps);                                              \
+    else                                                                                                          \
+      fused_add_rms_norm_inplace<false, T>(x, r, w, rows, cols, eps);                                             \
   }
 
 KEEL_FUSED_ADD_RMS_NORM(f32, float)

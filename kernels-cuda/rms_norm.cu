@@ -37,14 +37,6 @@ template <typename T> __device__ __forceinline__ void sum_sq_pack(const Pack<T>&
   }
 }
 
-// x r, rounded to T first where ROUND: Hugging Face's LlamaRMSNorm rounds the
-// normalised value to the input dtype before the weight multiplies it
-// (`weight * hidden.to(input_dtype)`); torch's F.rms_norm rounds once.
-template <bool ROUND, typename T> __device__ __forceinline__ float rms_normed(float x, float r) {
-  const float v = x * r;
-  return ROUND ? to_f32(from_f32<T>(v)) : v;
-}
-
 // One output element: x r (rms_normed) times w's element where w is given.
 template <bool ROUND, typename T> __device__ __forceinline__ T rms_out(T x, float r, const T* w, int i) {
   return w ? from_f32<T>(rms_normed<ROUND, T>(to_f32(x), r) * to_f32(w[i])) : from_f32<T>(to_f32(x) * r);

@@ -4,8 +4,9 @@
 mod common;
 
 use common::{assert_close, assert_close_floor, grad_floor, sum_scale, to_elems, Tol};
-use keel::cpu::{bf16, f16, Par};
+use keel::cpu::{bf16, f16, Element, Par};
 use keel::ops::fused_add_rms_norm::{backward_cpu, forward_cpu, forward_inplace_cpu};
+use keel::ops::rms_norm::Rounding;
 use keel_cpu::fused_add_rms_norm::forward_ref;
 use keel_cpu::rms_norm::backward_ref;
 use proptest::prelude::*;
@@ -27,7 +28,7 @@ fn check<T: Tol>(c: &Case) {
         (to_elems::<T>(x), to_elems::<T>(r), to_elems::<T>(w), to_elems::<T>(dy), to_elems::<T>(ds));
     let w = with_w.then_some(&w[..]);
     let ds = with_gs.then_some(&ds[..]);
-    let (want_y, want_s) = forward_ref(&x, &r, w, cols, eps);
+    let (_, want_s) = forward_ref(&x, &r, w, cols, eps, Rounding::Once);
     let (mut want_dx, want_dw) = backward_ref(&dy, &want_s, w, cols, eps);
     if let Some(ds) = ds {
         want_dx.iter_mut().zip(ds).for_each(|(g, d)| *g += d.to_f64());
@@ -35,18 +36,22 @@ fn check<T: Tol>(c: &Case) {
     let scale = sum_scale::<T>(cols);
     for par in [Par::Seq, Par::Rayon] {
         let (mut y, mut s) = (vec![T::default(); rows * cols], vec![T::default(); rows * cols]);
-        forward_cpu(&x, &r, w, &mut y, &mut s, cols, eps, par).unwrap();
-        assert_eq!(
-            s.iter().map(|v| v.to_f64()).collect::<Vec<_>>(),
-            want_s.iter().map(|v| v.to_f64()).collect::<Vec<_>>()
-        );
-        assert_close(&y, &want_y, scale, "forward");
+        // Rounded before the weight, then once (whose sum the backward takes).
+        for rounding in [Rounding::BeforeWeight, Rounding::Once] {
+            let (want_y, _) = forward_ref(&x, &r, w, cols, eps, rounding);
+            forward_cpu(&x, &r, w, &mut y, &mut s, cols, eps, rounding, par).unwrap();
+            assert_eq!(
+                s.iter().map(|v| v.to_f64()).collect::<Vec<_>>(),
+                want_s.iter().map(|v| v.to_f64()).collect::<Vec<_>>()
+            );
+            assert_close(&y, &want_y, scale, &format!("forward {rounding:?}"));
 
-        // In place: the same bits, `residual` holding the sum and `x` the output.
-        let (mut xi, mut ri) = (x.clone(), r.clone());
-        forward_inplace_cpu(&mut xi, &mut ri, w, cols, eps, par).unwrap();
-        assert_eq!(bits(&ri), bits(&s), "in-place sum");
-        assert_eq!(bits(&xi), bits(&y), "in-place output");
+            // In place: the same bits, `residual` holding the sum and `x` the output.
+            let (mut xi, mut ri) = (x.clone(), r.clone());
+            forward_inplace_cpu(&mut xi, &mut ri, w, cols, eps, rounding, par).unwrap();
+            assert_eq!(bits(&ri), bits(&s), "in-place sum {rounding:?}");
+            assert_eq!(bits(&xi), bits(&y), "in-place output {rounding:?}");
+        }
 
         let (mut dx, mut dw) = (vec![T::default(); rows * cols], vec![T::default(); cols]);
         backward_cpu(&dy, ds, &s, w, &mut dx, w.map(|_| &mut dw[..]), cols, eps, par).unwrap();
@@ -109,16 +114,16 @@ fn bad_lengths_are_errors_naming_op_and_argument() {
     let (mut y, mut s) = (vec![0f32; 12], vec![0f32; 12]);
     let err = |r: keel::Result<()>| r.unwrap_err().to_string();
     assert_eq!(
-        err(forward_cpu(&x, &x[..8], None, &mut y, &mut s, 4, 1e-6, Par::Seq)),
+        err(forward_cpu(&x, &x[..8], None, &mut y, &mut s, 4, 1e-6, Rounding::Once, Par::Seq)),
         "fused_add_rms_norm: argument 'residual' has length 8, expected 12"
     );
     assert_eq!(
-        err(forward_cpu(&x, &x, Some(&[1.0; 3]), &mut y, &mut s, 4, 1e-6, Par::Seq)),
+        err(forward_cpu(&x, &x, Some(&[1.0; 3]), &mut y, &mut s, 4, 1e-6, Rounding::Once, Par::Seq)),
         "fused_add_rms_norm: argument 'weight' has length 3, expected 4"
     );
     let (mut xi, mut ri) = (x.clone(), vec![0f32; 8]);
     assert_eq!(
-        err(forward_inplace_cpu(&mut xi, &mut ri, None, 4, 1e-6, Par::Seq)),
+        err(forward_inplace_cpu(&mut xi, &mut ri, None, 4, 1e-6, Rounding::Once, Par::Seq)),
         "fused_add_rms_norm_: argument 'residual' has length 8, expected 12"
     );
     assert_eq!(xi, x, "a refused call writes nothing");
@@ -127,4 +132,44 @@ fn bad_lengths_are_errors_naming_op_and_argument() {
         err(backward_cpu(&x, Some(&x[..4]), &x, None, &mut dx, None, 4, 1e-6, Par::Seq)),
         "fused_add_rms_norm_backward: argument 'grad_sum_out' has length 4, expected 12"
     );
+}
+
+/// `Rounding::BeforeWeight` bit for bit, out of place and in place: `T(y0 w)`
+/// in f32, `y0` the output without a weight (`T(s r)`, the same `r`), on rows
+/// with and without part vectors; and not the rounding once for 16-bit types.
+fn check_before_weight<T: Element<Acc = f32> + PartialEq + std::fmt::Debug>() {
+    for cols in [1usize, 7, 64, 100, 1000, 2100] {
+        let n = 13 * cols;
+        let x: Vec<T> = (0..n).map(|i| T::from_f64(((i * 7919 % 2001) as f64 - 1000.0) / 300.0)).collect();
+        let r: Vec<T> = (0..n).map(|i| T::from_f64(((i * 104729 % 1001) as f64 - 500.0) / 200.0)).collect();
+        let w: Vec<T> = (0..cols).map(|j| T::from_f64(0.3 + (j % 11) as f64 * 0.37)).collect();
+        for par in [Par::Seq, Par::Rayon] {
+            let run = |w: Option<&[T]>, rounding| {
+                let (mut y, mut s) = (vec![T::default(); n], vec![T::default(); n]);
+                forward_cpu(&x, &r, w, &mut y, &mut s, cols, 1e-6, rounding, par).unwrap();
+                let (mut xi, mut ri) = (x.clone(), r.clone());
+                forward_inplace_cpu(&mut xi, &mut ri, w, cols, 1e-6, rounding, par).unwrap();
+                assert_eq!(xi, y, "{} cols {cols} {rounding:?}: in place", T::NAME);
+                y
+            };
+            let y0 = run(None, Rounding::BeforeWeight);
+            let y = run(Some(&w), Rounding::BeforeWeight);
+            let want: Vec<T> =
+                y0.iter().enumerate().map(|(i, v)| T::from_acc(v.to_acc() * w[i % cols].to_acc())).collect();
+            assert_eq!(y, want, "{} cols {cols}", T::NAME);
+            if n > 100 {
+                assert_ne!(y, run(Some(&w), Rounding::Once), "{} cols {cols}: the roundings agree", T::NAME);
+            }
+        }
+    }
+}
+
+#[test]
+fn before_weight_rounds_the_normalised_value_bf16() {
+    check_before_weight::<bf16>();
+}
+
+#[test]
+fn before_weight_rounds_the_normalised_value_f16() {
+    check_before_weight::<f16>();
 }

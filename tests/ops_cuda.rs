@@ -8,6 +8,7 @@
 use keel::cpu::{bf16, f16, Acc, Element, Par};
 use keel::cuda::{gpu, CudaElement, CudaSlice, CudaStream};
 use keel::ops::cross_entropy::{Options, Reduction};
+use keel::ops::rms_norm::Rounding;
 use keel::ops::{cross_entropy, fused_add_rms_norm, gated, layer_norm, rotary, softmax};
 use std::sync::Arc;
 
@@ -64,18 +65,22 @@ fn run<T: Element + CudaElement>(rows: usize, cols: usize, tol: f64) {
     close(&s.clone_dtoh(&dw).unwrap(), &wdw, sum_tol, "layer_norm grad_weight");
     close(&s.clone_dtoh(&db).unwrap(), &wdb, sum_tol, "layer_norm grad_bias");
 
-    // fused_add_rms_norm
+    // fused_add_rms_norm, rounded once (kept for the backward below) and before the weight
     let (mut y, mut sum) = (zeros(n), zeros(n));
-    fused_add_rms_norm::forward_cuda(&s, &xd, &rd, Some(&wd), &mut y, &mut sum, cols, 1e-6).unwrap();
-    let (mut wy, mut ws) = (cpu(n), cpu(n));
-    fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, Par::Seq).unwrap();
-    close(&s.clone_dtoh(&sum).unwrap(), &ws, 0.0, "fused_add_rms_norm sum");
-    close(&s.clone_dtoh(&y).unwrap(), &wy, tol, "fused_add_rms_norm");
-    // In place: the same bits as out of place, x holding the output and residual the sum.
-    let (mut xi, mut ri) = (up(&s, &x), up(&s, &r));
-    fused_add_rms_norm::forward_inplace_cuda(&s, &mut xi, &mut ri, Some(&wd), cols, 1e-6).unwrap();
-    close(&s.clone_dtoh(&xi).unwrap(), &s.clone_dtoh(&y).unwrap(), 0.0, "fused_add_rms_norm_ x");
-    close(&s.clone_dtoh(&ri).unwrap(), &s.clone_dtoh(&sum).unwrap(), 0.0, "fused_add_rms_norm_ residual");
+    for rounding in [Rounding::BeforeWeight, Rounding::Once] {
+        let what = format!("fused_add_rms_norm {rounding:?}");
+        fused_add_rms_norm::forward_cuda(&s, &xd, &rd, Some(&wd), &mut y, &mut sum, cols, 1e-6, rounding).unwrap();
+        let (mut wy, mut ws) = (cpu(n), cpu(n));
+        fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, rounding, Par::Seq).unwrap();
+        close(&s.clone_dtoh(&sum).unwrap(), &ws, 0.0, &format!("{what} sum"));
+        close(&s.clone_dtoh(&y).unwrap(), &wy, tol, &what);
+        // In place: the same bits as out of place, x holding the output and residual the sum.
+        let (mut xi, mut ri) = (up(&s, &x), up(&s, &r));
+        fused_add_rms_norm::forward_inplace_cuda(&s, &mut xi, &mut ri, Some(&wd), cols, 1e-6, rounding).unwrap();
+        close(&s.clone_dtoh(&xi).unwrap(), &s.clone_dtoh(&y).unwrap(), 0.0, &format!("{what} in place: x"));
+        close(&s.clone_dtoh(&ri).unwrap(), &s.clone_dtoh(&sum).unwrap(), 0.0, &format!("{what} in place: residual"));
+    }
+    let ws = s.clone_dtoh(&sum).unwrap();
     let (mut dx, mut dw) = (zeros(n), zeros(cols));
     fused_add_rms_norm::backward_cuda(&s, &dyd, Some(&rd), &sum, Some(&wd), &mut dx, Some(&mut dw), cols, 1e-6)
         .unwrap();

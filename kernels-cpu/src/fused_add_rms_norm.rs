@@ -5,6 +5,8 @@
 //! - Forward writes `out = rms_norm(s) * w` and `sum = s`, where `s` is
 //!   rounded to `T` first, exactly as `s = x + r; F.rms_norm(s)` in torch, so
 //!   `out` is the rms_norm of the `sum` returned.
+//! - Both forwards take a [`Rounding`]: [`Rounding::BeforeWeight`] rounds
+//!   `s / rms` to `T` before the weight, as vLLM's kernel does.
 //! - Backward: `grad_sum = rms_norm_backward(grad_out, s, w) + grad_sum_out`,
 //!   which is the gradient of both `x` and `residual`; `grad_weight` as for
 //!   rms_norm. It is [`crate::rms_norm`]'s backward with the extra addend.
@@ -12,7 +14,7 @@ use crate::element::{Acc, Element};
 use crate::error::{check_len, Result};
 use crate::layout::RowLayout;
 use crate::par::Par;
-use crate::rms_norm::{self, forward_row};
+use crate::rms_norm::{self, forward_row, rounds_first, Rounding};
 use crate::rows::{Blocks, Split};
 use crate::simd::dispatch;
 
@@ -59,7 +61,8 @@ pub fn check_backward(
     Ok(rows)
 }
 
-/// Forward: `sum = x + residual` (rounded to `T`), `out = rms_norm(sum) * weight`.
+/// Forward: `sum = x + residual` (rounded to `T`), `out = rms_norm(sum) *
+/// weight`, rounded as `rounding` says.
 #[allow(clippy::too_many_arguments)]
 pub fn forward<T: Element>(
     x: &[T],
@@ -69,6 +72,7 @@ pub fn forward<T: Element>(
     sum: &mut [T],
     cols: usize,
     eps: f64,
+    rounding: Rounding,
     par: Par<'_>,
 ) -> Result<()> {
     let rows = check_forward(x.len(), residual.len(), weight.map(<[T]>::len), out.len(), sum.len(), cols, eps)?;
@@ -76,6 +80,7 @@ pub fn forward<T: Element>(
         return Ok(());
     }
     let eps = T::Acc::from_f64(eps);
+    let round = rounds_first::<T>(weight, rounding);
     let blocks = Blocks::new(&par, rows, cols);
     let ys = Split::new(out, blocks.per * cols);
     let ss = Split::new(sum, blocks.per * cols);
@@ -85,7 +90,7 @@ pub fn forward<T: Element>(
         let (x, r) = (&x[at..][..y.len()], &residual[at..][..y.len()]);
         #[cfg(target_arch = "x86_64")]
         if crate::wide::has_lanes::<T>() {
-            let k = x86::Forward { x, r, w: weight, y: &mut y, s: &mut s, cols, eps: eps.to_f64() as f32 };
+            let k = x86::Forward { x, r, w: weight, y: &mut y, s: &mut s, cols, eps: eps.to_f64() as f32, round };
             if crate::wide::x86::run(k).is_some() {
                 return;
             }
@@ -109,7 +114,7 @@ pub fn forward<T: Element>(
                         },
                     );
                     // `s` is still in L1: the norm reads it from there.
-                    forward_row(s, weight, y, eps, false, &[]);
+                    forward_row(s, weight, y, eps, round, &[]);
                 }
             },
         );
@@ -128,6 +133,7 @@ pub fn forward_inplace<T: Element>(
     weight: Option<&[T]>,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
     par: Par<'_>,
 ) -> Result<()> {
     let rows = check_forward(x.len(), residual.len(), weight.map(<[T]>::len), x.len(), residual.len(), cols, eps)
@@ -136,6 +142,7 @@ pub fn forward_inplace<T: Element>(
         return Ok(());
     }
     let eps = T::Acc::from_f64(eps);
+    let round = rounds_first::<T>(weight, rounding);
     let blocks = Blocks::new(&par, rows, cols);
     let xs = Split::new(x, blocks.per * cols);
     let rs = Split::new(residual, blocks.per * cols);
@@ -143,7 +150,7 @@ pub fn forward_inplace<T: Element>(
         let (mut x, mut r) = (xs.get(b), rs.get(b));
         #[cfg(target_arch = "x86_64")]
         if crate::wide::has_lanes::<T>() {
-            let k = x86::ForwardInplace { x: &mut x, r: &mut r, w: weight, cols, eps: eps.to_f64() as f32 };
+            let k = x86::ForwardInplace { x: &mut x, r: &mut r, w: weight, cols, eps: eps.to_f64() as f32, round };
             if crate::wide::x86::run(k).is_some() {
                 return;
             }
@@ -153,7 +160,7 @@ pub fn forward_inplace<T: Element>(
             || {
                 for (x, r) in x.chunks_exact_mut(cols).zip(r.chunks_exact_mut(cols)) {
                     add_into(x, r);
-                    forward_row(r, weight, x, eps, false, &[]);
+                    forward_row(r, weight, x, eps, round, &[]);
                 }
             },
         );
@@ -207,14 +214,16 @@ pub fn backward<T: Element>(
 }
 
 /// Reference forward in f64: `(out, sum)`, with `sum` rounded to `T` as the
-/// kernel does.
+/// kernel does, and `out` rounded as `rounding` says
+/// ([`rms_norm::forward_ref_rounded`]).
 pub fn forward_ref<T: Element>(
     x: &[T],
     residual: &[T],
     weight: Option<&[T]>,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> (Vec<f64>, Vec<T>) {
     let s: Vec<T> = x.iter().zip(residual).map(|(a, b)| T::from_f64(a.to_f64() + b.to_f64())).collect();
-    (rms_norm::forward_ref(&s, weight, cols, eps), s)
+    (rms_norm::forward_ref_rounded(&s, weight, cols, eps, rounding), s)
 }

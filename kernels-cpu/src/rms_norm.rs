@@ -150,7 +150,7 @@ fn forward_contiguous<T: Element>(
 /// Whether the forward rounds `x r` to `T` before the weight: only where
 /// `rounding` asks, there is a weight, and `T` is narrower than its
 /// accumulator (f32 and f64 values are already in it).
-fn rounds_first<T: Element>(weight: Option<&[T]>, rounding: Rounding) -> bool {
+pub(crate) fn rounds_first<T: Element>(weight: Option<&[T]>, rounding: Rounding) -> bool {
     rounding == Rounding::BeforeWeight && weight.is_some() && std::mem::size_of::<T>() < std::mem::size_of::<T::Acc>()
 }
 

@@ -1,33 +1,46 @@
 //! `keel::fused_add_rms_norm` and its backward.
 //!
-//! `fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06) -> (Tensor, Tensor)`
-//! returns `(rms_norm(input + residual), input + residual)`.
+//! `fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06, bool
+//! round_before_weight=False) -> (Tensor, Tensor)` returns `(rms_norm(input + residual), input +
+//! residual)`; `round_before_weight` rounds `sum / rms` to the dtype before the weight, as vLLM's
+//! kernel and Hugging Face's `LlamaRMSNorm` do (see `keel::rms_norm`).
 //! `fused_add_rms_norm_backward(grad_out, grad_sum?, sum, weight, eps) -> (grad, grad_weight)`:
 //! `grad` is the gradient of both `input` and `residual`; `grad_weight` is
 //! `[0]` when `weight` is None.
-//! `fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06) -> ()`
-//! is the forward in place: `residual` becomes the sum, `input` the output. A
+//! `fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06,
+//! bool round_before_weight=False) -> ()` is the forward in place: `residual` becomes the sum, `input` the output. A
 //! non-contiguous `input` or `residual` is worked on in a contiguous copy and
 //! written back; one whose elements share memory is refused.
 use crate::checks::{self, with_float_type};
 use crate::device::{kernel_err, ptr, CudaCall};
 use crate::rms_norm::check;
 use crate::torch_pool::with_torch_par;
+use keel::ops::rms_norm::Rounding;
 use keel_abi::{BoxedOp, DeviceType, Result, ScalarType, Tensor};
 
 const OP: &str = "fused_add_rms_norm";
 const OP_BWD: &str = "fused_add_rms_norm_backward";
 const OP_INPLACE: &str = "fused_add_rms_norm_";
 
+/// The kernels' [`Rounding`] for the schema's `round_before_weight`.
+fn rounding(round_before_weight: bool) -> Rounding {
+    if round_before_weight {
+        Rounding::BeforeWeight
+    } else {
+        Rounding::Once
+    }
+}
+
 /// The forward op.
 pub(crate) struct FusedAddRmsNorm;
 
 impl BoxedOp for FusedAddRmsNorm {
     const NAME: &'static str = OP;
-    type Args = (Tensor, Tensor, Option<Tensor>, f64);
+    type Args = (Tensor, Tensor, Option<Tensor>, f64, bool);
     type Out = (Tensor, Tensor);
 
-    fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
+    fn run((input, residual, weight, eps, round_before_weight): Self::Args) -> Result<Self::Out> {
+        let rounding = rounding(round_before_weight);
         let (input, weight, c) = check(OP, "input", input, weight, eps)?;
         let residual = checks::like(OP, "residual", residual, &input, &c)?;
         let (out, sum) = (c.empty_like(&input)?, c.empty_like(&input)?);
@@ -44,7 +57,7 @@ impl BoxedOp for FusedAddRmsNorm {
                         sum.as_mut_slice::<T>()?,
                     )
                 };
-                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_cpu(x, r, w, y, s, c.cols, eps, par))
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_cpu(x, r, w, y, s, c.cols, eps, rounding, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
@@ -64,6 +77,7 @@ impl BoxedOp for FusedAddRmsNorm {
                         c.rows,
                         c.cols,
                         eps,
+                        rounding,
                     )
                 }
                 .map_err(kernel_err)?
@@ -81,10 +95,11 @@ pub(crate) struct FusedAddRmsNormInplace;
 
 impl BoxedOp for FusedAddRmsNormInplace {
     const NAME: &'static str = OP_INPLACE;
-    type Args = (Tensor, Tensor, Option<Tensor>, f64);
+    type Args = (Tensor, Tensor, Option<Tensor>, f64, bool);
     type Out = ();
 
-    fn run((input, residual, weight, eps): Self::Args) -> Result<Self::Out> {
+    fn run((input, residual, weight, eps, round_before_weight): Self::Args) -> Result<Self::Out> {
+        let rounding = rounding(round_before_weight);
         // A layout the kernel cannot write is worked on in a contiguous copy,
         // written back after (`back`); contiguous ones are written directly.
         let (input, input_back) = checks::written(OP_INPLACE, "input", input)?;
@@ -112,7 +127,7 @@ impl BoxedOp for FusedAddRmsNormInplace {
                         weight.as_ref().map(|w| w.as_slice::<T>()).transpose()?,
                     )
                 };
-                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_inplace_cpu(x, r, w, c.cols, eps, par))
+                with_torch_par(|par| keel::ops::fused_add_rms_norm::forward_inplace_cpu(x, r, w, c.cols, eps, rounding, par))
                     .map_err(kernel_err)?
             }),
             DeviceType::Cuda => {
@@ -130,6 +145,7 @@ impl BoxedOp for FusedAddRmsNormInplace {
                         c.rows,
                         c.cols,
                         eps,
+                        rounding,
                     )
                 }
                 .map_err(kernel_err)?

@@ -36,9 +36,9 @@ ops! {
     crate::layer_norm::LayerNormBackward =>
         "layer_norm_backward(Tensor grad_out, Tensor input, Tensor? weight, Tensor? bias, float eps) -> (Tensor, Tensor, Tensor)",
     crate::fused_add_rms_norm::FusedAddRmsNorm =>
-        "fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06) -> (Tensor, Tensor)",
+        "fused_add_rms_norm(Tensor input, Tensor residual, Tensor? weight=None, float eps=1e-06, bool round_before_weight=False) -> (Tensor, Tensor)",
     crate::fused_add_rms_norm::FusedAddRmsNormInplace =>
-        "fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06) -> ()",
+        "fused_add_rms_norm_(Tensor(a!) input, Tensor(b!) residual, Tensor? weight=None, float eps=1e-06, bool round_before_weight=False) -> ()",
     crate::fused_add_rms_norm::FusedAddRmsNormBackward =>
         "fused_add_rms_norm_backward(Tensor grad_out, Tensor? grad_sum, Tensor sum, Tensor? weight, float eps) -> (Tensor, Tensor)",
     crate::gated::SiluAndMul => "silu_and_mul(Tensor input) -> Tensor",

@@ -62,25 +62,27 @@ def _layer_norm_backward(ctx, grad):
 
 
 def _fused_add_rms_norm_setup(ctx, inputs, output):
-    _, _, weight, eps = inputs
+    _, _, weight, eps, round_before_weight = inputs
     if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
         # The sum depends on neither input needing a gradient (only the weight
         # does): it needs none either, as torch's `input + residual` then.
         ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(output[1], weight)
     ctx.eps = eps
+    ctx.round_before_weight = round_before_weight
     ctx.set_materialize_grads(False)
 
 
 def _fused_add_rms_norm_backward(ctx, grad_out, grad_sum):
     s, weight = ctx.saved_tensors
     if grad_out is None and grad_sum is None:
-        return None, None, None, None
+        return None, None, None, None, None
     if _twice.wanted():
         needs = (True, weight is not None and ctx.needs_input_grad[2], False)
-        gs, gw, _ = _twice.vjp(_twice.rms_norm, (s, weight, ctx.eps), (grad_out,), needs)
+        args = (s, weight, ctx.eps, ctx.round_before_weight)
+        gs, gw, _, _ = _twice.vjp(_twice.rms_norm, args, (grad_out,), needs)
         g = grad_sum if gs is None else gs if grad_sum is None else gs + grad_sum
-        return _grad(ctx, 0, g), _grad(ctx, 1, g), gw, None
+        return _grad(ctx, 0, g), _grad(ctx, 1, g), gw, None, None
     if grad_out is None:
         grad_out = torch.zeros_like(s)
     grad_sum = None if grad_sum is None else grad_sum.contiguous()
@@ -91,7 +93,7 @@ def _fused_add_rms_norm_backward(ctx, grad_out, grad_sum):
     # .grad its own tensor (it steals only a gradient that nothing else holds).
     # A clone here cost a 4096x4096 read and a fresh write on every backward, also
     # where neither input is a leaf (a transformer's residual stream).
-    return _grad(ctx, 0, g), _grad(ctx, 1, g), _grad(ctx, 2, gw) if weight is not None else None, None
+    return _grad(ctx, 0, g), _grad(ctx, 1, g), _grad(ctx, 2, gw) if weight is not None else None, None, None
 
 
 def _silu_and_mul_setup(ctx, inputs, output):

@@ -121,8 +121,11 @@ _RULES = {
         _param_grad(weight, input.dtype),
         _param_grad(bias, input.dtype),
     ],
-    "fused_add_rms_norm": lambda input, residual, weight=None, eps=1e-6: [_like(input), _like(input)],
-    "fused_add_rms_norm_": lambda input, residual, weight=None, eps=1e-6: [],
+    "fused_add_rms_norm": lambda input, residual, weight=None, eps=1e-6, round_before_weight=False: [
+        _like(input),
+        _like(input),
+    ],
+    "fused_add_rms_norm_": lambda input, residual, weight=None, eps=1e-6, round_before_weight=False: [],
     "fused_add_rms_norm_backward": lambda grad_out, grad_sum, sum, weight, eps: [
         _like(sum),
         _param_grad(weight, sum.dtype),

@@ -171,10 +171,10 @@ def softmax(x, scale):
     return torch.softmax(x.to(acc_dtype(x)) * scale, -1).to(x.dtype)
 
 
-def fused_add_rms_norm(x, residual, weight, eps):
+def fused_add_rms_norm(x, residual, weight, eps, round_before_weight=False):
     """`(rms_norm(s), s)` for `s = x + residual`, rounded to the dtype first."""
     s = x + residual
-    return rms_norm(s, weight, eps), s
+    return rms_norm(s, weight, eps, round_before_weight), s
 
 
 def softmax_backward(grad, y, scale):

@@ -122,7 +122,11 @@ def _layer_norm(op, input, weight, bias, eps):
 
 
 def fused_add_rms_norm(
-    input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS
+    input: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    eps: float = _RMS_EPS,
+    round_before_weight: bool = False,
 ) -> Tuple[Tensor, Tensor]:
     """``s = input + residual`` and ``rms_norm(s, weight, eps)`` in one pass over memory.
 
@@ -134,23 +138,44 @@ def fused_add_rms_norm(
     Args:
         input, residual: ``[..., n]``, same shape, dtype and device.
         weight: optional ``[n]`` scale. eps: finite and >= 0.
+        round_before_weight: round ``s / rms`` to the dtype before the weight multiplies
+            it, as vLLM's kernel and Hugging Face's ``LlamaRMSNorm`` do (see
+            :func:`rms_norm`).
 
     Returns:
         ``(normed, sum)``, both shaped like ``input``. Differentiable in ``input``,
         ``residual`` and ``weight``.
     """
     if _has_torch_function(input, residual, weight) and _overridden(input, residual, weight):
-        return _handle(fused_add_rms_norm, (input, residual, weight), input, residual, weight, eps)
-    return _call(_fused_add_rms_norm, _FUSED_ADD_RMS_NORM, _twice.fused_add_rms_norm, input, residual, weight, eps)
+        args = (input, residual, weight, eps, round_before_weight)
+        return _handle(fused_add_rms_norm, (input, residual, weight), *args)
+    return _call(
+        _fused_add_rms_norm,
+        _FUSED_ADD_RMS_NORM,
+        _twice.fused_add_rms_norm,
+        input,
+        residual,
+        weight,
+        eps,
+        round_before_weight,
+    )
 
 
-def _fused_add_rms_norm(op, input, residual, weight, eps):
+def _fused_add_rms_norm(op, input, residual, weight, eps, round_before_weight=False):
+    if round_before_weight is not False:
+        return op(input.contiguous(), residual.contiguous(), _c(weight), eps, round_before_weight)
     if eps.__class__ is float and eps == _RMS_EPS:  # the default: left out (see `_call`)
         return op(input.contiguous(), residual.contiguous(), _c(weight))
     return op(input.contiguous(), residual.contiguous(), _c(weight), eps)
 
 
-def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = _RMS_EPS) -> None:
+def fused_add_rms_norm_(
+    input: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    eps: float = _RMS_EPS,
+    round_before_weight: bool = False,
+) -> None:
     """:func:`fused_add_rms_norm` in place, as vLLM's op: ``residual`` becomes
     ``input + residual`` and ``input`` becomes ``rms_norm(input + residual, weight, eps)``.
 
@@ -164,17 +189,23 @@ def fused_add_rms_norm_(input: Tensor, residual: Tensor, weight: Optional[Tensor
             with each other nor within themselves (an expanded view is refused). A view
             that is not contiguous is worked on in a contiguous copy, written back.
         weight: optional ``[n]`` scale, sharing no memory with either. eps: finite and >= 0.
+        round_before_weight: as in :func:`fused_add_rms_norm` (vLLM's op rounds so).
 
     Not differentiable: use :func:`fused_add_rms_norm` where a gradient is needed
     (grad mode on and an argument requiring one is refused with a RuntimeError).
     """
     if _has_torch_function(input, residual, weight) and _overridden(input, residual, weight):
-        return _handle(fused_add_rms_norm_, (input, residual, weight), input, residual, weight, eps)
+        args = (input, residual, weight, eps, round_before_weight)
+        return _handle(fused_add_rms_norm_, (input, residual, weight), *args)
     try:
-        tail = () if eps.__class__ is float and eps == _RMS_EPS else (eps,)  # the default: left out (see `_call`)
+        # The defaults left out (see `_call`).
+        if round_before_weight is not False:
+            tail = (eps, round_before_weight)
+        else:
+            tail = () if eps.__class__ is float and eps == _RMS_EPS else (eps,)
         _call_inplace(_FUSED_ADD_RMS_NORM_, (input, residual), input, residual, _c(weight), *tail)
     except _PREPARING as err:
-        _refuse(_FUSED_ADD_RMS_NORM_[0], (input, residual, weight, eps), err)
+        _refuse(_FUSED_ADD_RMS_NORM_[0], (input, residual, weight, eps, round_before_weight), err)
         raise
 
 

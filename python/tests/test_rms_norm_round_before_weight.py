@@ -137,3 +137,65 @@ def test_a_flag_that_is_not_a_bool_is_refused_naming_it():
     x, w = inputs((2, 8), torch.bfloat16, "cpu")
     with pytest.raises(RuntimeError, match="round_before_weight"):
         torch.ops.keel.rms_norm(x, w, 1e-6, "yes")
+
+
+def vllm_fused_add(x, residual, w, eps):
+    """vLLM's fused_add_rms_norm: residual <- x + residual (rounded to the dtype),
+    x <- T(T(s / rms) * w), all in float32 between."""
+    s = x + residual
+    return llama(s, w, eps), s
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", HALF)
+def test_fused_add_matches_vllm_out_of_place_and_in_place(device, dtype):
+    x, w = inputs((128, 1024), dtype, device, seed=7)
+    r, _ = inputs((128, 1024), dtype, device, seed=8)
+    want_y, want_s = vllm_fused_add(x, r, w, 1e-6)
+    y, s = keel.fused_add_rms_norm(x, r, w, 1e-6, round_before_weight=True)
+    assert torch.equal(s, want_s)
+    assert (y != want_y).double().mean().item() < 1e-3
+    assert torch.equal(y, keel.rms_norm(s, w, 1e-6, round_before_weight=True))
+    assert (keel.fused_add_rms_norm(x, r, w, 1e-6)[0] != want_y).double().mean().item() > 0.05
+    xi, ri = x.clone(), r.clone()
+    keel.fused_add_rms_norm_(xi, ri, w, 1e-6, round_before_weight=True)
+    assert torch.equal(xi, y) and torch.equal(ri, s)
+    xi, ri = x.clone(), r.clone()
+    torch.ops.keel.fused_add_rms_norm_(xi, ri, w, 1e-6, True)
+    assert torch.equal(xi, y) and torch.equal(ri, s)
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.keel.fused_add_rms_norm(x, r, w, 1e-6, True), (y, s)))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_fused_add_gradients_opcheck_and_compile(device):
+    dtype = torch.bfloat16
+    x, w = inputs((6, 96), dtype, device, seed=9)
+    r, _ = inputs((6, 96), dtype, device, seed=10)
+    dy = torch.randn(6, 96, generator=torch.Generator().manual_seed(11)).to(dtype).to(device)
+    xk, rk, wk = (t.clone().requires_grad_() for t in (x, r, w))
+    y, s = keel.fused_add_rms_norm(xk, rk, wk, 1e-6, round_before_weight=True)
+    (y.float() * dy.float()).sum().backward()
+    xr, rr, wr = (t.double().requires_grad_() for t in (x, r, w))
+    sr = (xr + rr).to(dtype).double()
+    (reference(sr, wr, 1e-6) * dy.double()).sum().backward()
+    assert_close(xk.grad, xr.grad, dtype, scale=4.0)
+    assert torch.equal(xk.grad, rk.grad)
+    assert_close(wk.grad, wr.grad, dtype, scale=4.0 * 6**0.5)
+
+    from torch.library import opcheck
+
+    args = (x.clone().requires_grad_(), r.clone().requires_grad_(), w.clone().requires_grad_(), 1e-6, True)
+    opcheck(torch.ops.keel.fused_add_rms_norm.default, args, test_utils=OPCHECK_UTILS)
+    torch._dynamo.reset()
+    f = torch.compile(lambda a, b, c: keel.fused_add_rms_norm(a, b, c, 1e-6, round_before_weight=True), fullgraph=True)
+    got = f(x, r, w)
+    want = keel.fused_add_rms_norm(x, r, w, 1e-6, round_before_weight=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_fused_add_double_backward_takes_the_rounding():
+    x = torch.randn(3, 20, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 20, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(20, dtype=torch.float64, requires_grad=True)
+    f = lambda a, b, c: keel.fused_add_rms_norm(a, b, c, 1e-5, round_before_weight=True)[0]  # noqa: E731
+    assert torch.autograd.gradgradcheck(f, (x, r, w))

@@ -1,7 +1,9 @@
 //! `sum = x + residual`, `out = rms_norm(sum) * w`, in one pass over memory.
 //!
 //! Matches `s = x + residual; (F.rms_norm(s, (cols,), w, eps), s)`: `sum` is
-//! rounded to the element type before it is normalised, as in torch.
+//! rounded to the element type before it is normalised, as in torch. The
+//! forwards take a [`Rounding`]: [`Rounding::BeforeWeight`] rounds `sum /
+//! rms` to the element type before the weight, as vLLM's kernel does.
 //! - Shapes: `x`, `residual`, `out`, `sum` and the gradients hold
 //!   `rows * cols` elements; `weight` and `grad_weight` hold `cols`.
 //! - The backward is [`crate::ops::rms_norm`]'s with the gradient arriving at
@@ -10,6 +12,7 @@ use super::check_cols;
 use crate::cpu::{Element, Par, RowLayout};
 use crate::cuda::{gpu, launch_rows, Arg, CudaElement, CudaSlice, CudaStream, DType, Gpu, Stream, Target};
 use crate::error::Result;
+use crate::ops::rms_norm::{rounds_first, Rounding};
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use std::sync::Arc;
 
@@ -27,9 +30,10 @@ pub fn forward_cpu<T: Element>(
     sum: &mut [T],
     cols: usize,
     eps: f64,
+    rounding: Rounding,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::fused_add_rms_norm::forward(x, residual, weight, out, sum, cols, eps, par)?)
+    Ok(keel_cpu::fused_add_rms_norm::forward(x, residual, weight, out, sum, cols, eps, rounding, par)?)
 }
 
 /// CPU forward in place (vLLM's form): `residual` becomes the sum, `x` the
@@ -40,9 +44,10 @@ pub fn forward_inplace_cpu<T: Element>(
     weight: Option<&[T]>,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
     par: Par<'_>,
 ) -> Result<()> {
-    Ok(keel_cpu::fused_add_rms_norm::forward_inplace(x, residual, weight, cols, eps, par)?)
+    Ok(keel_cpu::fused_add_rms_norm::forward_inplace(x, residual, weight, cols, eps, rounding, par)?)
 }
 
 /// CPU backward. See [`keel_cpu::fused_add_rms_norm::backward`].
@@ -90,9 +95,10 @@ pub unsafe fn forward_cuda_raw(
     rows: usize,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, residual, weight, out, sum, rows, cols, eps) }
+    unsafe { forward_on(&Stream { gpu, stream }, dtype, x, residual, weight, out, sum, rows, cols, eps, rounding) }
 }
 
 /// [`forward_cuda_raw`] on any [`Target`].
@@ -111,6 +117,7 @@ pub(crate) unsafe fn forward_on(
     rows: usize,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     check_cols(OP, rows, cols)?;
     let n = rows * cols;
@@ -127,6 +134,7 @@ pub(crate) unsafe fn forward_on(
         Arg::I64(rows as i64),
         Arg::I32(cols as i32),
         Arg::F32(eps as f32),
+        Arg::I32(i32::from(rounds_first(rounding, weight, dtype))),
     ];
     // SAFETY: the argument list matches fused_add_rms_norm_fwd_*; pointers per our contract.
     unsafe { launch_rows(t, MODULE, "fused_add_rms_norm_fwd", dtype, rows, cols, &args) }
@@ -150,9 +158,10 @@ pub unsafe fn forward_inplace_cuda_raw(
     rows: usize,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     // SAFETY: forwarded from this function's contract.
-    unsafe { forward_inplace_on(&Stream { gpu, stream }, dtype, x, residual, weight, rows, cols, eps) }
+    unsafe { forward_inplace_on(&Stream { gpu, stream }, dtype, x, residual, weight, rows, cols, eps, rounding) }
 }
 
 /// [`forward_inplace_cuda_raw`] on any [`Target`].
@@ -169,6 +178,7 @@ pub(crate) unsafe fn forward_inplace_on(
     rows: usize,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     check_cols(OP_INPLACE, rows, cols)?;
     let n = rows * cols;
@@ -183,6 +193,7 @@ pub(crate) unsafe fn forward_inplace_on(
         Arg::I64(rows as i64),
         Arg::I32(cols as i32),
         Arg::F32(eps as f32),
+        Arg::I32(i32::from(rounds_first(rounding, weight, dtype))),
     ];
     // SAFETY: the argument list matches fused_add_rms_norm_inplace_*; pointers per our contract.
     unsafe { launch_rows(t, MODULE, "fused_add_rms_norm_inplace", dtype, rows, cols, &args) }
@@ -199,6 +210,7 @@ pub fn forward_cuda<T: CudaElement>(
     sum: &mut CudaSlice<T>,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     let rows = keel_cpu::fused_add_rms_norm::check_forward(
         x.len(),
@@ -216,7 +228,22 @@ pub fn forward_cuda<T: CudaElement>(
     let (po, _g3) = out.device_ptr_mut(stream);
     let (ps, _g4) = sum.device_ptr_mut(stream);
     // SAFETY: lengths checked above; the buffers live on this stream's device.
-    unsafe { forward_cuda_raw(&gpu, stream, T::DTYPE, px, pr, pw.as_ref().map_or(0, |p| p.0), po, ps, rows, cols, eps) }
+    unsafe {
+        forward_cuda_raw(
+            &gpu,
+            stream,
+            T::DTYPE,
+            px,
+            pr,
+            pw.as_ref().map_or(0, |p| p.0),
+            po,
+            ps,
+            rows,
+            cols,
+            eps,
+            rounding,
+        )
+    }
 }
 
 /// CUDA forward in place on `cudarc` buffers, launched on `stream`:
@@ -228,6 +255,7 @@ pub fn forward_inplace_cuda<T: CudaElement>(
     weight: Option<&CudaSlice<T>>,
     cols: usize,
     eps: f64,
+    rounding: Rounding,
 ) -> Result<()> {
     let rows = keel_cpu::fused_add_rms_norm::check_forward(
         x.len(),
@@ -244,7 +272,20 @@ pub fn forward_inplace_cuda<T: CudaElement>(
     let (pr, _g2) = residual.device_ptr_mut(stream);
     let pw = weight.map(|w| w.device_ptr(stream));
     // SAFETY: lengths checked above; two `&mut` buffers cannot overlap.
-    unsafe { forward_inplace_cuda_raw(&gpu, stream, T::DTYPE, px, pr, pw.as_ref().map_or(0, |p| p.0), rows, cols, eps) }
+    unsafe {
+        forward_inplace_cuda_raw(
+            &gpu,
+            stream,
+            T::DTYPE,
+            px,
+            pr,
+            pw.as_ref().map_or(0, |p| p.0),
+            rows,
+            cols,
+            eps,
+            rounding,
+        )
+    }
 }
 
 /// CUDA backward on `cudarc` buffers; allocates its scratch on `stream`.

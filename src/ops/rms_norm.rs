@@ -107,6 +107,15 @@ fn rows_to_launch(layout: RowLayout, cols: usize, eps: f64) -> Result<usize> {
     Ok(rows)
 }
 
+/// Whether a CUDA forward rounds `x / rms` to `dtype` before the weight
+/// (`weight` its device address, 0 for none): only where `rounding` asks,
+/// there is a weight, and `dtype` is narrower than f32 (f32 values are
+/// already rounded to f32; the CPU kernels skip it too). Shared with
+/// `fused_add_rms_norm`.
+pub(crate) fn rounds_first(rounding: Rounding, weight: u64, dtype: DType) -> bool {
+    rounding == Rounding::BeforeWeight && weight != 0 && dtype.size() < 4
+}
+
 /// f32 elements of scratch that [`backward_cuda_raw`] needs.
 pub fn backward_scratch_len(gpu: &Gpu, rows: usize, cols: usize) -> usize {
     reduce_parts(gpu.sm_count(), rows) * cols
@@ -158,8 +167,7 @@ pub(crate) unsafe fn forward_on(
     if rows == 0 {
         return Ok(());
     }
-    // f32 values are already rounded to f32 (the CPU kernel skips it too).
-    let round = rounding == Rounding::BeforeWeight && weight != 0 && dtype.size() < 4;
+    let round = rounds_first(rounding, weight, dtype);
     let ([_, n1, n2], [s0, s1, s2]) = (layout.sizes(), layout.strides());
     let (cfg, warp_rows) = forward_config(t.sm_count(), rows, cols, dtype.size());
     let args = [

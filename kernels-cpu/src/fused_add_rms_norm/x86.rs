@@ -13,7 +13,8 @@
 //!
 //! The values are the lane loop's, bit for bit: the sum in f32 rounded once
 //! to `T`, the same sum of squares (the same explicit kernel), `1 /
-//! sqrt(ss / n + eps)`, then `(s r) w` for each value.
+//! sqrt(ss / n + eps)`, then `(s r) w` for each value (`T(s r) w` where
+//! `round`: `Rounding::BeforeWeight`).
 use crate::element::Element;
 use crate::rms_norm::inv_rms;
 use crate::rms_norm::x86::write_normed;
@@ -35,13 +36,14 @@ pub(super) struct Forward<'a, T> {
     pub(super) s: &'a mut [T],
     pub(super) cols: usize,
     pub(super) eps: f32,
+    pub(super) round: bool,
 }
 
 impl<T: Element> Kernel for Forward<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let Forward { x, r, w, y, s, cols, eps } = self;
+        let Forward { x, r, w, y, s, cols, eps, round } = self;
         let n = y.len();
         assert!(cols > 0 && n % cols == 0 && x.len() == n && r.len() == n && s.len() == n, "fused_add x86: rows");
         let rows = n / cols;
@@ -58,7 +60,7 @@ impl<T: Element> Kernel for Forward<'_, T> {
                 Order::Ascending,
             );
             let rs = inv_rms(SumSq(&*sr).run(l), cols, eps);
-            write_normed(l, sr, w, rs, &mut y[span], ahead_r);
+            write_normed(l, sr, w, rs, &mut y[span], ahead_r, round);
         }
     }
 }
@@ -91,13 +93,14 @@ pub(super) struct ForwardInplace<'a, T> {
     pub(super) w: Option<&'a [T]>,
     pub(super) cols: usize,
     pub(super) eps: f32,
+    pub(super) round: bool,
 }
 
 impl<T: Element> Kernel for ForwardInplace<'_, T> {
     type Output = ();
     #[inline(always)]
     fn run<L: Lanes>(self, l: L) {
-        let ForwardInplace { mut x, mut r, w, cols, eps } = self;
+        let ForwardInplace { mut x, mut r, w, cols, eps, round } = self;
         let n = x.len();
         assert!(cols > 0 && n % cols == 0 && r.len() == n, "fused_add x86 in place: rows");
         // The lane loop's update where it takes the sum (see the doc above).
@@ -115,7 +118,7 @@ impl<T: Element> Kernel for ForwardInplace<'_, T> {
             }
             let rs = inv_rms(SumSq(&*rr).run(l), cols, eps);
             let ahead = if x_rest.is_empty() { &[][..] } else { &x_rest[..cols] };
-            write_normed(l, rr, w, rs, xr, ahead);
+            write_normed(l, rr, w, rs, xr, ahead, round);
             (x, r) = (x_rest, r_rest);
         }
     }
@@ -167,7 +170,8 @@ mod tests {
     /// NaN and infinities in `x` and in a weight (bf16 rows on AVX2 round in
     /// registers with no NaN check: `RowValues::ARITHMETIC`; a NaN counts as
     /// any NaN, as LLVM orders an operation's operands its own way in each
-    /// type's code).
+    /// type's code), each with `s r` rounded to `T` before the weight and
+    /// without.
     fn check<T: Element<Acc = f32>, L: Width>(l: L) {
         for cols in [1usize, 16, 31, 32, 33, 100, 300, 1031] {
             let rows = 5;
@@ -184,18 +188,20 @@ mod tests {
                 *v = specials[j % 4];
             }
             let odd: Vec<T> = (0..cols).map(|j| if j % 6 == 5 { specials[j % 4] } else { w[j] }).collect();
-            for (x, w) in [(&x, Some(&w[..])), (&x2, Some(&w[..])), (&x, None), (&x3, Some(&odd[..]))] {
+            let cases = [(&x, Some(&w[..])), (&x2, Some(&w[..])), (&x, None), (&x3, Some(&odd[..]))];
+            for ((x, w), round) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
                 let (mut y, mut s) = (vec![T::default(); n], vec![T::default(); n]);
-                run_with(l, Forward { x, r: &r, w, y: &mut y, s: &mut s, cols, eps: 1e-6 });
+                run_with(l, Forward { x, r: &r, w, y: &mut y, s: &mut s, cols, eps: 1e-6, round });
                 let (mut xi, mut ri) = (x.clone(), r.clone());
-                run_with(l, ForwardInplace { x: &mut xi, r: &mut ri, w, cols, eps: 1e-6 });
+                run_with(l, ForwardInplace { x: &mut xi, r: &mut ri, w, cols, eps: 1e-6, round });
                 let mut s_want: Vec<T> = x.iter().zip(&r).map(|(a, b)| T::from_acc(a.to_acc() + b.to_acc())).collect();
                 let mut y_want = vec![T::default(); n];
                 for (srow, yrow) in s_want.chunks_exact_mut(cols).zip(y_want.chunks_exact_mut(cols)) {
                     let rs = 1.0 / (run_with(l, SumSq(&*srow)) / cols as f32 + 1e-6).sqrt();
                     for (j, (y, s)) in yrow.iter_mut().zip(srow.iter()).enumerate() {
                         let v = s.to_acc() * rs;
-                        *y = T::from_acc(w.map_or(v, |w| v * w[j].to_acc()));
+                        let normed = if round { T::from_acc(v).to_acc() } else { v };
+                        *y = T::from_acc(w.map_or(v, |w| normed * w[j].to_acc()));
                     }
                 }
                 let bits = |v: &[T]| {
@@ -204,7 +210,7 @@ mod tests {
                         .map(|v| if v.is_nan() { u64::MAX } else { v.to_bits() })
                         .collect::<Vec<_>>()
                 };
-                let case = format!("{} cols={cols} weight={}", T::NAME, w.is_some());
+                let case = format!("{} cols={cols} weight={} round={round}", T::NAME, w.is_some());
                 assert_eq!(bits(&s), bits(&s_want), "{case}: sum");
                 assert_eq!(bits(&y), bits(&y_want), "{case}: out");
                 assert_eq!(bits(&ri), bits(&s_want), "{case}: sum in place");

@@ -205,35 +205,65 @@ fn norm_row<L: Lanes, T: Element>(
     round: bool,
     order: Order,
 ) {
-    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), round, len: x.len() };
-    write_row(l, row, y, &[ahead], order);
+    write_scaled(l, x, w, rs, y, ahead, round, order);
 }
 
-/// One row's input, the weight and `1 / rms`, and whether `x r` is rounded
-/// to `T` before the weight.
+/// One row's input, the weight and `1 / rms`; `ROUND`: whether `x r` is
+/// rounded to `T` before the weight.
 #[derive(Clone, Copy)]
-pub(crate) struct Row<T, V> {
+pub(crate) struct Row<T, V, const ROUND: bool> {
     x: *const T,
     w: Option<*const T>,
     r: V,
-    round: bool,
     /// `x` and `w` hold this many values.
     len: usize,
 }
 
-/// Writes the normalised row `x` (`1 / rms` = `rs`) times `w` into `y`, as
-/// [`Forward`] does, prefetching `ahead`: fused_add_rms_norm's kernel runs
-/// it on the sum row it has just written.
+/// Writes the normalised row `x` (`1 / rms` = `rs`), rounded to `T` where
+/// `round`, times `w` into `y`, as [`Forward`] does, prefetching `ahead`:
+/// fused_add_rms_norm's kernel runs it on the sum row it has just written.
 #[inline(always)]
-pub(crate) fn write_normed<L: Lanes, T: Element>(l: L, x: &[T], w: Option<&[T]>, rs: f32, y: &mut [T], ahead: &[T]) {
+pub(crate) fn write_normed<L: Lanes, T: Element>(
+    l: L,
+    x: &[T],
+    w: Option<&[T]>,
+    rs: f32,
+    y: &mut [T],
+    ahead: &[T],
+    round: bool,
+) {
     if let Some(w) = w {
         assert_eq!(w.len(), x.len(), "rms_norm x86: the weight is not one row long");
     }
-    let row = Row { x: x.as_ptr(), w: w.map(<[T]>::as_ptr), r: l.splat(rs), round: false, len: x.len() };
-    write_row(l, row, y, &[ahead], Order::Ascending);
+    write_scaled(l, x, w, rs, y, ahead, round, Order::Ascending);
 }
 
-impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
+/// `x rs` (rounded to `T` where `round`) times `w` into `y` in `order`,
+/// prefetching `ahead`: [`write_row`] of a [`Row`] whose rounding is a
+/// constant, so that the row loop of each is compiled on its own (a flag
+/// read in the loop cost the default 2-8%: the bf16 in-place
+/// fused_add_rms_norm and QK-norm's heads, criterion on the Xeon).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn write_scaled<L: Lanes, T: Element>(
+    l: L,
+    x: &[T],
+    w: Option<&[T]>,
+    rs: f32,
+    y: &mut [T],
+    ahead: &[T],
+    round: bool,
+    order: Order,
+) {
+    let (x, w, r, len) = (x.as_ptr(), w.map(<[T]>::as_ptr), l.splat(rs), x.len());
+    if round {
+        write_row(l, Row::<T, L::V, true> { x, w, r, len }, y, &[ahead], order);
+    } else {
+        write_row(l, Row::<T, L::V, false> { x, w, r, len }, y, &[ahead], order);
+    }
+}
+
+impl<L: Lanes, T: Copy + 'static, const ROUND: bool> RowValues<L> for Row<T, L::V, ROUND> {
     /// Multiplies of the widened inputs and the row's `rstd`.
     const ARITHMETIC: bool = true;
     #[inline(always)]
@@ -257,14 +287,14 @@ impl<L: Lanes, T: Copy + 'static> RowValues<L> for Row<T, L::V> {
     }
 }
 
-impl<T: 'static, V: Copy> Row<T, V> {
+impl<T: 'static, V: Copy, const ROUND: bool> Row<T, V, ROUND> {
     /// `(x r) w`, or `x r`, of the widened `x` and `w`; `T(x r) w` where
-    /// `round`.
+    /// `ROUND`.
     #[inline(always)]
     fn of<L: Lanes<V = V>>(self, l: L, x: V, w: Option<V>) -> V {
         let v = l.mul(x, self.r);
         match w {
-            Some(w) if self.round => l.mul(l.round_to::<T>(v), w),
+            Some(w) if ROUND => l.mul(l.round_to::<T>(v), w),
             Some(w) => l.mul(v, w),
             None => v,
         }

@@ -58,8 +58,9 @@ fn same_bits_without_vectors<T: Dt>() {
         let (fy, fs, fx, fr) = (z(n), z(n), up(&x), up(&dy));
         unsafe {
             let (x, r, w) = (xd.addr(), dyd.addr(), wd.addr());
-            fused_add_rms_norm::forward_on(&t, dt, x, r, w, fy.addr(), fs.addr(), rows, cols, 1e-6).unwrap();
-            fused_add_rms_norm::forward_inplace_on(&t, dt, fx.addr(), fr.addr(), w, rows, cols, 1e-6).unwrap();
+            let once = Rounding::Once;
+            fused_add_rms_norm::forward_on(&t, dt, x, r, w, fy.addr(), fs.addr(), rows, cols, 1e-6, once).unwrap();
+            fused_add_rms_norm::forward_inplace_on(&t, dt, fx.addr(), fr.addr(), w, rows, cols, 1e-6, once).unwrap();
         }
         // rotary: rows * 2 tokens of 2 heads of 64, each head rotated whole.
         let shape = rotary::Shape { batch: 1, seq: rows * 2, heads: 2, head_dim: 64, rotary_dim: 64 };

@@ -54,16 +54,7 @@ pub(super) fn case<T: Dt>(c: Case) {
         let want = cpu_fwd(rounding);
         close(&got[0], &want, tol, &what);
         if weighted {
-            // One ulp is within `tol`: the rounding asked for must also be
-            // the nearer of the two, counted in values that differ.
-            let other = cpu_fwd(if rounding == Rounding::Once { Rounding::BeforeWeight } else { Rounding::Once });
-            let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
-            let differ = |a: &[T], b: &[T]| a.iter().zip(b).filter(|(a, b)| !same(a.to_f64(), b.to_f64())).count();
-            let (near, far) = (differ(&got[0], &want), differ(&got[0], &other));
-            assert!(near <= far, "{what}: {near} values differ from the CPU's rounding, {far} from the other");
-            if differ(&want, &other) > 0 {
-                assert!(near < far, "{what}: {near} values differ from the CPU's rounding, {far} from the other");
-            }
+            nearer(&got[0], &want, &cpu_fwd(other(rounding)), &what);
         }
         let (mut wdx, mut wdw) = (cpu(n), cpu(cols));
         rms_norm::backward_cpu(&dy, &x, wt, &mut wdx, weighted.then_some(&mut wdw[..]), cols, 1e-6, Par::Seq).unwrap();
@@ -190,6 +181,7 @@ pub(super) fn case<T: Dt>(c: Case) {
                 rows,
                 cols,
                 1e-6,
+                Rounding::Once,
             )
         }
         .unwrap();
@@ -215,7 +207,7 @@ pub(super) fn case<T: Dt>(c: Case) {
         vec![yd.to_vec(), sd.to_vec(), dxd.to_vec(), dwd.to_vec()]
     });
     let (mut wy, mut ws) = (cpu(n), cpu(n));
-    fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, Par::Seq).unwrap();
+    fused_add_rms_norm::forward_cpu(&x, &r, Some(&w), &mut wy, &mut ws, cols, 1e-6, Rounding::Once, Par::Seq).unwrap();
     close(&got[1], &ws, 0.0, &format!("{what} sum"));
     close(&got[0], &wy, tol, &what);
     let (mut wdx, mut wdw) = (cpu(n), cpu(cols));
@@ -225,25 +217,61 @@ pub(super) fn case<T: Dt>(c: Case) {
     close(&got[3], &wdw, sum_tol, &format!("{what} grad_weight"));
 
     // In place: x becomes the output and residual the sum, the bits of the
-    // out-of-place kernel; with and without a weight.
-    for weighted in [true, false] {
-        let what = format!("fused_add_rms_norm_ {c:?} weight {weighted}");
+    // out-of-place kernel; with and without a weight, rounded once and
+    // before the weight (against the CPU's same rounding).
+    for (weighted, rounding) in [(true, Rounding::Once), (true, Rounding::BeforeWeight), (false, Rounding::Once)] {
+        let what = format!("fused_add_rms_norm_ {c:?} weight {weighted} {rounding:?}");
         let out_of_place = both::<T>(sm, &what, |t| {
             let (xd, rd, wd, yd, sd) = (up(&x), up(&r), up(&w), z(n), z(n));
             let pw = if weighted { wd.addr() } else { 0 };
             let (px, pr, py, ps) = (xd.addr(), rd.addr(), yd.addr(), sd.addr());
-            unsafe { fused_add_rms_norm::forward_on(t, dt, px, pr, pw, py, ps, rows, cols, 1e-6) }.unwrap();
+            unsafe { fused_add_rms_norm::forward_on(t, dt, px, pr, pw, py, ps, rows, cols, 1e-6, rounding) }.unwrap();
             vec![yd.to_vec(), sd.to_vec()]
         });
         let in_place = both::<T>(sm, &what, |t| {
             let (xd, rd, wd) = (up(&x), up(&r), up(&w));
             let pw = if weighted { wd.addr() } else { 0 };
             let (px, pr) = (xd.addr(), rd.addr());
-            unsafe { fused_add_rms_norm::forward_inplace_on(t, dt, px, pr, pw, rows, cols, 1e-6) }.unwrap();
+            unsafe { fused_add_rms_norm::forward_inplace_on(t, dt, px, pr, pw, rows, cols, 1e-6, rounding) }.unwrap();
             vec![xd.to_vec(), rd.to_vec()]
         });
         assert_eq!(bits(&in_place[0]), bits(&out_of_place[0]), "{what} {}: x (the output)", T::NAME);
         assert_eq!(bits(&in_place[1]), bits(&out_of_place[1]), "{what} {}: residual (the sum)", T::NAME);
+        let wt = weighted.then_some(&w[..]);
+        let cpu_fwd = |rounding| {
+            let (mut wy, mut ws) = (cpu(n), cpu(n));
+            fused_add_rms_norm::forward_cpu(&x, &r, wt, &mut wy, &mut ws, cols, 1e-6, rounding, Par::Seq).unwrap();
+            wy
+        };
+        let want = cpu_fwd(rounding);
+        close(&out_of_place[0], &want, tol, &what);
+        if weighted {
+            nearer(&out_of_place[0], &want, &cpu_fwd(other(rounding)), &what);
+        }
+    }
+}
+
+/// The rounding that `rounding` is not.
+fn other(rounding: Rounding) -> Rounding {
+    if rounding == Rounding::Once {
+        Rounding::BeforeWeight
+    } else {
+        Rounding::Once
+    }
+}
+
+/// `got` (a norm's output) is nearer `want`, the CPU's output rounded as
+/// asked, than `other`, the CPU's rounded the other way, counted in values
+/// that differ (NaN equal to NaN): one ulp is within the tolerance of
+/// `close`, so that alone cannot tell the two roundings apart. Strictly
+/// nearer where the two differ at all.
+fn nearer<T: Element>(got: &[T], want: &[T], other: &[T], what: &str) {
+    let same = |a: f64, b: f64| a == b || (a.is_nan() && b.is_nan());
+    let differ = |a: &[T], b: &[T]| a.iter().zip(b).filter(|(a, b)| !same(a.to_f64(), b.to_f64())).count();
+    let (near, far) = (differ(got, want), differ(got, other));
+    assert!(near <= far, "{what}: {near} values differ from the CPU's rounding, {far} from the other");
+    if differ(want, other) > 0 {
+        assert!(near < far, "{what}: {near} values differ from the CPU's rounding, {far} from the other");
     }
 }
 
