@@ -9,7 +9,7 @@ from .._common import acc_of
 from ..functional import _dense, _handle, _has_torch_function, _overridden, cross_entropy, layer_norm, rms_norm, silu_and_mul
 from ._convert import convert
 
-__all__ = ["RMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "convert"]
+__all__ = ["RMSNorm", "LlamaRMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "convert"]
 
 
 def _shape(normalized_shape) -> tuple:
@@ -189,6 +189,45 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         extra = ", round_before_weight=True" if self.round_before_weight else ""
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}{extra}"
+
+
+def _llama_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """:class:`LlamaRMSNorm`'s forward, a function for the reason given at :func:`_rms_norm_module`."""
+    if _has_torch_function(x, weight) and _overridden(x, weight):
+        return _handle(_llama_rms_norm, (x, weight), x, weight, eps)
+    if weight.dtype == x.dtype:
+        return rms_norm(x, weight, eps, round_before_weight=True)
+    # Hugging Face multiplies the rounded normalised value by a weight of another dtype
+    # in torch's promotion of the two (float32 parameters, bfloat16 activations: a
+    # float32 result); the op takes one dtype, so the product is torch's.
+    return weight * rms_norm(x, None, eps)
+
+
+class LlamaRMSNorm(nn.Module):
+    """Keel's Hugging Face ``LlamaRMSNorm`` (Mistral's, Qwen2's, Qwen3's ... are copies of it):
+    the same constructor, ``weight`` parameter, ``variance_epsilon`` and state dict.
+
+    ``weight * (x / rms).to(x.dtype)``, ``x / rms`` in float32 (float64 for float64
+    inputs, where Hugging Face computes in float32): :func:`keel.rms_norm` with
+    ``round_before_weight=True`` in one pass where the weight has the input's dtype;
+    otherwise the normalised value from Keel, times the weight in torch's promotion of
+    the two dtypes, as Hugging Face computes it (float32 parameters with bfloat16
+    activations give a float32 result). ``keel.nn.convert`` puts it in place of
+    Hugging Face's own.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        p = self._parameters  # see _LOOKUP
+        w = p["weight"] if "weight" in p else self.weight
+        return _llama_rms_norm(hidden_states, w, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
 class LayerNorm(nn.Module):

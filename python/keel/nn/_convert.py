@@ -10,9 +10,11 @@ __all__ = ["convert"]
 def convert(module: nn.Module) -> nn.Module:
     """Replaces each ``torch.nn.RMSNorm``, ``torch.nn.LayerNorm`` and
     ``torch.nn.CrossEntropyLoss`` in ``module``'s tree by Keel's module of the
-    same name, and returns ``module`` (or its replacement, where ``module`` is
-    itself one of those), as ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``
-    does for batch norms.
+    same name, and each Hugging Face ``LlamaRMSNorm`` (and the copies of it
+    that ``_HF_LLAMA_NORMS`` names, in ``transformers.models``) by
+    ``keel.nn.LlamaRMSNorm``, and returns ``module`` (or its replacement, where
+    ``module`` is itself one of those), as
+    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does for batch norms.
 
     Each replacement holds the very parameters and buffers of the module it
     replaces (the same ``Parameter`` objects, so an optimizer made before the
@@ -46,6 +48,44 @@ def convert(module: nn.Module) -> nn.Module:
 
 _TYPES = (nn.RMSNorm, nn.LayerNorm, nn.CrossEntropyLoss)
 
+# Hugging Face's RMSNorm classes whose forward is LlamaRMSNorm's, `weight *
+# (x / rms).to(x.dtype)` (transformers marks them "Copied from" it or generates
+# them from it), matched by name in a `transformers.models` module. Others of
+# the same name pattern may compute otherwise (Gemma's scales by `1 + weight`
+# in float32) and are left alone.
+_HF_LLAMA_NORMS = frozenset({
+    "LlamaRMSNorm",
+    "MistralRMSNorm",
+    "MixtralRMSNorm",
+    "Qwen2RMSNorm",
+    "Qwen2MoeRMSNorm",
+    "Qwen3RMSNorm",
+    "Qwen3MoeRMSNorm",
+})
+
+
+def _is_hf_llama_norm(m: nn.Module) -> bool:
+    """Whether `m` is one of ``_HF_LLAMA_NORMS`` as transformers builds it: one
+    1-d ``weight`` parameter, a number ``variance_epsilon``, nothing else held."""
+    kind = type(m)
+    if kind.__name__ not in _HF_LLAMA_NORMS or not kind.__module__.startswith("transformers.models."):
+        return False
+    w = m._parameters.get("weight")
+    eps = m.__dict__.get("variance_epsilon")
+    return (
+        set(m._parameters) == {"weight"}
+        and isinstance(w, nn.Parameter)
+        and w.dim() == 1
+        and isinstance(eps, (int, float))
+        and not isinstance(eps, bool)
+        and not m._buffers
+        and not m._modules
+    )
+
+
+def _replaced(m: nn.Module) -> bool:
+    return type(m) in _TYPES or _is_hf_llama_norm(m)
+
 # The hook dicts that a module's replacement would not carry (torch 2.10 on
 # has each; `getattr` with a default keeps a later torch that drops one working).
 _HOOKS = (
@@ -65,12 +105,13 @@ def _walk(parent: Optional[nn.Module], name: str, m: nn.Module, path: str,
     """Records each place (parent, name) where a module to replace stands, at
     and below `m`, checking each such module first, so that a refusal leaves
     the tree unchanged. A module met again is recorded again, not walked again."""
-    if type(m) in _TYPES:
+    if _replaced(m):
         hooked = [h for h in _HOOKS if getattr(m, h, None)]
         if hooked:
             where = f"at '{path}'" if path else "(the module passed)"
+            kind = f"torch.nn.{type(m).__name__}" if type(m) in _TYPES else f"{type(m).__module__}.{type(m).__qualname__}"
             raise ValueError(
-                f"keel.nn.convert: the torch.nn.{type(m).__name__} {where} has hooks ({', '.join(hooked)}), "
+                f"keel.nn.convert: the {kind} {where} has hooks ({', '.join(hooked)}), "
                 "which its replacement would not have: remove them, convert, and register them again"
             )
         sites.append((parent, name, m))
@@ -84,9 +125,13 @@ def _walk(parent: Optional[nn.Module], name: str, m: nn.Module, path: str,
 
 def _replacement(m: nn.Module) -> nn.Module:
     """Keel's module for `m`, holding `m`'s own parameters and buffers."""
-    from . import CrossEntropyLoss, LayerNorm, RMSNorm
+    from . import CrossEntropyLoss, LayerNorm, LlamaRMSNorm, RMSNorm
 
-    if type(m) is nn.CrossEntropyLoss:
+    if _is_hf_llama_norm(m):
+        with torch.device("meta"):
+            new = LlamaRMSNorm(m.weight.shape[0], m.variance_epsilon)
+        new.weight = m.weight
+    elif type(m) is nn.CrossEntropyLoss:
         new = CrossEntropyLoss(None, ignore_index=m.ignore_index, reduction=m.reduction,
                                label_smoothing=m.label_smoothing)
         new.weight = m.weight  # the same buffer (or None), as registered
