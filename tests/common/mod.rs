@@ -11,18 +11,25 @@ pub struct Tolerance {
 
 pub trait Tol: Element {
     const TOL: Tolerance;
+    /// The type's machine epsilon: one unit in the last place of a normal
+    /// value `v` is at most `EPS |v|`.
+    const EPS: f64;
 }
 impl Tol for f64 {
     const TOL: Tolerance = Tolerance { atol: 1e-12, rtol: 1e-12 };
+    const EPS: f64 = f64::EPSILON;
 }
 impl Tol for f32 {
     const TOL: Tolerance = Tolerance { atol: 1e-5, rtol: 1.3e-6 };
+    const EPS: f64 = f32::EPSILON as f64;
 }
 impl Tol for f16 {
     const TOL: Tolerance = Tolerance { atol: 1e-3, rtol: 1e-3 };
+    const EPS: f64 = 1.0 / 1024.0;
 }
 impl Tol for bf16 {
     const TOL: Tolerance = Tolerance { atol: 1e-2, rtol: 1.6e-2 };
+    const EPS: f64 = 1.0 / 128.0;
 }
 
 /// Asserts `|got - want| <= scale * (atol + rtol * |want|)` element-wise.
@@ -32,6 +39,21 @@ pub fn assert_close<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let g = g.to_f64();
         let bound = scale * (t.atol + t.rtol * w.abs());
+        assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
+    }
+}
+
+/// As [`assert_close`], for outputs `T(v) w` rounded to `T` before a
+/// multiply, against an f64 reference that rounds there too: where `v` lies
+/// near a tie between two `T` values, the kernel's f32 `v` and the
+/// reference's can round to neighbours, one unit in the last place of `v`
+/// apart, which `w` scales: at most `EPS |want|` more.
+pub fn assert_close_rounded_within<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let t = T::TOL;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let g = g.to_f64();
+        let bound = scale * (t.atol + t.rtol * w.abs()) + T::EPS * w.abs();
         assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
     }
 }
