@@ -282,6 +282,11 @@ impl<L: Lanes, T: Copy + 'static, const ROUND: bool> RowValues<L> for Row<T, L::
         // SAFETY: `i + 2 N <= len` and the inputs are bf16 (the caller's).
         unsafe {
             let ((x0, x1), (w0, w1)) = (load_bf16_pair(l, self.x.add(i)), load_bf16_pair_opt(l, self.w, i));
+            if let (true, Some(w0), Some(w1)) = (ROUND, w0, w1) {
+                // The two vectors rounded together (`T` is bf16 here).
+                let (v0, v1) = l.round_bf16_pair(l.mul(x0, self.r), l.mul(x1, self.r));
+                return (l.mul(v0, w0), l.mul(v1, w1));
+            }
             (self.of(l, x0, w0), self.of(l, x1, w1))
         }
     }

@@ -149,6 +149,34 @@ impl Lanes for V16 {
         }
     }
     #[inline(always)]
+    fn round_bf16_pair(self, a: __m512, b: __m512) -> (__m512, __m512) {
+        // Word `2 i` of a 32-bit lane pair takes word `i` (`a`'s lane `i`)
+        // of the packed conversion, word `2 i + 1` word `16 + i` (`b`'s).
+        const INTERLEAVE: [u16; 32] = {
+            let mut idx = [0u16; 32];
+            let mut i = 0;
+            while i < 16 {
+                idx[2 * i] = i as u16;
+                idx[2 * i + 1] = 16 + i as u16;
+                i += 1;
+            }
+            idx
+        };
+        // SAFETY: the token guarantees AVX512-BF16, BW and DQ; `INTERLEAVE`
+        // holds 64 bytes; `__m512bh` and `__m512i` are both 512 bits.
+        unsafe {
+            if crate::narrow::x86::has_subnormal(a, b) {
+                return (self.round_to::<bf16>(a), self.round_to::<bf16>(b));
+            }
+            // `vcvtne2ps2bf16` rounds to nearest even and quiets a NaN as
+            // `half` does; it differs only on subnormals, checked above.
+            let packed: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(b, a));
+            let lanes = _mm512_permutexvar_epi16(_mm512_loadu_si512(INTERLEAVE.as_ptr().cast()), packed);
+            let high = _mm512_set1_epi32(0xffff_0000_u32 as i32);
+            (_mm512_castsi512_ps(_mm512_slli_epi32::<16>(lanes)), _mm512_castsi512_ps(_mm512_and_si512(lanes, high)))
+        }
+    }
+    #[inline(always)]
     fn add(self, a: __m512, b: __m512) -> __m512 {
         unsafe { _mm512_add_ps(a, b) }
     }
