@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import keel
-from conftest import OPCHECK_UTILS, assert_close, devices
+from conftest import OPCHECK_UTILS, TOL, assert_close, devices
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -26,6 +26,16 @@ def reference(x, w, eps):
     return y * w.double()
 
 
+def assert_close_but_a_tie(actual, expected, dtype):
+    """assert_close with one more unit in the last place of `dtype` (relative):
+    where x / rms lies near a tie between two `dtype` values, a float32 sum of
+    squares in another order rounds it to the other neighbour, one unit of
+    x / rms apart, which the weight scales."""
+    atol, rtol = TOL[dtype]
+    rtol += torch.finfo(dtype).eps
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+
+
 def inputs(shape, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g).to(dtype).to(device)
@@ -39,13 +49,13 @@ def inputs(shape, dtype, device, seed=0):
 def test_matches_hugging_face_llama_where_the_default_does_not(device, dtype, shape):
     x, w = inputs(shape, dtype, device)
     y = keel.rms_norm(x, w, 1e-6, round_before_weight=True)
-    assert_close(y, reference(x, w, 1e-6), dtype)
+    assert_close_but_a_tie(y, reference(x, w, 1e-6), dtype)
     hf = llama(x, w, 1e-6)
     # Only where the two f32 sums of squares (torch's order, Keel's) round x / rms
     # to different sides of a tie: a few in 100,000 (measured 1e-5 to 2e-5).
     differ = (y != hf).double().mean().item()
     assert differ < 1e-3, differ
-    assert_close(y, hf, dtype)
+    assert_close_but_a_tie(y, hf, dtype)
     # Rounded once (torch's F.rms_norm), about a quarter of the values differ from HF's.
     once = (keel.rms_norm(x, w, 1e-6) != hf).double().mean().item()
     assert once > 0.05 and once > 20 * differ, (once, differ)
