@@ -34,11 +34,15 @@ impl Tol for bf16 {
 
 /// Asserts `|got - want| <= scale * (atol + rtol * |want|)` element-wise.
 pub fn assert_close<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
     let t = T::TOL;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let g = g.to_f64();
-        let bound = scale * (t.atol + t.rtol * w.abs());
+    assert_within(got, want, what, |w| scale * (t.atol + t.rtol * w.abs()));
+}
+
+/// Asserts `|got - want| <= bound(want)` element-wise.
+fn assert_within<T: Tol>(got: &[T], want: &[f64], what: &str, bound: impl Fn(f64) -> f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, &w)) in got.iter().zip(want).enumerate() {
+        let (g, bound) = (g.to_f64(), bound(w));
         assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
     }
 }
@@ -49,13 +53,8 @@ pub fn assert_close<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
 /// reference's can round to neighbours, one unit in the last place of `v`
 /// apart, which `w` scales: at most `EPS |want|` more.
 pub fn assert_close_rounded_within<T: Tol>(got: &[T], want: &[f64], scale: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
     let t = T::TOL;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let g = g.to_f64();
-        let bound = scale * (t.atol + t.rtol * w.abs()) + T::EPS * w.abs();
-        assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
-    }
+    assert_within(got, want, what, |w| scale * (t.atol + t.rtol * w.abs()) + T::EPS * w.abs());
 }
 
 /// Rounds f64 samples to T (so the reference sees exactly the kernel's inputs).
@@ -66,13 +65,8 @@ pub fn to_elems<T: Element>(v: &[f64]) -> Vec<T> {
 /// As [`assert_close`], with the relative part measured against `|want| + floor`:
 /// for results that are differences of terms of size about `floor`.
 pub fn assert_close_floor<T: Tol>(got: &[T], want: &[f64], scale: f64, floor: f64, what: &str) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
     let t = T::TOL;
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        let g = g.to_f64();
-        let bound = scale * (t.atol + t.rtol * (w.abs() + floor));
-        assert!((g - w).abs() <= bound, "{what} [{}] at {i}: got {g}, want {w} (bound {bound})", T::NAME);
-    }
+    assert_within(got, want, what, |w| scale * (t.atol + t.rtol * (w.abs() + floor)));
 }
 
 /// The floor for [`assert_close_floor`] of a norm's input gradient over one
