@@ -312,11 +312,16 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
   }
 }
 
+// The forward's blocks have up to 1024 threads (rows_config), so it is
+// bounded to fit them: 64 registers. Unbounded, the kernel holding both
+// roundings took 72 (sm_80 and sm_90): an SM fits at most 896 such threads a
+// block, so rows of more than 28672 bf16 or 14336 f32 would fail to launch.
+// layer_norm_fwd and softmax_fwd are bounded the same way.
 #define KEEL_RMS_NORM(SUFFIX, T)                                                                  \
-  extern "C" __global__ void rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows,    \
-                                                   int cols, float eps, int64_t n1, int64_t n2,  \
-                                                   int64_t s0, int64_t s1, int64_t s2,           \
-                                                   int round) {                                  \
+  extern "C" __global__ void __launch_bounds__(1024)                                              \
+      rms_norm_fwd_##SUFFIX(const T* x, const T* w, T* y, int64_t rows, int cols, float eps,      \
+                            int64_t n1, int64_t n2, int64_t s0, int64_t s1, int64_t s2,           \
+                            int round) {                                                          \
     if (round)                                                                                    \
       rms_norm_fwd<true, T>(x, w, y, rows, cols, eps, n1, n2, s0, s1, s2);                        \
     else                                                                                          \
