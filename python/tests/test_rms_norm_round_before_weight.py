@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import keel
-from conftest import OPCHECK_UTILS, TOL, assert_close, devices
+from conftest import OPCHECK_UTILS, assert_close, devices
 
 HALF = [torch.bfloat16, torch.float16]
 
@@ -31,9 +31,7 @@ def assert_close_but_a_tie(actual, expected, dtype):
     where x / rms lies near a tie between two `dtype` values, a float32 sum of
     squares in another order rounds it to the other neighbour, one unit of
     x / rms apart, which the weight scales."""
-    atol, rtol = TOL[dtype]
-    rtol += torch.finfo(dtype).eps
-    torch.testing.assert_close(actual.double(), expected.double(), atol=atol, rtol=rtol)
+    assert_close(actual, expected, dtype, extra_rtol=torch.finfo(dtype).eps)
 
 
 def inputs(shape, dtype, device, seed=0):
