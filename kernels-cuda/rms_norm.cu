@@ -314,7 +314,7 @@ __device__ __forceinline__ void rms_norm_bwd(const T* __restrict__ dy, const T* 
 
 // The forward's blocks have up to 1024 threads (rows_config), so it is
 // bounded to fit them: 64 registers. Unbounded, the kernel holding both
-// roundings took 72 (sm_80 and sm_90): an SM fits at most 896 such threads a
+// roundings took 68-72 (sm_80, sm_90): an SM fits at most 896 such threads a
 // block, so rows of more than 28672 bf16 or 14336 f32 would fail to launch.
 // layer_norm_fwd and softmax_fwd are bounded the same way.
 #define KEEL_RMS_NORM(SUFFIX, T)                                                                  \
