@@ -109,7 +109,7 @@ fn lse_ref<T: Element>(x: &[T]) -> f64 {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_matches_reference((rows, cols, x, p, norm, ls, g, w) in case()) { check::<f32, f32, f32>(rows, cols, &x, &p, norm, ls, g, w); }

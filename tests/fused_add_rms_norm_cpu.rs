@@ -79,7 +79,7 @@ fn bits<T: Tol>(v: &[T]) -> Vec<u64> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_matches_reference(c in case()) { check::<f32>(&c); }

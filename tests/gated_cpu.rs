@@ -64,7 +64,7 @@ fn check<T: Tol>(rows: usize, d: usize, x: &[f64], dy: &[f64]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_matches_reference((rows, d, x, dy) in case()) { check::<f32>(rows, d, &x, &dy); }

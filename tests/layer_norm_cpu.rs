@@ -53,7 +53,7 @@ fn check<T: Tol>(c: &Case) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_matches_reference(c in case()) { check::<f32>(&c); }

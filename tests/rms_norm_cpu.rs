@@ -125,7 +125,7 @@ fn check_strided<T: Tol + PartialEq + std::fmt::Debug>(layout: RowLayout, cols: 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_strided_forward_matches_contiguous((l, cols, x, w) in strided_case()) { check_strided::<f32>(l, cols, &x, &w); }
@@ -162,7 +162,7 @@ fn strided_forward_refuses_a_short_input() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_matches_reference((rows, cols, x, w, dy, with_w, eps) in case()) {

@@ -138,7 +138,7 @@ fn check_inplace<T: Tol + PartialEq + std::fmt::Debug>(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_strided_matches_contiguous((shape, st, x, a) in strided_case()) { check_strided::<f32>(shape, st, &x, &a); }

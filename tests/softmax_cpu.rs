@@ -39,7 +39,7 @@ fn check<T: Tol>(rows: usize, cols: usize, scale: f64, x: &[f64], dy: &[f64]) {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(common::CASES))]
+    #![proptest_config(common::config())]
 
     #[test]
     fn f32_matches_reference((rows, cols, scale, x, dy) in case()) { check::<f32>(rows, cols, scale, &x, &dy); }

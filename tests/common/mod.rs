@@ -129,6 +129,21 @@ pub fn in_pool_if<R: Send>(pool: bool, f: impl FnOnce() -> R + Send) -> R {
 /// overrides it (proptest 1.12 applies the variable over the config).
 pub const CASES: u32 = 1000;
 
+/// The CPU property tests' config: [`CASES`] cases, and failures saved in
+/// `tests/<file>.proptest-regressions` beside the test file (re-run first
+/// on every later run; commit the file). Proptest's default looks for a
+/// `lib.rs` above the test file, finds none under `tests/`, says so twice on
+/// every failure and then falls back to this same file.
+pub fn config() -> proptest::test_runner::Config {
+    proptest::test_runner::Config {
+        cases: CASES,
+        failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::WithSource(
+            "proptest-regressions",
+        ))),
+        ..Default::default()
+    }
+}
+
 /// The offsets of the cross-entropy tests of rows far from 0.
 pub const OFFSETS: [f64; 4] = [0.0, -1e2, 1e3, 1e4];
 
