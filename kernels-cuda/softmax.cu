@@ -141,13 +141,19 @@ __device__ __forceinline__ void softmax_bwd(const T* __restrict__ dy, const T* _
   }
 }
 
+// Both are launched with blocks of up to 1024 threads (rows_config). The
+// backward took 63-64 registers unbounded on sm_80, the most such a block fits:
+// the driver compiles this PTX again for the GPU at hand, with its own ptxas,
+// and one register more there would fail the launch for rows past 16384 f32
+// or 32768 f16/bf16 values.
+// Bounded, ptxas gives 58-62 (sm_80) and 56-57 (sm_90), and any JIT must fit.
 #define KEEL_SOFTMAX(SUFFIX, T)                                                                                 \
   extern "C" __global__ void __launch_bounds__(1024)                                                            \
       softmax_fwd_##SUFFIX(const T* x, T* y, int64_t rows, int cols, float scale) {                             \
     softmax_fwd<T>(x, y, rows, cols, scale);                                                                    \
   }                                                                                                             \
-  extern "C" __global__ void softmax_bwd_##SUFFIX(const T* dy, const T* y, T* dx, int64_t rows, int cols,     \
-                                                  float scale) {                                               \
+  extern "C" __global__ void __launch_bounds__(1024)                                                            \
+      softmax_bwd_##SUFFIX(const T* dy, const T* y, T* dx, int64_t rows, int cols, float scale) {               \
     softmax_bwd<T>(dy, y, dx, rows, cols, scale);                                                               \
   }
 

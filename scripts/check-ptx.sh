@@ -15,15 +15,15 @@ if ! diff -r "$tmp" "$root/ptx" >/dev/null; then
 fi
 status=0
 # The kernels of a PTX file (argv[1]) that declare no .maxntid and use more
-# than 64 registers in ptxas -v's report (stdin), rotary's excepted.
-unbounded_over_64='
+# than 56 registers in ptxas -v's report (stdin), rotary's excepted.
+unbounded_near_64='
 import re, sys
 ptx = open(sys.argv[1]).read()
 bounded = set(re.findall(r"\.entry (\w+)\([^)]*\)\s*\.maxntid", ptx))
 report = sys.stdin.read()
 for name, regs in re.findall(r"entry function .(\w+). for .*?Used (\d+) registers", report, re.S):
-    if name not in bounded and int(regs) > 64 and not name.startswith("rotary_"):
-        print(f"{name}: {regs} registers without __launch_bounds__")
+    if name not in bounded and int(regs) > 56 and not name.startswith("rotary_"):
+        print(f"{name}: {regs} registers without __launch_bounds__ (56 at most)")
 '
 for ptx in "$root"/ptx/*.ptx; do
   for arch in sm_80 sm_90; do
@@ -37,10 +37,13 @@ for ptx in "$root"/ptx/*.ptx; do
     # A kernel without __launch_bounds__ (.maxntid) may be launched with
     # blocks of 1024 threads (rows_config), which fit an SM's 65536 registers
     # only at 64 a thread or fewer; past that the launch fails on a GPU
-    # (rotary's blocks are 256 threads, ops/rotary.rs: at most 255 fit).
-    over="$(python3 -c "$unbounded_over_64" "$ptx" <<<"$report")"
+    # (rotary's blocks are 256 threads, ops/rotary.rs: at most 255 fit). The
+    # driver compiles the PTX again for the GPU at hand with its own ptxas,
+    # whose count may differ from this one's: an unbounded kernel keeps one
+    # allocation step (8 registers a thread) below 64, a bounded one must fit.
+    over="$(python3 -c "$unbounded_near_64" "$ptx" <<<"$report")"
     if [ -n "$over" ]; then
-      echo "ptxas $arch $(basename "$ptx"): kernels that a block of 1024 threads would not fit" >&2
+      echo "ptxas $arch $(basename "$ptx"): kernels too near the 64 registers a block of 1024 threads allows" >&2
       echo "$over" >&2
       status=1
     fi
