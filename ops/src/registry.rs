@@ -63,9 +63,12 @@ ops! {
 }
 
 /// The ops with autograd: `python/keel/_autograd.py` registers each one's
-/// formula as its Python `Autograd` kernel. Each has a twin, `_{name}_nograd`:
-/// its schema and kernels under another name, with no autograd kernel, which
-/// the formula's forward and the typed API call where no gradient is needed.
+/// formula as its Python `Autograd` kernel (the backward ops' in
+/// `python/keel/_backward_grad.py`: their own derivatives, for a backward op
+/// called directly on inputs that need a gradient). Each has a twin,
+/// `_{name}_nograd`: its schema and kernels under another name, with no
+/// autograd kernel, which the formulas and the typed API call where no
+/// gradient is needed.
 ///
 /// (torch 2.13-2.15 had a Rust autograd kernel here instead, forwarding each
 /// call through `torch_call_dispatcher` to a twin by grad mode. That call
@@ -82,6 +85,14 @@ const WITH_AUTOGRAD: &[&str] = &[
     "cross_entropy",
     "cross_entropy_with_lse",
     "rotary_embedding",
+    "rms_norm_backward",
+    "layer_norm_backward",
+    "fused_add_rms_norm_backward",
+    "silu_and_mul_backward",
+    "gelu_and_mul_backward",
+    "softmax_backward",
+    "cross_entropy_backward",
+    "rotary_embedding_backward",
 ];
 
 /// An op to define: one of [`OPS`] under its own name and schema, or under

@@ -6,15 +6,29 @@ first use breaks AOT dispatch), as an ``Autograd`` kernel of Keel's own
 (``_autograd_kernel``), on each op itself, in every torch version. The Python
 exceptions of the formula (a saved-tensor hook's, as non-reentrant activation
 checkpointing raises to stop its recomputation) reach the caller as they are.
-Each formula calls the op's own backward operator, except in a backward that
-must itself be differentiable (``create_graph=True``): see ``_twice``.
+Each formula calls the ``_nograd`` twin of the op's backward operator (the
+backward operators have autograd kernels of their own, ``_backward_grad``, for
+direct calls), except in a backward that must itself be differentiable
+(``create_graph=True``): see ``_twice``.
 """
 import torch
 
-from . import _twice
+from . import _backward_grad, _twice
 from ._common import acc_dtype, class_weighted, heads_contiguous, mean_over, nograd
 
 ops = torch.ops.keel
+
+
+_TWINS = {}
+
+
+def _twin(name):
+    """The ``_nograd`` twin's overload of backward op `name` (its kernels, no
+    autograd kernel: the formulas call it with grad mode off)."""
+    op = _TWINS.get(name)
+    if op is None:
+        op = _TWINS[name] = getattr(ops, nograd(name)).default
+    return op
 
 
 def _grad(ctx, i, g):
@@ -37,7 +51,7 @@ def _rms_norm_backward(ctx, grad):
         return gx, gw, None, None
     # x as the forward got it: the backward reads a strided one in place too.
     # The same kernel for either rounding: see `keel.rms_norm`.
-    gx, gw = ops.rms_norm_backward(grad.contiguous(), x, weight, ctx.eps)
+    gx, gw = _twin("rms_norm_backward")(grad.contiguous(), x, weight, ctx.eps)
     return _grad(ctx, 0, gx), _grad(ctx, 1, gw) if weight is not None else None, None, None
 
 
@@ -52,7 +66,7 @@ def _layer_norm_backward(ctx, grad):
     if _twice.wanted():
         gx, gw, gb, _ = _twice.vjp(_twice.layer_norm, (x, weight, bias, ctx.eps), (grad,), ctx.needs_input_grad)
         return gx, gw, gb, None
-    gx, gw, gb = ops.layer_norm_backward(grad.contiguous(), x, weight, bias, ctx.eps)
+    gx, gw, gb = _twin("layer_norm_backward")(grad.contiguous(), x, weight, bias, ctx.eps)
     return (
         _grad(ctx, 0, gx),
         _grad(ctx, 1, gw) if weight is not None else None,
@@ -86,7 +100,7 @@ def _fused_add_rms_norm_backward(ctx, grad_out, grad_sum):
     if grad_out is None:
         grad_out = torch.zeros_like(s)
     grad_sum = None if grad_sum is None else grad_sum.contiguous()
-    g, gw = ops.fused_add_rms_norm_backward(grad_out.contiguous(), grad_sum, s, weight, ctx.eps)
+    g, gw = _twin("fused_add_rms_norm_backward")(grad_out.contiguous(), grad_sum, s, weight, ctx.eps)
     # input and residual get the same gradient, as one tensor for both, as torch's own
     # add backward returns it: the engine never updates a gradient in place while
     # another reference to it is alive, and for two leaves AccumulateGrad gives each
@@ -104,7 +118,7 @@ def _silu_and_mul_backward(ctx, grad):
     (x,) = ctx.saved_tensors
     if _twice.wanted():
         return tuple(_twice.vjp(_twice.gated, (x,), (grad,), ctx.needs_input_grad))
-    return _grad(ctx, 0, ops.silu_and_mul_backward(grad.contiguous(), x))
+    return _grad(ctx, 0, _twin("silu_and_mul_backward")(grad.contiguous(), x))
 
 
 def _gelu_and_mul_setup(ctx, inputs, output):
@@ -117,7 +131,7 @@ def _gelu_and_mul_backward(ctx, grad):
     if _twice.wanted():
         gelu = lambda t: _twice.gated(t, ctx.approximate)  # noqa: E731
         return _twice.vjp(gelu, (x,), (grad,), ctx.needs_input_grad)[0], None
-    return _grad(ctx, 0, ops.gelu_and_mul_backward(grad.contiguous(), x, ctx.approximate)), None
+    return _grad(ctx, 0, _twin("gelu_and_mul_backward")(grad.contiguous(), x, ctx.approximate)), None
 
 
 def _softmax_setup(ctx, inputs, output):
@@ -129,7 +143,7 @@ def _softmax_backward(ctx, grad):
     (y,) = ctx.saved_tensors
     if _twice.wanted():
         return _grad(ctx, 0, _twice.softmax_backward(grad, y, ctx.scale)), None
-    return _grad(ctx, 0, ops.softmax_backward(grad.contiguous(), y, ctx.scale)), None
+    return _grad(ctx, 0, _twin("softmax_backward")(grad.contiguous(), y, ctx.scale)), None
 
 
 def _cross_entropy_setup(ctx, inputs, output):
@@ -148,7 +162,7 @@ def _cross_entropy_backward(ctx, grad):
         return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], gt, None, None, None, gw
     if not ctx.needs_input_grad[0]:
         return None, gt, None, None, None, gw
-    g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse, weight)
+    g = _twin("cross_entropy_backward")(grad.contiguous(), logits, target, *ctx.args, lse, weight)
     return g, gt, None, None, None, gw
 
 
@@ -338,7 +352,7 @@ def _cross_entropy_lse_backward(ctx, grad, grad_lse):
     g = None
     if grad is not None:
         # The forward's lse: each row of logits is read once.
-        g = ops.cross_entropy_backward(grad.contiguous(), logits, target, *ctx.args, lse, weight)
+        g = _twin("cross_entropy_backward")(grad.contiguous(), logits, target, *ctx.args, lse, weight)
     if grad_lse is not None:
         # d lse / d x = softmax(x) (for a z-loss, say); an ignored row's lse is the constant 0.
         # (With probabilities as the target, no row is ignored.)
@@ -368,7 +382,7 @@ def _rotary_backward(ctx, grad):
     if _twice.wanted():
         return tuple(_twice.vjp(_twice.rotary, (x, cos, sin, ctx.interleaved), (grad,), ctx.needs_input_grad))
     grad = heads_contiguous(grad)
-    gx = ops.rotary_embedding_backward(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
+    gx = _twin("rotary_embedding_backward")(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
     gcos = gsin = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
         # d(a cos - b sin, b cos + a sin): summed over batch and heads, in f32 (f64 for f64).
@@ -392,8 +406,12 @@ FORMULAS = {
     "cross_entropy_with_lse": (_cross_entropy_lse_backward, _cross_entropy_lse_setup),
     "rotary_embedding": (_rotary_backward, _rotary_setup),
 }
-"""Each differentiable op's (backward, setup_context): the ops with a ``_nograd``
-twin (Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs`` lists the same)."""
+"""Each differentiable op's (backward, setup_context)."""
+
+WITH_TWIN = {**FORMULAS, **_backward_grad.FORMULAS}
+"""Every op with an autograd kernel and a ``_nograd`` twin: the differentiable
+ops and their backward ops (Rust's ``WITH_AUTOGRAD`` in ``ops/src/registry.rs``
+lists the same)."""
 
 KEEPS = {"cross_entropy": "cross_entropy_with_lse"}
 """Ops whose formula runs another op's twin, of the same arguments, and
@@ -479,5 +497,5 @@ def register() -> None:
     """Registers each op's formula as its ``Autograd`` kernel."""
     global _LIB
     _LIB = torch.library.Library("keel", "IMPL")
-    for name, (backward, setup) in FORMULAS.items():
+    for name, (backward, setup) in WITH_TWIN.items():
         _LIB.impl(name, _autograd_kernel(name, backward, setup), "Autograd")

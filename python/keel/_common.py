@@ -10,9 +10,10 @@ of returning new tensors; see ``_inplace``."""
 def nograd(name: str) -> str:
     """The name of op `name`'s ``_nograd`` twin (``keel::_{name}_nograd``): its
     schema and kernels under another name, with no autograd kernel (torch's own
-    C++ fallback passes it through). Each op with an autograd formula has one:
-    the formula's forward calls it, and the typed API calls it where no
-    gradient can be needed. See ``WITH_AUTOGRAD`` in ``ops/src/registry.rs``."""
+    C++ fallback passes it through). Each op with an autograd formula has one
+    (the backward ops too, ``_backward_grad``): the formulas call it, and the
+    typed API calls it where no gradient can be needed. See ``WITH_AUTOGRAD``
+    in ``ops/src/registry.rs``."""
     return f"_{name}_nograd"
 
 

@@ -203,10 +203,10 @@ def register() -> None:
     before the Meta kernel), leaving the Meta kernels as they are."""
     global REGISTERED, _disable_current_modes
     # Imported here: _autograd imports this module (through _twice).
-    from ._autograd import FORMULAS
+    from ._autograd import WITH_TWIN
 
     NAMES.update({name: name for name in _RULES})
-    NAMES.update({nograd(name): name for name in FORMULAS})
+    NAMES.update({nograd(name): name for name in WITH_TWIN})
     try:
         from torch._library import simple_registry
         from torch._library.utils import Kernel

@@ -8,18 +8,20 @@ import pytest
 import torch
 
 import keel
-from keel._autograd import FORMULAS
+from keel._autograd import FORMULAS, WITH_TWIN
 from keel._common import nograd
 
 ops = torch.ops.keel
 
 
 def test_every_differentiable_op_has_its_formula_and_twin():
-    # Rust's list of ops with twins is Python's list of formulas.
+    # Rust's list of ops with twins is Python's list of formulas: the
+    # differentiable ops' and their backward ops' (``_backward_grad``).
     registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("keel::_")}
-    assert {n for n in registered if n.endswith("_nograd")} == {f"keel::{nograd(n)}" for n in FORMULAS}
+    assert {n for n in registered if n.endswith("_nograd")} == {f"keel::{nograd(n)}" for n in WITH_TWIN}
     assert not [n for n in registered if n.endswith("_autograd")], registered
-    for name in FORMULAS:
+    assert {f"{n}_backward" for n in FORMULAS if n != "cross_entropy_with_lse"} == set(WITH_TWIN) - set(FORMULAS)
+    for name in WITH_TWIN:
         twin = nograd(name)
         schema, own = getattr(ops, twin).default._schema, getattr(ops, name).default._schema
         assert str(schema) == str(own).replace(f"keel::{name}(", f"keel::{twin}(", 1), (schema, own)

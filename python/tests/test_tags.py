@@ -54,6 +54,14 @@ def _twin_args(device):
         "cross_entropy": (x, target, -100, 0.1, "sum", w.abs()),
         "cross_entropy_with_lse": (x, target, -100, 0.0, "mean", None),
         "rotary_embedding": (t(2, 3, 2, 8), a.cos(), a.sin(), True),
+        "rms_norm_backward": (t(3, 16), x, w, 1e-6),
+        "layer_norm_backward": (t(3, 16), x, None, b, 1e-5),
+        "fused_add_rms_norm_backward": (t(3, 16), t(3, 16), x, w, 1e-6),
+        "silu_and_mul_backward": (t(3, 8), x),
+        "gelu_and_mul_backward": (t(3, 8), x, "tanh"),
+        "softmax_backward": (t(3, 16), x.softmax(-1), 0.5),
+        "cross_entropy_backward": (t(()), x, target, -100, 0.1, "mean", None, w.abs()),
+        "rotary_embedding_backward": (t(2, 3, 2, 8), a.cos(), a.sin(), False),
     }
 
 
