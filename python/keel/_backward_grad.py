@@ -20,19 +20,27 @@ the op's value does not depend on it, so it gets no gradient, and the logits'
 gradient is that of the op with the lse as their function.
 """
 import torch
+from torch.autograd import forward_ad as fwAD
 
 from . import _twice
 
 
+def _leaf(t):
+    """`t` where it can be differentiated against already (or is no floating-point
+    tensor), else a leaf of its own with its values (and its tangent, where it
+    carries one: ``_forward_ad``)."""
+    if t is None or not t.is_floating_point() or t.requires_grad:
+        return t
+    primal, tangent = fwAD.unpack_dual(t)
+    leaf = primal.detach().requires_grad_()
+    return leaf if tangent is None else fwAD.make_dual(leaf, tangent)
+
+
 def _vjp(fn, inputs, grad):
     """``J^T grad`` of `fn` (one tensor out) at `inputs`, with a graph: a
-    function of `grad` and of each floating-point input (one that needs no
-    gradient is taken through a leaf of its own); None for None inputs, zeros
-    for those `fn` does not read."""
-    leaves = [
-        t if t is None or not t.is_floating_point() or t.requires_grad else t.detach().requires_grad_()
-        for t in inputs
-    ]
+    function of `grad` and of each floating-point input (:func:`_leaf`); None for
+    None inputs, zeros for those `fn` does not read."""
+    leaves = [_leaf(t) for t in inputs]
     out = fn(*leaves)
     live = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad]
     got = torch.autograd.grad(out, [leaves[i] for i in live], grad.to(out.dtype), create_graph=True, allow_unused=True)

@@ -1,0 +1,116 @@
+"""Forward-mode AD through bare ``torch.ops.keel`` (``keel._forward_ad``): torch
+drops a custom op's tangents without a word; each of Keel's ops with an autograd
+kernel now carries them, forward and backward ops alike. Tangents against
+central differences of the ops' own kernels, in float64."""
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import keel  # noqa: F401  (registers the ops)
+from keel._autograd import WITH_TWIN
+from test_backward_grad import CASES as BACKWARD_CASES
+
+ops = torch.ops.keel
+
+
+def _t(*shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _forward_cases():
+    x, w, b, r = _t(3, 6, seed=1), _t(6, seed=2), _t(6, seed=3), _t(3, 6, seed=4)
+    logits, classes = _t(4, 5, seed=5), torch.tensor([1, 4, -100, 0])
+    probs = torch.softmax(_t(4, 5, seed=6), -1)
+    rx, cs, sn = _t(2, 3, 2, 8, seed=7), _t(3, 3, seed=8), _t(3, 3, seed=9)
+    return {
+        "rms_norm": (ops.rms_norm, (x, w, 1e-5)),
+        "rms_norm rounded before the weight": (ops.rms_norm, (x, w, 1e-5, True)),
+        "layer_norm": (ops.layer_norm, (x, w, b)),
+        "fused_add_rms_norm": (ops.fused_add_rms_norm, (x, r, w)),
+        "silu_and_mul": (ops.silu_and_mul, (x,)),
+        "gelu_and_mul": (ops.gelu_and_mul, (x,)),
+        "gelu_and_mul tanh": (ops.gelu_and_mul, (x, "tanh")),
+        "softmax": (ops.softmax, (x, 0.7)),
+        "cross_entropy": (ops.cross_entropy, (logits, classes, -100, 0.1)),
+        "cross_entropy probabilities": (ops.cross_entropy, (logits, probs, -100, 0.0, "sum", w[:5].abs())),
+        "cross_entropy_with_lse": (ops.cross_entropy_with_lse, (logits, classes, -100, 0.0, "none")),
+        "rotary_embedding": (ops.rotary_embedding, (rx, cs, sn)),
+    }
+
+
+CASES = {**_forward_cases(), **{f"{k} (backward op)": v for k, v in BACKWARD_CASES.items()}}
+
+
+def test_every_op_with_an_autograd_kernel_has_a_case():
+    named = {op._qualified_op_name.split("::")[1] for op, _ in CASES.values()}
+    assert named == set(WITH_TWIN)
+
+
+def _outputs(y):
+    return y if isinstance(y, tuple) else (y,)
+
+
+def _floats(args):
+    return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+
+def _moved(args, tangents, h):
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    for i, t in tangents.items():
+        args[i] = args[i] + h * t
+    return args
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+@pytest.mark.parametrize("name", list(CASES))
+def test_tangents_match_finite_differences(name, grad_mode):
+    op, args = CASES[name]
+    g = torch.Generator().manual_seed(11)
+    tangents = {i: torch.randn(args[i].shape, generator=g, dtype=args[i].dtype) for i in _floats(args)}
+    with fwAD.dual_level(), torch.set_grad_enabled(grad_mode):
+        dual = [fwAD.make_dual(a.detach(), tangents[i]) if i in tangents else a for i, a in enumerate(args)]
+        outs = _outputs(op(*dual))
+        got = [fwAD.unpack_dual(o).tangent for o in outs]
+        values = [fwAD.unpack_dual(o).primal for o in outs]
+        assert not any(o.requires_grad for o in outs), name  # no graph where none is wanted
+    plain = _outputs(op(*_moved(args, tangents, 0.0)))
+    h = 1e-6
+    plus, minus = _outputs(op(*_moved(args, tangents, h))), _outputs(op(*_moved(args, tangents, -h)))
+    for v, p0, t, p, m in zip(values, plain, got, plus, minus):
+        assert v.dtype == p0.dtype and v.shape == p0.shape, name
+        torch.testing.assert_close(v, p0, atol=1e-12, rtol=1e-10)
+        if p0.numel() == 0:  # a missing weight's empty stand-in
+            continue
+        assert t is not None, name
+        torch.testing.assert_close(t, (p - m) / (2 * h), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "softmax", "rms_norm (backward op)", "cross_entropy (backward op)"])
+def test_forward_over_reverse(name):
+    """A Hessian-vector product through the bare op: a dual input that also
+    requires grad, then a reverse gradient whose tangent is the product."""
+    op, args = CASES[name]
+    i = _floats(args)[0] if "backward" not in name else 1  # the input (not grad_out)
+    x = args[i].detach()
+    v = _t(*x.shape, seed=12)
+
+    def grad_at(z, dual=None):
+        a = list(args)
+        a[i] = z if dual is None else dual
+        out = _outputs(op(*a))
+        return torch.autograd.grad(sum(o.square().sum() for o in out), z)[0]
+
+    with fwAD.dual_level():
+        z = x.clone().requires_grad_()
+        hvp = fwAD.unpack_dual(grad_at(z, fwAD.make_dual(z, v))).tangent
+    h = 1e-6
+    want = (grad_at((x + h * v).requires_grad_()) - grad_at((x - h * v).requires_grad_())) / (2 * h)
+    assert hvp is not None
+    torch.testing.assert_close(hvp, want, atol=1e-5, rtol=1e-4)
+
+
+def test_bad_argument_with_a_tangent_gets_keels_error():
+    x, w = _t(3, 6, seed=1), _t(5, seed=2)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="keel::rms_norm: .*weight"):
+            ops.rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w, 1e-6)
