@@ -13,7 +13,7 @@ direct calls), except in a backward that must itself be differentiable
 """
 import torch
 
-from . import _backward_grad, _forward_ad, _twice
+from . import _backward_grad, _torch_version, _twice
 from ._common import acc_dtype, class_weighted, heads_contiguous, mean_over, nograd
 
 ops = torch.ops.keel
@@ -456,7 +456,7 @@ def _autograd_kernel(name, backward, setup):
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
     count = len(arguments)
     any_requires_grad = torch._C._any_requires_grad
-    fwad = _forward_ad._fwad
+    fwad = _torch_version._fwad
     grad_enabled = torch.is_grad_enabled
 
     # The twin's C function (``OpOverload._op``, what its ``__call__`` calls):
@@ -485,12 +485,15 @@ def _autograd_kernel(name, backward, setup):
     apply = APPLY[name] = formula.apply
 
     def kernel(*args):
-        if fwad._current_level >= 0 and _forward_ad.has_tangent(args):
+        if fwad._current_level >= 0 and _torch_version.has_tangent(args):
             # torch would drop the tangents: the op's torch-op version carries them.
-            return _forward_ad.call(call_twin, name, args + defaults[len(args) :])
+            return _torch_version.with_tangents(call_twin, name, args + defaults[len(args) :])
         # What the dispatcher left out stays out: torch's parser costs 0.4-0.7 us
         # for each scalar passed (`functional._call`); `apply` fills them in.
         if grad_enabled() and any_requires_grad(*args):
+            if _twice.functorch_on():
+                # torch.func runs no autograd.Function without setup_context (the formula).
+                return _torch_version.in_transform(twin, name, args + defaults[len(args) :])
             return apply(*args)
         return call_twin(*args)
 

@@ -10,65 +10,95 @@ Each backward op's autograd kernel is built as the forward ops' are
 (``_autograd._autograd_kernel``): where an argument requires a gradient, an
 autograd.Function whose forward runs the twin (Keel's kernels: the values do
 not depend on whether a gradient is wanted) and whose backward differentiates
-the backward op written in torch's differentiable ops (:data:`REFS`, built on
-``_twice``'s forward references, in Keel's accumulation dtype). That backward
-records a graph where one is wanted, so derivatives of any order follow.
+the backward op written in torch's differentiable ops (:data:`REFS`: each
+gradient in closed form, in Keel's accumulation dtype, so that no autograd runs
+inside it and ``torch.func`` transforms and forward-mode AD take it too:
+``_torch_version``). That backward records a graph where one is wanted, so
+derivatives of any order follow.
 
 ``cross_entropy_backward``'s ``lse`` is a cache of each row's log-sum-exp of
 the logits (the kernel recomputes it where its rounding would cost accuracy):
 the op's value does not depend on it, so it gets no gradient, and the logits'
 gradient is that of the op with the lse as their function.
 """
+import math
+
 import torch
-from torch.autograd import forward_ad as fwAD
+import torch.nn.functional as F
 
 from . import _twice
+from ._common import acc_dtype, mean_over
 
 
-def _leaf(t):
-    """`t` where it can be differentiated against already (or is no floating-point
-    tensor), else a leaf of its own with its values (and its tangent, where it
-    carries one: ``_forward_ad``)."""
-    if t is None or not t.is_floating_point() or t.requires_grad:
-        return t
-    primal, tangent = fwAD.unpack_dual(t)
-    leaf = primal.detach().requires_grad_()
-    return leaf if tangent is None else fwAD.make_dual(leaf, tangent)
-
-
-def _vjp(fn, inputs, grad):
-    """``J^T grad`` of `fn` (one tensor out) at `inputs`, with a graph: a
-    function of `grad` and of each floating-point input (:func:`_leaf`); None for
-    None inputs, zeros for those `fn` does not read."""
-    leaves = [_leaf(t) for t in inputs]
-    out = fn(*leaves)
-    live = [i for i, t in enumerate(leaves) if t is not None and t.requires_grad]
-    got = torch.autograd.grad(out, [leaves[i] for i in live], grad.to(out.dtype), create_graph=True, allow_unused=True)
-    result = [None] * len(inputs)
-    for i, g in zip(live, got):
-        result[i] = torch.zeros_like(leaves[i]) if g is None else g
-    return tuple(result)
+def _rows(t):
+    """`t`'s values summed over every dim but the last (a parameter's gradient)."""
+    return t.reshape(-1, t.shape[-1]).sum(0)
 
 
 def _rms_norm(grad_out, x, weight, eps):
-    return _vjp(lambda x, w: _twice.rms_norm(x, w, eps), (x, weight), grad_out)
+    # y = a r w, r = (mean(a^2) + eps)^-1/2: dx = r gy - a r^3 mean(gy a), gy = g w.
+    acc = acc_dtype(x)
+    a, g = x.to(acc), grad_out.to(acc)
+    r = torch.rsqrt(a.square().mean(-1, keepdim=True) + eps)
+    gy = g if weight is None else g * weight.to(acc)
+    gx = r * gy - a * r.pow(3) * (gy * a).mean(-1, keepdim=True)
+    gw = None if weight is None else _rows(g * a * r).to(x.dtype)
+    return gx.to(x.dtype), gw
 
 
 def _layer_norm(grad_out, x, weight, bias, eps):
-    return _vjp(lambda x, w, b: _twice.layer_norm(x, w, b, eps), (x, weight, bias), grad_out)
+    # xhat = c r, c = a - mean(a) (centred twice, as the kernel and _twice do):
+    # dx = r (gy - mean(gy) - xhat mean(gy xhat)), gy = g w.
+    acc = acc_dtype(x)
+    a, g = x.to(acc), grad_out.to(acc)
+    c = a - a.mean(-1, keepdim=True)
+    c = c - c.mean(-1, keepdim=True)
+    r = torch.rsqrt(c.square().mean(-1, keepdim=True) + eps)
+    xhat = c * r
+    gy = g if weight is None else g * weight.to(acc)
+    gx = r * (gy - gy.mean(-1, keepdim=True) - xhat * (gy * xhat).mean(-1, keepdim=True))
+    gw = None if weight is None else _rows(g * xhat).to(x.dtype)
+    gb = None if bias is None else _rows(g).to(x.dtype)
+    return gx.to(x.dtype), gw, gb
 
 
 def _fused_add_rms_norm(grad_out, grad_sum, s, weight, eps):
-    gs, gw = _vjp(lambda s, w: _twice.rms_norm(s, w, eps), (s, weight), grad_out)
+    gs, gw = _rms_norm(grad_out, s, weight, eps)
     return (gs if grad_sum is None else gs + grad_sum), gw
 
 
+def _gated(grad_out, x, act):
+    """``(g b act'(a), g act(a))`` for ``x = (a, b)``; `act` gives (act, act')."""
+    acc = acc_dtype(x)
+    a, b = x.to(acc).chunk(2, -1)
+    g = grad_out.to(acc)
+    f, df = act(a)
+    return (torch.cat([g * b * df, g * f], -1).to(x.dtype),)
+
+
+def _silu(a):
+    s = torch.sigmoid(a)
+    return a * s, s * (1 + a * (1 - s))
+
+
+def _gelu(a):
+    cdf = 0.5 * (1 + torch.erf(a * math.sqrt(0.5)))
+    return a * cdf, cdf + a * torch.exp(-0.5 * a * a) * (1 / math.sqrt(2 * math.pi))
+
+
+def _gelu_tanh(a):
+    # The kernels' sigmoid form: a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3).
+    k = 2 * math.sqrt(2 / math.pi)
+    s = torch.sigmoid(k * (a + 0.044715 * a * a * a))
+    return a * s, s + a * s * (1 - s) * k * (1 + 3 * 0.044715 * a * a)
+
+
 def _silu_and_mul(grad_out, x):
-    return _vjp(_twice.gated, (x,), grad_out)
+    return _gated(grad_out, x, _silu)
 
 
 def _gelu_and_mul(grad_out, x, approximate="none"):
-    return _vjp(lambda x: _twice.gated(x, approximate), (x,), grad_out)
+    return _gated(grad_out, x, _gelu_tanh if approximate == "tanh" else _gelu)
 
 
 def _softmax(grad_out, y, scale):
@@ -76,8 +106,33 @@ def _softmax(grad_out, y, scale):
 
 
 def _cross_entropy(grad, logits, target, ignore_index, label_smoothing, reduction, lse=None, weight=None):
-    loss = lambda x, t, w: _twice.cross_entropy(x, t, ignore_index, label_smoothing, reduction, w)[0]  # noqa: E731
-    return _vjp(loss, (logits, target, weight), grad)[:1]
+    """Each row's ``dl/dx_c = p_c sum_k w_k q_k - w_c q_c`` times its share of
+    `grad`: ``q = (1 - s) t + s / C`` for probabilities `t`, ``(1 - s)
+    onehot(target) + s / C`` for class indices (0 on ignored rows); ``w`` 1 where
+    no weights are given. ``"mean"`` divides by the rows (probabilities) or by the
+    sum of the live targets' weights (class indices; NaN where that is 0, as
+    torch's loss)."""
+    acc = acc_dtype(logits)
+    x = logits.to(acc)
+    n, c = x.shape
+    s = label_smoothing
+    w = torch.ones(c, dtype=acc, device=x.device) if weight is None else weight.to(acc)
+    g = grad.to(acc)
+    if target.dtype.is_floating_point:
+        q = (1 - s) * target.to(acc) + s / c
+        g = g / n if reduction == "mean" else g
+        live = None
+    else:
+        live = target != ignore_index
+        q = (1 - s) * F.one_hot(torch.where(live, target, 0), c).to(acc) + s / c
+        if reduction == "mean":
+            g = mean_over(g, torch.where(live, w[torch.where(live, target, 0)], 0.0).sum())
+    wq = w * q
+    rows = torch.softmax(x, -1) * wq.sum(-1, keepdim=True) - wq
+    gx = rows * (g[:, None] if g.dim() else g)
+    if live is not None:
+        gx = torch.where(live[:, None], gx, 0.0)
+    return (gx.to(logits.dtype),)
 
 
 def _rotary(grad_out, cos, sin, interleaved):
@@ -126,7 +181,8 @@ def _backward_of(ref):
         take = [i for i, a in enumerate(args[: len(needs)]) if needs[i] and isinstance(a, torch.Tensor)]
         with torch.enable_grad():
             outs = ref(*args)
-        pairs = [(o, g) for o, g in zip(outs, grads) if o is not None and g is not None]
+        # (An output that depends on no argument needing a gradient has no graph.)
+        pairs = [(o, g) for o, g in zip(outs, grads) if o is not None and g is not None and o.requires_grad]
         if take and pairs:
             got = torch.autograd.grad(
                 [o for o, _ in pairs],

@@ -45,6 +45,9 @@ def _cases():
         "cross_entropy": (ops.cross_entropy_backward, (gl.sum(), logits, classes, -100, 0.1, "mean")),
         "cross_entropy weight none": (ops.cross_entropy_backward, (gl, logits, classes, -100, 0.2, "none", None, cw)),
         "cross_entropy probs": (ops.cross_entropy_backward, (gl.sum(), logits, probs, -100, 0.1, "sum", None, cw)),
+        "cross_entropy weight mean": (ops.cross_entropy_backward, (gl.sum(), logits, classes, -100, 0.3, "mean", None, cw)),
+        "cross_entropy probs mean": (ops.cross_entropy_backward, (gl.sum(), logits, probs, -100, 0.0, "mean")),
+        "cross_entropy probs none": (ops.cross_entropy_backward, (gl, logits, probs, -100, 0.2, "none", None, cw)),
         "rotary_embedding": (ops.rotary_embedding_backward, (gr, cs, sn, False)),
         "rotary_embedding interleaved": (ops.rotary_embedding_backward, (gr, cs, sn, True)),
     }

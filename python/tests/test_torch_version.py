@@ -1,7 +1,9 @@
-"""Forward-mode AD through bare ``torch.ops.keel`` (``keel._forward_ad``): torch
-drops a custom op's tangents without a word; each of Keel's ops with an autograd
-kernel now carries them, forward and backward ops alike. Tangents against
-central differences of the ops' own kernels, in float64."""
+"""Forward-mode AD and ``torch.func`` through bare ``torch.ops.keel``
+(``keel._torch_version``): torch drops a custom op's tangents without a word,
+and runs no custom op's Python autograd inside a transform; each of Keel's ops
+with an autograd kernel, forward and backward ops alike, now takes its torch-op
+version there. Tangents against central differences of the ops' own kernels,
+and transforms' gradients against autograd's, in float64."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -114,3 +116,48 @@ def test_bad_argument_with_a_tangent_gets_keels_error():
     with fwAD.dual_level():
         with pytest.raises(RuntimeError, match="keel::rms_norm: .*weight"):
             ops.rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w, 1e-6)
+
+
+def _loss(op, args, i):
+    """`op`'s outputs' sum of squares as a function of argument `i`."""
+
+    def f(z):
+        a = list(args)
+        a[i] = z
+        return sum(o.square().sum() for o in _outputs(op(*a)) if o.numel())
+
+    return f
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_torch_func_grad_and_jvp_match_autograd(name):
+    """torch.func.grad and torch.func.jvp of the bare op (each floating argument
+    in turn) against torch.autograd through Keel's formulas."""
+    op, args = CASES[name]
+    args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    for i in _floats(args):
+        f = _loss(op, args, i)
+        z = args[i].clone().requires_grad_()
+        # (layer_norm_backward's outputs do not depend on the bias: zeros.)
+        (want,) = torch.autograd.grad(f(z), z, allow_unused=True, materialize_grads=True)
+        torch.testing.assert_close(torch.func.grad(f)(args[i]), want, atol=1e-10, rtol=1e-8, msg=lambda m: f"{name} {i}: {m}")
+        v = _t(*args[i].shape, seed=13)
+        _, tangent = torch.func.jvp(f, (args[i],), (v,))
+        torch.testing.assert_close(tangent, (want * v).sum(), atol=1e-9, rtol=1e-8, msg=lambda m: f"{name} {i}: {m}")
+
+
+def test_hessian_of_a_backward_op():
+    op, (g, x, w, eps) = CASES["rms_norm (backward op)"]
+    f = _loss(op, (g.detach(), x.detach(), w.detach(), eps), 1)
+    h = torch.func.hessian(f)(x.detach())
+    v = _t(*x.shape, seed=14)
+    z = x.detach().clone().requires_grad_()
+    (gz,) = torch.autograd.grad(f(z), z, create_graph=True)
+    (want,) = torch.autograd.grad((gz * v).sum(), z)
+    torch.testing.assert_close((h * v).sum((2, 3)), want, atol=1e-9, rtol=1e-8)
+
+
+def test_bad_argument_inside_torch_func_gets_keels_error():
+    x, w = _t(3, 6, seed=1), _t(5, seed=2)
+    with pytest.raises(RuntimeError, match="keel::rms_norm_backward: .*weight"):
+        torch.func.grad(lambda z: ops.rms_norm_backward(z, x, w, 1e-6)[0].sum())(x)

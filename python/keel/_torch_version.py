@@ -1,20 +1,28 @@
-"""Forward-mode AD through ``torch.ops.keel``: tangents kept, not dropped.
+"""Where torch's autograd machinery does not serve a custom op, the ops'
+torch-op versions: forward-mode AD and ``torch.func`` through bare
+``torch.ops.keel``.
 
-torch runs a custom op's kernels on the primals of dual tensors and drops their
-tangents without a word (a jvp of zero). The typed API (``keel.rms_norm`` ...)
-has long taken the op's torch-op version instead (``_twice.through_torch``);
-the ops' own autograd kernels (``_autograd._autograd_kernel``) now do the same
-where an argument carries a tangent: Keel's kernel runs on the primals first
-(its checks, so errors are Keel's, and the empty stand-ins of the outputs that
-have no torch-op version), then the torch-op version (``REFS``) gives the
-values and the tangents. Where grad mode is on and an argument requires a
-gradient, that also records a reverse graph (forward-over-reverse works); else
-no graph is kept.
+- Forward-mode AD: torch runs a custom op's kernels on the primals of dual
+  tensors and drops their tangents without a word (a jvp of zero).
+- ``torch.func`` transforms (grad, vjp, jacrev, hessian ...): torch runs no
+  custom op's Python autograd inside them (an ``autograd.Function`` without
+  ``setup_context``, as the formulas are, raises there).
+
+The typed API (``keel.rms_norm`` ...) has long taken the op's torch-op version
+in both (``_twice.through_torch``); the ops' own autograd kernels
+(``_autograd._autograd_kernel``) now do the same. With tangents
+(:func:`with_tangents`), Keel's kernel runs on the primals first (its checks,
+so errors are Keel's, and the empty stand-ins of the outputs that have no
+torch-op version), then the torch-op version (:data:`REFS`) gives the values
+and the tangents; where grad mode is on and an argument requires a gradient,
+that also records a reverse graph (forward-over-reverse works), else no graph
+is kept. Inside a transform (:func:`in_transform`), Keel's checks run on meta
+stand-ins, as the typed API's do.
 """
 import torch
 from torch.autograd import forward_ad as _fwad
 
-from . import _backward_grad, _twice
+from . import _backward_grad, _fake, _twice
 
 
 def _first(fn):
@@ -62,7 +70,7 @@ def _without_graph(t):
     return primal.detach() if tangent is None else _fwad.make_dual(primal.detach(), tangent.detach())
 
 
-def call(twin, name, args):
+def with_tangents(twin, name, args):
     """Op `name` on `args` (all given) where one carries a tangent: `twin` (the op's
     ``_nograd`` twin) on the primals, then the torch-op version with the tangents."""
     with torch.no_grad():
@@ -78,3 +86,20 @@ def call(twin, name, args):
     out = [None if o is None else o.to(p.dtype) for o, p in zip(out, plain)]
     result = tuple(p if o is None else o if graph else _without_graph(o) for o, p in zip(out, plain))
     return result[0] if single else result
+
+
+def in_transform(twin, name, args):
+    """Op `name` on `args` (all given) inside a ``torch.func`` transform: Keel's
+    checks (`twin`'s Meta kernel) on meta stand-ins, then the torch-op version."""
+    _twice._check_on_meta(lambda op, *a: op(*a), twin, args)
+    out = REFS[name](*args)
+    if not isinstance(out, tuple):
+        return out
+    if len(twin._schema.returns) == 1:
+        return out[0]
+    if all(o is not None for o in out):
+        return out
+    # A missing weight's empty stand-in, as the kernel gives it: [0], of the input's dtype.
+    meta = _fake.meta_outputs(twin, args, {})
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    return tuple(torch.empty(m.shape, dtype=m.dtype, device=device) if o is None else o for o, m in zip(out, meta))
