@@ -448,7 +448,7 @@ def _autograd_kernel(name, backward, setup):
     [1, 64] in grad mode, no argument requiring a gradient (measured, session 31):
     6.02 -> 4.82 us a call.
     """
-    twin = getattr(ops, nograd(name)).default
+    public, twin = getattr(ops, name).default, getattr(ops, nograd(name)).default
     arguments = twin._schema.arguments
     # A Python kernel gets keyword-only arguments as keywords: none of Keel's ops has any.
     assert not any(a.kwarg_only for a in arguments), f"keel::{name}: keyword-only arguments"
@@ -493,7 +493,7 @@ def _autograd_kernel(name, backward, setup):
         if grad_enabled() and any_requires_grad(*args):
             if _twice.functorch_on():
                 # torch.func runs no autograd.Function without setup_context (the formula).
-                return _torch_version.in_transform(twin, name, args + defaults[len(args) :])
+                return _torch_version.in_transform(public, twin, name, args + defaults[len(args) :])
             return apply(*args)
         return call_twin(*args)
 

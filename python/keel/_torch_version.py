@@ -88,10 +88,11 @@ def with_tangents(twin, name, args):
     return result[0] if single else result
 
 
-def in_transform(twin, name, args):
-    """Op `name` on `args` (all given) inside a ``torch.func`` transform: Keel's
-    checks (`twin`'s Meta kernel) on meta stand-ins, then the torch-op version."""
-    _twice._check_on_meta(lambda op, *a: op(*a), twin, args)
+def in_transform(op, twin, name, args):
+    """Op `name` (overload `op`) on `args` (all given) inside a ``torch.func``
+    transform: Keel's checks (its `twin`'s Meta kernel; errors name `op`) on meta
+    stand-ins, then the torch-op version."""
+    _twice._check_on_meta(lambda _, *a: twin(*a), op, args)
     out = REFS[name](*args)
     if not isinstance(out, tuple):
         return out

@@ -158,6 +158,10 @@ def test_hessian_of_a_backward_op():
 
 
 def test_bad_argument_inside_torch_func_gets_keels_error():
+    """Errors name the op (not its ``_nograd`` twin) and the argument."""
     x, w = _t(3, 6, seed=1), _t(5, seed=2)
     with pytest.raises(RuntimeError, match="keel::rms_norm_backward: .*weight"):
         torch.func.grad(lambda z: ops.rms_norm_backward(z, x, w, 1e-6)[0].sum())(x)
+    meta = _t(6, seed=2).to("meta")
+    with pytest.raises(RuntimeError, match="^keel::rms_norm: argument 'weight' is on meta but 'input' is on cpu"):
+        torch.func.grad(lambda z: ops.rms_norm(z, meta, 1e-6).sum())(x)
