@@ -456,7 +456,7 @@ def _autograd_kernel(name, backward, setup):
     defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
     count = len(arguments)
     any_requires_grad = torch._C._any_requires_grad
-    fwad = _torch_version._fwad
+    fwad = _twice._fwad
     grad_enabled = torch.is_grad_enabled
 
     # The twin's C function (``OpOverload._op``, what its ``__call__`` calls):
@@ -485,7 +485,7 @@ def _autograd_kernel(name, backward, setup):
     apply = APPLY[name] = formula.apply
 
     def kernel(*args):
-        if fwad._current_level >= 0 and _torch_version.has_tangent(args):
+        if fwad._current_level >= 0 and _twice.has_tangent(args):
             # torch would drop the tangents: the op's torch-op version carries them.
             return _torch_version.with_tangents(call_twin, name, args + defaults[len(args) :])
         # What the dispatcher left out stays out: torch's parser costs 0.4-0.7 us

@@ -20,9 +20,8 @@ requires a gradient: forward-over-reverse works). Inside a transform
 API's do.
 """
 import torch
-from torch.autograd import forward_ad as _fwad
 
-from . import _backward_grad, _fake, _twice
+from . import _backward_grad, _twice
 
 
 def _first(fn):
@@ -49,15 +48,6 @@ all of the op's arguments (defaults filled in); None for an output that is an
 empty stand-in (``_backward_grad.REFS``)."""
 
 
-def has_tangent(args) -> bool:
-    """Whether a tensor among `args` is dual (carries a tangent)."""
-    return any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args)
-
-
-def _primal(a):
-    return _fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a
-
-
 def _returned(out, single, stand_ins):
     """`out` (a torch-op version's result) as the op returns it: one tensor
     where `single`, else a tuple with `stand_ins()`'s tensors where `out` has None."""
@@ -72,7 +62,7 @@ def with_tangents(twin, name, args):
     """Op `name` on `args` (all given) where one carries a tangent: `twin` (the op's
     ``_nograd`` twin) on the primals, then the torch-op version with the tangents."""
     with torch.no_grad():
-        plain = twin(*[_primal(a) for a in args])
+        plain = twin(*[_twice.primal(a) for a in args])
     return _returned(REFS[name](*args), not isinstance(plain, tuple), lambda: plain)
 
 
@@ -80,11 +70,11 @@ def in_transform(op, twin, name, args):
     """Op `name` (overload `op`) on `args` (all given) inside a ``torch.func``
     transform: Keel's checks (its `twin`'s Meta kernel; errors name `op`) on meta
     stand-ins, then the torch-op version."""
-    _twice._check_on_meta(lambda _, *a: twin(*a), op, args)
+    meta = _twice._check_on_meta(lambda _, *a: twin(*a), op, args)
 
     def stand_ins():
         # A missing weight's gradient as the kernel gives it: [0], of the input's dtype.
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        return [torch.empty(m.shape, dtype=m.dtype, device=device) for m in _fake.meta_outputs(twin, args, {})]
+        return [torch.empty(m.shape, dtype=m.dtype, device=device) for m in meta]
 
     return _returned(REFS[name](*args), len(twin._schema.returns) == 1, stand_ins)

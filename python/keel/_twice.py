@@ -76,19 +76,30 @@ def through_torch(fn, op, ref, *args):
     if functorch_on():
         _check_on_meta(fn, op, args)
         return ref(*args)
-    if not any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args):
+    if not has_tangent(args):
         return fn(op, *args)
     with torch.no_grad():
-        fn(op, *[_fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a for a in args])
+        fn(op, *[primal(a) for a in args])
     return ref(*args)
+
+
+def has_tangent(args) -> bool:
+    """Whether a tensor among `args` is dual (carries a tangent)."""
+    return any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args)
+
+
+def primal(a):
+    """`a`'s primal, detached, where it is a tensor; else `a`."""
+    return _fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a
 
 
 def _check_on_meta(fn, op, args):
     """Runs Keel's argument checks (the Meta kernel's, and one device for all
-    tensors) on meta tensors shaped like `args`' tensors."""
+    tensors) on meta tensors shaped like `args`' tensors; returns the Meta
+    kernel's outputs (``_fake.meta_outputs``)."""
     names = [a.name for a in op._schema.arguments]
     one_device(op._opname, list(zip(names, args)))
-    meta_outputs(lambda *a: fn(op, *a), args, {})
+    return meta_outputs(lambda *a: fn(op, *a), args, {})
 
 
 def vjp(fn, inputs, grads, needs):
