@@ -75,6 +75,10 @@ from . import _autocast  # noqa: E402
 
 _autocast.register()
 
+from . import _vmap  # noqa: E402
+
+_vmap.register()
+
 from . import nn  # noqa: E402
 from .functional import (  # noqa: E402
     cross_entropy,

@@ -47,6 +47,16 @@ def functorch_on() -> bool:
 
 # Looked up once: the typed API asks on every call (transformed() took 0.19 us).
 _peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+_VMAP = getattr(getattr(getattr(torch._C, "_functorch", None), "TransformType", None), "Vmap", None)
+
+VMAP_RULES = False
+"""Whether Keel's batching rules are in place (``_vmap.register`` sets it)."""
+
+
+def vmap_on_top() -> bool:
+    """True where the innermost ``torch.func`` transform is vmap and Keel's
+    batching rules are in place (``_vmap``): there the ops batch themselves."""
+    return VMAP_RULES and _peek is not None and (top := _peek()) is not None and top.key() == _VMAP
 _compiling = torch.compiler.is_compiling
 
 
@@ -65,15 +75,19 @@ def through_torch(fn, op, ref, *args):
 
     - Inside a ``torch.func`` transform: torch runs no custom op's autograd
       there (``register_autograd`` is unsupported, for torch's own ``custom_op``
-      too), and vmap would run the op once per example; `ref` is a plain torch
-      computation that every transform supports. The checks run on meta
-      stand-ins with the arguments' shapes, dtypes and strides.
+      too); `ref` is a plain torch computation that every transform supports.
+      The checks run on meta stand-ins with the arguments' shapes, dtypes and
+      strides. Where the innermost transform is vmap, the op itself: its
+      batching rule (``_vmap``) runs it once for all the examples, and a
+      transform below vmap meets the op again (and takes `ref` there).
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; `ref`
       carries the tangents (and a reverse graph, so forward-over-reverse works).
       The checks run on the primals.
     """
     if functorch_on():
+        if vmap_on_top():
+            return fn(op, *args)
         _check_on_meta(fn, op, args)
         return ref(*args)
     if not has_tangent(args):

@@ -215,9 +215,10 @@ def test_torch_func_jvp_and_hessian(name):
         torch.testing.assert_close(hess, ref)
 
 
-def test_vmap_batches_without_a_per_example_loop():
-    """Inside torch.vmap the typed API runs the torch-op version, which torch
-    batches itself: no fallback warning, the loop's results."""
+def test_vmap_batches_without_torchs_fallback():
+    """Inside torch.vmap the typed API calls the op, whose batching rule
+    (``keel._vmap``) serves it, a batched weight too: no fallback warning, the
+    loop's results."""
     x, w = torch.randn(3, 4, 8), torch.randn(3, 8)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*performance drop.*")

@@ -1,0 +1,252 @@
+"""``torch.vmap`` over Keel's ops (``keel._vmap``): each op with a batching rule
+runs its kernel once on all the examples' rows, and gives the bits of the
+per-example calls; where one call would not keep an example's meaning (a
+batched weight, a reduced cross-entropy) it calls the op once an example.
+Gradients through vmap, vmap of gradients, batched gradients and errors too."""
+import warnings
+
+import pytest
+import torch
+
+import keel
+from conftest import devices
+from keel import _vmap
+from keel._common import nograd
+from test_torch_version import CASES
+
+ops = torch.ops.keel
+B = 3
+
+
+def _op_name(op):
+    return op._qualified_op_name.split("::")[1]
+
+
+def _example(a, k):
+    """Example `k` of argument `a`: distinct values, the same shape and dtype."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    if a.is_floating_point():
+        return a.detach() * (1 + 0.25 * k) + 0.125 * k
+    return a.roll(k)  # class targets: the ignored ones move too
+
+
+def _batch(args, positions, dim=0):
+    """`args` with the tensors at `positions` stacked from B examples along `dim`;
+    the in_dims to vmap them."""
+    batched, in_dims = list(args), [None] * len(args)
+    for i in positions:
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            d = min(dim, args[i].dim())  # a 0-dim one (a reduced loss's gradient) at 0
+            batched[i] = torch.stack([_example(args[i], k) for k in range(B)], d)
+            in_dims[i] = d
+    return batched, tuple(in_dims)
+
+
+def _loop(op, args, in_dims):
+    """The per-example calls, stacked."""
+    outs = [op(*[a if d is None else a.select(d, k) for a, d in zip(args, in_dims)]) for k in range(B)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.stack(o) for o in zip(*outs))
+    return torch.stack(outs)
+
+
+def _assert_equal(got, want):
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(g, w), (g - w).abs().max()
+
+
+RULED = [n for n in CASES if _op_name(CASES[n][0]) in _vmap.SPECS]
+UNRULED = [n for n in CASES if _op_name(CASES[n][0]) not in _vmap.SPECS]
+
+
+def test_the_ops_without_a_rule_are_the_norm_backwards():
+    assert {_op_name(CASES[n][0]) for n in UNRULED} == {
+        "rms_norm_backward",
+        "layer_norm_backward",
+        "fused_add_rms_norm_backward",
+    }
+
+
+def _folded(op_name, args):
+    """Whether the rule folds these (unbatched-weight) arguments into one call."""
+    if op_name not in _vmap._REDUCTION:
+        return True
+    at = _vmap._REDUCTION[op_name]
+    return (args[at] if at < len(args) else "mean") == "none"
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["op", "twin"])
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("name", RULED)
+def test_rows_batched_give_the_per_example_bits_in_one_call(name, dim, twin, monkeypatch):
+    op, args = CASES[name]
+    op_name = _op_name(op)
+    if twin:
+        op = getattr(ops, nograd(op_name))
+    rows = _vmap.SPECS[op_name][1]
+    batched, in_dims = _batch(args, rows, dim)
+    want = _loop(op, batched, in_dims)
+    if _folded(op_name, args):
+
+        def no_loop(*a):
+            raise AssertionError("the rule called the op once an example")
+
+        monkeypatch.setattr(_vmap, "_loop", no_loop)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.vmap(op, in_dims=in_dims)(*batched)
+    _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("name", RULED)
+def test_every_tensor_batched_gives_the_per_example_bits(name, monkeypatch):
+    """Weights, biases, cos and sin batched too: one call an example."""
+    op, args = CASES[name]
+    positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    batched, in_dims = _batch(args, positions)
+    params = _vmap.SPECS[_op_name(op)][2]
+    calls = []
+    loop = _vmap._loop
+    monkeypatch.setattr(_vmap, "_loop", lambda *a: calls.append(1) or loop(*a))
+    got = torch.vmap(op, in_dims=in_dims)(*batched)
+    _assert_equal(got, _loop(op, batched, in_dims))
+    per_example = any(i < len(args) and args[i] is not None for i in params) or not _folded(_op_name(op), args)
+    assert len(calls) == per_example
+
+
+@pytest.mark.parametrize("name", UNRULED)
+def test_the_norm_backwards_batch_through_torchs_fallback(name):
+    op, args = CASES[name]
+    batched, in_dims = _batch(args, [0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.vmap(op, in_dims=in_dims)(*batched)
+    _assert_equal(got, _loop(op, batched, in_dims))
+
+
+def test_no_examples_give_empty_outputs_after_the_checks():
+    x, w = torch.randn(0, 4, 8), torch.randn(8)
+    y = torch.vmap(ops.rms_norm, in_dims=(0, None))(x, w)
+    assert y.shape == (0, 4, 8)
+    loss, lse = torch.vmap(ops.cross_entropy_with_lse, in_dims=(0, 0, None, None, None))(
+        torch.randn(0, 4, 8), torch.zeros(0, 4, dtype=torch.long), -100, 0.0, "none"
+    )
+    assert loss.shape == (0, 4) and lse.shape == (0, 4)
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' must have shape \[8\]"):
+        torch.vmap(ops.rms_norm, in_dims=(0, None))(x, torch.randn(7))
+
+
+def test_nested_vmap_folds_both_levels(monkeypatch):
+    x = torch.randn(4, 3, 5, 8)
+    monkeypatch.setattr(_vmap, "_loop", None)  # any per-example call fails
+    got = torch.vmap(torch.vmap(ops.softmax, in_dims=(1, None)), in_dims=(2, None))(x, 0.5)
+    want = ops.softmax(x.permute(2, 1, 0, 3).contiguous(), 0.5)
+    _assert_equal(got, want)
+
+
+def test_typed_api_under_vmap_calls_the_op(monkeypatch):
+    """Inside vmap the typed API calls the op (one call, Keel's kernel), no longer
+    its torch-op version."""
+    x, w = torch.randn(3, 4, 8), torch.randn(8)
+    monkeypatch.setattr(_vmap, "_loop", None)
+    got = torch.vmap(keel.rms_norm, in_dims=(0, None))(x, w)
+    _assert_equal(got, ops.rms_norm(x, w))
+    got = torch.vmap(lambda z, t: keel.cross_entropy(z, t, reduction="none"))(x, torch.randint(0, 8, (3, 4)))
+    assert got.shape == (3, 4)
+
+
+def test_gradients_through_vmap_use_keels_backward():
+    x = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    y = torch.vmap(keel.rms_norm, in_dims=(0, None))(x, w)
+    names = set()
+    todo = [y.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is not None:
+            names.add(type(f).__name__)
+            todo.extend(n for n, _ in f.next_functions)
+    assert any("Keel" in n for n in names), names
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    yr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * wr
+    rx, rw = torch.autograd.grad(yr, (xr, wr), g)
+    torch.testing.assert_close(gx, rx)
+    torch.testing.assert_close(gw, rw)
+
+
+def test_vmap_of_grad_and_grad_of_vmap():
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    w = torch.randn(8, dtype=torch.float64)
+
+    def loss(f):
+        return lambda a: f(a).pow(3).sum()
+
+    keel_fn = lambda a: keel.rms_norm(a, w)  # noqa: E731
+    ref_fn = lambda a: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6) * w  # noqa: E731
+    want = torch.vmap(torch.func.grad(loss(ref_fn)))(x)
+    torch.testing.assert_close(torch.vmap(torch.func.grad(loss(keel_fn)))(x), want)
+    torch.testing.assert_close(torch.func.grad(loss(torch.vmap(keel_fn)))(x), want)
+    jac = torch.func.jacrev(torch.vmap(lambda a: ops.softmax(a, 0.5)))(x[:, 0])
+    torch.testing.assert_close(jac, torch.func.jacrev(torch.vmap(lambda a: torch.softmax(0.5 * a, -1)))(x[:, 0]))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_batched_gradients_reach_the_backward_rules(device):
+    """``is_grads_batched`` runs the backward under vmap: softmax's backward op
+    has a rule; the result is each gradient's own."""
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    y = keel.softmax(x, 0.5)
+    grads = torch.randn(5, 4, 8, device=device)
+    want = torch.stack([torch.autograd.grad(y, x, g, retain_graph=True)[0] for g in grads])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        (got,) = torch.autograd.grad(y, x, grads, is_grads_batched=True)
+    _assert_equal(got, want)
+
+
+@pytest.mark.parametrize("device", devices())
+def test_folded_results_match_the_loop_on_each_device(device):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(B, 5, 6, 16, generator=gen).to(device)
+    w = torch.randn(16, generator=gen).to(device)
+    cs, sn = torch.randn(6, 4, generator=gen).to(device), torch.randn(6, 4, generator=gen).to(device)
+    cases = [
+        (ops.rms_norm, (x, w), (0, None)),
+        (ops.layer_norm, (x, w, w), (0, None, None)),
+        (ops.silu_and_mul, (x,), (0,)),
+        (ops.softmax, (x, 0.5), (0, None)),
+        (ops.rotary_embedding, (x.unsqueeze(1).expand(B, 2, 5, 6, 16).transpose(2, 3), cs, sn), (0, None, None)),
+    ]
+    for op, args, in_dims in cases:
+        got = torch.vmap(op, in_dims=in_dims)(*args)
+        torch.testing.assert_close(got, _loop(op, args, in_dims), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_raise_the_per_example_error():
+    x = torch.randn(3, 4, 8)
+    with pytest.raises(RuntimeError, match=r"keel::layer_norm: argument 'bias' must have shape \[8\]"):
+        torch.vmap(ops.layer_norm, in_dims=(0, None, None))(x, torch.randn(8), torch.randn(9))
+    with pytest.raises(RuntimeError, match="keel::softmax: argument 'input' must have at least 1 dimension"):
+        torch.vmap(ops.softmax)(torch.randn(3))
+    with pytest.raises(RuntimeError, match=r"keel::rotary_embedding: argument 'x'"):
+        torch.vmap(ops.rotary_embedding, in_dims=(0, None, None))(x, torch.randn(4, 2), torch.randn(4, 2))
+    ce = torch.vmap(ops.cross_entropy, in_dims=(0, 0, None, None, None))
+    with pytest.raises(RuntimeError, match=r"keel::cross_entropy: argument 'logits' must have 2 dims"):
+        ce(x[:, 0], torch.zeros(3, dtype=torch.long), -100, 0.0, "none")
+    with pytest.raises(RuntimeError, match="keel::rms_norm: argument 'weight' is on meta but 'input' is on cpu"):
+        torch.vmap(ops.rms_norm, in_dims=(0, None))(x, torch.empty(8, device="meta"))
+    with pytest.raises(RuntimeError, match="keel::softmax: argument 'input' must be float32"):
+        torch.vmap(ops._softmax_nograd)(x.long())
+
+
+def test_compiled_vmap_matches_eager():
+    x, w = torch.randn(3, 4, 8), torch.randn(8)
+    batched = torch.vmap(ops.rms_norm, in_dims=(0, None))
+    f = torch.compile(lambda a: batched(a, w) * 2, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(f(x), ops.rms_norm(x, w) * 2)
