@@ -250,3 +250,42 @@ def test_compiled_vmap_matches_eager():
     batched = torch.vmap(ops.rms_norm, in_dims=(0, None))
     f = torch.compile(lambda a: batched(a, w) * 2, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(x), ops.rms_norm(x, w) * 2)
+
+
+def test_nested_levels_batch_rows_and_weights_apart():
+    """The outer vmap batches the weight, the inner one the rows: the inner rule
+    folds the rows, the outer one calls the op once a weight."""
+    x, w = torch.randn(4, 5, 8), torch.randn(3, 8)
+    got = torch.vmap(lambda wi: torch.vmap(ops.rms_norm, in_dims=(0, None))(x, wi))(w)
+    want = torch.stack([ops.rms_norm(x, wi) for wi in w])
+    _assert_equal(got, want)
+
+
+def test_model_ensemble_with_stacked_parameters():
+    """``torch.func.stack_module_state`` + vmap (model ensembling): each model's
+    own weight, no fallback warning, its own gradients."""
+    from torch.func import functional_call, stack_module_state
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 8), keel.nn.RMSNorm(8), torch.nn.Linear(8, 4)) for _ in range(3)]
+    for m in models:
+        with torch.no_grad():
+            m[1].weight.uniform_(0.5, 1.5)
+    params, buffers = stack_module_state(models)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), keel.nn.RMSNorm(8), torch.nn.Linear(8, 4)).to("meta")
+
+    def run(p, b, x):
+        return functional_call(base, (p, b), (x,))
+
+    x = torch.randn(5, 8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.vmap(run, in_dims=(0, 0, None))(params, buffers, x)
+        grads = torch.vmap(torch.func.grad(lambda p, b, x: run(p, b, x).pow(2).sum()), in_dims=(0, 0, None))(
+            params, buffers, x
+        )
+    torch.testing.assert_close(got, torch.stack([m(x) for m in models]).detach())
+    for i, m in enumerate(models):
+        m.zero_grad()
+        m(x).pow(2).sum().backward()
+        torch.testing.assert_close(grads["1.weight"][i], m[1].weight.grad)
