@@ -48,6 +48,7 @@ def functorch_on() -> bool:
 # Looked up once: the typed API asks on every call (transformed() took 0.19 us).
 _peek = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
 _VMAP = getattr(getattr(getattr(torch._C, "_functorch", None), "TransformType", None), "Vmap", None)
+_compiling = torch.compiler.is_compiling
 
 VMAP_RULES = False
 """Whether Keel's batching rules are in place (``_vmap.register`` sets it)."""
@@ -57,7 +58,6 @@ def vmap_on_top() -> bool:
     """True where the innermost ``torch.func`` transform is vmap and Keel's
     batching rules are in place (``_vmap``): there the ops batch themselves."""
     return VMAP_RULES and _peek is not None and (top := _peek()) is not None and top.key() == _VMAP
-_compiling = torch.compiler.is_compiling
 
 
 def transformed() -> bool:

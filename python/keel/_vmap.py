@@ -104,12 +104,13 @@ def _example_metas(args, dims):
     return out
 
 
-def _fold(name, call, check, args, dims, size):
+def _fold(name, call, check, names, args, dims, size):
     """`call` once on the examples' rows (:data:`SPECS`), after Keel's checks on
-    one example (`check`: the op's twin, on meta stand-ins; and one device).
+    one example (`check`: the op's twin, on meta stand-ins; and one device for
+    the arguments, `names` their schema names).
     Returns the outputs, batch dim first; empty ones where there are no examples."""
     how, rows, _, _ = SPECS[name]
-    device = one_device(name, zip([a.name for a in call._schema.arguments], args))
+    device = one_device(name, zip(names, args))
     metas = check(*_example_metas(args, dims))
     metas = metas if isinstance(metas, tuple) else (metas,)
     if size == 0:
@@ -139,12 +140,12 @@ def rule(name, call, check):
     """The batching rule of op `name` (`call`: the op or its twin; `check`: its
     twin, run on meta stand-ins), in ``torch.library.register_vmap``'s form."""
     single = len(call._schema.returns) == 1
+    names = [a.name for a in call._schema.arguments]
 
-    def batched(info, in_dims, *args):
-        dims = list(in_dims) + [None] * (len(args) - len(in_dims))
+    def batched(info, dims, *args):
         size = info.batch_size
         if size == 0 or _foldable(name, args, dims):
-            outs = _fold(name, call, check, args, dims, size)
+            outs = _fold(name, call, check, names, args, dims, size)
         else:
             outs = _loop(call, args, dims, size)
         if single:
