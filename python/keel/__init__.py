@@ -79,6 +79,10 @@ from . import _vmap  # noqa: E402
 
 _vmap.register()
 
+from . import _dtensor  # noqa: E402
+
+_dtensor.register()
+
 from . import nn  # noqa: E402
 from .functional import (  # noqa: E402
     cross_entropy,
