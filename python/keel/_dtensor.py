@@ -26,7 +26,6 @@ autograd formulas call. ``torch.distributed.tensor`` takes 0.46 s to import
 been imported, or else right after it is.
 """
 import importlib.abc
-import importlib.util
 import sys
 import warnings
 
@@ -136,8 +135,8 @@ INPLACE_RULES = False
 def runs_ops_returning_nothing() -> bool:
     """Whether this torch's DTensor can run an op that returns nothing, as the
     in-place ops do. torch 2.10's cannot: its sharding propagation reads the
-    first return's type (``OpSchema.return_type_tensor``: IndexError); 2.12's
-    can (2.11 not tried)."""
+    first return's type (``OpSchema.return_type_tensor``: IndexError); 2.11's
+    to 2.15's can (tested)."""
     from torch.distributed.tensor._op_schema import OpSchema
 
     try:
@@ -172,20 +171,30 @@ def _register_or_warn() -> None:
 
 class _AfterImport(importlib.abc.MetaPathFinder):
     """Registers the rules once ``torch.distributed.tensor`` has been imported:
-    it finds the module's spec as the other finders would, and wraps its loader's
-    ``exec_module``."""
+    its spec comes from the finders after this one, with the loader's
+    ``exec_module`` wrapped. The finder stays in place until the module has run,
+    so a spec that is only looked up (``importlib.util.find_spec``, to test
+    whether it exists) and never executed does not use it up."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname != _MODULE:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         run = spec.loader.exec_module
 
         def exec_module(module):
             run(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
             _register_or_warn()
 
         spec.loader.exec_module = exec_module

@@ -338,8 +338,14 @@ print(all(op in rules for op in ops))
 
 @pytest.mark.parametrize(
     "first",
-    ["import keel", "import torch.distributed.tensor; import keel", "import keel; assert 'torch.distributed.tensor' not in sys.modules"],
-    ids=["keel-first", "dtensor-first", "keel-imports-no-dtensor"],
+    [
+        "import keel",
+        "import torch.distributed.tensor; import keel",
+        "import keel; assert 'torch.distributed.tensor' not in sys.modules",
+        # A spec looked up and not executed (a test of whether it exists) leaves the hook in place.
+        "import keel, importlib.util; assert importlib.util.find_spec('torch.distributed.tensor')",
+    ],
+    ids=["keel-first", "dtensor-first", "keel-imports-no-dtensor", "spec-looked-up-first"],
 )
 def test_rules_registered_whichever_is_imported_first(first):
     """The rules are in place whether DTensor was imported before Keel or after
