@@ -20,8 +20,9 @@ Keel's ops work row by row, so each rank can run the kernel on its own rows:
 
 Every op also runs whole (every tensor replicated). DTensor picks among these
 the one that moves the least data, and moves the arguments there first (a
-``Partial`` input is reduced, a tensor sharded on its last dim resharded). Registered for each op and its ``_nograd`` twin, which the
-autograd formulas call. ``torch.distributed.tensor`` takes 0.46 s to import
+``Partial`` input is reduced, a tensor sharded on its last dim resharded).
+Registered for each op and its ``_nograd`` twin, which the autograd formulas
+call. ``torch.distributed.tensor`` takes 0.46 s to import
 (measured), so Keel does not import it: the rules are registered where it has
 been imported, or else right after it is.
 """
@@ -31,7 +32,7 @@ import warnings
 
 import torch
 
-from ._common import nograd
+from ._common import INPLACE, nograd
 
 _MODULE = "torch.distributed.tensor"
 
@@ -154,7 +155,7 @@ def register_now() -> None:
 
     INPLACE_RULES = runs_ops_returning_nothing()
     for name in OUTPUTS:
-        inplace = name.endswith("_")
+        inplace = name in INPLACE
         if inplace and not INPLACE_RULES:
             continue
         for target in [name] if inplace else [name, nograd(name)]:

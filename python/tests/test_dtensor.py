@@ -18,6 +18,7 @@ import torch
 
 import keel
 from conftest import assert_close
+from keel._common import INPLACE
 
 WORLD = 2
 F32 = torch.float32
@@ -251,16 +252,13 @@ def _worker(rank, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,))
+    jobs = {name: functools.partial(_run_case, fn=fn, inputs=inputs) for name, (fn, inputs, _) in _cases().items()}
+    jobs.update(SPECIAL)
     results = {}
-    for name, (fn, inputs, _) in _cases().items():
+    for name, job in jobs.items():
         try:
-            results[name] = _run_case(mesh, fn, inputs)
+            results[name] = job(mesh)
         except Exception:  # both ranks raise alike: the error is reported by the case's test
-            results[name] = traceback.format_exc()
-    for name, fn in SPECIAL.items():
-        try:
-            results[name] = fn(mesh)
-        except Exception:
             results[name] = traceback.format_exc()
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
@@ -289,9 +287,10 @@ def _compare(found, scale=4.0):
 
 @pytest.mark.parametrize("name", sorted(_cases().keys()) if torch.distributed.is_available() else [])
 def test_sharded_call_matches_the_whole_call(results, name):
-    if name.split("-")[0].endswith("_") and not _inplace_rules():
+    op = name.split("-")[0]
+    if op in INPLACE and not _inplace_rules():
         # torch 2.10: DTensor cannot run an op that returns nothing; no rule, and its error names the op.
-        assert isinstance(results[name], str) and f"keel.{name.split('-')[0]}.default does not have a sharding" in results[name]
+        assert isinstance(results[name], str) and f"keel.{op}.default does not have a sharding" in results[name]
         return
     _check_placements(_compare(results[name]), _cases()[name][2])
 
