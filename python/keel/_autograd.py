@@ -273,7 +273,7 @@ def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing
         g = mean_over(g, w_t.sum())
     g = torch.where(live, g, 0.0)
     c, s = x.shape[1], label_smoothing
-    gw = torch.zeros_like(w).index_add_(0, t, g * (1.0 - s) * d)
+    gw = _by_class(w, t, g * (1.0 - s) * d)
     # lse - x_c, each of the size of the loss's terms (W lse - x @ w would leak
     # the logits' offset into the smoothing term, 2^-24 of it in float32).
     if s != 0 and not torch.is_grad_enabled() and type(x) is torch.Tensor and not _twice._compiling():
@@ -289,8 +289,15 @@ def _ce_class_weight_grad(grad, x, target, w, lse, ignore_index, label_smoothing
         smooth = minus @ w if reduction == "mean" else None
     if reduction == "mean":
         mean = class_weighted(d, smooth if s != 0 else None, w, target, ignore_index, s, "mean")
-        gw = gw - torch.zeros_like(w).index_add_(0, t, torch.where(live, g * mean, 0.0))
+        gw = gw - _by_class(w, t, torch.where(live, g * mean, 0.0))
     return gw
+
+
+def _by_class(w, t, v):
+    """``v`` (one value per row) added up by the rows' class ``t``, shaped like
+    `w`. A ``scatter_add``, not ``index_add_``, which torch 2.10's DTensor has no
+    sharding rule for."""
+    return torch.zeros_like(w).scatter_add(0, t, v)
 
 
 def _shifted_dot(x, lse, live, rows=None, cols=None):
