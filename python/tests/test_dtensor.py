@@ -131,18 +131,57 @@ def _cases():
         )
     logits, target, cw = _x(12, 50, seed=6), torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(7)), _x(50, seed=8).abs()
     target[3] = -100
+    rows = {"logits": (logits, Shard(0), True), "target": (target, Shard(0), False)}
+    # "mean" by the typed API: the rows' losses summed on each rank, the logits not gathered.
     loss = {"none": (Shard(0),), "sum": P, "mean": R}
     for reduction, placed in loss.items():
-        dlogits = R if reduction == "mean" else (Shard(0),)
         out[f"cross_entropy-{reduction}"] = (
             lambda logits, target, weight, r=reduction: keel.cross_entropy(logits, target, reduction=r, weight=weight, label_smoothing=0.1),
-            {"logits": (logits, Shard(0), True), "target": (target, Shard(0), False), "weight": (cw, None, False)},
-            {"out0": placed, "dlogits": dlogits},
+            {**rows, "weight": (cw, None, False)},
+            {"out0": placed, "dlogits": (Shard(0),)},
         )
-    out["cross_entropy_with_lse-none"] = (
-        lambda logits, target: keel.cross_entropy_with_lse(logits, target, reduction="none"),
-        {"logits": (logits, Shard(0), True), "target": (target, Shard(0), False)},
-        {"out0": (Shard(0),), "out1": (Shard(0),), "dlogits": (Shard(0),)},
+    out["cross_entropy-mean-no-weight"] = (lambda logits, target: keel.cross_entropy(logits, target), rows, {"out0": R, "dlogits": (Shard(0),)})
+    out["cross_entropy-mean-weight-grad"] = (
+        lambda logits, target, weight: keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1),
+        {**rows, "weight": (cw, None, True)},
+        {"out0": R, "dlogits": (Shard(0),), "dweight": P},
+    )
+    probs = torch.softmax(_x(12, 50, seed=9), -1)
+    out["cross_entropy-mean-probabilities"] = (
+        lambda logits, target, weight: keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1),
+        {"logits": (logits, Shard(0), True), "target": (probs, Shard(0), True), "weight": (cw, None, False)},
+        {"out0": R, "dlogits": (Shard(0),), "dtarget": (Shard(0),)},
+    )
+    # bfloat16: the rows' losses rounded before they are added up (the op adds them in float32).
+    out["cross_entropy-mean-bfloat16"] = (
+        lambda logits, target, weight: keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1),
+        {"logits": (logits.bfloat16(), Shard(0), True), "target": (target, Shard(0), False), "weight": (cw, None, False)},
+        {"out0": R, "dlogits": (Shard(0),)},
+    )
+    ignored = torch.full_like(target, -100)
+    out["cross_entropy-mean-all-ignored"] = (
+        lambda logits, target: keel.cross_entropy(logits, target),
+        {"logits": (logits, Shard(0), True), "target": (ignored, Shard(0), False)},
+        {"out0": R, "dlogits": (Shard(0),)},
+    )
+    # [N, V, d] logits, classes in dim 1, sharded on N (the rows' order differs
+    # from the [N d, V] rows the typed API runs them as).
+    out["cross_entropy-mean-classes-in-dim-1"] = (
+        lambda logits, target: keel.cross_entropy(logits, target),
+        {"logits": (_x(4, 50, 3, seed=10), Shard(0), True), "target": (target.reshape(4, 3), Shard(0), False)},
+        {"out0": R, "dlogits": (Shard(0),)},
+    )
+    for reduction in ("none", "mean"):
+        out[f"cross_entropy_with_lse-{reduction}"] = (
+            lambda logits, target, r=reduction: keel.cross_entropy_with_lse(logits, target, reduction=r),
+            rows,
+            {"out0": loss[reduction], "out1": (Shard(0),), "dlogits": (Shard(0),)},
+        )
+    # The op itself runs "mean" whole (the kernel divides by its rows' weight).
+    out["ops.cross_entropy-mean"] = (
+        lambda logits, target: torch.ops.keel.cross_entropy(logits, target),
+        rows,
+        {"out0": R, "dlogits": R},
     )
     # The backward ops called directly, and the in-place ops (no gradient).
     out["ops.rms_norm_backward-shard1"] = (
@@ -236,7 +275,43 @@ def _compiled(mesh):
     )
 
 
+def _mean_collectives(mesh):
+    """The collectives of a cross-entropy "mean" (forward and backward) of logits
+    sharded on their rows, by the typed API and by the op itself, as
+    ``CommDebugMode`` counts them: name -> count."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    found = {}
+    target = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(7))
+    for key, fn in (("typed", keel.cross_entropy), ("op", torch.ops.keel.cross_entropy)):
+        logits = distribute_tensor(_x(12, 50, seed=6), mesh, [Shard(0)]).requires_grad_()
+        t = distribute_tensor(target, mesh, [Shard(0)])
+        with CommDebugMode() as comms:
+            fn(logits, t).backward()
+        found[key] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+    return found
+
+
+def _compiled_mean(mesh):
+    """``torch.compile(fullgraph=True)`` of the typed API's cross-entropy "mean"
+    of logits sharded on their rows (:func:`keel._dtensor.sharded_mean`)."""
+    from torch.distributed.tensor import Shard
+
+    def f(logits, target, weight):
+        return keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1)
+
+    target = torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(7))
+    return _run_case(
+        mesh,
+        torch.compile(f, backend="aot_eager", fullgraph=True),
+        {"logits": (_x(12, 50, seed=6), Shard(0), True), "target": (target, Shard(0), False), "weight": (_x(50, seed=8).abs(), None, True)},
+    )
+
+
 SPECIAL = {
+    "compiled-cross_entropy-mean": _compiled_mean,
+    "cross_entropy-mean-collectives": _mean_collectives,
     "rms_norm-partial-input": _partial_input,
     "keel.nn.RMSNorm-SequenceParallel": _sequence_parallel,
     "compiled": _compiled,
@@ -277,11 +352,13 @@ def results():
 
 
 def _compare(found, scale=4.0):
+    """Each result as the plain call's (NaN where it is NaN); returns the placements."""
     assert not isinstance(found, str), found
     got, want, placements = found
     assert got.keys() == want.keys()
     for key in got:
-        assert_close(got[key], want[key], F32, scale=scale)
+        assert torch.equal(got[key].isnan(), want[key].isnan()), key
+        assert_close(got[key].nan_to_num(), want[key].nan_to_num(), want[key].dtype, scale=scale)
     return placements
 
 
@@ -358,7 +435,19 @@ def test_rules_registered_whichever_is_imported_first(first):
 
 
 def test_compiled_graph_of_keel_ops_on_dtensors(results):
-    from torch.distributed.tensor import Partial, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     placements = _compare(results["compiled"])
     _check_placements(placements, {"out0": (Shard(1),), "dx": (Shard(1),), "dw": (Partial(),)})
+    placements = _compare(results["compiled-cross_entropy-mean"])
+    _check_placements(placements, {"out0": (Replicate(),), "dlogits": (Shard(0),), "dweight": (Partial(),)})
+
+
+def test_cross_entropy_mean_gathers_no_logits(results):
+    """The typed API's "mean" of logits sharded on their rows reduces two
+    numbers and gathers nothing; the op itself gathers the logits (a check that
+    the count sees a gather)."""
+    found = results["cross_entropy-mean-collectives"]
+    assert not isinstance(found, str), found
+    assert found["typed"] == {"all_reduce": 1}, found
+    assert found["op"].get("all_gather_into_tensor", 0) > 0, found
