@@ -139,14 +139,17 @@ def sharded_mean(fn, logits, target, ignore_index, label_smoothing, weight):
     ``keel.cross_entropy_with_lse``) of `logits` sharded on their rows
     (:func:`rows_sharded`) without gathering them: ``fn`` with ``"none"`` on each
     rank's rows; the sum of those losses over the weight of the rows (the
-    targets' class weights, or 1 each, of the rows not ignored; with
-    probabilities, the row count, as torch's), both summed across the ranks in
-    one reduction of two numbers, in float32 (float64 for float64 losses). The
-    loss is whole on every rank (``Replicate``), as the op's would be; the
+    targets' class weights, or 1 each, of the rows not ignored), both summed
+    across the ranks in one reduction of two numbers, in float32 (float64 for
+    float64 losses); with probabilities, the sum over the row count, as torch's.
+    The loss is whole on every rank (``Replicate``), as the op's would be; the
     gradients of the logits come out sharded as they are. Where all rows are
     ignored it is NaN, as torch's. The ``"none"`` losses are rounded to their
-    dtype before they are added up: for 16-bit logits the loss can differ from
-    the op's, which adds them up in float32, in its last bit."""
+    dtype before they are added up, and each row's gradient, ``1 / weight``,
+    before the backward kernel reads it (as torch's own 16-bit backward rounds
+    it): for 16-bit logits the loss and the gradients can differ from the
+    op's, which keep both in float32, in their last bit or two (bfloat16
+    ``[12, 50]``: the same loss, gradients within 2^-7 of each other's)."""
     kw = {} if weight is None else {"weight": weight}
     out = fn(logits, target, ignore_index, label_smoothing, "none", **kw)
     losses = out[0] if isinstance(out, tuple) else out

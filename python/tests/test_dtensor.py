@@ -141,6 +141,11 @@ def _cases():
             {"out0": placed, "dlogits": (Shard(0),)},
         )
     out["cross_entropy-mean-no-weight"] = (lambda logits, target: keel.cross_entropy(logits, target), rows, {"out0": R, "dlogits": (Shard(0),)})
+    out["keel.nn.CrossEntropyLoss-mean"] = (
+        lambda logits, target: keel.nn.CrossEntropyLoss(label_smoothing=0.1)(logits, target),
+        rows,
+        {"out0": R, "dlogits": (Shard(0),)},
+    )
     out["cross_entropy-mean-weight-grad"] = (
         lambda logits, target, weight: keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1),
         {**rows, "weight": (cw, None, True)},
