@@ -163,6 +163,16 @@ def _cases():
         {"logits": (logits.bfloat16(), Shard(0), True), "target": (target, Shard(0), False), "weight": (cw, None, False)},
         {"out0": R, "dlogits": (Shard(0),)},
     )
+    out["cross_entropy-mean-autocast"] = (
+        lambda logits, target: _autocast(keel.cross_entropy, logits, target, label_smoothing=0.1),
+        {"logits": (logits.bfloat16(), Shard(0), True), "target": (target, Shard(0), False)},
+        {"out0": R, "dlogits": (Shard(0),)},
+    )
+    out["cross_entropy-mean-no-grad"] = (
+        lambda logits, target: _no_grad(keel.cross_entropy, logits, target),
+        {"logits": (logits, Shard(0), False), "target": (target, Shard(0), False)},
+        {"out0": R},
+    )
     ignored = torch.full_like(target, -100)
     out["cross_entropy-mean-all-ignored"] = (
         lambda logits, target: keel.cross_entropy(logits, target),
@@ -217,6 +227,16 @@ def _cases():
         {"out0": [R, (Shard(0),), (Shard(1),)]},
     )
     return out
+
+
+def _autocast(fn, *args, **kwargs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return fn(*args, **kwargs)
+
+
+def _no_grad(fn, *args, **kwargs):
+    with torch.no_grad():
+        return fn(*args, **kwargs)
 
 
 def _in_place_norm(input, residual, weight):
