@@ -25,7 +25,15 @@ cross-entropy; an example of another rank than the op's), the rule calls the op
 once per example and stacks the results, as torch's fallback does, without
 its warning. The norms' backward ops have no rule: their weight gradients sum
 over the rows, so over the examples too, and torch's per-example fallback
-serves them. The in-place ops have none either: torch raises there.
+serves them.
+
+The in-place ops (``INPLACE_SPECS``), which torch's fallback refuses (it takes
+no op that writes its arguments), write the examples' rows in place in one call
+(the batch dim moved to the front of a view of the tensor written; rotary's
+merged into its batch dim where a view allows, else once an example), or once
+an example where a weight, cos or sin differs between examples. A tensor they
+write must be batched where another argument is, as for torch's own in-place
+ops: each example's result needs a place of its own.
 
 The rule runs below the vmap level (the op's autograd kernel sees plain
 tensors, so gradients through ``torch.vmap`` of a Keel op use Keel's backward,
@@ -188,7 +196,9 @@ def _direct(batched, call):
         with torch._C._ExcludeDispatchKeyGuard(below):
             if size is None:  # nothing batched at this level
                 return call(*plain)
-            outs, out_dims = batched(_Info(size), dims, *plain)
+            outs, out_dims = batched(_Info(size), dims, *plain) or (None, None)
+        if outs is None:  # an in-place op: it wrote the batched tensors
+            return None
         if isinstance(outs, tuple):
             return tuple(_add_batch_dim(o, d, level) for o, d in zip(outs, out_dims))
         return _add_batch_dim(outs, out_dims, level)
@@ -196,11 +206,83 @@ def _direct(batched, call):
     return kernel
 
 
+# In-place op -> (written, params, rank): the positions of the tensors it
+# writes (rows: the first is the one whose examples' rank counts) and of its
+# per-feature tensors, and the rank of an example of the first written tensor
+# that one call folds into its first dim (None: the op takes any leading dims).
+INPLACE_SPECS = {
+    "fused_add_rms_norm_": ((0, 1), (2,), None),
+    "rotary_embedding_": ((0,), (1, 2), 4),
+}
+
+
+def _merged(t, rank):
+    """`t` (batch dim first) with the batch dim merged into the next as a
+    view (writes to it reach `t`), or None where no view can (the op is then
+    called once an example) or where an example is not of `rank` dims."""
+    if t.dim() != rank + 1:
+        return None
+    try:
+        return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
+    except RuntimeError:
+        return None
+
+
+def inplace_rule(name, call):
+    """The batching rule of in-place op `name` (`call`: the op), in
+    ``torch.library.register_vmap``'s form; it returns nothing, as the op."""
+    written, params, rank = INPLACE_SPECS[name]
+    names = [a.name for a in call._schema.arguments]
+
+    def batched(info, dims, *args):
+        for i in written:
+            if dims[i] is None:
+                raise RuntimeError(
+                    f"keel::{name}: argument '{names[i]}' is written in place, so under vmap it must be batched "
+                    "where another argument is (each example's result needs a place of its own), as for "
+                    "torch's own in-place ops"
+                )
+        one_device(name, zip(names, args))
+        call(*_example_metas(args, dims))  # Keel's checks, on one example's meta stand-ins
+        if info.batch_size == 0:
+            return None
+        moved = list(args)
+        for i in written:
+            moved[i] = args[i].movedim(dims[i], 0)  # a view: the op writes through it
+        if all(dims[i] is None for i in params if i < len(args)):
+            if rank is None:
+                call(*moved)
+                return None
+            merged = _merged(moved[written[0]], rank)
+            if merged is not None:
+                moved[written[0]] = merged
+                call(*moved)
+                return None
+        _each_example(call, args, dims, info.batch_size)
+        return None
+
+    return batched
+
+
+def _each_example(call, args, dims, size):
+    """In-place `call` once an example, on views of the batched tensors."""
+    for b in range(size):
+        call(*[a if d is None else a.select(d, b) for a, d in zip(args, dims)])
+
+
 def register() -> None:
     """Registers the batching rule of each op in :data:`SPECS` and of its
-    ``_nograd`` twin."""
+    ``_nograd`` twin, and of each in :data:`INPLACE_SPECS` (only where this
+    torch has functorch's internals that :func:`_direct` uses: 2.10 to 2.15
+    have)."""
     global _LIB
     _LIB = torch.library.Library("keel", "IMPL")
+    for name in INPLACE_SPECS:
+        call = getattr(torch.ops.keel, name).default
+        try:
+            _LIB.impl(name, _direct(inplace_rule(name, call), call), "FuncTorchBatched")
+        except (AttributeError, ImportError):
+            pass
     for name in SPECS:
         twin = getattr(torch.ops.keel, nograd(name)).default
         for target in (name, nograd(name)):

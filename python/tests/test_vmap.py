@@ -289,3 +289,98 @@ def test_model_ensemble_with_stacked_parameters():
         m.zero_grad()
         m(x).pow(2).sum().backward()
         torch.testing.assert_close(grads["1.weight"][i], m[1].weight.grad)
+
+
+def _fused_add_(x, r, w, eps=1e-6, round_before_weight=False):
+    keel.fused_add_rms_norm_(x, r, w, eps, round_before_weight=round_before_weight)
+    return x, r
+
+
+def _rotary_(q, cos, sin, interleaved=False):
+    keel.rotary_embedding_(q, cos, sin, interleaved)
+    return q
+
+
+def _in_place_cases(device):
+    """(fn, args, in_dims, one call): the in-place ops through the typed API,
+    the tensors they write batched on dim 0 or on another dim."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    x, r, w = rand(B, 4, 16), rand(B, 4, 16), rand(16)
+    q, cs, sn = rand(B, 2, 5, 3, 16), rand(5, 4), rand(5, 4)
+    return {
+        "fused_add_rms_norm_": (_fused_add_, (x, r, w), (0, 0, None), True),
+        "fused_add_rms_norm_-no-weight-dims-1-and-0": (_fused_add_, (x.transpose(0, 1).contiguous(), r, None), (1, 0, None), True),
+        "fused_add_rms_norm_-round-before-weight": (
+            lambda a, b, c: _fused_add_(a, b, c, round_before_weight=True),
+            (x.bfloat16(), r.bfloat16(), w.bfloat16()),
+            (0, 0, None),
+            True,
+        ),
+        "fused_add_rms_norm_-batched-weight": (_fused_add_, (x, r, rand(B, 16)), (0, 0, 0), False),
+        "rotary_embedding_": (_rotary_, (q, cs, sn), (0, None, None), True),
+        "rotary_embedding_-interleaved": (lambda a, c, s: _rotary_(a, c, s, True), (q, cs, sn), (0, None, None), True),
+        # The batch dim inside: no view merges it into the batch, so one call an example.
+        "rotary_embedding_-batch-dim-2": (_rotary_, (q.movedim(0, 2).contiguous(), cs, sn), (2, None, None), False),
+        "rotary_embedding_-batched-cos": (_rotary_, (q, rand(B, 5, 4), sn), (0, 0, None), False),
+    }
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("name", sorted(_in_place_cases("cpu")))
+def test_in_place_ops_write_the_per_example_bits(name, device, monkeypatch):
+    """vmap over the in-place ops (torch's fallback refuses ops that write their
+    arguments): the tensors written hold the per-example calls' bits, in one
+    call where the per-feature tensors are shared and a view folds the batch."""
+    fn, args, in_dims, one_call = _in_place_cases(device)[name]
+    want = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    for k in range(B):
+        fn(*[a if d is None else a.select(d, k) for a, d in zip(want, in_dims)])
+    got = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    calls = []
+    each = _vmap._each_example
+    monkeypatch.setattr(_vmap, "_each_example", lambda *a: calls.append(1) or each(*a))
+    out = torch.vmap(fn, in_dims=in_dims)(*got)
+    assert len(calls) == (not one_call)
+    for g, w in zip(got, want):
+        if isinstance(g, torch.Tensor):
+            _assert_equal(g, w)
+    # vmap returns the written tensor with the batch dim first.
+    _assert_equal(out[0] if isinstance(out, tuple) else out, want[0].movedim(in_dims[0], 0))
+
+
+def test_in_place_ops_under_vmap_refuse_an_unbatched_tensor_they_write():
+    x, r, w = torch.randn(B, 4, 16), torch.randn(4, 16), torch.randn(16)
+    written = r.clone()
+    with pytest.raises(RuntimeError, match="keel::fused_add_rms_norm_: argument 'residual' is written in place, so under vmap it must be batched"):
+        torch.vmap(_fused_add_, in_dims=(0, None, None))(x, r, w)
+    _assert_equal(r, written)
+    q, cs = torch.randn(2, 5, 3, 16), torch.randn(B, 5, 4)
+    with pytest.raises(RuntimeError, match="keel::rotary_embedding_: argument 'x' is written in place"):
+        torch.vmap(_rotary_, in_dims=(None, 0, None))(q, cs, torch.randn(5, 4))
+
+
+def test_in_place_ops_under_vmap_check_first_and_take_no_examples():
+    x, r = torch.randn(B, 4, 16), torch.randn(B, 4, 16)
+    with pytest.raises(RuntimeError, match=r"keel::fused_add_rms_norm_: argument 'weight' must have shape \[16\]"):
+        torch.vmap(_fused_add_, in_dims=(0, 0, None))(x, r, torch.randn(15))
+    with pytest.raises(RuntimeError, match=r"keel::rotary_embedding_: argument 'x' must have 4 dims"):
+        torch.vmap(_rotary_, in_dims=(0, None, None))(torch.randn(B, 5, 3, 16), torch.randn(5, 4), torch.randn(5, 4))
+    e = torch.randn(0, 4, 16)
+    got = torch.vmap(_fused_add_, in_dims=(0, 0, None))(e, e.clone(), torch.randn(16))
+    assert got[0].shape == (0, 4, 16)
+
+
+def test_nested_vmap_of_an_in_place_op(monkeypatch):
+    x, r, w = torch.randn(2, B, 4, 16), torch.randn(2, B, 4, 16), torch.randn(16)
+    want_x, want_r = x.clone(), r.clone()
+    for i in range(2):
+        for k in range(B):
+            keel.fused_add_rms_norm_(want_x[i, k], want_r[i, k], w)
+    monkeypatch.setattr(_vmap, "_each_example", None)  # any per-example call fails
+    torch.vmap(torch.vmap(_fused_add_, in_dims=(0, 0, None)), in_dims=(0, 0, None))(x, r, w)
+    _assert_equal(x, want_x)
+    _assert_equal(r, want_r)
