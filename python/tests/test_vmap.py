@@ -384,3 +384,15 @@ def test_nested_vmap_of_an_in_place_op(monkeypatch):
     torch.vmap(torch.vmap(_fused_add_, in_dims=(0, 0, None)), in_dims=(0, 0, None))(x, r, w)
     _assert_equal(x, want_x)
     _assert_equal(r, want_r)
+
+
+def test_compiled_vmap_of_an_in_place_op():
+    """``torch.compile(fullgraph=True)`` of vmap over an in-place op writes what
+    eager vmap writes (aot_eager; Inductor gave the same on 2.15, by hand)."""
+    x, r, w = torch.randn(B, 4, 16), torch.randn(B, 4, 16), torch.randn(16)
+    want_x, want_r = x.clone(), r.clone()
+    torch.vmap(_fused_add_, in_dims=(0, 0, None))(want_x, want_r, w)
+    f = torch.compile(torch.vmap(_fused_add_, in_dims=(0, 0, None)), fullgraph=True, backend="aot_eager")
+    f(x, r, w)
+    _assert_equal(x, want_x)
+    _assert_equal(r, want_r)
