@@ -18,7 +18,7 @@ Keel's ops work row by row, so each rank can run the kernel on its own rows:
   (``Partial``); ``"mean"`` divides by the weight of all ranks' rows, so the op
   runs it whole: every rank gathers the logits first. ``keel.cross_entropy``
   and ``keel.cross_entropy_with_lse`` (and so ``keel.nn.CrossEntropyLoss``) do
-  not call the op for it (:func:`sharded_mean`): they add up the ``"none"``
+  not call the op for it (``keel._sharded_mean``): they add up the ``"none"``
   losses of each rank's rows, and reduce that sum and the rows' weight across
   the ranks, two numbers.
 
@@ -121,65 +121,6 @@ def strategies(name, names, args, kwargs):
                 outs.append(Partial() if _is_spec(values.get(kind)) else Replicate())
         found.append((outs, inputs))
     return found
-
-
-def rows_sharded(logits) -> bool:
-    """Whether `logits` is a DTensor sharded on a dim other than the classes'
-    (dim 1, or 0 for ``[V]``): on its rows. False, with no import, where
-    ``torch.distributed.tensor`` has not been imported (no DTensor exists)."""
-    module = sys.modules.get(_MODULE)
-    if module is None or not isinstance(logits, module.DTensor):
-        return False
-    classes = 1 if logits.ndim > 1 else 0
-    return any(p.is_shard() and p.dim % logits.ndim != classes for p in logits.placements)
-
-
-def sharded_mean(fn, logits, target, ignore_index, label_smoothing, weight):
-    """``fn(..., reduction="mean")`` (``keel.cross_entropy`` or
-    ``keel.cross_entropy_with_lse``) of `logits` sharded on their rows
-    (:func:`rows_sharded`) without gathering them: ``fn`` with ``"none"`` on each
-    rank's rows; the sum of those losses over the weight of the rows (the
-    targets' class weights, or 1 each, of the rows not ignored), both summed
-    across the ranks in one reduction of two numbers, in float32 (float64 for
-    float64 losses); with probabilities, the sum over the row count, as torch's.
-    The loss is whole on every rank (``Replicate``), as the op's would be; the
-    gradients of the logits come out sharded as they are. Where all rows are
-    ignored it is NaN, as torch's. The ``"none"`` losses are rounded to their
-    dtype before they are added up, and each row's gradient, ``1 / weight``,
-    before the backward kernel reads it (as torch's own 16-bit backward rounds
-    it): for 16-bit logits the loss and the gradients can differ from the
-    op's, which keep both in float32, in their last bit or two (bfloat16
-    ``[12, 50]``: the same loss, gradients within 2^-7 of each other's)."""
-    kw = {} if weight is None else {"weight": weight}
-    out = fn(logits, target, ignore_index, label_smoothing, "none", **kw)
-    losses = out[0] if isinstance(out, tuple) else out
-    acc = torch.promote_types(losses.dtype, torch.float32)
-    total = losses.to(acc).sum()
-    if target.dtype.is_floating_point:  # probabilities: torch's mean is over the rows
-        loss = _whole(total) / losses.numel()
-    else:
-        kept = target != ignore_index
-        if weight is None:
-            count = kept.to(acc).sum()
-        else:
-            # In the dtype the op reads them in: the losses' (`_common.ce_weight_dtype`).
-            # An embedding, not `w[target]`: DTensor takes its backward (Partial,
-            # no gather) where it gathers the target for an index's, and where
-            # torch 2.10's fails (index_put: "shape mismatch").
-            w = weight.to(losses.dtype).to(acc)[:, None]
-            picked = torch.nn.functional.embedding(torch.where(kept, target, 0), w).squeeze(-1)
-            count = torch.where(kept, picked, 0).sum()
-        both = _whole(torch.stack([total, count]))
-        loss = both[0] / both[1]
-    loss = loss.to(losses.dtype)
-    return (loss, out[1]) if isinstance(out, tuple) else loss
-
-
-def _whole(t):
-    """DTensor `t` replicated on every rank (a ``Partial`` sum reduced)."""
-    from torch.distributed.tensor import Replicate
-
-    return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
 
 
 def _rule(name, overload):

@@ -320,7 +320,7 @@ def _mean_collectives(mesh):
 
 def _compiled_mean(mesh):
     """``torch.compile(fullgraph=True)`` of the typed API's cross-entropy "mean"
-    of logits sharded on their rows (:func:`keel._dtensor.sharded_mean`)."""
+    of logits sharded on their rows (:func:`keel._sharded_mean.sharded_mean`)."""
     from torch.distributed.tensor import Shard
 
     def f(logits, target, weight):
