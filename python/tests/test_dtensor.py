@@ -334,7 +334,39 @@ def _compiled_mean(mesh):
     )
 
 
+def _two_dim_mesh(mesh):
+    """A ``[1, 2]`` mesh (data x tensor parallel, the second dim over both
+    ranks): rms_norm's rows sharded on two dims at once, and cross-entropy's
+    "mean" of logits sharded on their rows along the second mesh dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh2 = init_device_mesh("cpu", (1, WORLD))
+    got, want, placements = {}, {}, {}
+    x, w = _x(6, 8, 64), _x(64, seed=1)
+    dx = distribute_tensor(x, mesh2, [Shard(0), Shard(1)]).requires_grad_()
+    dw = distribute_tensor(w, mesh2, [Replicate(), Replicate()]).requires_grad_()
+    y = keel.rms_norm(dx, dw)
+    (y * y).sum().backward()
+    px, pw = x.clone().requires_grad_(), w.clone().requires_grad_()
+    plain = keel.rms_norm(px, pw)
+    (plain * plain).sum().backward()
+    for key, d, p in (("rms_norm", y, plain), ("rms_norm-dinput", dx.grad, px.grad), ("rms_norm-dweight", dw.grad, pw.grad)):
+        got[key], want[key], placements[key] = d.full_tensor(), p, _placements(d)
+    logits, target = _x(12, 50, seed=6), torch.randint(0, 50, (12,), generator=torch.Generator().manual_seed(7))
+    dl = distribute_tensor(logits, mesh2, [Replicate(), Shard(0)]).requires_grad_()
+    loss = keel.cross_entropy(dl, distribute_tensor(target, mesh2, [Replicate(), Shard(0)]), label_smoothing=0.1)
+    loss.backward()
+    pl = logits.clone().requires_grad_()
+    want_loss = keel.cross_entropy(pl, target, label_smoothing=0.1)
+    want_loss.backward()
+    for key, d, p in (("cross_entropy-mean", loss, want_loss), ("cross_entropy-mean-dlogits", dl.grad, pl.grad)):
+        got[key], want[key], placements[key] = d.full_tensor(), p, _placements(d)
+    return got, want, placements
+
+
 SPECIAL = {
+    "two-dim-mesh": _two_dim_mesh,
     "compiled-cross_entropy-mean": _compiled_mean,
     "cross_entropy-mean-collectives": _mean_collectives,
     "rms_norm-partial-input": _partial_input,
@@ -476,3 +508,21 @@ def test_cross_entropy_mean_gathers_no_logits(results):
     assert not isinstance(found, str), found
     assert found["typed"] == {"all_reduce": 1}, found
     assert found["op"].get("all_gather_into_tensor", 0) > 0, found
+
+
+def test_two_dim_mesh(results):
+    """Rules and the sharded "mean" on a ``[1, 2]`` mesh: the rows sharded on
+    dims 0 and 1 at once; the loss replicated, the logits' gradient sharded."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    placements = _compare(results["two-dim-mesh"])
+    _check_placements(
+        placements,
+        {
+            "rms_norm": (Shard(0), Shard(1)),
+            "rms_norm-dinput": (Shard(0), Shard(1)),
+            "rms_norm-dweight": (Partial(), Partial()),
+            "cross_entropy-mean": (Replicate(), Replicate()),
+            "cross_entropy-mean-dlogits": (Replicate(), Shard(0)),
+        },
+    )
