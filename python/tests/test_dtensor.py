@@ -365,7 +365,35 @@ def _two_dim_mesh(mesh):
     return got, want, placements
 
 
+def _fsdp2(mesh):
+    """FSDP2 (``fully_shard``: parameters sharded as DTensors, gathered for each
+    module's forward and backward, gradients reduce-scattered and averaged) of
+    a small model with ``keel.nn.RMSNorm`` and ``keel.cross_entropy``, each
+    rank on its half of the batch, against the plain model on the whole batch."""
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), keel.nn.RMSNorm(32), torch.nn.Linear(32, 64))
+    with torch.no_grad():
+        model[1].weight.copy_(_x(32, seed=1))
+    plain = copy.deepcopy(model)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, target = _x(8, 16, seed=2), torch.randint(0, 64, (8,), generator=torch.Generator().manual_seed(3))
+    half = slice(4 * torch.distributed.get_rank(), 4 * torch.distributed.get_rank() + 4)
+    keel.cross_entropy(model(x[half]), target[half]).backward()
+    keel.cross_entropy(plain(x), target).backward()  # the mean over all 8 rows: the ranks' means averaged
+    got, want, placements = {}, {}, {}
+    for (name, p), (_, q) in zip(model.named_parameters(), plain.named_parameters()):
+        got[name], want[name], placements[name] = p.grad.full_tensor(), q.grad, _placements(p.grad)
+    return got, want, placements
+
+
 SPECIAL = {
+    "fsdp2": _fsdp2,
     "two-dim-mesh": _two_dim_mesh,
     "compiled-cross_entropy-mean": _compiled_mean,
     "cross_entropy-mean-collectives": _mean_collectives,
@@ -526,3 +554,10 @@ def test_two_dim_mesh(results):
             "cross_entropy-mean-dlogits": (Replicate(), Shard(0)),
         },
     )
+
+
+def test_fsdp2_of_keel_modules_matches_the_plain_model(results):
+    from torch.distributed.tensor import Shard
+
+    placements = _compare(results["fsdp2"])
+    assert placements and all(p == (Shard(0),) for p in placements.values()), placements
