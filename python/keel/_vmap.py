@@ -136,9 +136,14 @@ def _fold(name, call, check, names, args, dims, size):
     return tuple(o.view(size, *m.shape) for o, m in zip(outs, metas))
 
 
+def _example_args(args, dims, b):
+    """The arguments of example `b`: each batched tensor's view of it."""
+    return [a if d is None else a.select(d, b) for a, d in zip(args, dims)]
+
+
 def _loop(call, args, dims, size):
     """`call` once an example, the results stacked: the vmap fallback's way."""
-    results = [call(*[a if d is None else a.select(d, b) for a, d in zip(args, dims)]) for b in range(size)]
+    results = [call(*_example_args(args, dims, b)) for b in range(size)]
     if isinstance(results[0], tuple):
         return tuple(torch.stack(r) for r in zip(*results))
     return (torch.stack(results),)
@@ -206,22 +211,21 @@ def _direct(batched, call):
     return kernel
 
 
-# In-place op -> (written, params, rank): the positions of the tensors it
-# writes (rows: the first is the one whose examples' rank counts) and of its
-# per-feature tensors, and the rank of an example of the first written tensor
-# that one call folds into its first dim (None: the op takes any leading dims).
+# In-place op -> (written, params, merge): the positions of the tensors it
+# writes and of its per-feature tensors, and whether one call needs the batch
+# dim merged into the first written tensor's first dim (an op of a fixed rank,
+# rotary's [batch, seq, heads, head_dim]) rather than taking it as one more
+# leading dim.
 INPLACE_SPECS = {
-    "fused_add_rms_norm_": ((0, 1), (2,), None),
-    "rotary_embedding_": ((0,), (1, 2), 4),
+    "fused_add_rms_norm_": ((0, 1), (2,), False),
+    "rotary_embedding_": ((0,), (1, 2), True),
 }
 
 
-def _merged(t, rank):
+def _merged(t):
     """`t` (batch dim first) with the batch dim merged into the next as a
     view (writes to it reach `t`), or None where no view can (the op is then
-    called once an example) or where an example is not of `rank` dims."""
-    if t.dim() != rank + 1:
-        return None
+    called once an example)."""
     try:
         return t.view(t.shape[0] * t.shape[1], *t.shape[2:])
     except RuntimeError:
@@ -231,7 +235,7 @@ def _merged(t, rank):
 def inplace_rule(name, call):
     """The batching rule of in-place op `name` (`call`: the op), in
     ``torch.library.register_vmap``'s form; it returns nothing, as the op."""
-    written, params, rank = INPLACE_SPECS[name]
+    written, params, merge = INPLACE_SPECS[name]
     names = [a.name for a in call._schema.arguments]
 
     def batched(info, dims, *args):
@@ -246,16 +250,13 @@ def inplace_rule(name, call):
         call(*_example_metas(args, dims))  # Keel's checks, on one example's meta stand-ins
         if info.batch_size == 0:
             return None
-        moved = list(args)
-        for i in written:
-            moved[i] = args[i].movedim(dims[i], 0)  # a view: the op writes through it
         if all(dims[i] is None for i in params if i < len(args)):
-            if rank is None:
-                call(*moved)
-                return None
-            merged = _merged(moved[written[0]], rank)
-            if merged is not None:
-                moved[written[0]] = merged
+            moved = list(args)
+            for i in written:
+                moved[i] = args[i].movedim(dims[i], 0)  # a view: the op writes through it
+            if merge:  # the op's checks above gave the example its rank
+                moved[written[0]] = _merged(moved[written[0]])
+            if moved[written[0]] is not None:
                 call(*moved)
                 return None
         _each_example(call, args, dims, info.batch_size)
@@ -267,7 +268,7 @@ def inplace_rule(name, call):
 def _each_example(call, args, dims, size):
     """In-place `call` once an example, on views of the batched tensors."""
     for b in range(size):
-        call(*[a if d is None else a.select(d, b) for a, d in zip(args, dims)])
+        call(*_example_args(args, dims, b))
 
 
 def register() -> None:
