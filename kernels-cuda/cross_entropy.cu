@@ -7,7 +7,8 @@
 //     lse - (1 - ls) x[t] - ls * mean(x); 0 for an ignored row, NaN for a bad
 //     target (outside [0, cols) and not ignore_index). One read of the row:
 //     max, sum of exp and sum together (online softmax). When lse is not
-//     null, lse[row] = the row's log-sum-exp (0 for ignored and bad rows).
+//     null, lse[row] = the row's log-sum-exp (0 for ignored and bad rows;
+//     -inf for a row of -inf only, as torch.logsumexp: row_lse).
 //     With weights: (1 - ls) w[t] (lse - x[t]) + ls / cols (W lse - sum(w x)),
 //     W = sum(w), sum(w x) and W from the same read of the row (w beside it).
 //     The sums over the row are of x - c, c = x[0] (0 where that is not
@@ -42,6 +43,11 @@
 using namespace keel;
 
 __device__ __forceinline__ bool bad_target(int64_t t, int cols) { return t < 0 || t >= cols; }
+
+// The log-sum-exp from the row's max m and log(sum of exp(x - m)): -inf for a
+// row of -inf only (as torch.logsumexp), whose sum is NaN (exp(-inf - -inf));
+// its loss stays NaN, as torch's.
+__device__ __forceinline__ float row_lse(float m, float ln_s) { return m == -INFINITY ? m : m + ln_s; }
 
 // The weight of a row's class t (in range): w[t], or 1 without weights.
 template <typename T>
@@ -109,7 +115,7 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
         const float ln_s = logf(sums.x);
         const float hit = (bm - to_f32(xr[t])) + ln_s;  // lse - x[t]
         loss[row] = (1.f - ls) * to_f32(w[t]) * hit + ls / cols * (sums.z * ((bm - c) + ln_s) - sums.y);
-        if (lse) lse[row] = bm + ln_s;
+        if (lse) lse[row] = row_lse(bm, ln_s);
       }
       continue;
     }
@@ -122,7 +128,7 @@ __device__ __forceinline__ void ce_rows(const T* __restrict__ x, const int64_t* 
       const float hit = (ms.x - to_f32(xr[t])) + ln_s;
       const float spread = ls > 0.f ? (ms.x - c) + ln_s - sx / cols : 0.f;
       loss[row] = class_weight(w, t) * ((1.f - ls) * hit + ls * spread);
-      if (lse) lse[row] = ms.x + ln_s;
+      if (lse) lse[row] = row_lse(ms.x, ln_s);
     }
   }
 }
@@ -284,7 +290,7 @@ __device__ __forceinline__ void ce_probs_rows(const T* __restrict__ x, const P* 
       const float ln_s = logf(sums.x);
       const float lc = (bm - c) + ln_s;  // lse - c
       loss[row] = w ? sums.z * lc - sums.y : (1.f - ls) * (sums.z * lc - sums.y) + ls * (lc - sums.w / cols);
-      if (lse) lse[row] = bm + ln_s;
+      if (lse) lse[row] = row_lse(bm, ln_s);
     }
   }
 }

@@ -295,3 +295,37 @@ fn shifted_rows<T: Tol>(bound: f64) {
         }
     }
 }
+
+/// A row of `-inf` only: its lse is `-inf`, as `torch.logsumexp`'s (not the
+/// NaN of `max + ln(sum(exp(x - max)))`), and its loss NaN, as torch's; the
+/// row beside it keeps its values. Class indices with and without label
+/// smoothing and class weights, and probabilities, f32 and bf16.
+#[test]
+fn a_row_of_neg_inf_has_lse_neg_inf() {
+    use keel::ops::cross_entropy::forward_probs_cpu;
+    fn rows<T: Element>() -> Vec<T> {
+        let mut x = vec![T::from_f64(f64::NEG_INFINITY); 10];
+        x[5..].iter_mut().enumerate().for_each(|(i, v)| *v = T::from_f64(i as f64 * 0.5));
+        x
+    }
+    fn each<T: Element>() {
+        let x = rows::<T>();
+        let want = lse_ref(&x[5..]);
+        let w: Vec<T> = (0..5).map(|i| T::from_f64(0.5 + i as f64)).collect();
+        for (ls, weight) in [(0.0, None), (0.1, None), (0.1, Some(&w[..]))] {
+            let opts = Options { ignore_index: IGNORE, label_smoothing: ls, reduction: Reduction::None };
+            let (mut out, mut lse) = ([T::from_f64(0.0); 2], [T::Acc::from_f64(0.0); 2]);
+            forward_cpu(&x, &[1, 2], weight, &mut out, Some(&mut lse), 5, opts, Par::Seq).unwrap();
+            assert_eq!(lse[0].to_f64(), f64::NEG_INFINITY, "ls {ls} weighted {}", weight.is_some());
+            assert!((lse[1].to_f64() - want).abs() < 1e-6, "{} vs {want}", lse[1].to_f64());
+            assert!(out[0].to_f64().is_nan() && out[1].to_f64().is_finite(), "losses {:?}", out.map(|v| v.to_f64()));
+        }
+        let p: Vec<T> = (0..10).map(|_| T::from_f64(0.2)).collect();
+        let (mut out, mut lse) = ([T::from_f64(0.0); 2], [T::Acc::from_f64(0.0); 2]);
+        forward_probs_cpu(&x, &p, None, &mut out, Some(&mut lse), 5, 0.0, Reduction::None, Par::Seq).unwrap();
+        assert_eq!(lse[0].to_f64(), f64::NEG_INFINITY, "probabilities");
+        assert!((lse[1].to_f64() - want).abs() < 1e-6 && out[0].to_f64().is_nan(), "probabilities");
+    }
+    each::<f32>();
+    each::<bf16>();
+}

@@ -351,7 +351,7 @@ fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T], w: Option<Weig
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
     let ln_s = s.to_f64().ln();
-    let lse = m.to_f64() + ln_s;
+    let lse = lse_of(m.to_f64(), ln_s);
     if let Some(w) = w {
         let mut loss = (1.0 - eps) * w.w[t].to_f64() * (lse - x[t].to_f64());
         if eps > 0.0 {
@@ -365,6 +365,18 @@ fn row_loss<T: Element>(x: &[T], t: usize, eps: f64, ahead: &[T], w: Option<Weig
         loss += eps * (ln_s - sum_map(x, |v| v - m).to_f64() / x.len() as f64);
     }
     [loss, lse]
+}
+
+/// A row's log-sum-exp from its max `m` and `ln s`, `s = sum(exp(x - m))`:
+/// `-inf` for a row of `-inf` only (as `torch.logsumexp`), whose `s` is NaN
+/// (`exp(-inf - -inf)`); its loss stays NaN, as torch's.
+#[inline(always)]
+pub(crate) fn lse_of(m: f64, ln_s: f64) -> f64 {
+    if m == f64::NEG_INFINITY {
+        m
+    } else {
+        m + ln_s
+    }
 }
 
 /// One row's gradient: `g (e / s - eps / v)`, minus `g (1 - eps)` at `t`;

@@ -28,7 +28,7 @@
 //! dot products from cache) and can hand back each row's `lse`; the backward
 //! takes that `lse` (or recomputes it) and writes the gradient in one pass
 //! over both rows. Nothing logits-sized is made but the gradient.
-use crate::cross_entropy::{check_rows, write_losses, Reduction, LSE_TRUSTED_BELOW};
+use crate::cross_entropy::{check_rows, lse_of, write_losses, Reduction, LSE_TRUSTED_BELOW};
 use crate::element::{Acc, Element};
 use crate::error::{check_len, Result};
 use crate::par::Par;
@@ -224,7 +224,7 @@ fn row_loss<T: Element, P: Element<Acc = T::Acc>>(
     let m = row_max(x, one);
     let s = exp_sum(x, one, m, ahead);
     let ln_s = s.to_f64().ln();
-    let lse = m.to_f64() + ln_s;
+    let lse = lse_of(m.to_f64(), ln_s);
     // f16 on x86: both rows widened by `vcvtph2ps` (exactly) for the sums,
     // as in the backward (`row_grad_into`): the software widening of
     // subnormal targets took the forward 213 ms at `[4096, 32000]` (bf16: 37).

@@ -86,6 +86,29 @@ def test_with_lse_matches_logsumexp_and_its_gradient(device, n, v):
 
 
 @pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_lse_of_a_row_of_neg_inf_is_neg_inf_as_logsumexps(device, label_smoothing):
+    """A row of -inf only (every class masked): its lse is -inf, as
+    torch.logsumexp's, not NaN; its loss NaN, as torch's; class indices, with and
+    without class weights, and probabilities."""
+    for dtype in dtypes_for(device):
+        x = make((3, 6), dtype, device, 0, 2.0)
+        x[1] = float("-inf")
+        t = torch.tensor([0, 2, 5], device=device)
+        w = torch.rand(6, device=device).to(dtype) + 0.5
+        probs = torch.softmax(make((3, 6), torch.float32, device, 1, 1.0), -1).to(dtype)
+        for target, weight in ((t, None), (t, w), (probs, None)):
+            loss, lse = keel.cross_entropy_with_lse(x, target, label_smoothing=label_smoothing, reduction="none", weight=weight)
+            torch.testing.assert_close(lse, torch.logsumexp(x.to(lse.dtype), -1), atol=1e-5, rtol=1e-5)
+            wt = None if weight is None else weight.double()
+            want_target = target.double() if target.dtype.is_floating_point else target
+            want = F.cross_entropy(x.double(), want_target, label_smoothing=label_smoothing, reduction="none", weight=wt)
+            assert loss[1].isnan() and want[1].isnan()
+            atol, rtol = TOL[dtype]
+            torch.testing.assert_close(loss[[0, 2]].double(), want[[0, 2]], atol=atol * 10, rtol=rtol * 2)
+
+
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gradients_of_large_logits_stay_exact(device, dtype):
     """Rows with large logits: the backward does not take exp(x - lse) from the
