@@ -20,7 +20,10 @@ Keel's ops work row by row, so each rank can run the kernel on its own rows:
   and ``keel.cross_entropy_with_lse`` (and so ``keel.nn.CrossEntropyLoss``) do
   not call the op for it (``keel._sharded_mean``): they add up the ``"none"``
   losses of each rank's rows, and reduce that sum and the rows' weight across
-  the ranks, two numbers.
+  the ranks, two numbers. Logits sharded on their classes (a tensor-parallel
+  vocabulary) need whole rows for the op, so the typed functions run them in
+  ``keel._vocab_parallel`` instead: each rank on its own classes, one
+  all-gather of a few numbers a row.
 
 Every op also runs whole (every tensor replicated). DTensor picks among these
 the one that moves the least data, and moves the arguments there first (a

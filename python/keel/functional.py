@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function
 
-from . import _autograd, _ce_forms, _sharded_mean, _twice
+from . import _autograd, _ce_forms, _sharded_mean, _twice, _vocab_parallel
 from ._common import ce_weight_dtype, heads_contiguous, nograd, rows_in_place
 
 # A tensor argument that overrides __torch_function__ (a subclass, torch.fx's
@@ -325,7 +325,10 @@ def cross_entropy(
             ``"sum"`` or ``"none"`` (``[N]`` losses; target's shape for the other layouts).
             A ``"mean"`` of ``DTensor`` logits sharded on their rows gathers no
             logits: the ranks reduce the sum of their rows' losses and their
-            weight (``keel._sharded_mean``).
+            weight (``keel._sharded_mean``). Nor, with any reduction, do
+            ``[N, V]`` logits sharded on their classes (``Shard(1)``, a
+            tensor-parallel vocabulary): one all-gather of a few numbers a row
+            (``keel._vocab_parallel``).
         weight: optional ``[V]`` float weight of each class, on ``logits``' device
             (keyword only), as torch's ``weight``: a row's loss is scaled by its
             target's weight, label smoothing weights each class's term, and
@@ -352,8 +355,12 @@ def cross_entropy(
     if _has_torch_function(logits, target, weight) and _overridden(logits, target, weight):
         kw = {} if weight is None else {"weight": weight}
         return _handle(cross_entropy, (logits, target, weight), logits, target, ignore_index, label_smoothing, reduction, **kw)
-    if reduction == "mean" and type(logits) is not Tensor and _sharded_mean.rows_sharded(logits):
-        return _sharded_mean.sharded_mean(cross_entropy, logits, target, ignore_index, label_smoothing, weight)
+    if type(logits) is not Tensor:
+        if (dim := _vocab_parallel.classes_sharded(logits, target, weight)) is not None:
+            args = (logits, target, ignore_index, label_smoothing, reduction, weight, dim)
+            return _vocab_parallel.vocab_parallel(_CE, *args)[0]
+        if reduction == "mean" and _sharded_mean.rows_sharded(logits):
+            return _sharded_mean.sharded_mean(cross_entropy, logits, target, ignore_index, label_smoothing, weight)
     if _probabilities(logits, target):
         _ce_forms.check_probabilities(_CE, logits, target, ignore_index, weight, label_smoothing, reduction)
         return _as_cross_entropy(_ce_forms.probabilities, logits, target, weight, label_smoothing, reduction)[0]
@@ -477,8 +484,12 @@ def cross_entropy_with_lse(
         kw = {} if weight is None else {"weight": weight}
         args = (logits, target, ignore_index, label_smoothing, reduction)
         return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
-    if reduction == "mean" and type(logits) is not Tensor and _sharded_mean.rows_sharded(logits):
-        return _sharded_mean.sharded_mean(cross_entropy_with_lse, logits, target, ignore_index, label_smoothing, weight)
+    if type(logits) is not Tensor:
+        if (dim := _vocab_parallel.classes_sharded(logits, target, weight)) is not None:
+            args = (logits, target, ignore_index, label_smoothing, reduction, weight, dim)
+            return _vocab_parallel.vocab_parallel("keel::cross_entropy_with_lse", *args)
+        if reduction == "mean" and _sharded_mean.rows_sharded(logits):
+            return _sharded_mean.sharded_mean(cross_entropy_with_lse, logits, target, ignore_index, label_smoothing, weight)
     if _probabilities(logits, target) and logits.dim() == 2 and (weight is not None or _other_pair(logits, target)):
         # Probabilities with class weights, or of another dtype than the op takes
         # beside these logits: as in cross_entropy (the op takes the weights where

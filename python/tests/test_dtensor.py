@@ -9,6 +9,7 @@ gave; the tests compare here, one a case.
 """
 import datetime
 import functools
+import importlib
 import os
 import tempfile
 import traceback
@@ -403,7 +404,10 @@ SPECIAL = {
 }
 
 
-def _worker(rank, tmp):
+def _worker(rank, tmp, module):
+    """One rank: every case of test module `module` (its ``_cases()`` and
+    ``SPECIAL``), the results saved by rank 0."""
+    cases = importlib.import_module(module)
     torch.set_num_threads(1)
     # A file store, not a TCP port: no port to collide with another run's.
     torch.distributed.init_process_group(
@@ -412,8 +416,8 @@ def _worker(rank, tmp):
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    jobs = {name: functools.partial(_run_case, fn=fn, inputs=inputs) for name, (fn, inputs, _) in _cases().items()}
-    jobs.update(SPECIAL)
+    jobs = {name: functools.partial(_run_case, fn=fn, inputs=inputs) for name, (fn, inputs, _) in cases._cases().items()}
+    jobs.update(cases.SPECIAL)
     results = {}
     for name, job in jobs.items():
         try:
@@ -429,11 +433,17 @@ def _worker(rank, tmp):
     torch.distributed.destroy_process_group()
 
 
+def spawn_results(module):
+    """Each case of test module `module` run on WORLD processes: name -> result
+    (or the traceback of its error)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.start_processes(_worker, args=(tmp, module), nprocs=WORLD, start_method="spawn")
+        return torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
+
+
 @pytest.fixture(scope="module")
 def results():
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(_worker, args=(tmp,), nprocs=WORLD, start_method="spawn")
-        return torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
+    return spawn_results(__name__)
 
 
 def _compare(found, scale=4.0):

@@ -1,0 +1,262 @@
+"""Cross-entropy of DTensor logits sharded on their classes (``keel._vocab_parallel``):
+two CPU processes (gloo) on a ``[2]`` mesh, as in ``test_dtensor.py``; each
+case's whole loss, lse and logits' gradient must match the same Keel call on
+the plain tensors in one process (``keel.cross_entropy`` there matches torch's
+in ``test_cross_entropy.py``), with the loss ``Replicate`` and the gradient
+sharded on the classes, and the collectives one all-gather (no logits
+gathered).
+"""
+import functools
+import os
+
+import pytest
+import torch
+
+import keel
+from test_dtensor import WORLD, _check_placements, _compare, _placements, _run_case, _x, spawn_results
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="torch.distributed with gloo is not available in this torch build",
+    ),
+    pytest.mark.skipif("KEEL_QEMU_PYTHON" in os.environ, reason="under qemu-user: the sharded path is Python, tested natively"),
+]
+
+CLASSES = 52  # 26 on each rank; UNEVEN gives them 26 and 25
+UNEVEN = 51
+
+
+def _autocast(fn, *args, **kwargs):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return fn(*args, **kwargs)
+
+
+def _plain_target(fn):
+    """`fn` with the target as a plain tensor (every rank's the same), as
+    ``loss_parallel`` takes it."""
+    from torch.distributed.tensor import DTensor
+
+    def call(logits, target, **kw):
+        return fn(logits, target.full_tensor() if isinstance(target, DTensor) else target, **kw)
+
+    return call
+
+
+@functools.lru_cache(maxsize=None)
+def _cases():
+    """Case name -> (fn, inputs, expected placements of the outputs and gradients)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    R, S = (Replicate(),), (Shard(1),)
+    g = torch.Generator().manual_seed(7)
+    logits, target = _x(12, CLASSES, seed=6) * 3, torch.randint(0, CLASSES, (12,), generator=g)
+    target[3] = -100
+    cw = torch.rand(CLASSES, generator=g) + 0.1
+    inputs = {"logits": (logits, Shard(1), True), "target": (target, None, False)}
+    weighted = {**inputs, "weight": (cw, None, False)}
+    out = {}
+    for reduction in ("none", "sum", "mean"):
+        for ls in (0.0, 0.1):
+            out[f"cross_entropy-{reduction}-ls{ls}"] = (
+                lambda logits, target, r=reduction, ls=ls: keel.cross_entropy(logits, target, reduction=r, label_smoothing=ls),
+                inputs,
+                {"out0": R, "dlogits": S},
+            )
+            out[f"cross_entropy-{reduction}-ls{ls}-weight"] = (
+                lambda logits, target, weight, r=reduction, ls=ls: keel.cross_entropy(
+                    logits, target, reduction=r, label_smoothing=ls, weight=weight
+                ),
+                weighted,
+                {"out0": R, "dlogits": S},
+            )
+        # The lse's gradient too (a z-loss).
+        out[f"cross_entropy_with_lse-{reduction}"] = (
+            lambda logits, target, weight, r=reduction: keel.cross_entropy_with_lse(logits, target, reduction=r, label_smoothing=0.1, weight=weight),
+            weighted,
+            {"out0": R, "out1": R, "dlogits": S},
+        )
+    for dtype in (torch.bfloat16, torch.float64):
+        out[f"cross_entropy-mean-{dtype}"] = (
+            lambda logits, target, weight: keel.cross_entropy(logits, target, label_smoothing=0.1, weight=weight),
+            {**weighted, "logits": (logits.to(dtype), Shard(1), True), "weight": (cw.to(dtype), None, False)},
+            {"out0": R, "dlogits": S},
+        )
+    out["cross_entropy-mean-autocast"] = (
+        lambda logits, target: _autocast(keel.cross_entropy, logits, target, label_smoothing=0.1),
+        {**inputs, "logits": (logits.bfloat16(), Shard(1), True)},
+        {"out0": R, "dlogits": S},
+    )
+    # Classes split unevenly: torch 2.10's to_local backward gives the leaf
+    # DTensor's gradient Replicate there (a DTensor with 51 columns sharded by
+    # torch ops alone does the same); later torch keeps it sharded.
+    uneven = _x(12, UNEVEN, seed=6) * 3
+    out["cross_entropy-mean-uneven-classes"] = (
+        lambda logits, target, weight: keel.cross_entropy(logits, target, label_smoothing=0.1, weight=weight),
+        {"logits": (uneven, Shard(1), True), "target": (target.clamp(max=UNEVEN - 1), None, False), "weight": (cw[:UNEVEN], None, True)},
+        {"out0": R, "dlogits": [S, R], "dweight": R},
+    )
+    out["cross_entropy_with_lse-none-uneven-classes"] = (
+        lambda logits, target: keel.cross_entropy_with_lse(logits, target, reduction="none"),
+        {"logits": (uneven, Shard(1), True), "target": (target.clamp(max=UNEVEN - 1), None, False)},
+        {"out0": R, "out1": R, "dlogits": [S, R]},
+    )
+    out["cross_entropy-mean-plain-target"] = (_plain_target(keel.cross_entropy), inputs, {"out0": R, "dlogits": S})
+    out["keel.nn.CrossEntropyLoss"] = (
+        lambda logits, target, weight: keel.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1)(logits, target),
+        weighted,
+        {"out0": R, "dlogits": S},
+    )
+    out["cross_entropy-mean-all-ignored"] = (
+        lambda logits, target: keel.cross_entropy(logits, target),
+        {**inputs, "target": (torch.full_like(target, -100), None, False)},
+        {"out0": R, "dlogits": S},
+    )
+    # The second rank's classes all -inf (masked): its share of each row's
+    # probability is 0, and its gradient 0; with label smoothing the loss is
+    # infinite, as torch's.
+    masked = logits.clone()
+    masked[:, 26:] = float("-inf")
+    for ls in (0.0, 0.1):
+        out[f"cross_entropy-none-masked-rank-ls{ls}"] = (
+            lambda logits, target, ls=ls: keel.cross_entropy_with_lse(logits, target, reduction="none", label_smoothing=ls),
+            {"logits": (masked, Shard(1), True), "target": (target.clamp(0, 25), None, False)},
+            {"out0": R, "out1": R, "dlogits": S},
+        )
+    nan = logits.clone()
+    nan[2, 40] = float("nan")
+    out["cross_entropy-none-nan-logit"] = (
+        lambda logits, target: keel.cross_entropy(logits, target, reduction="none"),
+        {**inputs, "logits": (nan, Shard(1), True)},
+        {"out0": R, "dlogits": S},
+    )
+    out["cross_entropy-mean-no-grad"] = (
+        lambda logits, target: keel.cross_entropy(logits.detach(), target),
+        {**inputs, "logits": (logits, Shard(1), False)},
+        {"out0": R},
+    )
+    # Class weights that need a gradient: whole on every rank.
+    for reduction in ("none", "sum", "mean"):
+        for ls in (0.0, 0.1):
+            out[f"cross_entropy-{reduction}-ls{ls}-weight-grad"] = (
+                lambda logits, target, weight, r=reduction, ls=ls: keel.cross_entropy(
+                    logits, target, weight=weight, reduction=r, label_smoothing=ls
+                ),
+                {**weighted, "weight": (cw, None, True)},
+                {"out0": R, "dlogits": S, "dweight": R},
+            )
+    out["cross_entropy-mean-bfloat16-weight-grad"] = (
+        lambda logits, target, weight: keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1),
+        {**weighted, "logits": (logits.bfloat16(), Shard(1), True), "weight": (cw.bfloat16(), None, True)},
+        {"out0": R, "dlogits": S, "dweight": R},
+    )
+    # Not taken: the op itself runs whole (the logits gathered).
+    out["ops.cross_entropy-mean"] = (lambda logits, target: torch.ops.keel.cross_entropy(logits, target), inputs, {"out0": R})
+    return out
+
+
+def _collectives(mesh):
+    """What a cross-entropy "mean" of logits sharded on their classes (forward
+    and backward) sends, by the typed API and by the op, as ``CommDebugMode``
+    counts it: name -> count."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    found = {}
+    target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    for key, fn in (("typed", keel.cross_entropy), ("op", torch.ops.keel.cross_entropy)):
+        logits = distribute_tensor(_x(12, CLASSES, seed=6), mesh, [Shard(1)]).requires_grad_()
+        t = distribute_tensor(target, mesh, [Replicate()])
+        with CommDebugMode() as comms:
+            fn(logits, t).backward()
+        found[key] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+    return found
+
+
+def _bad_target(mesh):
+    """The error of a target out of range for the whole rows' classes (each
+    rank's own range would take it for another rank's)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    logits = distribute_tensor(_x(4, CLASSES, seed=6), mesh, [Shard(1)])
+    try:
+        keel.cross_entropy(logits, torch.tensor([0, CLASSES, 1, -100]))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def _two_dim_mesh(mesh):
+    """A ``[1, 2]`` mesh, the classes sharded along its second dim and the rows
+    replicated along the first."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh2 = init_device_mesh("cpu", (1, WORLD))
+    logits, target = _x(12, CLASSES, seed=6), torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    dl = distribute_tensor(logits, mesh2, [Replicate(), Shard(1)]).requires_grad_()
+    loss = keel.cross_entropy(dl, target, label_smoothing=0.1)
+    loss.backward()
+    pl = logits.clone().requires_grad_()
+    want = keel.cross_entropy(pl, target, label_smoothing=0.1)
+    want.backward()
+    got = {"out0": loss.full_tensor(), "dlogits": dl.grad.full_tensor()}
+    return got, {"out0": want, "dlogits": pl.grad}, {"out0": _placements(loss), "dlogits": _placements(dl.grad)}
+
+
+def _compiled(mesh):
+    """``torch.compile(fullgraph=True)`` (aot_eager) of the sharded path, with
+    class weights that need a gradient and label smoothing."""
+    from torch.distributed.tensor import Shard
+
+    def f(logits, target, weight):
+        return keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1)
+
+    target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    return _run_case(
+        mesh,
+        torch.compile(f, backend="aot_eager", fullgraph=True),
+        {"logits": (_x(12, CLASSES, seed=6), Shard(1), True), "target": (target, None, False), "weight": (_x(CLASSES, seed=8).abs(), None, True)},
+    )
+
+
+SPECIAL = {"collectives": _collectives, "bad-target": _bad_target, "two-dim-mesh": _two_dim_mesh, "compiled": _compiled}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn_results(__name__)
+
+
+@pytest.mark.parametrize("name", sorted(_cases().keys()) if torch.distributed.is_available() else [])
+def test_sharded_call_matches_the_whole_call(results, name):
+    _check_placements(_compare(results[name]), _cases()[name][2])
+
+
+def test_one_all_gather_and_no_logits_gathered(results):
+    """The typed API's forward and backward send one all-gather (of a few
+    numbers a row); the op itself gathers the logits (more than one)."""
+    found = results["collectives"]
+    assert not isinstance(found, str), found
+    assert found["typed"] == {"all_gather_into_tensor": 1}, found
+    assert found["op"].get("all_gather_into_tensor", 0) > 1, found
+
+
+def test_target_out_of_range_is_an_error_naming_it(results):
+    assert results["bad-target"] == (
+        f"keel::cross_entropy: argument 'target' holds {CLASSES} at row 1, out of range for {CLASSES} classes (and not ignore_index = -100)"
+    )
+
+
+def test_two_dim_mesh(results):
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = _compare(results["two-dim-mesh"])
+    _check_placements(placements, {"out0": (Replicate(), Replicate()), "dlogits": (Replicate(), Shard(1))})
+
+
+def test_compiled(results):
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = _compare(results["compiled"])
+    _check_placements(placements, {"out0": (Replicate(),), "dlogits": (Shard(1),), "dweight": (Replicate(),)})
