@@ -2,14 +2,13 @@
 sharded on their rows (``Shard(0)``) or their classes (``Shard(1)``, a
 tensor-parallel vocabulary): Keel's typed API, the op itself (which gathers the
 logits) and torch's ``F.cross_entropy`` (under ``loss_parallel`` for the classes),
-each on the same inputs in one run; prints the median times, each rank's peak RSS
-rise, and the ratios to torch.
+each on the same inputs in one run; prints the median times and the ratios to
+torch (torch's time over each call's: above 1, faster than torch).
 
     python examples/dtensor_cross_entropy.py [N V]   # default 4096 32000
 """
 import contextlib
 import datetime
-import resource
 import statistics
 import sys
 import tempfile
@@ -23,13 +22,8 @@ import keel
 ROUNDS = 5
 
 
-def _peak_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _time(fn):
-    """Median ms of `fn` over ROUNDS after one warm-up, and the peak RSS rise (MB)."""
-    base = _peak_mb()
+    """Median ms of `fn` over ROUNDS after one warm-up."""
     fn()
     times = []
     for _ in range(ROUNDS):
@@ -37,7 +31,7 @@ def _time(fn):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), _peak_mb() - base
+    return statistics.median(times)
 
 
 def _worker(rank, tmp, n, v):
@@ -51,8 +45,6 @@ def _worker(rank, tmp, n, v):
 
     mesh = init_device_mesh("cpu", (2,))
     target = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1))
-    # The order matters for the RSS column: the gathering calls (which raise the
-    # peak most) last.
     calls = {
         "keel.cross_entropy": (keel.cross_entropy, contextlib.nullcontext),
         "torch F.cross_entropy": (F.cross_entropy, None),
@@ -74,16 +66,16 @@ def _worker(rank, tmp, n, v):
                         loss.backward()
                     return loss
 
-                ms, mb = _time(step)
+                ms = _time(step)
                 loss = step().full_tensor().item()
-                rows.append((f"Shard({dim})", str(dtype).split(".")[1], name, ms, mb, loss))
+                rows.append((f"Shard({dim})", str(dtype).split(".")[1], name, ms, loss))
     if rank == 0:
         print(f"[{n}, {v}] logits over 2 gloo ranks, one torch thread each; forward + backward, median of {ROUNDS}")
-        print("| sharded | dtype | call | ms | peak MB | torch ms / ms | loss |")
-        print("|---|---|---|---|---|---|---|")
+        print("| sharded | dtype | call | ms | torch ms / ms | loss |")
+        print("|---|---|---|---|---|---|")
         torch_ms = {(r[0], r[1]): r[3] for r in rows if r[2].startswith("torch F")}
-        for s, dt, name, ms, mb, loss in rows:
-            print(f"| {s} | {dt} | {name} | {ms:.0f} | {mb:.0f} | {torch_ms[(s, dt)] / ms:.2f}x | {loss:.6f} |")
+        for s, dt, name, ms, loss in rows:
+            print(f"| {s} | {dt} | {name} | {ms:.0f} | {torch_ms[(s, dt)] / ms:.2f}x | {loss:.6f} |")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

@@ -201,7 +201,10 @@ class _VocabParallel(torch.autograd.Function):
                 dx.addr_(off, w_local, alpha=-1)
         w_col = 1.0 if w_local is None else w_local.to(acc)[col]
         at = s * torch.exp(x.gather(1, col[:, None])[:, 0].to(acc) - lse) - g * w_col * ((1.0 - eps) * mine.to(acc) + eps / classes)
-        dx.scatter_(1, col[:, None], torch.where(valid, at, 0).to(x.dtype)[:, None])
+        # index_put_, not scatter_: torch's CPU scatter_ of bfloat16 took 166 ms
+        # for 4096 values into [4096, 16000] (float32: 0.04; index_put_: 0.06).
+        rows = torch.arange(x.shape[0], device=x.device)
+        dx.index_put_((rows, col), torch.where(valid, at, 0).to(x.dtype))
         dw = None
         if ctx.needs_input_grad[2]:
             dw = _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, lo, group).to(w_dtype)
