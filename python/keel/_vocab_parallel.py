@@ -37,6 +37,7 @@ import torch
 from ._dtensor import _MODULE
 
 _16_BIT = (torch.float16, torch.bfloat16)
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def classes_sharded(logits, target, weight) -> Optional[int]:
@@ -45,6 +46,11 @@ def classes_sharded(logits, target, weight) -> Optional[int]:
     ``torch.distributed.tensor`` has not been imported (no DTensor exists)."""
     module = sys.modules.get(_MODULE)
     if module is None or not isinstance(logits, module.DTensor) or logits.ndim != 2:
+        return None
+    if torch.compiler.is_compiling() and _TORCH < (2, 15):
+        # Compiled (aot_eager) on torch 2.11, the logits' gradient came out 0:
+        # only 2.15 is known to compile this right (scripts/compat.sh, session
+        # 103); before it the op runs it (gathering the logits).
         return None
     if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or target.ndim != 1:
         return None

@@ -206,8 +206,13 @@ def _two_dim_mesh(mesh):
 
 def _compiled(mesh):
     """``torch.compile(fullgraph=True)`` (aot_eager) of the sharded path, with
-    class weights that need a gradient and label smoothing."""
+    class weights that need a gradient and label smoothing (torch 2.15 on)."""
     from torch.distributed.tensor import Shard
+
+    from keel import _vocab_parallel
+
+    if _vocab_parallel._TORCH < (2, 15):
+        return "not run"
 
     def f(logits, target, weight):
         return keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1)
@@ -257,6 +262,14 @@ def test_two_dim_mesh(results):
 
 def test_compiled(results):
     from torch.distributed.tensor import Replicate, Shard
+
+    from keel import _vocab_parallel
+
+    if _vocab_parallel._TORCH < (2, 15):
+        # torch 2.11 compiled the path with the logits' gradient 0, so before 2.15
+        # a compiled call goes to the op (which gathers; its own compiled case is
+        # in test_dtensor.py).
+        pytest.skip(f"the class-sharded path compiles from torch 2.15 on; this is {torch.__version__}")
 
     placements = _compare(results["compiled"])
     _check_placements(placements, {"out0": (Replicate(),), "dlogits": (Shard(1),), "dweight": (Replicate(),)})
