@@ -171,7 +171,7 @@ class _VocabParallel(torch.autograd.Function):
         elif reduction == "mean":
             loss = torch.where(over == 0, float("nan"), loss.sum() / over)
         ctx.save_for_backward(x, t, col, valid, mine, bad, w_t, w_local, lse_r, lse, over, hit, loss)
-        ctx.args = (eps, classes, reduction, w_all, lo, group, None if w is None else w.dtype)
+        ctx.args = (eps, classes, reduction, w_all, group, None if w is None else w.dtype)
         ctx.set_materialize_grads(False)
         return loss.to(out), torch.where(valid, lse, 0)
 
@@ -179,7 +179,7 @@ class _VocabParallel(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, g_lse):
         x, t, col, valid, mine, bad, w_t, w_local, lse_r, lse, over, hit, loss = ctx.saved_tensors
-        eps, classes, reduction, w_all, lo, group, w_dtype = ctx.args
+        eps, classes, reduction, w_all, group, w_dtype = ctx.args
         acc = lse.dtype
         zero = torch.zeros((), dtype=acc, device=x.device)
         g = zero if g_loss is None else g_loss.to(acc)
@@ -213,11 +213,11 @@ class _VocabParallel(torch.autograd.Function):
         dx.index_put_((rows, col), torch.where(valid, at, 0).to(x.dtype))
         dw = None
         if ctx.needs_input_grad[2]:
-            dw = _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, lo, group).to(w_dtype)
+            dw = _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, group).to(w_dtype)
         return dx, None, dw, *([None] * 8)
 
 
-def _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, lo, group):
+def _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, group):
     """The class weights' gradient, whole on every rank: ``sum_i g_i ((1 - eps)
     [t_i = c] (lse_i - x_it) + eps / V (lse_i - x_ic))`` (`g` each row's loss
     gradient, over the mean's divisor already), less ``g L`` times the rows of
