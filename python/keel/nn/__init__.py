@@ -1,6 +1,7 @@
 """Drop-in modules built on Keel's ops."""
 import numbers
-from typing import Optional, Sequence, Union
+import sys
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -9,7 +10,24 @@ from .._common import acc_of
 from ..functional import _dense, _handle, _has_torch_function, _overridden, cross_entropy, layer_norm, rms_norm, silu_and_mul
 from ._convert import convert
 
-__all__ = ["RMSNorm", "LlamaRMSNorm", "LayerNorm", "SwiGLU", "CrossEntropyLoss", "convert"]
+__all__ = ["RMSNorm", "LlamaRMSNorm", "LayerNorm", "SwiGLU", "GateUpColwiseParallel", "CrossEntropyLoss", "convert"]
+
+# torch.distributed.tensor takes 0.46 s to import: GateUpColwiseParallel, which
+# needs it, is loaded on first use (``__getattr__``), and SwiGLU looks for
+# DTensors only where that module has been imported.
+_DTENSOR = "torch.distributed.tensor"
+
+
+if TYPE_CHECKING:
+    from ._tensor_parallel import GateUpColwiseParallel
+
+
+def __getattr__(name: str):
+    if name == "GateUpColwiseParallel":
+        from ._tensor_parallel import GateUpColwiseParallel
+
+        return GateUpColwiseParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _shape(normalized_shape) -> tuple:
@@ -287,6 +305,12 @@ class SwiGLU(nn.Module):
     one ``[..., 2 * hidden]`` tensor. ``SwiGLU.from_linears(gate, up, down)`` converts
     an existing MLP (e.g. a Hugging Face ``LlamaMLP``'s ``gate_proj``, ``up_proj``,
     ``down_proj``) with the same result.
+
+    Tensor parallelism: :class:`keel.nn.GateUpColwiseParallel` on ``gate_up_proj``
+    (each rank holds its share of the gate rows and of the up rows) and torch's
+    ``RowwiseParallel`` on ``down_proj``. torch's plain ``ColwiseParallel`` on
+    ``gate_up_proj`` would give a rank gate rows or up rows only: the forward
+    refuses it with a RuntimeError.
     """
 
     def __init__(self, in_features: int, hidden_features: int, out_features: Optional[int] = None,
@@ -317,7 +341,38 @@ class SwiGLU(nn.Module):
         return m
 
     def forward(self, x: Tensor) -> Tensor:
+        if _DTENSOR in sys.modules:
+            return self._forward_dtensor(x)
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+    def _forward_dtensor(self, x: Tensor) -> Tensor:
+        """The forward where DTensors may be about (tensor parallelism): a fused
+        weight sharded on its rows in one piece is refused (each rank would
+        hold gate rows or up rows, not both), and the DTensor output of
+        :class:`GateUpColwiseParallel` (``use_local_output=False``) is gated
+        on each rank, with no collective."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        weight = self.gate_up_proj.weight
+        if isinstance(weight, DTensor):
+            for i, placement in enumerate(weight.placements):
+                if isinstance(placement, Shard) and placement.dim == 0 and weight.device_mesh.size(i) > 1:
+                    raise RuntimeError(
+                        "keel.nn.SwiGLU: gate_up_proj's weight is sharded on its rows in one piece (torch's "
+                        "ColwiseParallel?), so a rank holds gate rows or up rows, not both of a pair, and "
+                        "silu_and_mul would multiply the wrong halves; shard it with keel.nn.GateUpColwiseParallel()"
+                    )
+        h = self.gate_up_proj(x)
+        if isinstance(h, DTensor):
+            from ._tensor_parallel import is_halves
+
+            if is_halves(h.placements, h.dim() - 1):
+                local = silu_and_mul(h.to_local())
+                shape = (*h.shape[:-1], h.shape[-1] // 2)
+                h = DTensor.from_local(local, h.device_mesh, (Shard(h.dim() - 1),), run_check=False,
+                                       shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+                return self.down_proj(h)
+        return self.down_proj(silu_and_mul(h))
 
 
 class CrossEntropyLoss(nn.Module):

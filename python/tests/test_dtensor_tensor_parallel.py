@@ -1,0 +1,246 @@
+"""Tensor parallelism of ``keel.nn.SwiGLU`` (``keel.nn.GateUpColwiseParallel`` on
+its fused ``gate_up_proj``, torch's ``RowwiseParallel`` on ``down_proj``): two
+CPU processes (gloo) on a ``[2]`` mesh, as in ``test_dtensor.py``. Each rank's
+output and gradients must match the plain module's in one process (its output,
+the input's gradient, and each parameter's gradient rows that the rank holds);
+torch's plain ``ColwiseParallel`` on the fused projection, which would pair the
+wrong halves, must be refused.
+"""
+import copy
+import functools
+import os
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import keel
+import keel.nn
+from conftest import assert_close
+from test_dtensor import WORLD, _x, spawn_results
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+        reason="torch.distributed with gloo is not available in this torch build",
+    ),
+    pytest.mark.skipif("KEEL_QEMU_PYTHON" in os.environ, reason="under qemu-user: the parallel style is Python, tested natively"),
+]
+
+_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+IN, HIDDEN = 8, 16  # 8 hidden features on each rank
+
+
+def _module(bias, dtype=torch.float32):
+    torch.manual_seed(5)
+    return keel.nn.SwiGLU(IN, HIDDEN, bias=bias, dtype=dtype)
+
+
+def _rows(full, rank):
+    """The rows of a ``[2 * HIDDEN, ...]`` tensor (``[gate; up]``) that rank holds."""
+    n = HIDDEN // WORLD
+    return torch.cat([full[rank * n:(rank + 1) * n], full[HIDDEN + rank * n:HIDDEN + (rank + 1) * n]])
+
+
+def _plain(t):
+    """`t` waited for where it is the pending result of a collective
+    (``AsyncCollectiveTensor``), detached: what a test may save."""
+    return (t.wait() if hasattr(t, "wait") else t).detach()
+
+
+def _run(mesh, bias=True, local_output=True, dtype=torch.float32, compiled=False):
+    """The plain module and its parallel copy on the same input: name -> (got,
+    want) for the output, the input's gradient and each parameter's gradient
+    (the rank's rows of it)."""
+    rank = mesh.get_local_rank()
+    plain = _module(bias, dtype)
+    tp = parallelize_module(
+        copy.deepcopy(plain),
+        mesh,
+        {"gate_up_proj": keel.nn.GateUpColwiseParallel(use_local_output=local_output), "down_proj": RowwiseParallel()},
+    )
+    x = _x(2, 3, IN, seed=9).to(dtype)
+    xp, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    seed = _x(2, 3, IN, seed=10).to(dtype)
+    want = plain(xp)
+    want.backward(seed)
+    got = (torch.compile(tp, backend="aot_eager", fullgraph=True) if compiled else tp)(xt)
+    got.backward(seed)
+    found = {"out": (_plain(got), want.detach()), "dx": (xt.grad, xp.grad)}
+    for name, p in tp.named_parameters():
+        want_grad = dict(plain.named_parameters())[name].grad
+        local = p.grad.to_local()
+        found[f"d{name}"] = (local, _rows(want_grad, rank) if name.startswith("gate_up_proj") else
+                             want_grad.chunk(WORLD, -1)[rank] if name == "down_proj.weight" else want_grad)
+    return found
+
+
+def _naive_plan(mesh):
+    """torch's ColwiseParallel on the fused projection: the error."""
+    tp = parallelize_module(_module(False), mesh, {"gate_up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()})
+    try:
+        tp(_x(2, IN))
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def _bad_layouts(mesh):
+    """The errors of a hidden size the ranks do not divide, and of a module that is not a linear."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    found = {}
+    for name, module, m in (
+        ("uneven", torch.nn.Linear(IN, 2 * 5), mesh),
+        ("odd", torch.nn.Linear(IN, 2 * HIDDEN + 1), mesh),
+        ("not-linear", torch.nn.Embedding(4, 2 * HIDDEN), mesh),
+        ("2-d-mesh", torch.nn.Linear(IN, 2 * HIDDEN), init_device_mesh("cpu", (1, WORLD))),
+    ):
+        try:
+            parallelize_module(module, m, keel.nn.GateUpColwiseParallel())
+            found[name] = "no error"
+        except (ValueError, TypeError) as err:
+            found[name] = f"{type(err).__name__}: {err}"
+    return found
+
+
+def _collectives(mesh):
+    """What a forward and backward sends: name -> count (CommDebugMode)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    tp = parallelize_module(
+        _module(True), mesh, {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
+    )
+    x = _x(2, 3, IN, seed=9).requires_grad_()
+    with CommDebugMode() as comms:
+        tp(x).sum().backward()
+    return {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+
+
+def _sequence_parallel(mesh):
+    """Sequence parallelism: the input and output sharded on the sequence dim."""
+    from torch.distributed.tensor import Shard
+
+    rank = mesh.get_local_rank()
+    x = _x(2, 4, IN, seed=9)
+    plan = {
+        "gate_up_proj": keel.nn.GateUpColwiseParallel(input_layouts=Shard(1)),
+        "down_proj": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    plain = _module(True)
+    tp = parallelize_module(copy.deepcopy(plain), mesh, plan)
+    got = tp(x.chunk(WORLD, 1)[rank].contiguous())
+    return _plain(got), plain(x).chunk(WORLD, 1)[rank].detach()
+
+
+def _whole_weights(mesh):
+    """The state dict's weights gathered (``full_tensor``) after a training
+    step, against the plain module's after the same step."""
+    plain = _module(True)
+    tp = parallelize_module(
+        copy.deepcopy(plain), mesh, {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
+    )
+    x = _x(2, 3, IN, seed=9)
+    for module in (plain, tp):
+        opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+        module(x).square().sum().backward()
+        opt.step()
+    try:
+        got = {k: v.full_tensor() for k, v in tp.state_dict().items()}
+    except (AssertionError, ValueError) as err:  # torch 2.10's, 2.11's
+        return f"torch cannot gather it: {type(err).__name__}"
+    return got, plain.state_dict()
+
+
+SPECIAL = {
+    "plain-bias": functools.partial(_run, bias=True),
+    "plain-no-bias": functools.partial(_run, bias=False),
+    "dtensor-output": functools.partial(_run, local_output=False),
+    "bfloat16": functools.partial(_run, dtype=torch.bfloat16),
+    "compiled": functools.partial(_run, compiled=True),
+    "naive-plan": _naive_plan,
+    "bad-layouts": _bad_layouts,
+    "collectives": _collectives,
+    "sequence-parallel": _sequence_parallel,
+    "whole-weights": _whole_weights,
+}
+
+
+def _cases():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn_results(__name__)
+
+
+def _check(found, dtype=torch.float32):
+    assert not isinstance(found, str), found
+    for name, (got, want) in found.items():
+        assert got.shape == want.shape, name
+        assert_close(got, want, dtype), name
+
+
+@pytest.mark.parametrize("name", ["plain-bias", "plain-no-bias", "dtensor-output", "compiled"])
+def test_tensor_parallel_swiglu_matches_the_plain_module(results, name):
+    _check(results[name])
+
+
+def test_bfloat16(results):
+    _check(results["bfloat16"], torch.bfloat16)
+
+
+def test_sequence_parallel(results):
+    found = results["sequence-parallel"]
+    assert not isinstance(found, str), found
+    got, want = found
+    assert_close(got, want, torch.float32)
+
+
+def test_whole_weights_after_a_step(results):
+    found = results["whole-weights"]
+    if isinstance(found, str) and found.startswith("torch cannot gather it") and _TORCH < (2, 12):
+        # The DTensor of torch 2.10 and 2.11 cannot redistribute a _StridedShard
+        # tensor (training works: the other cases).
+        pytest.skip(f"torch {torch.__version__} cannot gather a _StridedShard tensor (full_tensor)")
+    assert not isinstance(found, str), found
+    got, want = found
+    assert got.keys() == want.keys()
+    for key in got:
+        assert_close(got[key], want[key], torch.float32), key
+
+
+def test_two_all_reduces_as_torch_plain_tensor_parallel_mlp(results):
+    """One all-reduce in the forward (down_proj's partial sums) and one in the
+    backward (the input's gradient), as torch's own ColwiseParallel and
+    RowwiseParallel pair sends: nothing gathered."""
+    assert results["collectives"] == {"all_reduce": 2}, results["collectives"]
+
+
+def test_torch_colwise_parallel_on_the_fused_projection_is_refused(results):
+    assert results["naive-plan"].startswith("keel.nn.SwiGLU: gate_up_proj's weight is sharded on its rows in one piece"), results["naive-plan"]
+    assert "keel.nn.GateUpColwiseParallel()" in results["naive-plan"]
+
+
+def test_bad_layouts(results):
+    found = results["bad-layouts"]
+    assert not isinstance(found, str), found
+    name = "keel.nn.GateUpColwiseParallel"
+    assert found["uneven"] == f"ValueError: {name}: the 5 hidden features (out_features / 2) must split evenly among the 2 ranks"
+    assert found["odd"] == f"ValueError: {name}: the linear's out_features (33) must be even: [gate; up], two halves"
+    assert found["not-linear"] == f"TypeError: {name}: shards an nn.Linear (a fused [gate; up] projection), got Embedding"
+    assert found["2-d-mesh"] == f"ValueError: {name}: needs a 1-D device mesh (the tensor-parallel dim), got 2 dims"
+
+
+def test_keel_nn_does_not_import_torch_distributed_tensor():
+    """GateUpColwiseParallel is loaded on first use: importing keel.nn does not
+    pay the 0.46 s of torch.distributed.tensor."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, keel.nn; assert 'torch.distributed.tensor' not in sys.modules; "
+        "keel.nn.GateUpColwiseParallel; assert 'torch.distributed.tensor' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
