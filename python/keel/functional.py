@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 from torch.overrides import handle_torch_function
 
-from . import _autograd, _ce_forms, _sharded_mean, _twice, _vocab_parallel
+from . import _autograd, _ce_forms, _gate_halves, _sharded_mean, _twice, _vocab_parallel
 from ._common import ce_weight_dtype, heads_contiguous, nograd, rows_in_place
 
 # A tensor argument that overrides __torch_function__ (a subclass, torch.fx's
@@ -216,9 +216,14 @@ def silu_and_mul(input: Tensor) -> Tensor:
     f32 math, one rounding. On CPUs, float16 and bfloat16 take an ``exp``
     within 3.2e-6 (relative) in the sigmoid, as torch's CPU kernels do for
     16-bit outputs: results within one unit in the last place. Differentiable.
+    A DTensor whose halves are sharded alike (the output of
+    :class:`keel.nn.GateUpColwiseParallel`) is gated on each rank, with no
+    collective (``keel._gate_halves``).
     """
     if _has_torch_function(input) and _overridden(input):
         return _handle(silu_and_mul, (input,), input)
+    if type(input) is not Tensor and _gate_halves.halves_sharded(input):
+        return _gate_halves.gated(silu_and_mul, input)
     return _call(_silu_and_mul, _SILU_AND_MUL, _twice.gated, input)
 
 
@@ -234,9 +239,13 @@ def gelu_and_mul(input: Tensor, approximate: str = _APPROXIMATE) -> Tensor:
     bfloat16 take an ``exp`` within 3.2e-6 (relative) where one is needed (the
     tanh form's sigmoid, the backward's pdf), as torch's CPU kernels do for 16-bit
     outputs: results within one unit in the last place. Differentiable.
+    A DTensor whose halves are sharded alike is gated on each rank, as by
+    :func:`silu_and_mul`.
     """
     if _has_torch_function(input) and _overridden(input):
         return _handle(gelu_and_mul, (input,), input, approximate)
+    if type(input) is not Tensor and _gate_halves.halves_sharded(input):
+        return _gate_halves.gated(gelu_and_mul, input, approximate)
     return _call(_gelu_and_mul, _GELU_AND_MUL, _twice.gated, input, approximate)
 
 

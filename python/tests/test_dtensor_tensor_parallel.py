@@ -36,6 +36,24 @@ def _module(bias, dtype=torch.float32):
     return keel.nn.SwiGLU(IN, HIDDEN, bias=bias, dtype=dtype)
 
 
+class GeGLU(torch.nn.Module):
+    """A GeGLU feed-forward of one's own (Gemma's): the fused projection, then
+    ``keel.gelu_and_mul`` on whatever it returns."""
+
+    def __init__(self, bias, dtype):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(IN, 2 * HIDDEN, bias=bias, dtype=dtype)
+        self.down_proj = torch.nn.Linear(HIDDEN, IN, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(keel.gelu_and_mul(self.gate_up_proj(x), "tanh"))
+
+
+def _geglu(bias, dtype=torch.float32):
+    torch.manual_seed(5)
+    return GeGLU(bias, dtype)
+
+
 def _rows(full, rank):
     """The rows of a ``[2 * HIDDEN, ...]`` tensor (``[gate; up]``) that rank holds."""
     n = HIDDEN // WORLD
@@ -48,12 +66,12 @@ def _plain(t):
     return (t.wait() if hasattr(t, "wait") else t).detach()
 
 
-def _run(mesh, bias=True, local_output=True, dtype=torch.float32, compiled=False):
+def _run(mesh, bias=True, local_output=True, dtype=torch.float32, compiled=False, make=_module):
     """The plain module and its parallel copy on the same input: name -> (got,
     want) for the output, the input's gradient and each parameter's gradient
     (the rank's rows of it)."""
     rank = mesh.get_local_rank()
-    plain = _module(bias, dtype)
+    plain = make(bias, dtype)
     tp = parallelize_module(
         copy.deepcopy(plain),
         mesh,
@@ -105,16 +123,50 @@ def _bad_layouts(mesh):
 
 
 def _collectives(mesh):
-    """What a forward and backward sends: name -> count (CommDebugMode)."""
+    """What a forward and backward sends, with the style's output local or a
+    DTensor: (local, DTensor) -> name -> count (CommDebugMode)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    tp = parallelize_module(
-        _module(True), mesh, {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
-    )
-    x = _x(2, 3, IN, seed=9).requires_grad_()
-    with CommDebugMode() as comms:
-        tp(x).sum().backward()
-    return {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+    found = {}
+    for local in (True, False):
+        tp = parallelize_module(
+            _module(True), mesh,
+            {"gate_up_proj": keel.nn.GateUpColwiseParallel(use_local_output=local), "down_proj": RowwiseParallel()},
+        )
+        x = _x(2, 3, IN, seed=9).requires_grad_()
+        with CommDebugMode() as comms:
+            tp(x).sum().backward()
+        found[local] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+    return found
+
+
+def _gated_directly(mesh):
+    """``keel.silu_and_mul`` and ``keel.gelu_and_mul`` of a DTensor whose halves
+    are sharded alike, made with ``distribute_tensor``: each rank's output and
+    input gradient against the plain call's, the output's placements, and the
+    collectives (none)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    rank = mesh.get_local_rank()
+    x, seed = _x(3, 2 * HIDDEN, seed=11), _x(3, HIDDEN, seed=12)
+    found = {}
+    for name, fn in (("silu", keel.silu_and_mul), ("gelu", functools.partial(keel.gelu_and_mul, approximate="tanh"))):
+        xp = x.clone().requires_grad_()
+        want = fn(xp)
+        want.backward(seed)
+        xd = distribute_tensor(x, mesh, [_StridedShard(1, split_factor=2)]).requires_grad_()
+        with CommDebugMode() as comms:
+            got = fn(xd)
+            got.to_local().backward(seed.chunk(WORLD, -1)[rank])
+        found[name] = {
+            "out": (got.to_local(), want.detach().chunk(WORLD, -1)[rank]),
+            "dx": (xd.grad.to_local(), _rows(xp.grad.t(), rank).t()),
+        }
+        found[f"{name}-placements"] = tuple(got.placements)
+        found[f"{name}-comms"] = dict(comms.get_comm_counts())
+    return found
 
 
 def _sequence_parallel(mesh):
@@ -158,6 +210,10 @@ SPECIAL = {
     "dtensor-output": functools.partial(_run, local_output=False),
     "bfloat16": functools.partial(_run, dtype=torch.bfloat16),
     "compiled": functools.partial(_run, compiled=True),
+    "compiled-dtensor-output": functools.partial(_run, compiled=True, local_output=False),
+    "geglu-dtensor-output": functools.partial(_run, local_output=False, make=_geglu),
+    "geglu-local-output": functools.partial(_run, make=_geglu),
+    "gated-directly": _gated_directly,
     "naive-plan": _naive_plan,
     "bad-layouts": _bad_layouts,
     "collectives": _collectives,
@@ -182,7 +238,11 @@ def _check(found, dtype=torch.float32):
         assert_close(got, want, dtype), name
 
 
-@pytest.mark.parametrize("name", ["plain-bias", "plain-no-bias", "dtensor-output", "compiled"])
+@pytest.mark.parametrize(
+    "name",
+    ["plain-bias", "plain-no-bias", "dtensor-output", "compiled", "compiled-dtensor-output", "geglu-dtensor-output",
+     "geglu-local-output"],
+)
 def test_tensor_parallel_swiglu_matches_the_plain_module(results, name):
     _check(results[name])
 
@@ -215,7 +275,20 @@ def test_two_all_reduces_as_torch_plain_tensor_parallel_mlp(results):
     """One all-reduce in the forward (down_proj's partial sums) and one in the
     backward (the input's gradient), as torch's own ColwiseParallel and
     RowwiseParallel pair sends: nothing gathered."""
-    assert results["collectives"] == {"all_reduce": 2}, results["collectives"]
+    assert results["collectives"] == {True: {"all_reduce": 2}, False: {"all_reduce": 2}}, results["collectives"]
+
+
+def test_gated_directly_on_each_rank(results):
+    """``keel.silu_and_mul`` / ``gelu_and_mul`` of halves sharded alike: each
+    rank's pairs, ``Shard(-1)`` out, nothing sent."""
+    from torch.distributed.tensor import Shard
+
+    found = results["gated-directly"]
+    assert not isinstance(found, str), found
+    for name in ("silu", "gelu"):
+        _check(found[name])
+        assert found[f"{name}-placements"] == (Shard(1),), found[f"{name}-placements"]
+        assert found[f"{name}-comms"] == {}, found[f"{name}-comms"]
 
 
 def test_torch_colwise_parallel_on_the_fused_projection_is_refused(results):

@@ -348,9 +348,9 @@ class SwiGLU(nn.Module):
     def _forward_dtensor(self, x: Tensor) -> Tensor:
         """The forward where DTensors may be about (tensor parallelism): a fused
         weight sharded on its rows in one piece is refused (each rank would
-        hold gate rows or up rows, not both), and the DTensor output of
-        :class:`GateUpColwiseParallel` (``use_local_output=False``) is gated
-        on each rank, with no collective."""
+        hold gate rows or up rows, not both). ``silu_and_mul`` gates the
+        DTensor output of :class:`GateUpColwiseParallel`
+        (``use_local_output=False``) on each rank."""
         from torch.distributed.tensor import DTensor, Shard
 
         weight = self.gate_up_proj.weight
@@ -362,17 +362,7 @@ class SwiGLU(nn.Module):
                         "ColwiseParallel?), so a rank holds gate rows or up rows, not both of a pair, and "
                         "silu_and_mul would multiply the wrong halves; shard it with keel.nn.GateUpColwiseParallel()"
                     )
-        h = self.gate_up_proj(x)
-        if isinstance(h, DTensor):
-            from ._tensor_parallel import is_halves
-
-            if is_halves(h.placements, h.dim() - 1):
-                local = silu_and_mul(h.to_local())
-                shape = (*h.shape[:-1], h.shape[-1] // 2)
-                h = DTensor.from_local(local, h.device_mesh, (Shard(h.dim() - 1),), run_check=False,
-                                       shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
-                return self.down_proj(h)
-        return self.down_proj(silu_and_mul(h))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class CrossEntropyLoss(nn.Module):

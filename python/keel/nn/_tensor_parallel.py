@@ -72,8 +72,8 @@ class GateUpColwiseParallel(ColwiseParallel):
     ``input_layouts`` (default ``Replicate()``; ``Shard(1)`` under sequence
     parallelism) and ``use_local_output`` are ``ColwiseParallel``'s. With
     ``use_local_output=False`` the output is a DTensor placed
-    ``_StridedShard(-1, split_factor=2)``, which ``keel.nn.SwiGLU`` runs
-    locally. Needs a 1-D mesh (the tensor-parallel one) and a hidden size
+    ``_StridedShard(-1, split_factor=2)``, which ``keel.silu_and_mul`` and
+    ``keel.gelu_and_mul`` gate on each rank. Needs a 1-D mesh (the tensor-parallel one) and a hidden size
     (``out_features / 2``) that its ranks divide evenly. Plain ``ColwiseParallel`` on the fused
     projection would pair the wrong halves: ``keel.nn.SwiGLU`` refuses it.
     """
@@ -116,11 +116,3 @@ class GateUpColwiseParallel(ColwiseParallel):
         module.forward = types.MethodType(_local_linear, module)
         return module
 
-
-def is_halves(placements, last: int) -> bool:
-    """Whether DTensor `placements` are the output of :class:`GateUpColwiseParallel`
-    (its one placement: `last`'s halves sharded alike)."""
-    return (
-        len(placements) == 1 and isinstance(placements[0], _StridedShard) and placements[0].dim == last
-        and placements[0].split_factor == 2
-    )
