@@ -66,17 +66,27 @@ def _plain(t):
     return (t.wait() if hasattr(t, "wait") else t).detach()
 
 
-def _run(mesh, bias=True, local_output=True, dtype=torch.float32, compiled=False, make=_module):
+def _run(mesh, bias=True, local_output=True, dtype=torch.float32, compiled=False, make=_module, fsdp=False):
     """The plain module and its parallel copy on the same input: name -> (got,
     want) for the output, the input's gradient and each parameter's gradient
-    (the rank's rows of it)."""
+    (the rank's rows of it). `fsdp`: FSDP2's ``fully_shard`` over the tensor
+    parallelism, on a ``(dp, tp)`` mesh of ``(1, WORLD)`` (so each rank's
+    FSDP shard is its whole tensor-parallel one)."""
     rank = mesh.get_local_rank()
     plain = make(bias, dtype)
+    if fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh2 = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+        mesh = mesh2["tp"]
     tp = parallelize_module(
         copy.deepcopy(plain),
         mesh,
         {"gate_up_proj": keel.nn.GateUpColwiseParallel(use_local_output=local_output), "down_proj": RowwiseParallel()},
     )
+    if fsdp:
+        fully_shard(tp, mesh=mesh2["dp"])
     x = _x(2, 3, IN, seed=9).to(dtype)
     xp, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
     seed = _x(2, 3, IN, seed=10).to(dtype)
@@ -214,6 +224,7 @@ SPECIAL = {
     "geglu-dtensor-output": functools.partial(_run, local_output=False, make=_geglu),
     "geglu-local-output": functools.partial(_run, make=_geglu),
     "gated-directly": _gated_directly,
+    "fsdp2": functools.partial(_run, fsdp=True),
     "naive-plan": _naive_plan,
     "bad-layouts": _bad_layouts,
     "collectives": _collectives,
@@ -241,7 +252,7 @@ def _check(found, dtype=torch.float32):
 @pytest.mark.parametrize(
     "name",
     ["plain-bias", "plain-no-bias", "dtensor-output", "compiled", "compiled-dtensor-output", "geglu-dtensor-output",
-     "geglu-local-output"],
+     "geglu-local-output", "fsdp2"],
 )
 def test_tensor_parallel_swiglu_matches_the_plain_module(results, name):
     _check(results[name])
