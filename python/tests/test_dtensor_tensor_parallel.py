@@ -328,3 +328,74 @@ def test_keel_nn_does_not_import_torch_distributed_tensor():
         "keel.nn.GateUpColwiseParallel; assert 'torch.distributed.tensor' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _fsdp_worker(rank, tmp):
+    """One of 4 ranks on a ``(dp, tp)`` mesh of ``(2, 2)``: FSDP2 over the
+    tensor parallelism, sharding dim 0 (its default) and dim 1; rank 0 saves
+    each one's output error and full state dict (or the error taking it)."""
+    import datetime
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120)
+    )
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    results = {}
+    for name, fn in (("dim0", None), ("dim1", lambda p: Shard(1))):
+        plain = _module(False)
+        tp = parallelize_module(
+            copy.deepcopy(plain), mesh["tp"],
+            {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()},
+        )
+        fully_shard(tp, mesh=mesh["dp"], shard_placement_fn=fn)
+        x = _x(2, 3, IN, seed=9)
+        found = {"out": (_plain(tp(x)), plain(x).detach())}
+        try:
+            whole = get_model_state_dict(tp, options=StateDictOptions(full_state_dict=True))
+            found["state"] = (whole, plain.state_dict())
+        except (RuntimeError, AssertionError, ValueError) as err:
+            found["state"] = f"{type(err).__name__}: {err}"
+        results[name] = found
+    if rank == 0:
+        torch.save(results, os.path.join(tmp, "results.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.start_processes(_fsdp_worker, args=(tmp,), nprocs=4, start_method="spawn")
+        return torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
+
+
+def test_fsdp2_sharding_the_rows_again_is_refused_when_gathered(fsdp_results):
+    """FSDP2's default (dim 0) over a data-parallel dim of 2 trains right (the
+    output), but torch would gather the weight's rows in the wrong order: the
+    state dict refuses it, naming the fix."""
+    found = fsdp_results["dim0"]
+    _check({"out": found["out"]})
+    assert found["state"].startswith(
+        "RuntimeError: keel.nn.GateUpColwiseParallel: gate_up_proj.weight is sharded on its rows along mesh dims [0, 1]"
+    ), found["state"]
+    assert "shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None" in found["state"]
+
+
+def test_fsdp2_sharding_dim_1_gathers_right(fsdp_results):
+    found = fsdp_results["dim1"]
+    _check({"out": found["out"]})
+    if isinstance(found["state"], str) and _TORCH < (2, 12):
+        pytest.skip(f"torch {torch.__version__} cannot gather a _StridedShard tensor: {found['state'][:120]}")
+    assert not isinstance(found["state"], str), found["state"]
+    got, want = found["state"]
+    assert got.keys() == want.keys()
+    for key in got:
+        assert_close(got[key], want[key], torch.float32), key
