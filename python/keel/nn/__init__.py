@@ -352,11 +352,14 @@ class SwiGLU(nn.Module):
         DTensor output of :class:`GateUpColwiseParallel`
         (``use_local_output=False``) on each rank."""
         from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
 
         weight = self.gate_up_proj.weight
         if isinstance(weight, DTensor):
-            for i, placement in enumerate(weight.placements):
-                if isinstance(placement, Shard) and placement.dim == 0 and weight.device_mesh.size(i) > 1:
+            for i, p in enumerate(weight.placements):
+                # Not GateUpColwiseParallel's _StridedShard (no Shard in torch 2.10-2.15; kept so).
+                one_piece = isinstance(p, Shard) and not isinstance(p, _StridedShard)
+                if one_piece and p.dim == 0 and weight.device_mesh.size(i) > 1:
                     raise RuntimeError(
                         "keel.nn.SwiGLU: gate_up_proj's weight is sharded on its rows in one piece (torch's "
                         "ColwiseParallel?), so a rank holds gate rows or up rows, not both of a pair, and "
