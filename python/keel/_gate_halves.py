@@ -15,7 +15,25 @@ import sys
 
 import torch
 
-_MODULE = "torch.distributed.tensor"
+from ._dtensor import _MODULE
+
+
+def halves(dim: int):
+    """The placement of a dim whose two halves (gate, up) are sharded alike
+    across a mesh dim: ``_StridedShard(dim, split_factor=2)``."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=2)
+
+
+def from_local(local, mesh, placements, shape):
+    """``DTensor.from_local`` of `local` with the global `shape` given (and its
+    contiguous strides): the local shapes are not all alike on every path."""
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size(shape)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def halves_sharded(input) -> bool:
@@ -31,7 +49,7 @@ def halves_sharded(input) -> bool:
     for p in input.placements:
         if isinstance(p, _StridedShard):
             # Compared whole: torch.compile (2.15) cannot read split_factor.
-            if p.dim % input.ndim != last or p != _StridedShard(p.dim, split_factor=2):
+            if p.dim % input.ndim != last or p != halves(p.dim):
                 return False
             strided += 1
         elif not (p.is_replicate() or (p.is_shard() and p.dim % input.ndim != last)):
@@ -44,12 +62,10 @@ def gated(fn, input, *args):
     local pairs of `input` (see :func:`halves_sharded`), as a DTensor sharded
     on its last dim where the halves were. Differentiable (through
     ``to_local`` and ``from_local``), with no collective."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     last = input.ndim - 1
     out = fn(input.to_local(), *args)
     placements = tuple(Shard(last) if isinstance(p, _StridedShard) else p for p in input.placements)
-    shape = torch.Size((*input.shape[:-1], input.shape[-1] // 2))
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(out, input.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+    return from_local(out, input.device_mesh, placements, (*input.shape[:-1], input.shape[-1] // 2))

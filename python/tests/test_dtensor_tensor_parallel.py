@@ -16,6 +16,7 @@ import torch
 import keel
 import keel.nn
 from conftest import assert_close
+from keel._vocab_parallel import _TORCH
 from test_dtensor import WORLD, _x, spawn_results
 
 if torch.distributed.is_available():  # else every test skips (pytestmark)
@@ -29,7 +30,6 @@ pytestmark = [
     pytest.mark.skipif("KEEL_QEMU_PYTHON" in os.environ, reason="under qemu-user: the parallel style is Python, tested natively"),
 ]
 
-_TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 IN, HIDDEN = 8, 16  # 8 hidden features on each rank
 
 

@@ -7,15 +7,15 @@ import torch
 from torch import Tensor, nn
 
 from .._common import acc_of
+from .._dtensor import _MODULE as _DTENSOR
 from ..functional import _dense, _handle, _has_torch_function, _overridden, cross_entropy, layer_norm, rms_norm, silu_and_mul
 from ._convert import convert
 
 __all__ = ["RMSNorm", "LlamaRMSNorm", "LayerNorm", "SwiGLU", "GateUpColwiseParallel", "CrossEntropyLoss", "convert"]
 
-# torch.distributed.tensor takes 0.46 s to import: GateUpColwiseParallel, which
-# needs it, is loaded on first use (``__getattr__``), and SwiGLU looks for
+# torch.distributed.tensor (_DTENSOR) takes 0.46 s to import: GateUpColwiseParallel,
+# which needs it, is loaded on first use (``__getattr__``), and SwiGLU looks for
 # DTensors only where that module has been imported.
-_DTENSOR = "torch.distributed.tensor"
 
 
 if TYPE_CHECKING:

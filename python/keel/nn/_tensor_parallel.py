@@ -22,16 +22,13 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._gate_halves import from_local, halves
+
 _NAME = "keel.nn.GateUpColwiseParallel"
-
-
-def _halves(dim: int) -> _StridedShard:
-    """Each half of `dim` (gate, up) sharded alike across the mesh."""
-    return _StridedShard(dim, split_factor=2)
 
 
 def _local_linear(self: nn.Linear, x: DTensor) -> DTensor:
@@ -46,11 +43,7 @@ def _local_linear(self: nn.Linear, x: DTensor) -> DTensor:
     # (torch's ColwiseParallel gets the same all-reduce from its mm).
     x_local = x.to_local(grad_placements=(Partial(),))
     local = torch.nn.functional.linear(x_local, weight.to_local(), None if bias is None else bias.to_local())
-    shape = (*local.shape[:-1], weight.shape[0])
-    return DTensor.from_local(
-        local, weight.device_mesh, (_halves(local.dim() - 1),), run_check=False, shape=torch.Size(shape),
-        stride=torch.empty(shape, device="meta").stride(),
-    )
+    return from_local(local, weight.device_mesh, (halves(local.dim() - 1),), (*local.shape[:-1], weight.shape[0]))
 
 
 def _refuse_resharded(module: nn.Module, state_dict, prefix: str, local_metadata) -> None:
@@ -110,12 +103,11 @@ class GateUpColwiseParallel(ColwiseParallel):
 
     def __init__(self, *, input_layouts: Optional[Placement] = None, use_local_output: bool = True) -> None:
         super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
-        self.output_layouts = (_halves(-1),)
-        self.desired_input_layouts = (Replicate(),)
+        self.output_layouts = (halves(-1),)
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for pname, param in module.named_parameters(recurse=False):
-            dist = distribute_tensor(param, device_mesh, [_halves(0)], src_data_rank=self.src_data_rank)
+            dist = distribute_tensor(param, device_mesh, [halves(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
     @staticmethod
