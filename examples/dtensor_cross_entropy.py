@@ -9,29 +9,15 @@ torch (torch's time over each call's: above 1, faster than torch).
 """
 import contextlib
 import datetime
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
 
 import keel
 
-ROUNDS = 5
-
-
-def _time(fn):
-    """Median ms of `fn` over ROUNDS after one warm-up."""
-    fn()
-    times = []
-    for _ in range(ROUNDS):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from _gloo_timing import ROUNDS, median_ms
 
 
 def _worker(rank, tmp, n, v):
@@ -66,7 +52,7 @@ def _worker(rank, tmp, n, v):
                         loss.backward()
                     return loss
 
-                ms = _time(step)
+                ms = median_ms(step)
                 loss = step().full_tensor().item()
                 rows.append((f"Shard({dim})", str(dtype).split(".")[1], name, ms, loss))
     if rank == 0:

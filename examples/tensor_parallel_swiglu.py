@@ -10,10 +10,8 @@ difference of the outputs.
     python examples/tensor_parallel_swiglu.py [TOKENS HIDDEN FFN]   # default 2048 1024 2816
 """
 import datetime
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,7 @@ from torch import nn
 import keel
 import keel.nn
 
-ROUNDS = 5
+from _gloo_timing import ROUNDS, median_ms
 
 
 class LlamaMLP(nn.Module):
@@ -36,18 +34,6 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def _time(fn):
-    """Median ms of `fn` over ROUNDS after one warm-up."""
-    fn()
-    times = []
-    for _ in range(ROUNDS):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _worker(rank, tmp, tokens, hidden, ffn):
@@ -75,8 +61,8 @@ def _worker(rank, tmp, tokens, hidden, ffn):
             out.sum().backward()
             outs[key] = out.detach() + 0  # waits for the all-reduce
 
-        t_torch = _time(lambda: step(ref, "torch"))
-        t_keel = _time(lambda: step(fused, "keel"))
+        t_torch = median_ms(lambda: step(ref, "torch"))
+        t_keel = median_ms(lambda: step(fused, "keel"))
         diff = (outs["keel"].float() - outs["torch"].float()).abs().max().item()
         rows.append((str(dtype).replace("torch.", ""), t_torch, t_keel, diff))
     if rank == 0:
