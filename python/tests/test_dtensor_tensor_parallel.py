@@ -56,9 +56,9 @@ def _geglu(bias, dtype=torch.float32):
     return GeGLU(bias, dtype)
 
 
-def _rows(full, rank):
+def _rows(full, rank, world=WORLD):
     """The rows of a ``[2 * HIDDEN, ...]`` tensor (``[gate; up]``) that rank holds."""
-    n = HIDDEN // WORLD
+    n = HIDDEN // world
     return torch.cat([full[rank * n:(rank + 1) * n], full[HIDDEN + rank * n:HIDDEN + (rank + 1) * n]])
 
 
@@ -216,6 +216,104 @@ def _whole_weights(mesh):
     return got, plain.state_dict()
 
 
+def _trained(module, x):
+    """`module` after one AdamW step on the square of its output, and its optimizer."""
+    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module(x).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return module, opt
+
+
+def _perturbed(module):
+    """`module` with other values (1 added to every parameter), and an AdamW without state."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    return module, torch.optim.AdamW(module.parameters(), lr=0.1)
+
+
+def _dcp_path():
+    """One temporary directory, the same on every rank (rank 0's)."""
+    import tempfile
+
+    path = [tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(path)
+    return path[0]
+
+
+def _load(module, opt, path):
+    """`module` and `opt` loaded from the DCP checkpoint at `path` (through
+    ``keel.nn.checkpointable``): name -> tensor of the parameters (``p``) and
+    optimizer states (``p.exp_avg``, ...), each rank's local tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, opt)
+    state = keel.nn.checkpointable({"model": model_sd, "optim": optim_sd})
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return _tensors(module, opt)
+
+
+def _tensors(module, opt):
+    """name -> each parameter's and each optimizer state's local tensor (copied)."""
+    local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
+    found = {name: local(p) for name, p in module.named_parameters()}
+    for name, p in module.named_parameters():
+        for key in ("exp_avg", "exp_avg_sq"):
+            found[f"{name}.{key}"] = local(opt.state[p][key])
+    return found
+
+
+def _dcp(mesh):
+    """A sharded checkpoint (``torch.distributed.checkpoint``) of the parallel
+    module and its AdamW state after a step, through ``keel.nn.checkpointable``;
+    loaded (1) into a parallel copy with other values: each rank's shards
+    against the saved ones, and again after one more step on both; (2) into
+    the plain module and optimizer on every rank: their whole tensors against
+    the plain ones after the same step (which needs the checkpoint to hold the
+    weight in its own order). Also what ``torch.save`` of the marked dict raises."""
+    import io
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    plan = {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
+    x = _x(2, 3, IN, seed=9)
+    plain, plain_opt = _trained(_module(True), x)
+    tp, tp_opt = _trained(parallelize_module(_module(True), mesh, plan), x)
+    path = _dcp_path()
+    try:
+        live = {id(t) for per in tp_opt.state.values() for t in per.values()}
+        model_sd, optim_sd = get_state_dict(tp, tp_opt)
+        state = keel.nn.checkpointable({"model": model_sd, "optim": optim_sd})
+        # The optimizer's state dict shares its inner dicts with the optimizer: left alone.
+        untouched = live == {id(t) for per in tp_opt.state.values() for t in per.values()}
+        dcp.save(state, checkpoint_id=path)
+        try:
+            torch.save(state, io.BytesIO())
+            pickled = "no error"
+        except TypeError as err:
+            pickled = str(err)
+        copy_, copy_opt = _perturbed(parallelize_module(_module(True), mesh, plan))
+        found = {"parallel": (_load(copy_, copy_opt, path), _tensors(tp, tp_opt))}
+        for module, opt in ((copy_, copy_opt), (tp, tp_opt)):
+            module(x).square().sum().backward()
+            opt.step()
+        found["parallel-after-a-step"] = (_tensors(copy_, copy_opt), _tensors(tp, tp_opt))
+        whole, whole_opt = _perturbed(_module(True))
+        found["plain"] = (_load(whole, whole_opt, path), _tensors(plain, plain_opt))
+        found["torch.save"] = pickled
+        found["optimizer-untouched"] = untouched
+        return found
+    finally:
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(path)
+
+
 SPECIAL = {
     "plain-bias": functools.partial(_run, bias=True),
     "plain-no-bias": functools.partial(_run, bias=False),
@@ -232,6 +330,7 @@ SPECIAL = {
     "collectives": _collectives,
     "sequence-parallel": _sequence_parallel,
     "whole-weights": _whole_weights,
+    "dcp": _dcp,
 }
 
 
@@ -319,17 +418,54 @@ def test_bad_layouts(results):
     assert found["2-d-mesh"] == f"ValueError: {name}: needs a 1-D device mesh (the tensor-parallel dim), got 2 dims"
 
 
-def test_keel_nn_does_not_import_torch_distributed_tensor():
-    """GateUpColwiseParallel is loaded on first use: importing keel.nn does not
-    pay the 0.46 s of torch.distributed.tensor."""
+@pytest.mark.parametrize("name", ["GateUpColwiseParallel", "checkpointable"])
+def test_keel_nn_does_not_import_torch_distributed_tensor(name):
+    """GateUpColwiseParallel and checkpointable are loaded on first use:
+    importing keel.nn does not pay the 0.46 s of torch.distributed.tensor."""
     import subprocess
     import sys
 
     code = (
         "import sys, keel.nn; assert 'torch.distributed.tensor' not in sys.modules; "
-        "keel.nn.GateUpColwiseParallel; assert 'torch.distributed.tensor' in sys.modules"
+        f"keel.nn.{name}; assert 'torch.distributed.tensor' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _fsdp_checkpoint(plain, tp, x, mesh4):
+    """A DCP checkpoint of FSDP2 over the tensor parallelism after an AdamW
+    step, through ``keel.nn.checkpointable``, loaded into the plain module on
+    every rank and into tensor parallelism over all 4 ranks (`mesh4`): name
+    -> (got, want) against the plain module after the same step (the rank's
+    rows of it for the second); or the error of ``checkpointable`` (on the
+    optimizer's own state dict: the module's state dict refuses by itself)."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    plain, plain_opt = _trained(plain, x)
+    tp, tp_opt = _trained(tp, x)
+    path = _dcp_path()
+    try:
+        try:
+            keel.nn.checkpointable({"optim": tp_opt.state_dict()})
+        except RuntimeError as err:
+            return f"RuntimeError: {err}"
+        state = keel.nn.checkpointable({"model": get_model_state_dict(tp), "optim": get_optimizer_state_dict(tp, tp_opt)})
+        dcp.save(state, checkpoint_id=path)
+        want = _tensors(plain, plain_opt)
+        found = {"plain": (_load(*_perturbed(copy.deepcopy(plain)), path), want)}
+        plan = {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
+        got = _load(*_perturbed(parallelize_module(copy.deepcopy(plain), mesh4, plan)), path)
+        rank = mesh4.get_local_rank()
+        found["tp4"] = (got, {k: _rows(v, rank, 4) if k.startswith("gate_up_proj") else v.chunk(4, -1)[rank]
+                              for k, v in want.items()})
+        return found
+    finally:
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(path)
 
 
 def _fsdp_worker(rank, tmp):
@@ -360,9 +496,11 @@ def _fsdp_worker(rank, tmp):
         found = {"out": (_plain(tp(x)), plain(x).detach())}
         try:
             whole = get_model_state_dict(tp, options=StateDictOptions(full_state_dict=True))
-            found["state"] = (whole, plain.state_dict())
+            # Copies: the checkpoint below trains both modules on.
+            found["state"] = ({k: v.clone() for k, v in whole.items()}, copy.deepcopy(plain.state_dict()))
         except (RuntimeError, AssertionError, ValueError) as err:
             found["state"] = f"{type(err).__name__}: {err}"
+        found["dcp"] = _fsdp_checkpoint(plain, tp, x, init_device_mesh("cpu", (4,)))
         results[name] = found
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
@@ -401,3 +539,54 @@ def test_fsdp2_sharding_dim_1_gathers_right(fsdp_results):
     assert got.keys() == want.keys()
     for key in got:
         assert_close(got[key], want[key], torch.float32), key
+
+
+def test_distributed_checkpoint(results):
+    """DCP through keel.nn.checkpointable: each rank's shards come back exactly,
+    train alike after, and the plain module loads the weight in its own order."""
+    found = results["dcp"]
+    assert not isinstance(found, str), found
+    for name in ("parallel", "parallel-after-a-step"):
+        got, want = found[name]
+        assert got.keys() == want.keys(), name
+        for key in got:
+            assert torch.equal(got[key], want[key]), (name, key)
+    got, want = found["plain"]
+    assert got.keys() == want.keys()
+    for key in got:
+        assert_close(got[key], want[key], torch.float32), key
+    assert found["torch.save"].startswith(
+        "keel.nn.checkpointable: the state dict it returns is for torch.distributed.checkpoint's save and load only"
+    ), found["torch.save"]
+    assert found["optimizer-untouched"]
+
+
+def test_checkpointable_copies_the_dicts_and_keeps_other_values():
+    import torch.distributed.tensor  # noqa: F401  (what checkpointable imports)
+
+    sd = {"w": torch.zeros(2), "nested": {"b": [torch.ones(1)]}, "lr": 0.1}
+    got = keel.nn.checkpointable(sd)
+    assert got is not sd and got["nested"] is not sd["nested"] and got["nested"]["b"] is not sd["nested"]["b"]
+    assert got["w"] is sd["w"] and got["nested"]["b"][0] is sd["nested"]["b"][0] and got["lr"] == 0.1
+    with pytest.raises(TypeError, match=r"keel.nn.checkpointable: takes a state dict \(a dict\), got list"):
+        keel.nn.checkpointable([torch.zeros(2)])
+
+
+@pytest.mark.parametrize("into", ["plain", "tp4"])
+def test_fsdp2_sharding_dim_1_checkpoints_right(fsdp_results, into):
+    """The DCP checkpoint of FSDP2 (dim 1) over tensor parallelism on 2 ranks,
+    loaded into the plain module and into tensor parallelism on 4 ranks."""
+    found = fsdp_results["dim1"]["dcp"]
+    assert not isinstance(found, str), found
+    got, want = found[into]
+    assert got.keys() == want.keys()
+    for key in got:
+        assert_close(got[key], want[key], torch.float32), key
+
+
+def test_fsdp2_sharding_the_rows_again_is_refused_by_checkpointable(fsdp_results):
+    found = fsdp_results["dim0"]["dcp"]
+    assert isinstance(found, str) and found.startswith(
+        "RuntimeError: keel.nn.checkpointable: optim.state.0.exp_avg is sharded on its rows along mesh dims [0, 1]"
+    ), found
+    assert "shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None" in found

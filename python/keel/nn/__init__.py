@@ -11,14 +11,15 @@ from .._dtensor import _MODULE as _DTENSOR
 from ..functional import _dense, _handle, _has_torch_function, _overridden, cross_entropy, layer_norm, rms_norm, silu_and_mul
 from ._convert import convert
 
-__all__ = ["RMSNorm", "LlamaRMSNorm", "LayerNorm", "SwiGLU", "GateUpColwiseParallel", "CrossEntropyLoss", "convert"]
+__all__ = ["RMSNorm", "LlamaRMSNorm", "LayerNorm", "SwiGLU", "GateUpColwiseParallel", "checkpointable", "CrossEntropyLoss", "convert"]
 
-# torch.distributed.tensor (_DTENSOR) takes 0.46 s to import: GateUpColwiseParallel,
-# which needs it, is loaded on first use (``__getattr__``), and SwiGLU looks for
+# torch.distributed.tensor (_DTENSOR) takes 0.46 s to import: GateUpColwiseParallel
+# and checkpointable, which need it, are loaded on first use (``__getattr__``), and SwiGLU looks for
 # DTensors only where that module has been imported.
 
 
 if TYPE_CHECKING:
+    from ._checkpoint import checkpointable
     from ._tensor_parallel import GateUpColwiseParallel
 
 
@@ -27,6 +28,10 @@ def __getattr__(name: str):
         from ._tensor_parallel import GateUpColwiseParallel
 
         return GateUpColwiseParallel
+    if name == "checkpointable":
+        from ._checkpoint import checkpointable
+
+        return checkpointable
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -97,7 +97,9 @@ class GateUpColwiseParallel(ColwiseParallel):
     than one data-parallel rank, shard the weight on dim 1
     (``fully_shard(..., shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)``,
     no bias): FSDP2's default dim 0 trains right, but torch would gather the
-    rows in the wrong order, so the state dict refuses it. Plain ``ColwiseParallel`` on the fused
+    rows in the wrong order, so the state dict refuses it. For torch's sharded
+    checkpoint (``torch.distributed.checkpoint``), pass the state dicts through
+    :func:`keel.nn.checkpointable`: DCP alone refuses the weight. Plain ``ColwiseParallel`` on the fused
     projection would pair the wrong halves: ``keel.nn.SwiGLU`` refuses it.
     """
 
