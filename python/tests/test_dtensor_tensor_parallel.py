@@ -273,7 +273,9 @@ def _dcp(mesh):
     against the saved ones, and again after one more step on both; (2) into
     the plain module and optimizer on every rank: their whole tensors against
     the plain ones after the same step (which needs the checkpoint to hold the
-    weight in its own order). Also what ``torch.save`` of the marked dict raises."""
+    weight in its own order); (3) the same from ``dcp.async_save``'s checkpoint.
+    Also what ``torch.save`` of the marked dict raises, and whether the
+    optimizer's own state was left alone."""
     import io
     import shutil
 
@@ -292,6 +294,8 @@ def _dcp(mesh):
         # The optimizer's state dict shares its inner dicts with the optimizer: left alone.
         untouched = live == {id(t) for per in tp_opt.state.values() for t in per.values()}
         dcp.save(state, checkpoint_id=path)
+        # async_save copies the dict to CPU memory first (its stager's deepcopy).
+        dcp.async_save(state, checkpoint_id=f"{path}/async").result()
         try:
             torch.save(state, io.BytesIO())
             pickled = "no error"
@@ -305,6 +309,8 @@ def _dcp(mesh):
         found["parallel-after-a-step"] = (_tensors(copy_, copy_opt), _tensors(tp, tp_opt))
         whole, whole_opt = _perturbed(_module(True))
         found["plain"] = (_load(whole, whole_opt, path), _tensors(plain, plain_opt))
+        whole, whole_opt = _perturbed(_module(True))
+        found["plain-async"] = (_load(whole, whole_opt, f"{path}/async"), found["plain"][0])
         found["torch.save"] = pickled
         found["optimizer-untouched"] = untouched
         return found
@@ -543,10 +549,11 @@ def test_fsdp2_sharding_dim_1_gathers_right(fsdp_results):
 
 def test_distributed_checkpoint(results):
     """DCP through keel.nn.checkpointable: each rank's shards come back exactly,
-    train alike after, and the plain module loads the weight in its own order."""
+    train alike after, and the plain module loads the weight in its own order,
+    from async_save's checkpoint the same as from save's."""
     found = results["dcp"]
     assert not isinstance(found, str), found
-    for name in ("parallel", "parallel-after-a-step"):
+    for name in ("parallel", "parallel-after-a-step", "plain-async"):
         got, want = found[name]
         assert got.keys() == want.keys(), name
         for key in got:
@@ -556,7 +563,7 @@ def test_distributed_checkpoint(results):
     for key in got:
         assert_close(got[key], want[key], torch.float32), key
     assert found["torch.save"].startswith(
-        "keel.nn.checkpointable: the state dict it returns is for torch.distributed.checkpoint's save and load only"
+        "keel.nn.checkpointable: the state dict it returns is for torch.distributed.checkpoint's save, async_save"
     ), found["torch.save"]
     assert found["optimizer-untouched"]
 

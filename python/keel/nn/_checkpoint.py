@@ -31,10 +31,20 @@ class _Blocks:
     def __init__(self, local: torch.Tensor, blocks: list, shape: torch.Size) -> None:
         self.local, self.blocks, self.shape = local, blocks, shape
 
+    def __deepcopy__(self, memo):
+        # DCP's async_save stages a state dict to CPU memory with a deepcopy
+        # that puts each tensor's copy in `memo` before its attributes: these
+        # blocks then describe that copy. Elsewhere (copy.deepcopy of a tensor
+        # records it after) there is no copy to describe.
+        local = memo.get(id(self.local))
+        if local is None:
+            self.__reduce__()
+        return _Blocks(local, self.blocks, self.shape)
+
     def __reduce__(self):
         raise TypeError(
-            f"{_NAME}: the state dict it returns is for torch.distributed.checkpoint's save and load only, "
-            "and cannot be copied or pickled (torch.save, copy.deepcopy, async_save's staging)"
+            f"{_NAME}: the state dict it returns is for torch.distributed.checkpoint's save, async_save and "
+            "load only, and cannot be pickled or copied otherwise (torch.save, copy.deepcopy)"
         )
 
     def chunk_list(self) -> list:
@@ -165,9 +175,9 @@ def checkpointable(state_dict: dict) -> dict:
 
     The checkpoint holds the weight in its own order (``[gate; up]``), so a
     plain module, another tensor-parallel degree or FSDP2 loads it. The dict
-    is for ``dcp.save`` and ``dcp.load`` only: copying or pickling it
-    (``torch.save``, ``copy.deepcopy``, the staging of ``dcp.async_save``)
-    raises a TypeError. Raises a RuntimeError for a weight that FSDP2's
+    is for ``dcp.save``, ``dcp.async_save`` (whose staging copies it) and
+    ``dcp.load``: pickling or copying it otherwise (``torch.save``,
+    ``copy.deepcopy``) raises a TypeError. Raises a RuntimeError for a weight that FSDP2's
     default sharding (dim 0) has sharded on its rows again, over more than one
     data-parallel rank (its blocks are not where torch says; shard dim 1).
     """
