@@ -197,6 +197,20 @@ def _sequence_parallel(mesh):
     return _plain(got), plain(x).chunk(WORLD, 1)[rank].detach()
 
 
+def _fsdp2_checkpoint(mesh):
+    """FSDP2 (its default, dim 0) over the tensor parallelism on a ``(1, 2)``
+    mesh: its DCP checkpoint (``_fsdp_checkpoint``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh2 = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    plain = _module(False)
+    plan = {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
+    tp = parallelize_module(copy.deepcopy(plain), mesh2["tp"], plan)
+    fully_shard(tp, mesh=mesh2["dp"])
+    return _fsdp_checkpoint(plain, tp, _x(2, 3, IN, seed=9), mesh)
+
+
 def _whole_weights(mesh):
     """The state dict's weights gathered (``full_tensor``) after a training
     step, against the plain module's after the same step."""
@@ -337,6 +351,7 @@ SPECIAL = {
     "sequence-parallel": _sequence_parallel,
     "whole-weights": _whole_weights,
     "dcp": _dcp,
+    "dcp-fsdp2": _fsdp2_checkpoint,
 }
 
 
@@ -438,10 +453,10 @@ def test_keel_nn_does_not_import_torch_distributed_tensor(name):
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _fsdp_checkpoint(plain, tp, x, mesh4):
+def _fsdp_checkpoint(plain, tp, x, mesh):
     """A DCP checkpoint of FSDP2 over the tensor parallelism after an AdamW
     step, through ``keel.nn.checkpointable``, loaded into the plain module on
-    every rank and into tensor parallelism over all 4 ranks (`mesh4`): name
+    every rank and into tensor parallelism over all ranks (1-D `mesh`): name
     -> (got, want) against the plain module after the same step (the rank's
     rows of it for the second); or the error of ``checkpointable`` (on the
     optimizer's own state dict: the module's state dict refuses by itself)."""
@@ -463,10 +478,10 @@ def _fsdp_checkpoint(plain, tp, x, mesh4):
         want = _tensors(plain, plain_opt)
         found = {"plain": (_load(*_perturbed(copy.deepcopy(plain)), path), want)}
         plan = {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()}
-        got = _load(*_perturbed(parallelize_module(copy.deepcopy(plain), mesh4, plan)), path)
-        rank = mesh4.get_local_rank()
-        found["tp4"] = (got, {k: _rows(v, rank, 4) if k.startswith("gate_up_proj") else v.chunk(4, -1)[rank]
-                              for k, v in want.items()})
+        got = _load(*_perturbed(parallelize_module(copy.deepcopy(plain), mesh, plan)), path)
+        rank, n = mesh.get_local_rank(), mesh.size()
+        found["tp"] = (got, {k: _rows(v, rank, n) if k.startswith("gate_up_proj") else v.chunk(n, -1)[rank]
+                             for k, v in want.items()})
         return found
     finally:
         torch.distributed.barrier()
@@ -579,11 +594,21 @@ def test_checkpointable_copies_the_dicts_and_keeps_other_values():
         keel.nn.checkpointable([torch.zeros(2)])
 
 
-@pytest.mark.parametrize("into", ["plain", "tp4"])
+@pytest.mark.parametrize("into", ["plain", "tp"])
 def test_fsdp2_sharding_dim_1_checkpoints_right(fsdp_results, into):
     """The DCP checkpoint of FSDP2 (dim 1) over tensor parallelism on 2 ranks,
     loaded into the plain module and into tensor parallelism on 4 ranks."""
-    found = fsdp_results["dim1"]["dcp"]
+    _check_checkpoint(fsdp_results["dim1"]["dcp"], into)
+
+
+@pytest.mark.parametrize("into", ["plain", "tp"])
+def test_fsdp2_over_one_rank_checkpoints_right(results, into):
+    """FSDP2's default (dim 0) over a data-parallel dim of one rank: the DCP
+    checkpoint loads into the plain module and into tensor parallelism."""
+    _check_checkpoint(results["dcp-fsdp2"], into)
+
+
+def _check_checkpoint(found, into):
     assert not isinstance(found, str), found
     got, want = found[into]
     assert got.keys() == want.keys()
