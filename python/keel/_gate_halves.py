@@ -36,6 +36,18 @@ def from_local(local, mesh, placements, shape):
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
+def resharded(who: str, name: str, dims, placements) -> RuntimeError:
+    """The error for a tensor whose halves-sharded rows another mesh dim shards
+    again (FSDP2's default over a data-parallel dim of more than one rank):
+    torch's placements then misplace its rows, in a gather or a checkpoint."""
+    return RuntimeError(
+        f"{who}: {name} is sharded on its rows along mesh dims {sorted(dims)} (placements {tuple(placements)}): "
+        "FSDP2's fully_shard over the tensor parallelism shards [gate_r; up_r] again, and torch would gather "
+        "or checkpoint its rows in the wrong order. Shard the weight on dim 1: "
+        "fully_shard(..., shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None), with no bias"
+    )
+
+
 def halves_sharded(input) -> bool:
     """Whether `input` is a DTensor whose last dim's halves are sharded alike
     along one mesh dim, the others replicated or sharding the rows. No import

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._gate_halves import halves
+from .._gate_halves import halves, resharded
 
 _NAME = "keel.nn.checkpointable"
 
@@ -92,12 +92,7 @@ def _blocks(t: DTensor, name: str):
         return None
     again = [j for j in rows if mesh.size(j) > 1]
     if again:
-        raise RuntimeError(
-            f"{_NAME}: {name} is sharded on its rows along mesh dims {sorted(again + [i])} "
-            f"(placements {tuple(t.placements)}): FSDP2's fully_shard over the tensor parallelism shards "
-            "[gate_r; up_r] again, and its blocks are not where torch says. Shard the weight on dim 1: "
-            "fully_shard(..., shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None), with no bias"
-        )
+        raise resharded(_NAME, name, again + [i], t.placements)
     ranks, coordinate = mesh.size(i), mesh.get_coordinate()
     if coordinate is None:
         return None  # not in the mesh: no shard to save
@@ -179,7 +174,7 @@ def checkpointable(state_dict: dict) -> dict:
     ``dcp.load``: pickling or copying it otherwise (``torch.save``,
     ``copy.deepcopy``) raises a TypeError. Raises a RuntimeError for a weight that FSDP2's
     default sharding (dim 0) has sharded on its rows again, over more than one
-    data-parallel rank (its blocks are not where torch says; shard dim 1).
+    data-parallel rank (torch's placements misplace its rows; shard dim 1).
     """
     if not isinstance(state_dict, dict):
         raise TypeError(f"{_NAME}: takes a state dict (a dict), got {type(state_dict).__name__}")

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._gate_halves import from_local, halves
+from .._gate_halves import from_local, halves, resharded
 
 _NAME = "keel.nn.GateUpColwiseParallel"
 
@@ -64,12 +64,7 @@ def _refuse_resharded(module: nn.Module, state_dict, prefix: str, local_metadata
         rows = [i for i, p in enumerate(t.placements)
                 if isinstance(p, (Shard, _StridedShard)) and p.dim % t.ndim == 0 and mesh.size(i) > 1]
         if len(rows) > 1:
-            raise RuntimeError(
-                f"{_NAME}: {prefix}{name} is sharded on its rows along mesh dims {rows} "
-                f"(placements {tuple(t.placements)}): FSDP2's fully_shard over the tensor parallelism shards "
-                "[gate_r; up_r] again, and torch would gather it in the wrong order. Shard the weight on dim 1: "
-                "fully_shard(..., shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None), with no bias"
-            )
+            raise resharded(_NAME, prefix + name, rows, t.placements)
 
 
 class GateUpColwiseParallel(ColwiseParallel):
