@@ -6,6 +6,7 @@ the input's gradient, and each parameter's gradient rows that the rank holds);
 torch's plain ``ColwiseParallel`` on the fused projection, which would pair the
 wrong halves, must be refused.
 """
+import contextlib
 import copy
 import functools
 import os
@@ -220,9 +221,7 @@ def _whole_weights(mesh):
     )
     x = _x(2, 3, IN, seed=9)
     for module in (plain, tp):
-        opt = torch.optim.AdamW(module.parameters(), lr=0.1)
-        module(x).square().sum().backward()
-        opt.step()
+        _trained(module, x)
     try:
         got = {k: v.full_tensor() for k, v in tp.state_dict().items()}
     except (AssertionError, ValueError) as err:  # torch 2.10's, 2.11's
@@ -230,12 +229,17 @@ def _whole_weights(mesh):
     return got, plain.state_dict()
 
 
-def _trained(module, x):
-    """`module` after one AdamW step on the square of its output, and its optimizer."""
-    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+def _step(module, opt, x):
+    """One step of `opt` on the square of `module`'s output."""
     module(x).square().sum().backward()
     opt.step()
     opt.zero_grad()
+
+
+def _trained(module, x):
+    """`module` after one AdamW step on the square of its output, and its optimizer."""
+    opt = torch.optim.AdamW(module.parameters(), lr=0.1)
+    _step(module, opt, x)
     return module, opt
 
 
@@ -247,13 +251,21 @@ def _perturbed(module):
     return module, torch.optim.AdamW(module.parameters(), lr=0.1)
 
 
-def _dcp_path():
-    """One temporary directory, the same on every rank (rank 0's)."""
+@contextlib.contextmanager
+def _dcp_dir():
+    """One temporary directory, the same on every rank (rank 0's), removed by
+    rank 0 once every rank is done with it."""
+    import shutil
     import tempfile
 
     path = [tempfile.mkdtemp() if torch.distributed.get_rank() == 0 else None]
     torch.distributed.broadcast_object_list(path)
-    return path[0]
+    try:
+        yield path[0]
+    finally:
+        torch.distributed.barrier()
+        if torch.distributed.get_rank() == 0:
+            shutil.rmtree(path[0])
 
 
 def _load(module, opt, path):
@@ -291,7 +303,6 @@ def _dcp(mesh):
     Also what ``torch.save`` of the marked dict raises, and whether the
     optimizer's own state was left alone."""
     import io
-    import shutil
 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -300,8 +311,7 @@ def _dcp(mesh):
     x = _x(2, 3, IN, seed=9)
     plain, plain_opt = _trained(_module(True), x)
     tp, tp_opt = _trained(parallelize_module(_module(True), mesh, plan), x)
-    path = _dcp_path()
-    try:
+    with _dcp_dir() as path:
         live = {id(t) for per in tp_opt.state.values() for t in per.values()}
         model_sd, optim_sd = get_state_dict(tp, tp_opt)
         state = keel.nn.checkpointable({"model": model_sd, "optim": optim_sd})
@@ -318,8 +328,7 @@ def _dcp(mesh):
         copy_, copy_opt = _perturbed(parallelize_module(_module(True), mesh, plan))
         found = {"parallel": (_load(copy_, copy_opt, path), _tensors(tp, tp_opt))}
         for module, opt in ((copy_, copy_opt), (tp, tp_opt)):
-            module(x).square().sum().backward()
-            opt.step()
+            _step(module, opt, x)
         found["parallel-after-a-step"] = (_tensors(copy_, copy_opt), _tensors(tp, tp_opt))
         whole, whole_opt = _perturbed(_module(True))
         found["plain"] = (_load(whole, whole_opt, path), _tensors(plain, plain_opt))
@@ -328,10 +337,6 @@ def _dcp(mesh):
         found["torch.save"] = pickled
         found["optimizer-untouched"] = untouched
         return found
-    finally:
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() == 0:
-            shutil.rmtree(path)
 
 
 SPECIAL = {
@@ -460,15 +465,12 @@ def _fsdp_checkpoint(plain, tp, x, mesh):
     -> (got, want) against the plain module after the same step (the rank's
     rows of it for the second); or the error of ``checkpointable`` (on the
     optimizer's own state dict: the module's state dict refuses by itself)."""
-    import shutil
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     plain, plain_opt = _trained(plain, x)
     tp, tp_opt = _trained(tp, x)
-    path = _dcp_path()
-    try:
+    with _dcp_dir() as path:
         try:
             keel.nn.checkpointable({"optim": tp_opt.state_dict()})
         except RuntimeError as err:
@@ -483,10 +485,6 @@ def _fsdp_checkpoint(plain, tp, x, mesh):
         found["tp"] = (got, {k: _rows(v, rank, n) if k.startswith("gate_up_proj") else v.chunk(n, -1)[rank]
                              for k, v in want.items()})
         return found
-    finally:
-        torch.distributed.barrier()
-        if torch.distributed.get_rank() == 0:
-            shutil.rmtree(path)
 
 
 def _fsdp_worker(rank, tmp):
