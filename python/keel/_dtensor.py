@@ -22,8 +22,8 @@ Keel's ops work row by row, so each rank can run the kernel on its own rows:
   losses of each rank's rows, and reduce that sum and the rows' weight across
   the ranks, two numbers. Logits sharded on their classes (a tensor-parallel
   vocabulary) need whole rows for the op, so the typed functions run them in
-  ``keel._vocab_parallel`` instead: each rank on its own classes, one
-  all-gather of a few numbers a row.
+  ``keel._vocab_parallel`` instead: each rank on its own classes (and rows,
+  where another mesh dim shards them), one all-gather of a few numbers a row.
 
 Every op also runs whole (every tensor replicated). DTensor picks among these
 the one that moves the least data, and moves the arguments there first (a

@@ -55,6 +55,8 @@ def sharded_mean(fn, logits, target, ignore_index, label_smoothing, weight):
             # no gather) where it gathers the target for an index's, and where
             # torch 2.10's fails (index_put: "shape mismatch").
             w = weight.to(losses.dtype).to(acc)[:, None]
+            if isinstance(target, type(losses)) and not isinstance(w, type(losses)):
+                w = _replicated(w, target.device_mesh)  # a tensor's gradient: whole on every rank
             picked = torch.nn.functional.embedding(torch.where(kept, target, 0), w).squeeze(-1)
             count = torch.where(kept, picked, 0).sum()
         both = _whole(torch.stack([total, count]))
@@ -68,3 +70,11 @@ def _whole(t):
     from torch.distributed.tensor import Replicate
 
     return t.redistribute(placements=[Replicate()] * t.device_mesh.ndim)
+
+
+def _replicated(t, mesh):
+    """Plain tensor `t` as a DTensor replicated on `mesh` (its gradient
+    reduced to the whole one on every rank)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)

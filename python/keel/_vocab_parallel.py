@@ -22,12 +22,20 @@ classes ``[lo, lo + v)``:
   its constant (times the class weights) in one more pass.
 
 Taken: 2-D logits with one mesh dim sharding the classes (``Shard(1)``) and
-every other mesh dim ``Replicate``, a class-index target (a tensor, or a
-replicated DTensor), class weights that are ``None``, a tensor or a replicated
-DTensor (where they need a gradient, it comes out whole on every rank; with
-label smoothing, after one more all-gather, of each rank's classes' terms),
-each rank holding at least one class. Other cases go to the op (which gathers
-the logits first).
+every other mesh dim ``Replicate`` or sharding the rows (``Shard(0)``: data
+parallelism over a 2-D mesh, as torch 2.15's ``loss_parallel`` takes it), a
+class-index target (a tensor, or a DTensor; where the rows are sharded, a
+DTensor, which is moved to the logits' rows), class weights that are ``None``,
+a tensor or a replicated DTensor (where they need a gradient, it comes out
+whole on every rank: with label smoothing after one more all-gather, of each
+rank's classes' terms; with the rows sharded, a DTensor's is ``Partial`` over
+the rows' mesh dims, a tensor's summed over them by one all-reduce), each rank
+holding at least one class. With the rows sharded,
+the losses and lse of ``"none"`` are sharded as the rows are, a ``"sum"`` is
+each rank's rows' share (``Partial``, as the op's), and a ``"mean"`` is built
+on ``"none"`` by ``keel._sharded_mean`` (one all-reduce of two numbers), whole
+on every rank: the all-gather runs over the classes' mesh dim only. Other
+cases go to the op (which gathers the logits first).
 """
 import sys
 from typing import Optional
@@ -40,10 +48,12 @@ _16_BIT = (torch.float16, torch.bfloat16)
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def classes_sharded(logits, target, weight) -> Optional[int]:
+def classes_sharded(logits, target, weight, reduction) -> Optional[int]:
     """The mesh dim that shards `logits`' classes, where this module takes the
-    call (see the module's docstring), else None. No import where
-    ``torch.distributed.tensor`` has not been imported (no DTensor exists)."""
+    call (see the module's docstring), else None: also for a ``"mean"`` with
+    the rows sharded, which ``keel._sharded_mean`` builds on ``"none"`` (and so
+    on this module). No import where ``torch.distributed.tensor`` has not been
+    imported (no DTensor exists)."""
     module = sys.modules.get(_MODULE)
     if module is None or not isinstance(logits, module.DTensor) or logits.ndim != 2:
         return None
@@ -56,11 +66,14 @@ def classes_sharded(logits, target, weight) -> Optional[int]:
         return None
     placements = logits.placements
     dims = [i for i, p in enumerate(placements) if p.is_shard() and p.dim % 2 == 1]
-    if len(dims) != 1 or any(not p.is_replicate() for i, p in enumerate(placements) if i != dims[0]):
+    if len(dims) != 1 or any(not _rows_or_whole(p) for i, p in enumerate(placements) if i != dims[0]):
         return None
-    for t in (target, weight):
-        if isinstance(t, module.DTensor) and not all(p.is_replicate() for p in t.placements):
-            return None
+    if reduction == "mean" and _row_dims(logits, dims[0]):
+        return None
+    if isinstance(target, module.DTensor) and not all(_rows_or_whole(p) for p in target.placements):
+        return None
+    if isinstance(weight, module.DTensor) and not all(p.is_replicate() for p in weight.placements):
+        return None
     # Every rank holds a class (torch.chunk's split, which Shard's is): else the
     # kernel, which takes no empty row, has nothing to run on for one of them.
     ranks, classes = logits.device_mesh.size(dims[0]), logits.shape[1]
@@ -71,43 +84,86 @@ def classes_sharded(logits, target, weight) -> Optional[int]:
 
 def vocab_parallel(op: str, logits, target, ignore_index, label_smoothing, reduction, weight, dim):
     """The loss and each row's log-sum-exp (``keel.cross_entropy_with_lse``'s two
-    results), whole on every rank, of `logits` sharded on their classes along
-    mesh dim `dim` (:func:`classes_sharded`); `op` names the op in errors."""
-    from torch.distributed.tensor import DTensor, Replicate
+    results) of `logits` sharded on their classes along mesh dim `dim`
+    (:func:`classes_sharded`): whole on every rank, or where other mesh dims
+    shard the rows, sharded as they are (``"sum"``: ``Partial`` there); `op`
+    names the op in errors."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     if reduction not in ("none", "sum", "mean"):
         raise RuntimeError(f"{op}: argument 'reduction' must be \"mean\", \"sum\" or \"none\", got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise RuntimeError(f"{op}: argument 'label_smoothing' must be in [0, 1], got {label_smoothing}")
     mesh = logits.device_mesh
+    rows = _row_dims(logits, dim)
+    per_row = [Shard(0) if i in rows else Replicate() for i in range(mesh.ndim)]
+    if rows and not isinstance(target, DTensor):
+        raise RuntimeError(
+            f"{op}: argument 'target' must be a DTensor where the logits' rows are sharded "
+            f"(logits placements {tuple(logits.placements)}), got a plain tensor: "
+            f"distribute it with placements {tuple(per_row)}, as the rows are"
+        )
+    if target.shape != (logits.shape[0],):
+        raise RuntimeError(f"{op}: argument 'target' must have shape [{logits.shape[0]}], got {list(target.shape)}")
+    if isinstance(target, DTensor) and tuple(target.placements) != tuple(per_row):
+        target = target.redistribute(mesh, per_row)  # Replicate to the rows' Shard(0): each rank's slice
+    summed = [Partial() if i in rows else Replicate() for i in range(mesh.ndim)]
     x = logits.to_local(grad_placements=logits.placements)
     t = target.to_local() if isinstance(target, DTensor) else target
-    w = weight.to_local() if isinstance(weight, DTensor) else weight
+    # The class weights' gradient from each rank's rows: a DTensor's is left
+    # Partial over the rows' mesh dims (as the norms' weights'); a tensor's is
+    # summed over them in the backward (one all-reduce), whole on every rank.
+    w, reduced = weight, tuple((mesh, i) for i in rows)
+    if isinstance(weight, DTensor):
+        w, reduced = weight.to_local(grad_placements=summed), ()
     classes = logits.shape[1]
     if t.dtype != torch.int64:
         raise RuntimeError(f"{op}: argument 'target' must have dtype torch.int64, got {t.dtype}")
-    if t.shape != (logits.shape[0],):
-        raise RuntimeError(f"{op}: argument 'target' must have shape [{logits.shape[0]}], got {list(t.shape)}")
     if w is not None and w.shape != (classes,):
         raise RuntimeError(f"{op}: argument 'weight' must have shape [{classes}], got {list(w.shape)}")
     chunk = -(-classes // mesh.size(dim))
     lo = mesh.get_local_rank(dim) * chunk
     bad = (t != ignore_index) & ((t < 0) | (t >= classes))
     if _checking(x):
-        rows = bad.nonzero()
-        if rows.numel():
-            i = int(rows[0, 0])
+        found = bad.nonzero()
+        if found.numel():
+            i = int(found[0, 0])
+            # Raised on the ranks whose rows hold it (with the rows sharded, the
+            # others wait at their next collective, as for torch's own ops).
             raise RuntimeError(
-                f"{op}: argument 'target' holds {int(t[i])} at row {i}, out of range for {classes} classes "
+                f"{op}: argument 'target' holds {int(t[i])} at row {i + _first_row(logits)}, out of range for {classes} classes "
                 f"(and not ignore_index = {ignore_index})"
             )
     out = x.dtype
     if out in _16_BIT and torch.is_autocast_enabled(x.device.type):
         out = torch.float32  # as torch's cross_entropy under autocast
-    args = (t, w, lo, classes, ignore_index, float(label_smoothing), reduction, (mesh, dim), out, bad)
+    groups = ((mesh, dim), reduced)
+    args = (t, w, lo, classes, ignore_index, float(label_smoothing), reduction, groups, out, bad)
     loss, lse = _VocabParallel.apply(x, *args)
-    whole = [Replicate()] * mesh.ndim
-    return DTensor.from_local(loss, mesh, whole, run_check=False), DTensor.from_local(lse, mesh, whole, run_check=False)
+    n = torch.Size([logits.shape[0]])
+    if reduction != "none":
+        loss = DTensor.from_local(loss, mesh, summed, run_check=False, shape=torch.Size([]), stride=())
+    else:
+        loss = DTensor.from_local(loss, mesh, per_row, run_check=False, shape=n, stride=(1,))
+    return loss, DTensor.from_local(lse, mesh, per_row, run_check=False, shape=n, stride=(1,))
+
+
+def _rows_or_whole(p) -> bool:
+    """Whether placement `p` of 2-D logits (or a 1-D target) is ``Replicate`` or
+    shards dim 0, the rows."""
+    return p.is_replicate() or (p.is_shard() and p.dim in (0, -2))
+
+
+def _row_dims(logits, dim):
+    """The mesh dims other than `dim` that shard `logits`' rows."""
+    return tuple(i for i, p in enumerate(logits.placements) if i != dim and p.is_shard())
+
+
+def _first_row(logits) -> int:
+    """The whole logits' index of the rank's first row."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)[1][0]
 
 
 def _checking(x) -> bool:
@@ -128,7 +184,7 @@ class _VocabParallel(torch.autograd.Function):
     rank's ``[N, v]`` logits, classes ``[lo, lo + v)`` of ``classes``."""
 
     @staticmethod
-    def forward(ctx, x, t, w, lo, classes, ignore_index, eps, reduction, group, out, bad):
+    def forward(ctx, x, t, w, lo, classes, ignore_index, eps, reduction, groups, out, bad):
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         x = x.contiguous()
         v = x.shape[1]
@@ -156,7 +212,8 @@ class _VocabParallel(torch.autograd.Function):
             # kernel's smoothing term NaN; its share, inf, comes from w_rank (lse - lse_r).
             term = torch.where(lse_r == float("-inf"), 0, losses.to(acc) * v)
             stats += [term, torch.full_like(lse_r, 0) + w_rank]
-        every = _all_gather(torch.stack(stats), group).view(-1, len(stats), x.shape[0])
+        group, row_groups = groups
+        every = _all_gather(torch.stack(stats), group).view(_size(group), len(stats), x.shape[0])
         lse = torch.logsumexp(every[:, 0], 0)
         hit = lse - every[:, 1].sum(0)  # lse - x[t]
         loss = (1.0 - eps) * w_t * hit
@@ -171,7 +228,7 @@ class _VocabParallel(torch.autograd.Function):
         elif reduction == "mean":
             loss = torch.where(over == 0, float("nan"), loss.sum() / over)
         ctx.save_for_backward(x, t, col, valid, mine, bad, w_t, w_local, lse_r, lse, over, hit, loss)
-        ctx.args = (eps, classes, reduction, w_all, group, None if w is None else w.dtype)
+        ctx.args = (eps, classes, reduction, w_all, groups, None if w is None else w.dtype)
         ctx.set_materialize_grads(False)
         return loss.to(out), torch.where(valid, lse, 0)
 
@@ -179,7 +236,7 @@ class _VocabParallel(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, g_lse):
         x, t, col, valid, mine, bad, w_t, w_local, lse_r, lse, over, hit, loss = ctx.saved_tensors
-        eps, classes, reduction, w_all, group, w_dtype = ctx.args
+        eps, classes, reduction, w_all, (group, row_groups), w_dtype = ctx.args
         acc = lse.dtype
         zero = torch.zeros((), dtype=acc, device=x.device)
         g = zero if g_loss is None else g_loss.to(acc)
@@ -213,7 +270,10 @@ class _VocabParallel(torch.autograd.Function):
         dx.index_put_((rows, col), torch.where(valid, at, 0).to(x.dtype))
         dw = None
         if ctx.needs_input_grad[2]:
-            dw = _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, group).to(w_dtype)
+            dw = _weight_grad(x, t, valid, g, lse, hit, loss, eps, classes, reduction, group)
+            for other in row_groups:  # the other ranks' rows' share
+                dw = _all_reduce(dw, other)
+            dw = dw.to(w_dtype)
         return dx, None, dw, *([None] * 8)
 
 
@@ -252,4 +312,12 @@ def _all_gather(t, group):
     # all_gather_single from torch 2.15 (all_gather_tensor, deprecated there, before).
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
     out = gather(t, 0, group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
+
+
+def _all_reduce(t, group):
+    """The sum of `t` over the ranks of the mesh dim `group` (``(mesh, dim)``)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    out = funcol.all_reduce(t, "sum", group)
     return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out

@@ -336,8 +336,9 @@ def cross_entropy(
             logits: the ranks reduce the sum of their rows' losses and their
             weight (``keel._sharded_mean``). Nor, with any reduction, do
             ``[N, V]`` logits sharded on their classes (``Shard(1)``, a
-            tensor-parallel vocabulary): one all-gather of a few numbers a row
-            (``keel._vocab_parallel``).
+            tensor-parallel vocabulary), the rows replicated or sharded along
+            the mesh's other dims (then the target a DTensor): one all-gather
+            of a few numbers a row (``keel._vocab_parallel``).
         weight: optional ``[V]`` float weight of each class, on ``logits``' device
             (keyword only), as torch's ``weight``: a row's loss is scaled by its
             target's weight, label smoothing weights each class's term, and
@@ -365,7 +366,7 @@ def cross_entropy(
         kw = {} if weight is None else {"weight": weight}
         return _handle(cross_entropy, (logits, target, weight), logits, target, ignore_index, label_smoothing, reduction, **kw)
     if type(logits) is not Tensor:
-        if (dim := _vocab_parallel.classes_sharded(logits, target, weight)) is not None:
+        if (dim := _vocab_parallel.classes_sharded(logits, target, weight, reduction)) is not None:
             args = (logits, target, ignore_index, label_smoothing, reduction, weight, dim)
             return _vocab_parallel.vocab_parallel(_CE, *args)[0]
         if reduction == "mean" and _sharded_mean.rows_sharded(logits):
@@ -494,7 +495,7 @@ def cross_entropy_with_lse(
         args = (logits, target, ignore_index, label_smoothing, reduction)
         return _handle(cross_entropy_with_lse, (logits, target, weight), *args, **kw)
     if type(logits) is not Tensor:
-        if (dim := _vocab_parallel.classes_sharded(logits, target, weight)) is not None:
+        if (dim := _vocab_parallel.classes_sharded(logits, target, weight, reduction)) is not None:
             args = (logits, target, ignore_index, label_smoothing, reduction, weight, dim)
             return _vocab_parallel.vocab_parallel("keel::cross_entropy_with_lse", *args)
         if reduction == "mean" and _sharded_mean.rows_sharded(logits):

@@ -10,6 +10,7 @@ gave; the tests compare here, one a case.
 import datetime
 import functools
 import importlib
+import math
 import os
 import tempfile
 import traceback
@@ -40,15 +41,17 @@ def _placements(t):
 
 
 def _run_case(mesh, fn, inputs):
-    """`fn` on DTensors of `inputs` (name -> (tensor, placement or None for
-    Replicate, requires_grad)) and on the plain tensors.
+    """`fn` on DTensors of `inputs` (name -> (tensor, placement, requires_grad):
+    the placement one (of a 1-D mesh), a tuple of them, or None for Replicate)
+    and on the plain tensors.
     Returns (got, want, placements): each result and gradient, whole."""
     from torch.distributed.tensor import Replicate, distribute_tensor
 
     plain, dist = {}, {}
     for name, (t, placement, grad) in inputs.items():
         plain[name] = t.clone().requires_grad_(grad)
-        d = distribute_tensor(t, mesh, [placement or Replicate()])
+        placement = placement or (Replicate(),) * mesh.ndim
+        d = distribute_tensor(t, mesh, placement if isinstance(placement, tuple) else [placement])
         dist[name] = d.requires_grad_(grad)
     want_out = fn(**plain)
     got_out = fn(**dist)
@@ -62,7 +65,7 @@ def _run_case(mesh, fn, inputs):
         seed = [torch.randn(w.shape, generator=torch.Generator().manual_seed(i)) for i, w in enumerate(want_out)]
         torch.autograd.backward(want_out, seed)
         # A Shard output's gradient is sharded alike; a Replicate or Partial one's, whole.
-        placed = [g.placements if g.placements[0].is_shard() else [Replicate()] for g in got_out]
+        placed = [[Replicate() if p.is_partial() else p for p in g.placements] for g in got_out]
         torch.autograd.backward(got_out, [distribute_tensor(s, mesh, p) for s, p in zip(seed, placed)])
         for name, (_, _, grad) in inputs.items():
             if grad:
@@ -404,20 +407,20 @@ SPECIAL = {
 }
 
 
-def _worker(rank, tmp, module):
-    """One rank: every case of test module `module` (its ``_cases()`` and
-    ``SPECIAL``), the results saved by rank 0."""
-    cases = importlib.import_module(module)
+def _worker(rank, tmp, module, shape, cases, special):
+    """One rank of a mesh of `shape`: every case of test module `module` (its
+    function `cases` and dict `special`), the results saved by rank 0."""
+    found = importlib.import_module(module)
     torch.set_num_threads(1)
     # A file store, not a TCP port: no port to collide with another run's.
     torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=120)
+        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=math.prod(shape), timeout=datetime.timedelta(seconds=120)
     )
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (WORLD,))
-    jobs = {name: functools.partial(_run_case, fn=fn, inputs=inputs) for name, (fn, inputs, _) in cases._cases().items()}
-    jobs.update(cases.SPECIAL)
+    mesh = init_device_mesh("cpu", shape)
+    jobs = {name: functools.partial(_run_case, fn=fn, inputs=inputs) for name, (fn, inputs, _) in getattr(found, cases)().items()}
+    jobs.update(getattr(found, special))
     results = {}
     for name, job in jobs.items():
         try:
@@ -433,11 +436,14 @@ def _worker(rank, tmp, module):
     torch.distributed.destroy_process_group()
 
 
-def spawn_results(module):
-    """Each case of test module `module` run on WORLD processes: name -> result
-    (or the traceback of its error)."""
+def spawn_results(module, shape=(WORLD,), cases="_cases", special="SPECIAL"):
+    """Each case of test module `module` (its function `cases`, name -> (fn,
+    inputs, placements), and its dict `special`, name -> function of the mesh)
+    run on processes of a mesh of `shape`: name -> result (or the traceback of
+    its error)."""
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(_worker, args=(tmp, module), nprocs=WORLD, start_method="spawn")
+        args = (tmp, module, tuple(shape), cases, special)
+        torch.multiprocessing.start_processes(_worker, args=args, nprocs=math.prod(shape), start_method="spawn")
         return torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
 
 

@@ -8,6 +8,7 @@ gathered).
 """
 import functools
 import os
+import traceback
 
 import pytest
 import torch
@@ -206,8 +207,9 @@ def _two_dim_mesh(mesh):
 
 def _compiled(mesh):
     """``torch.compile(fullgraph=True)`` (aot_eager) of the sharded path, with
-    class weights that need a gradient and label smoothing (not on torch 2.11)."""
-    from torch.distributed.tensor import Shard
+    class weights that need a gradient and label smoothing (not on torch 2.11):
+    on a 1-D mesh the classes sharded, on the ``ROWS_MESH`` the rows too."""
+    from torch.distributed.tensor import Replicate, Shard
 
     from keel import _vocab_parallel
 
@@ -218,14 +220,166 @@ def _compiled(mesh):
         return keel.cross_entropy(logits, target, weight=weight, label_smoothing=0.1)
 
     target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    x_p, t_p = (Shard(1), None) if mesh.ndim == 1 else ((Shard(0), Shard(1)), (Shard(0), Replicate()))
     return _run_case(
         mesh,
         torch.compile(f, backend="aot_eager", fullgraph=True),
-        {"logits": (_x(12, CLASSES, seed=6), Shard(1), True), "target": (target, None, False), "weight": (_x(CLASSES, seed=8).abs(), None, True)},
+        {"logits": (_x(12, CLASSES, seed=6), x_p, True), "target": (target, t_p, False), "weight": (_x(CLASSES, seed=8).abs(), None, True)},
     )
 
 
 SPECIAL = {"collectives": _collectives, "bad-target": _bad_target, "two-dim-mesh": _two_dim_mesh, "compiled": _compiled}
+
+# A (2, 2) mesh: the rows sharded along one mesh dim (data parallelism), the
+# classes along the other, as torch 2.15's loss_parallel takes them.
+ROWS_MESH = (2, 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_cases():
+    """Case name -> (fn, inputs, expected placements) on the ``ROWS_MESH``: logits
+    ``(Shard(0), Shard(1))`` (or the mesh dims the other way round), the target
+    a DTensor sharded as the rows."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    g = torch.Generator().manual_seed(7)
+    logits, target = _x(12, CLASSES, seed=6) * 3, torch.randint(0, CLASSES, (12,), generator=g)
+    target[3] = -100
+    cw = torch.rand(CLASSES, generator=g) + 0.1
+    out = {}
+    for order in ("rows-classes", "classes-rows"):
+        x_p, t_p = (Shard(0), Shard(1)), (Shard(0), Replicate())
+        if order == "classes-rows":
+            x_p, t_p = x_p[::-1], t_p[::-1]
+        rows, whole = t_p, (Replicate(), Replicate())
+        summed = tuple(Partial() if p.is_shard() else p for p in t_p)
+        loss = {"none": rows, "sum": summed, "mean": whole}
+        inputs = {"logits": (logits, x_p, True), "target": (target, t_p, False)}
+        for reduction in ("none", "sum", "mean"):
+            for ls in (0.0, 0.1):
+                out[f"{order}-{reduction}-ls{ls}"] = (
+                    lambda logits, target, r=reduction, ls=ls: keel.cross_entropy(logits, target, reduction=r, label_smoothing=ls),
+                    inputs,
+                    {"out0": loss[reduction], "dlogits": x_p},
+                )
+                # Class weights that need a gradient: Partial over the rows, as the norms' weights'.
+                out[f"{order}-{reduction}-ls{ls}-weight-grad"] = (
+                    lambda logits, target, weight, r=reduction, ls=ls: keel.cross_entropy(
+                        logits, target, weight=weight, reduction=r, label_smoothing=ls
+                    ),
+                    {**inputs, "weight": (cw, None, True)},
+                    {"out0": loss[reduction], "dlogits": x_p, "dweight": summed},
+                )
+            out[f"{order}-cross_entropy_with_lse-{reduction}"] = (
+                lambda logits, target, weight, r=reduction: keel.cross_entropy_with_lse(
+                    logits, target, reduction=r, label_smoothing=0.1, weight=weight
+                ),
+                {**inputs, "weight": (cw, None, False)},
+                {"out0": loss[reduction], "out1": rows, "dlogits": x_p},
+            )
+        # A replicated target: each rank takes its rows' slice.
+        out[f"{order}-mean-replicated-target"] = (
+            lambda logits, target: keel.cross_entropy(logits, target, label_smoothing=0.1),
+            {**inputs, "target": (target, None, False)},
+            {"out0": whole, "dlogits": x_p},
+        )
+    R2, rows, x_p, P = (Replicate(), Replicate()), (Shard(0), Replicate()), (Shard(0), Shard(1)), (Partial(), Replicate())
+    out["rows-classes-mean-bfloat16"] = (
+        lambda logits, target, weight: keel.cross_entropy(logits, target, label_smoothing=0.1, weight=weight),
+        {"logits": (logits.bfloat16(), x_p, True), "target": (target, rows, False), "weight": (cw.bfloat16(), None, True)},
+        {"out0": R2, "dlogits": x_p, "dweight": P},
+    )
+    out["rows-classes-keel.nn.CrossEntropyLoss"] = (
+        lambda logits, target: keel.nn.CrossEntropyLoss(label_smoothing=0.1)(logits, target),
+        {"logits": (logits, x_p, True), "target": (target, rows, False)},
+        {"out0": R2, "dlogits": x_p},
+    )
+    # Rows split unevenly (6 and 5), and one row only (the second data-parallel
+    # rank's share empty: there torch 2.10's DTensor gives the weights' gradient
+    # of a "mean" Replicate, later torch Partial).
+    for n in (11, 1):
+        for reduction in ("none", "mean"):
+            out[f"rows-classes-{reduction}-{n}-rows"] = (
+                lambda logits, target, weight, r=reduction: keel.cross_entropy_with_lse(
+                    logits, target, reduction=r, label_smoothing=0.1, weight=weight
+                ),
+                {"logits": (logits[:n], x_p, True), "target": (target[:n], rows, False), "weight": (cw, None, True)},
+                {"out0": rows if reduction == "none" else R2, "out1": rows, "dlogits": x_p, "dweight": [P, R2] if n == 1 else P},
+            )
+    return out
+
+
+def _rows_collectives(mesh):
+    """What the typed API sends (forward and backward) for each reduction of
+    logits sharded on their rows and classes: name -> count, by reduction."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    found = {}
+    target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    for reduction in ("none", "sum", "mean"):
+        logits = distribute_tensor(_x(12, CLASSES, seed=6), mesh, [Shard(0), Shard(1)]).requires_grad_()
+        t = distribute_tensor(target, mesh, [Shard(0), Replicate()])
+        with CommDebugMode() as comms:
+            loss = keel.cross_entropy(logits, t, reduction=reduction, label_smoothing=0.1)
+            loss.backward(torch.ones_like(loss))
+        found[reduction] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+    return found
+
+
+def _rows_errors(mesh):
+    """Each rank's error (or "no error") for a plain target, and for a target
+    out of range in the second data-parallel rank's rows (whole row 8)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    logits = distribute_tensor(_x(12, CLASSES, seed=6), mesh, [Shard(0), Shard(1)])
+    target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    bad = target.clone()
+    bad[8] = CLASSES
+    found = {}
+    for name, t in (("plain", target), ("out-of-range", distribute_tensor(bad, mesh, [Shard(0), Replicate()]))):
+        try:
+            keel.cross_entropy(logits, t, reduction="none")
+            err = "no error"
+        except RuntimeError as e:
+            err = str(e)
+        every = [None] * mesh.size()
+        torch.distributed.all_gather_object(every, err)
+        found[name] = every
+    return found
+
+
+def _rows_plain_weight(mesh):
+    """Class weights as a plain tensor that needs a gradient, by reduction:
+    (got, want, placements), the gradient whole on every rank (rank 0's here;
+    ``rows_plain_weight_ranks`` compares the ranks')."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    logits = _x(12, CLASSES, seed=6) * 3
+    target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
+    cw = torch.rand(CLASSES, generator=torch.Generator().manual_seed(8)) + 0.1
+    found = {}
+    for reduction in ("none", "sum", "mean"):
+        try:
+            dl = distribute_tensor(logits, mesh, [Shard(0), Shard(1)]).requires_grad_()
+            dt = distribute_tensor(target, mesh, [Shard(0), Replicate()])
+            w = cw.clone().requires_grad_()
+            loss = keel.cross_entropy(dl, dt, weight=w, reduction=reduction, label_smoothing=0.1)
+            seed = torch.randn(loss.shape, generator=torch.Generator().manual_seed(9))
+            loss.backward(distribute_tensor(seed, mesh, [Replicate() if p.is_partial() else p for p in loss.placements]))
+            pl, pw = logits.clone().requires_grad_(), cw.clone().requires_grad_()
+            want = keel.cross_entropy(pl, target, weight=pw, reduction=reduction, label_smoothing=0.1)
+            want.backward(seed)
+            every = [None] * mesh.size()
+            torch.distributed.all_gather_object(every, w.grad)
+            got = {"out0": loss.full_tensor(), "dlogits": dl.grad.full_tensor(), "dweight": w.grad}
+            found[reduction] = ((got, {"out0": want, "dlogits": pl.grad, "dweight": pw.grad}, {}), every)
+        except Exception:
+            found[reduction] = traceback.format_exc()
+    return found
+
+
+ROW_SPECIAL = {"collectives": _rows_collectives, "errors": _rows_errors, "compiled": _compiled, "plain-weight": _rows_plain_weight}
 
 
 @pytest.fixture(scope="module")
@@ -273,3 +427,68 @@ def test_compiled(results):
 
     placements = _compare(results["compiled"])
     _check_placements(placements, {"out0": (Replicate(),), "dlogits": (Shard(1),), "dweight": (Replicate(),)})
+
+
+@pytest.fixture(scope="module")
+def row_results():
+    return spawn_results(__name__, shape=ROWS_MESH, cases="_row_cases", special="ROW_SPECIAL")
+
+
+@pytest.mark.parametrize("name", sorted(_row_cases().keys()) if torch.distributed.is_available() else [])
+def test_rows_sharded_too_matches_the_whole_call(row_results, name):
+    """Logits sharded on their rows along one mesh dim and on their classes
+    along the other: the whole results as the plain call's, the losses sharded
+    as the rows (``"none"``), ``Partial`` there (``"sum"``) or whole (``"mean"``)."""
+    _check_placements(_compare(row_results[name]), _row_cases()[name][2])
+
+
+def test_rows_sharded_too_gathers_no_logits(row_results):
+    """One all-gather a call, over the classes' mesh dim (of a few numbers a row);
+    a ``"mean"`` adds one all-reduce (of two numbers), over the rows' mesh dim."""
+    found = row_results["collectives"]
+    assert not isinstance(found, str), found
+    assert found == {
+        "none": {"all_gather_into_tensor": 1},
+        "sum": {"all_gather_into_tensor": 1},
+        "mean": {"all_gather_into_tensor": 1, "all_reduce": 1},
+    }, found
+
+
+def test_rows_sharded_too_errors(row_results):
+    """A plain target is refused (which rows would it be?), naming the
+    placements to give it; a target out of range is reported by the ranks
+    whose rows hold it, with its whole row's index."""
+    found = row_results["errors"]
+    assert not isinstance(found, str), found
+    plain = (
+        "keel::cross_entropy: argument 'target' must be a DTensor where the logits' rows are sharded "
+        "(logits placements (Shard(dim=0), Shard(dim=1))), got a plain tensor: "
+        "distribute it with placements (Shard(dim=0), Replicate()), as the rows are"
+    )
+    assert found["plain"] == [plain] * 4
+    bad = f"keel::cross_entropy: argument 'target' holds {CLASSES} at row 8, out of range for {CLASSES} classes (and not ignore_index = -100)"
+    # Ranks 0 and 1 hold rows 0 to 5; ranks 2 and 3 rows 6 to 11.
+    assert found["out-of-range"] == ["no error", "no error", bad, bad], found
+
+
+def test_rows_sharded_too_compiled(row_results):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from keel import _vocab_parallel
+
+    if _vocab_parallel._TORCH == (2, 11):
+        pytest.skip(f"the class-sharded path is not compiled on torch 2.11; this is {torch.__version__}")
+    placements = _compare(row_results["compiled"])
+    _check_placements(placements, {"out0": (Replicate(), Replicate()), "dlogits": (Shard(0), Shard(1)), "dweight": (Partial(), Replicate())})
+
+
+@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+def test_rows_sharded_too_plain_weight_gradient_is_whole(row_results, reduction):
+    """Class weights as a plain tensor: each rank's gradient is the whole one
+    (the rows' shares summed across the ranks), the same on every rank."""
+    found = row_results["plain-weight"][reduction]
+    assert not isinstance(found, str), found
+    result, every = found
+    _compare(result)
+    for grad in every:
+        assert torch.equal(grad, every[0])
