@@ -282,6 +282,33 @@ def _load(module, opt, path):
     return _tensors(module, opt)
 
 
+class _AppState:
+    """A training job's app state as torch's DCP recipe (and torchtitan) write
+    it, a ``Stateful``, its state dict made through ``keel.nn.checkpointable``."""
+
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return keel.nn.checkpointable({"model": model_sd, "optim": optim_sd})
+
+    def load_state_dict(self, state_dict):
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+
+
+def _load_app(module, opt, path):
+    """As :func:`_load`, through an :class:`_AppState`."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load({"app": _AppState(module, opt)}, checkpoint_id=path)
+    return _tensors(module, opt)
+
+
 def _tensors(module, opt):
     """name -> each parameter's and each optimizer state's local tensor (copied)."""
     local = lambda t: (t.to_local() if hasattr(t, "to_local") else t).detach().clone()  # noqa: E731
@@ -299,7 +326,8 @@ def _dcp(mesh):
     against the saved ones, and again after one more step on both; (2) into
     the plain module and optimizer on every rank: their whole tensors against
     the plain ones after the same step (which needs the checkpoint to hold the
-    weight in its own order); (3) the same from ``dcp.async_save``'s checkpoint.
+    weight in its own order); (3) the same from ``dcp.async_save``'s checkpoint,
+    and from one saved and loaded through an app state (``Stateful``).
     Also what ``torch.save`` of the marked dict raises, and whether the
     optimizer's own state was left alone."""
     import io
@@ -320,6 +348,7 @@ def _dcp(mesh):
         dcp.save(state, checkpoint_id=path)
         # async_save copies the dict to CPU memory first (its stager's deepcopy).
         dcp.async_save(state, checkpoint_id=f"{path}/async").result()
+        dcp.save({"app": _AppState(tp, tp_opt)}, checkpoint_id=f"{path}/stateful")
         try:
             torch.save(state, io.BytesIO())
             pickled = "no error"
@@ -327,6 +356,8 @@ def _dcp(mesh):
             pickled = str(err)
         copy_, copy_opt = _perturbed(parallelize_module(_module(True), mesh, plan))
         found = {"parallel": (_load(copy_, copy_opt, path), _tensors(tp, tp_opt))}
+        loaded = _load_app(*_perturbed(parallelize_module(_module(True), mesh, plan)), f"{path}/stateful")
+        found["parallel-stateful"] = (loaded, found["parallel"][1])
         for module, opt in ((copy_, copy_opt), (tp, tp_opt)):
             _step(module, opt, x)
         found["parallel-after-a-step"] = (_tensors(copy_, copy_opt), _tensors(tp, tp_opt))
@@ -334,6 +365,7 @@ def _dcp(mesh):
         found["plain"] = (_load(whole, whole_opt, path), _tensors(plain, plain_opt))
         whole, whole_opt = _perturbed(_module(True))
         found["plain-async"] = (_load(whole, whole_opt, f"{path}/async"), found["plain"][0])
+        found["plain-stateful"] = (_load_app(*_perturbed(_module(True)), f"{path}/stateful"), found["plain"][0])
         found["torch.save"] = pickled
         found["optimizer-untouched"] = untouched
         return found
@@ -563,10 +595,11 @@ def test_fsdp2_sharding_dim_1_gathers_right(fsdp_results):
 def test_distributed_checkpoint(results):
     """DCP through keel.nn.checkpointable: each rank's shards come back exactly,
     train alike after, and the plain module loads the weight in its own order,
-    from async_save's checkpoint the same as from save's."""
+    from async_save's checkpoint and through an app state (Stateful) the same
+    as from save's."""
     found = results["dcp"]
     assert not isinstance(found, str), found
-    for name in ("parallel", "parallel-after-a-step", "plain-async"):
+    for name in ("parallel", "parallel-stateful", "parallel-after-a-step", "plain-async", "plain-stateful"):
         got, want = found[name]
         assert got.keys() == want.keys(), name
         for key in got:

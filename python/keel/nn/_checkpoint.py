@@ -168,6 +168,10 @@ def checkpointable(state_dict: dict) -> dict:
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+    An app state (a ``Stateful``, as torch's DCP recipe and torchtitan write
+    one) returns it from its ``state_dict()``, and its ``load_state_dict``
+    takes it back, as above, after ``dcp.load`` has loaded into it.
+
     The checkpoint holds the weight in its own order (``[gate; up]``), so a
     plain module, another tensor-parallel degree or FSDP2 loads it. The dict
     is for ``dcp.save``, ``dcp.async_save`` (whose staging copies it) and
