@@ -21,7 +21,8 @@ classes ``[lo, lo + v)``:
   one-hot, and no cancellation where it has), and label smoothing subtracts
   its constant (times the class weights) in one more pass.
 
-Taken: 2-D logits with one mesh dim sharding the classes (``Shard(1)``) and
+Taken (``[N, V, d1, ...]`` logits too, which ``keel.cross_entropy`` takes as
+rows ``[N d1 ..., V]``): 2-D logits with one mesh dim sharding the classes (``Shard(1)``) and
 every other mesh dim ``Replicate`` or sharding the rows (``Shard(0)``: data
 parallelism over a 2-D mesh, as torch 2.15's ``loss_parallel`` takes it), a
 class-index target (a tensor, or a DTensor; where the rows are sharded, a

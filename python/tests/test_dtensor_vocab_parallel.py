@@ -151,6 +151,15 @@ def _cases():
         {**weighted, "logits": (logits.bfloat16(), Shard(1), True), "weight": (cw.bfloat16(), None, True)},
         {"out0": R, "dlogits": S, "dweight": R},
     )
+    # [N, V, d] logits (classes in dim 1), taken as rows [N d, V] (keel.functional's other layouts).
+    x3, t3 = _x(4, CLASSES, 3, seed=6) * 3, torch.randint(0, CLASSES, (4, 3), generator=g)
+    t3[1, 2] = -100
+    for reduction in ("none", "mean"):
+        out[f"cross_entropy-{reduction}-N-V-d"] = (
+            lambda logits, target, weight, r=reduction: keel.cross_entropy(logits, target, reduction=r, label_smoothing=0.1, weight=weight),
+            {"logits": (x3, Shard(1), True), "target": (t3, None, False), "weight": (cw, None, True)},
+            {"out0": R, "dlogits": S, "dweight": R},
+        )
     # Not taken: the op itself runs whole (the logits gathered).
     out["ops.cross_entropy-mean"] = (lambda logits, target: torch.ops.keel.cross_entropy(logits, target), inputs, {"out0": R})
     return out
@@ -165,9 +174,13 @@ def _collectives(mesh):
 
     found = {}
     target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
-    for key, fn in (("typed", keel.cross_entropy), ("op", torch.ops.keel.cross_entropy)):
-        logits = distribute_tensor(_x(12, CLASSES, seed=6), mesh, [Shard(1)]).requires_grad_()
-        t = distribute_tensor(target, mesh, [Replicate()])
+    for key, fn, shape in (
+        ("typed", keel.cross_entropy, (12, CLASSES)),
+        ("op", torch.ops.keel.cross_entropy, (12, CLASSES)),
+        ("typed [N, V, d]", keel.cross_entropy, (4, CLASSES, 3)),
+    ):
+        logits = distribute_tensor(_x(*shape, seed=6), mesh, [Shard(1)]).requires_grad_()
+        t = distribute_tensor(target.view(-1, *shape[2:]), mesh, [Replicate()])
         with CommDebugMode() as comms:
             fn(logits, t).backward()
         found[key] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
@@ -306,6 +319,15 @@ def _row_cases():
                 {"logits": (logits[:n], x_p, True), "target": (target[:n], rows, False), "weight": (cw, None, True)},
                 {"out0": rows if reduction == "none" else R2, "out1": rows, "dlogits": x_p, "dweight": [P, R2] if n == 1 else P},
             )
+    # [N, V, d] logits, taken as rows [N d, V], the rows sharded on N.
+    x3, t3 = _x(4, CLASSES, 3, seed=6) * 3, torch.randint(0, CLASSES, (4, 3), generator=g)
+    t3[1, 2] = -100
+    for reduction in ("none", "sum", "mean"):
+        out[f"rows-classes-{reduction}-N-V-d"] = (
+            lambda logits, target, r=reduction: keel.cross_entropy(logits, target, reduction=r, label_smoothing=0.1),
+            {"logits": (x3, x_p, True), "target": (t3, rows, False)},
+            {"out0": {"none": rows, "sum": P, "mean": R2}[reduction], "dlogits": x_p},
+        )
     return out
 
 
@@ -398,6 +420,7 @@ def test_one_all_gather_and_no_logits_gathered(results):
     found = results["collectives"]
     assert not isinstance(found, str), found
     assert found["typed"] == {"all_gather_into_tensor": 1}, found
+    assert found["typed [N, V, d]"] == {"all_gather_into_tensor": 1}, found
     assert found["op"].get("all_gather_into_tensor", 0) > 1, found
 
 
