@@ -33,6 +33,15 @@ def _autocast(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+def _under_loss_parallel(fn, *args, **kwargs):
+    """`fn` inside torch's ``loss_parallel()``, as a recipe written for torch's
+    own vocabulary-parallel loss calls it (Keel's path needs none)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        return fn(*args, **kwargs)
+
+
 def _plain_target(fn):
     """`fn` with the target as a plain tensor (every rank's the same), as
     ``loss_parallel`` takes it."""
@@ -101,6 +110,11 @@ def _cases():
         lambda logits, target: keel.cross_entropy_with_lse(logits, target, reduction="none"),
         {"logits": (uneven, Shard(1), True), "target": (target.clamp(max=UNEVEN - 1), None, False)},
         {"out0": R, "out1": R, "dlogits": [S, R]},
+    )
+    out["keel.nn.CrossEntropyLoss-under-loss_parallel"] = (
+        lambda logits, target, weight: _under_loss_parallel(keel.nn.CrossEntropyLoss(weight=weight, label_smoothing=0.1), logits, target),
+        weighted,
+        {"out0": R, "dlogits": S},
     )
     out["cross_entropy-mean-plain-target"] = (_plain_target(keel.cross_entropy), inputs, {"out0": R, "dlogits": S})
     out["keel.nn.CrossEntropyLoss"] = (
