@@ -104,6 +104,11 @@ def vocab_parallel(op: str, logits, target, ignore_index, label_smoothing, reduc
             f"(logits placements {tuple(logits.placements)}), got a plain tensor: "
             f"distribute it with placements {tuple(per_row)}, as the rows are"
         )
+    if isinstance(target, DTensor) and target.device_mesh != mesh and (rows or not all(p.is_replicate() for p in target.placements)):
+        raise RuntimeError(
+            f"{op}: argument 'target' is a DTensor on another mesh than the logits' ({target.device_mesh} against "
+            f"{mesh}): give it the logits' mesh, with placements {tuple(per_row)}"
+        )
     if target.shape != (logits.shape[0],):
         raise RuntimeError(f"{op}: argument 'target' must have shape [{logits.shape[0]}], got {list(target.shape)}")
     if isinstance(target, DTensor) and tuple(target.placements) != tuple(per_row):

@@ -364,8 +364,10 @@ def _rows_collectives(mesh):
 
 
 def _rows_errors(mesh):
-    """Each rank's error (or "no error") for a plain target, and for a target
-    out of range in the second data-parallel rank's rows (whole row 8)."""
+    """Each rank's error (or "no error") for a plain target, for a target on
+    another mesh (the data-parallel dim's), and for a target out of range in
+    the second data-parallel rank's rows (whole row 8)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     logits = distribute_tensor(_x(12, CLASSES, seed=6), mesh, [Shard(0), Shard(1)])
@@ -373,7 +375,12 @@ def _rows_errors(mesh):
     bad = target.clone()
     bad[8] = CLASSES
     found = {}
-    for name, t in (("plain", target), ("out-of-range", distribute_tensor(bad, mesh, [Shard(0), Replicate()]))):
+    rows = init_device_mesh("cpu", ROWS_MESH, mesh_dim_names=("dp", "tp"))["dp"]
+    for name, t in (
+        ("plain", target),
+        ("other-mesh", distribute_tensor(target, rows, [Shard(0)])),
+        ("out-of-range", distribute_tensor(bad, mesh, [Shard(0), Replicate()])),
+    ):
         try:
             keel.cross_entropy(logits, t, reduction="none")
             err = "no error"
@@ -493,7 +500,7 @@ def test_rows_sharded_too_gathers_no_logits(row_results):
 
 def test_rows_sharded_too_errors(row_results):
     """A plain target is refused (which rows would it be?), naming the
-    placements to give it; a target out of range is reported by the ranks
+    placements to give it, as is one on another mesh; a target out of range is reported by the ranks
     whose rows hold it, with its whole row's index."""
     found = row_results["errors"]
     assert not isinstance(found, str), found
@@ -503,6 +510,9 @@ def test_rows_sharded_too_errors(row_results):
         "distribute it with placements (Shard(dim=0), Replicate()), as the rows are"
     )
     assert found["plain"] == [plain] * 4
+    for err in found["other-mesh"]:
+        assert err.startswith("keel::cross_entropy: argument 'target' is a DTensor on another mesh than the logits' ("), err
+        assert err.endswith("give it the logits' mesh, with placements (Shard(dim=0), Replicate())"), err
     bad = f"keel::cross_entropy: argument 'target' holds {CLASSES} at row 8, out of range for {CLASSES} classes (and not ignore_index = -100)"
     # Ranks 0 and 1 hold rows 0 to 5; ranks 2 and 3 rows 6 to 11.
     assert found["out-of-range"] == ["no error", "no error", bad, bad], found
