@@ -4,7 +4,9 @@ whole, since it divides by the weight of every rank's rows, so
 ``keel.cross_entropy`` and ``keel.cross_entropy_with_lse`` build it here on
 ``"none"`` (docs/BENCHMARKS.md, session 102: ``[4096, 32000]`` float32 over two
 ranks, 150 ms against the gathering op's 1788)."""
+import math
 import sys
+from typing import Optional
 
 import torch
 
@@ -20,6 +22,42 @@ def rows_sharded(logits) -> bool:
         return False
     classes = 1 if logits.ndim > 1 else 0
     return any(p.is_shard() and p.dim % logits.ndim != classes for p in logits.placements)
+
+
+def spatial_sharded(logits) -> Optional[int]:
+    """The dim ``k >= 2`` of DTensor `logits` ``[N, V, d2, ...]`` that its
+    placements shard, where it is the only one besides the classes' (dim 1),
+    else None (no import where ``torch.distributed.tensor`` has not been
+    imported)."""
+    module = sys.modules.get(_MODULE)
+    if module is None or not isinstance(logits, module.DTensor) or logits.ndim < 3:
+        return None
+    dims = {p.dim % logits.ndim for p in logits.placements if p.is_shard()} - {1}
+    return dims.pop() if len(dims) == 1 and min(dims) >= 2 else None
+
+
+def split_evenly(t, dim: int) -> bool:
+    """Whether the ranks that shard DTensor `t`'s dim `dim` split it evenly
+    (DTensor flattens no uneven shards)."""
+    ranks = math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard() and p.dim % t.ndim == dim)
+    return t.shape[dim] % ranks == 0
+
+
+def unsharded(t, dim: int):
+    """`t` with its dim `dim` gathered (``Replicate`` where it was sharded), or
+    `t` itself where it is not a DTensor."""
+    if not isinstance(t, sys.modules[_MODULE].DTensor):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    placements = [Replicate() if p.is_shard() and p.dim % t.ndim == dim else p for p in t.placements]
+    whole = t.redistribute(t.device_mesh, placements)
+    # torch 2.10's gather along a dim other than 0 left the local tensor
+    # strided, under a DTensor that took itself for contiguous (a flat view failed).
+    local = whole.to_local()
+    if local.is_contiguous():
+        return whole
+    return type(t).from_local(local.contiguous(), t.device_mesh, placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def sharded_mean(fn, logits, target, ignore_index, label_smoothing, weight):

@@ -174,6 +174,19 @@ def _cases():
             {"logits": (x3, Shard(1), True), "target": (t3, None, False), "weight": (cw, None, True)},
             {"out0": R, "dlogits": S, "dweight": R},
         )
+    # [N, V, d] sharded on d only: its rows (d moved first), the op's row rules;
+    # d = 3 is split unevenly, which DTensor cannot flatten: gathered along d.
+    x4, t4 = _x(4, CLASSES, 4, seed=6) * 3, torch.randint(0, CLASSES, (4, 4), generator=g)
+    for d, (x_d, t_d) in ((4, (x4, t4)), (3, (x3, t3))):
+        for reduction in ("none", "mean"):
+            out[f"cross_entropy-{reduction}-N-V-d{d}-sharded-on-d"] = (
+                lambda logits, target, r=reduction: keel.cross_entropy(logits, target, reduction=r, label_smoothing=0.1),
+                {"logits": (x_d, Shard(2), True), "target": (t_d, Shard(1), False)},
+                {
+                    "out0": (Shard(1),) if reduction == "none" else R,
+                    "dlogits": (Shard(2),),
+                } if d == 4 else {"out0": [(Shard(1),), R], "dlogits": [(Shard(2),), R]},
+            )
     # Not taken: the op itself runs whole (the logits gathered).
     out["ops.cross_entropy-mean"] = (lambda logits, target: torch.ops.keel.cross_entropy(logits, target), inputs, {"out0": R})
     return out
@@ -336,11 +349,19 @@ def _row_cases():
     # [N, V, d] logits, taken as rows [N d, V], the rows sharded on N.
     x3, t3 = _x(4, CLASSES, 3, seed=6) * 3, torch.randint(0, CLASSES, (4, 3), generator=g)
     t3[1, 2] = -100
+    x4, t4 = _x(4, CLASSES, 4, seed=6) * 3, torch.randint(0, CLASSES, (4, 4), generator=g)
     for reduction in ("none", "sum", "mean"):
         out[f"rows-classes-{reduction}-N-V-d"] = (
             lambda logits, target, r=reduction: keel.cross_entropy(logits, target, reduction=r, label_smoothing=0.1),
             {"logits": (x3, x_p, True), "target": (t3, rows, False)},
             {"out0": {"none": rows, "sum": P, "mean": R2}[reduction], "dlogits": x_p},
+        )
+        # Sharded on d instead (torch's (batch, class, seq) layout): d moved first, then flattened.
+        x4_p, t4_p = (Shard(2), Shard(1)), (Shard(1), Replicate())
+        out[f"rows-classes-{reduction}-N-V-d-sharded-on-d"] = (
+            lambda logits, target, r=reduction: keel.cross_entropy(logits, target, reduction=r, label_smoothing=0.1),
+            {"logits": (x4, x4_p, True), "target": (t4, t4_p, False)},
+            {"out0": {"none": t4_p, "sum": P, "mean": R2}[reduction], "dlogits": x4_p},
         )
     return out
 
@@ -353,13 +374,18 @@ def _rows_collectives(mesh):
 
     found = {}
     target = torch.randint(0, CLASSES, (12,), generator=torch.Generator().manual_seed(7))
-    for reduction in ("none", "sum", "mean"):
-        logits = distribute_tensor(_x(12, CLASSES, seed=6), mesh, [Shard(0), Shard(1)]).requires_grad_()
-        t = distribute_tensor(target, mesh, [Shard(0), Replicate()])
+    rows = ((12, CLASSES), [Shard(0), Shard(1)], [Shard(0), Replicate()])
+    # [N, V, d] sharded on d (torch's (batch, class, seq) layout).
+    spatial = ((3, CLASSES, 4), [Shard(2), Shard(1)], [Shard(1), Replicate()])
+    for key, reduction, (shape, x_p, t_p) in (
+        ("none", "none", rows), ("sum", "sum", rows), ("mean", "mean", rows), ("mean [N, V, d], d sharded", "mean", spatial)
+    ):
+        logits = distribute_tensor(_x(*shape, seed=6), mesh, x_p).requires_grad_()
+        t = distribute_tensor(target.view(-1, *shape[2:]), mesh, t_p)
         with CommDebugMode() as comms:
             loss = keel.cross_entropy(logits, t, reduction=reduction, label_smoothing=0.1)
             loss.backward(torch.ones_like(loss))
-        found[reduction] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
+        found[key] = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
     return found
 
 
@@ -495,6 +521,7 @@ def test_rows_sharded_too_gathers_no_logits(row_results):
         "none": {"all_gather_into_tensor": 1},
         "sum": {"all_gather_into_tensor": 1},
         "mean": {"all_gather_into_tensor": 1, "all_reduce": 1},
+        "mean [N, V, d], d sharded": {"all_gather_into_tensor": 1, "all_reduce": 1},
     }, found
 
 
