@@ -24,16 +24,15 @@ def rows_sharded(logits) -> bool:
     return any(p.is_shard() and p.dim % logits.ndim != classes for p in logits.placements)
 
 
-def spatial_sharded(logits) -> Optional[int]:
-    """The dim ``k >= 2`` of DTensor `logits` ``[N, V, d2, ...]`` that its
-    placements shard, where it is the only one besides the classes' (dim 1),
-    else None (no import where ``torch.distributed.tensor`` has not been
-    imported)."""
+def row_sharded(logits) -> Optional[int]:
+    """The dim of DTensor `logits` ``[N, V, d2, ...]`` other than the classes'
+    (dim 1) that its placements shard, where it is the only one, else None (no
+    import where ``torch.distributed.tensor`` has not been imported)."""
     module = sys.modules.get(_MODULE)
     if module is None or not isinstance(logits, module.DTensor) or logits.ndim < 3:
         return None
     dims = {p.dim % logits.ndim for p in logits.placements if p.is_shard()} - {1}
-    return dims.pop() if len(dims) == 1 and min(dims) >= 2 else None
+    return dims.pop() if len(dims) == 1 else None
 
 
 def split_evenly(t, dim: int) -> bool:

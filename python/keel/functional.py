@@ -465,17 +465,18 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
             f"keel::cross_entropy: argument 'target' must have shape {list(want)} for logits {layout} of shape "
             f"{list(logits.shape)}, got shape {list(target.shape)}"
         )
-    if (k := _sharded_mean.spatial_sharded(logits)) is not None:
-        if _sharded_mean.split_evenly(logits, k):
+    if (k := _sharded_mean.row_sharded(logits)) is not None:
+        if not _sharded_mean.split_evenly(logits, k):
+            # DTensor flattens no uneven shards (refused, or for a d_k gathered by
+            # later torch): that dim gathered first.
+            logits, target = _sharded_mean.unsharded(logits, k), _sharded_mean.unsharded(target, max(k - 1, 0))
+        elif k >= 2:
             # A DTensor sharded on d_k: d_k moved first, so that the rows, flattened,
             # are sharded as it was (flattening [N, d_k] would gather the logits).
             lead, t = logits.movedim(k, 0), target.movedim(k - 1, 0)
             rows = lead.movedim(2, -1).reshape(t.numel(), logits.shape[1])
             loss = cross_entropy(rows, t.reshape(-1), ignore_index, label_smoothing, reduction, weight=weight)
             return loss.reshape(t.shape).movedim(0, k - 1) if reduction == "none" else loss
-        # Split unevenly, which DTensor does not flatten (torch 2.10 refuses, later
-        # torch gathers): d_k gathered first.
-        logits, target = _sharded_mean.unsharded(logits, k), _sharded_mean.unsharded(target, k - 1)
     # The row count from the target, not -1: with no classes, -1 would be ambiguous
     # and reshape would raise its own error instead of the op's.
     rows = _ce_forms.as_rows(logits, target.numel())

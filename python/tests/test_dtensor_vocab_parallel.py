@@ -356,6 +356,13 @@ def _row_cases():
             {"logits": (x3, x_p, True), "target": (t3, rows, False)},
             {"out0": {"none": rows, "sum": P, "mean": R2}[reduction], "dlogits": x_p},
         )
+        # N = 3, split unevenly (2 and 1), which DTensor does not flatten: gathered first
+        # (the gradient then as DTensor gives it back: torch 2.10 whole).
+        out[f"rows-classes-{reduction}-N-V-d-uneven-N"] = (
+            lambda logits, target, r=reduction: keel.cross_entropy(logits, target, reduction=r, label_smoothing=0.1),
+            {"logits": (x4[:3], x_p, True), "target": (t4[:3], rows, False)},
+            {"out0": [rows, R2] if reduction == "none" else [P, R2] if reduction == "sum" else R2, "dlogits": [x_p, (Replicate(), Shard(1)), R2]},
+        )
         # Sharded on d instead (torch's (batch, class, seq) layout): d moved first, then flattened.
         x4_p, t4_p = (Shard(2), Shard(1)), (Shard(1), Replicate())
         out[f"rows-classes-{reduction}-N-V-d-sharded-on-d"] = (
