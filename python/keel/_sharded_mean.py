@@ -24,7 +24,7 @@ def rows_sharded(logits) -> bool:
     return any(p.is_shard() and p.dim % logits.ndim != classes for p in logits.placements)
 
 
-def row_sharded(logits) -> Optional[int]:
+def sharded_row_dim(logits) -> Optional[int]:
     """The dim of DTensor `logits` ``[N, V, d2, ...]`` other than the classes'
     (dim 1) that its placements shard, where it is the only one, else None (no
     import where ``torch.distributed.tensor`` has not been imported)."""

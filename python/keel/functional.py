@@ -465,7 +465,7 @@ def _cross_entropy_as_rows(logits, target, ignore_index, label_smoothing, reduct
             f"keel::cross_entropy: argument 'target' must have shape {list(want)} for logits {layout} of shape "
             f"{list(logits.shape)}, got shape {list(target.shape)}"
         )
-    if (k := _sharded_mean.row_sharded(logits)) is not None:
+    if (k := _sharded_mean.sharded_row_dim(logits)) is not None:
         if not _sharded_mean.split_evenly(logits, k):
             # DTensor flattens no uneven shards (refused, or for a d_k gathered by
             # later torch): that dim gathered first.
