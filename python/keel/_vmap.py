@@ -6,8 +6,8 @@ against 21 us for one call on the ``[64, 8, 64]`` tensor, measured). Keel's ops
 work row by row, so all the examples' rows can go through one call:
 
 - ``STACK``: ops that take any number of leading dims (the norms, the gated
-  activations, softmax, and the backward ops of the last two) get the batch
-  dim as one more leading dim.
+  activations, softmax, and their backward ops) get the batch dim as one more
+  leading dim.
 - ``MERGE``: ops of a fixed rank get it merged into their first dim: rotary's
   ``[batch, seq, heads, head_dim]`` and cross-entropy's ``[N, C]`` rows, the
   latter only with ``reduction="none"`` (a reduced loss is one number an
@@ -23,9 +23,13 @@ Where one call cannot keep the per-example meaning (a per-feature argument,
 weight, bias, cos or sin, that differs between examples; a reduced
 cross-entropy; an example of another rank than the op's), the rule calls the op
 once per example and stacks the results, as torch's fallback does, without
-its warning. The norms' backward ops have no rule: their weight gradients sum
-over the rows, so over the examples too, and torch's per-example fallback
-serves them.
+its warning. The norms' backward ops (``PER_EXAMPLE_SUMS``) fold too: the
+input's gradient is the per-example calls' bits, and the weight's and bias's,
+which the kernel sums over all the rows it gets, are summed again over each
+example's rows in torch's ops (the accumulation dtype; within the rounding of
+a sum in another order). torch's fallback called the op once an example, with
+its warning, and per-example gradients (``vmap(grad(...))``) met it on every
+norm (docs/BENCHMARKS.md, session 107).
 
 The in-place ops (``INPLACE_SPECS``), which torch's fallback refuses (it takes
 no op that writes its arguments), write the examples' rows in place in one call
@@ -48,7 +52,7 @@ session 100). Where this torch lacks those internals, the same rules go through
 import torch
 
 from . import _twice
-from ._common import nograd, one_device
+from ._common import acc_dtype, nograd, one_device, rows_in_place
 
 STACK, MERGE = "stack", "merge"
 
@@ -71,7 +75,15 @@ SPECS = {
     "cross_entropy": (MERGE, (0, 1), (5,), 2),
     "cross_entropy_with_lse": (MERGE, (0, 1), (5,), 2),
     "cross_entropy_backward": (MERGE, (1, 0, 2, 6), (7,), 2),
+    "rms_norm_backward": (STACK, (0, 1), (2,), None),
+    "layer_norm_backward": (STACK, (0, 1), (2, 3), None),
+    "fused_add_rms_norm_backward": (STACK, (0, 1, 2), (3,), None),
 }
+
+PER_EXAMPLE_SUMS = ("rms_norm_backward", "layer_norm_backward", "fused_add_rms_norm_backward")
+"""Ops whose per-feature gradients (outputs after the first) sum over the
+rows: one call on the folded rows gives them summed over every example, so
+each example's are summed again from its rows (:func:`_per_example_sums`)."""
 
 # Where each cross-entropy op has its `reduction` (MERGE folds only "none").
 _REDUCTION = {"cross_entropy": 4, "cross_entropy_with_lse": 4, "cross_entropy_backward": 5}
@@ -128,12 +140,50 @@ def _fold(name, call, check, names, args, dims, size):
         a = args[i] if i < len(args) else None
         if a is not None:
             a = a.expand(size, *a.shape) if dims[i] is None else a.movedim(dims[i], 0)
-            folded[i] = (a.flatten(0, 1) if how == MERGE else a).contiguous()
+            # STACK: rows the op reads through their strides stay in place (an
+            # unbatched x expanded over the examples: rms_norm's backward under
+            # jacrev or is_grads_batched); the op copies other layouts itself.
+            folded[i] = a.flatten(0, 1).contiguous() if how == MERGE else rows_in_place(a)
     outs = call(*folded)
     outs = outs if isinstance(outs, tuple) else (outs,)
     if how == STACK:
         return outs
     return tuple(o.view(size, *m.shape) for o, m in zip(outs, metas))
+
+
+def _per_example_sums(name, args, dims, size, outs):
+    """The norms' backward ops: `outs` (one call on all the examples' rows) with
+    each per-feature gradient (weight's, bias's) summed over each example's
+    rows alone, in the accumulation dtype, where the call summed them over all
+    the examples. A missing weight's or bias's stays the kernel's empty one, one
+    an example (`outs` give each one's shape and dtype)."""
+    at = 2 if name == "fused_add_rms_norm_backward" else 1  # the rows normalised: input, or sum
+    grad, x, gdim, xdim = args[0], args[at], dims[0], dims[at]
+    params = SPECS[name][2]
+    g = grad.expand(size, *grad.shape) if gdim is None else grad.movedim(gdim, 0)
+    acc, features = acc_dtype(x), x.shape[-1]
+    g = g.to(acc).reshape(size, -1, features)  # [examples, rows, features]
+    sums = []
+    for k, (i, meta) in enumerate(zip(params, outs[1:])):
+        if args[i] is None:
+            sums.append(torch.empty((size, *meta.shape), dtype=meta.dtype, device=x.device))
+        elif k == 0:  # the weight's: each row's grad * x / rms, summed
+            # An unbatched x (jacrev, is_grads_batched) is normalised once for all.
+            a = x.to(acc)
+            a = a.reshape(-1, features) if xdim is None else a.movedim(xdim, 0).reshape(size, -1, features)
+            if name == "layer_norm_backward":
+                a = a - a.mean(-1, keepdim=True)
+                a = a - a.mean(-1, keepdim=True)
+            # 1 / rms of each row, its sum of squares in one read (no squares written).
+            rstd = torch.linalg.vector_norm(a, dim=-1).square_().div_(features).add_(args[-1]).rsqrt_()
+            if xdim is None:
+                gw = (g * (a * rstd[:, None])).sum(1)
+            else:  # sum over rows of rstd * (grad * x): a product with rstd, row by row
+                gw = torch.bmm(rstd.unsqueeze(1), g * a).squeeze(1)
+            sums.append(gw.to(meta.dtype))
+        else:  # the bias's: each row's grad, summed
+            sums.append(g.sum(1).to(meta.dtype))
+    return (outs[0], *sums)
 
 
 def _example_args(args, dims, b):
@@ -159,6 +209,8 @@ def rule(name, call, check):
         size = info.batch_size
         if size == 0 or _foldable(name, args, dims):
             outs = _fold(name, call, check, names, args, dims, size)
+            if name in PER_EXAMPLE_SUMS and size > 0:
+                outs = _per_example_sums(name, args, dims, size, outs)
         else:
             outs = _loop(call, args, dims, size)
         if single:

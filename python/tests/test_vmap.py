@@ -60,15 +60,22 @@ def _assert_equal(got, want):
 
 
 RULED = [n for n in CASES if _op_name(CASES[n][0]) in _vmap.SPECS]
-UNRULED = [n for n in CASES if _op_name(CASES[n][0]) not in _vmap.SPECS]
 
 
-def test_the_ops_without_a_rule_are_the_norm_backwards():
-    assert {_op_name(CASES[n][0]) for n in UNRULED} == {
-        "rms_norm_backward",
-        "layer_norm_backward",
-        "fused_add_rms_norm_backward",
-    }
+def test_every_op_has_a_rule():
+    assert RULED == list(CASES)
+
+
+def _assert_matches(op_name, got, want):
+    """`got` as the per-example calls' `want`: bit for bit, but for the per-feature
+    gradients of the norms' backward ops, which the rule sums again over each
+    example's rows in torch's ops (float64 cases: to 1e-12)."""
+    if op_name not in _vmap.PER_EXAMPLE_SUMS:
+        return _assert_equal(got, want)
+    _assert_equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 def _folded(op_name, args):
@@ -99,7 +106,7 @@ def test_rows_batched_give_the_per_example_bits_in_one_call(name, dim, twin, mon
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*performance drop.*")
         got = torch.vmap(op, in_dims=in_dims)(*batched)
-    _assert_equal(got, want)
+    _assert_matches(op_name, got, want)
 
 
 @pytest.mark.parametrize("name", RULED)
@@ -113,19 +120,9 @@ def test_every_tensor_batched_gives_the_per_example_bits(name, monkeypatch):
     loop = _vmap._loop
     monkeypatch.setattr(_vmap, "_loop", lambda *a: calls.append(1) or loop(*a))
     got = torch.vmap(op, in_dims=in_dims)(*batched)
-    _assert_equal(got, _loop(op, batched, in_dims))
+    _assert_matches(_op_name(op), got, _loop(op, batched, in_dims))
     per_example = any(i < len(args) and args[i] is not None for i in params) or not _folded(_op_name(op), args)
     assert len(calls) == per_example
-
-
-@pytest.mark.parametrize("name", UNRULED)
-def test_the_norm_backwards_batch_through_torchs_fallback(name):
-    op, args = CASES[name]
-    batched, in_dims = _batch(args, [0])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = torch.vmap(op, in_dims=in_dims)(*batched)
-    _assert_equal(got, _loop(op, batched, in_dims))
 
 
 def test_no_examples_give_empty_outputs_after_the_checks():
@@ -194,6 +191,75 @@ def test_vmap_of_grad_and_grad_of_vmap():
     torch.testing.assert_close(torch.func.grad(loss(torch.vmap(keel_fn)))(x), want)
     jac = torch.func.jacrev(torch.vmap(lambda a: ops.softmax(a, 0.5)))(x[:, 0])
     torch.testing.assert_close(jac, torch.func.jacrev(torch.vmap(lambda a: torch.softmax(0.5 * a, -1)))(x[:, 0]))
+
+
+_NORM_BACKWARDS = {
+    # op, arguments of one example (grad, rows, weight...), the row arguments' positions
+    "rms_norm": (ops.rms_norm_backward, lambda g, x, w: (g, x, w, 1e-5), (0, 1)),
+    "layer_norm": (ops.layer_norm_backward, lambda g, x, w: (g, x, w, w * 0.5, 1e-5), (0, 1)),
+    "fused_add_rms_norm": (ops.fused_add_rms_norm_backward, lambda g, x, w: (g, g * 0.5, x, w, 1e-5), (0, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("batched", ["all rows", "grad only"])
+@pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
+def test_norm_backwards_give_per_example_weight_gradients_in_one_call(name, batched, device, dtype, monkeypatch):
+    """The norms' backward ops under vmap: the input's gradient is the per-example
+    calls' bits; the weight's and bias's are each example's own sums (one call:
+    no per-example loop), as the loop gives them, within the rounding of a sum
+    in another order (f32: 1e-5; bf16: one rounding of the result, 2^-8).
+    "grad only": the rows unbatched and the gradient batched, as jacrev and
+    ``is_grads_batched`` call it."""
+    op, make, rows = _NORM_BACKWARDS[name]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(B, 5, 64, generator=gen) * 3 + 1).to(device, dtype)
+    g = torch.randn(B, 5, 64, generator=gen).to(device, dtype)
+    w = torch.randn(64, generator=gen).to(device, dtype)
+    if batched == "grad only":
+        x = x[0]
+    args = make(g, x, w)
+    in_dims = [None] * len(args)
+    for i in rows:
+        in_dims[i] = 0 if args[i].dim() == 3 else None
+    monkeypatch.setattr(_vmap, "_loop", None)  # any per-example call fails
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.vmap(op, in_dims=tuple(in_dims))(*args)
+    want = _loop(op, args, in_dims)
+    _assert_equal(got[0], want[0])
+    tol = 1e-5 if dtype == torch.float32 else 2**-8
+    for a, b in zip(got[1:], want[1:]):
+        assert a.shape == b.shape == (B, 64) and a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item())
+
+
+def test_norm_backwards_keep_a_missing_weights_empty_gradient():
+    g, x = torch.randn(B, 4, 8), torch.randn(B, 4, 8)
+    gx, gw = torch.vmap(ops.rms_norm_backward, in_dims=(0, 0, None, None))(g, x, None, 1e-5)
+    want = _loop(ops.rms_norm_backward, (g, x, None, 1e-5), (0, 0, None, None))
+    _assert_equal((gx, gw), want)
+    assert gw.shape == (B, 0)
+    gx, gw, gb = torch.vmap(ops.layer_norm_backward, in_dims=(0, 0, None, None, None))(g, x, None, x[0, 0], 1e-5)
+    assert gw.shape == (B, 0)
+    torch.testing.assert_close(gb, g.sum(1))
+
+
+@pytest.mark.parametrize("device", devices())
+def test_batched_gradients_of_a_norm_give_each_gradients_weight_gradient(device):
+    """``is_grads_batched`` through rms_norm with a weight: each gradient's own
+    weight gradient, from the backward op's rule (no fallback)."""
+    x = torch.randn(4, 8, device=device, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, device=device, dtype=torch.float64, requires_grad=True)
+    y = keel.rms_norm(x, w)
+    grads = torch.randn(5, 4, 8, device=device, dtype=torch.float64)
+    want = [torch.autograd.grad(y, (x, w), g, retain_graph=True) for g in grads]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        gx, gw = torch.autograd.grad(y, (x, w), grads, is_grads_batched=True)
+    torch.testing.assert_close(gx, torch.stack([a for a, _ in want]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gw, torch.stack([b for _, b in want]), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", devices())
