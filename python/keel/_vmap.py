@@ -151,6 +151,15 @@ def _fold(name, call, check, names, args, dims, size):
     return tuple(o.view(size, *m.shape) for o, m in zip(outs, metas))
 
 
+_NORMED = {
+    "rms_norm_backward": lambda a, eps: torch.ops.keel.rms_norm(a, None, eps),
+    "layer_norm_backward": lambda a, eps: torch.ops.keel.layer_norm(a, None, None, eps),
+    "fused_add_rms_norm_backward": lambda a, eps: torch.ops.keel.rms_norm(a, None, eps),
+}
+"""Each norm backward op's rows normalised, no weight: its forward op (the op,
+not its twin, so that a gradient through the rule stays right)."""
+
+
 def _per_example_sums(name, args, dims, size, outs):
     """The norms' backward ops: `outs` (one call on all the examples' rows) with
     each per-feature gradient (weight's, bias's) summed over each example's
@@ -167,20 +176,15 @@ def _per_example_sums(name, args, dims, size, outs):
     for k, (i, meta) in enumerate(zip(params, outs[1:])):
         if args[i] is None:
             sums.append(torch.empty((size, *meta.shape), dtype=meta.dtype, device=x.device))
-        elif k == 0:  # the weight's: each row's grad * x / rms, summed
-            # An unbatched x (jacrev, is_grads_batched) is normalised once for all.
+        elif k == 0:  # the weight's: each row's grad * normalised x, summed
+            # The normalised rows by the forward kernel, in the accumulation
+            # dtype (a half x widened first); an unbatched x (jacrev,
+            # is_grads_batched) normalised once for all.
             a = x.to(acc)
             a = a.reshape(-1, features) if xdim is None else a.movedim(xdim, 0).reshape(size, -1, features)
-            if name == "layer_norm_backward":
-                a = a - a.mean(-1, keepdim=True)
-                a = a - a.mean(-1, keepdim=True)
-            # 1 / rms of each row, its sum of squares in one read (no squares written).
-            rstd = torch.linalg.vector_norm(a, dim=-1).square_().div_(features).add_(args[-1]).rsqrt_()
-            if xdim is None:
-                gw = (g * (a * rstd[:, None])).sum(1)
-            else:  # sum over rows of rstd * (grad * x): a product with rstd, row by row
-                gw = torch.bmm(rstd.unsqueeze(1), g * a).squeeze(1)
-            sums.append(gw.to(meta.dtype))
+            normed = _NORMED[name](a, args[-1])
+            gw = (g * normed) if xdim is None else normed.mul_(g)
+            sums.append(gw.sum(1).to(meta.dtype))
         else:  # the bias's: each row's grad, summed
             sums.append(g.sum(1).to(meta.dtype))
     return (outs[0], *sums)

@@ -235,6 +235,22 @@ def test_norm_backwards_give_per_example_weight_gradients_in_one_call(name, batc
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item())
 
 
+@pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
+def test_gradients_through_the_norm_backwards_rule(name):
+    """gradcheck (float64) of the batched backward op, weight gradients summed
+    per example included: the rule's sums are differentiable, as the op is."""
+    op, make, rows = _NORM_BACKWARDS[name]
+    gen = torch.Generator().manual_seed(2)
+    g, x, w = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 8), (2, 3, 8), (8,)))
+    in_dims = tuple(0 if i in rows else None for i in range(len(make(g, x, w))))
+
+    def batched(g, x, w):
+        return torch.vmap(op, in_dims=in_dims)(*make(g, x, w))
+
+    leaves = [t.requires_grad_() for t in (g, x, w)]
+    assert torch.autograd.gradcheck(batched, leaves, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
 def test_norm_backwards_keep_a_missing_weights_empty_gradient():
     g, x = torch.randn(B, 4, 8), torch.randn(B, 4, 8)
     gx, gw = torch.vmap(ops.rms_norm_backward, in_dims=(0, 0, None, None))(g, x, None, 1e-5)
