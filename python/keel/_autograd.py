@@ -13,7 +13,7 @@ direct calls), except in a backward that must itself be differentiable
 """
 import torch
 
-from . import _backward_grad, _torch_version, _twice
+from . import _backward_grad, _func, _torch_version, _twice
 from ._common import acc_dtype, class_weighted, heads_contiguous, mean_over, nograd
 
 ops = torch.ops.keel
@@ -513,3 +513,4 @@ def register() -> None:
     _LIB = torch.library.Library("keel", "IMPL")
     for name, (backward, setup) in WITH_TWIN.items():
         _LIB.impl(name, _autograd_kernel(name, backward, setup), "Autograd")
+    _func.register(FORMULAS, KEEPS)

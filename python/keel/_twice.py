@@ -15,7 +15,10 @@ Forward-mode AD and ``torch.func`` transforms are the same story: torch drops a
 custom op's tangents, and runs no custom op's autograd inside ``torch.func``, so
 there the typed API (``keel.rms_norm`` ...) returns these torch-op versions after
 Keel's argument checks (``through_torch``), and a Keel backward that meets dual
-gradients takes the path above.
+gradients takes the path above. Under reverse-mode transforms alone, where no
+second derivative can follow, the ops' ``autograd.Function`` of ``_func`` serves
+instead, with Keel's kernels; a backward of one that a transform does
+differentiate takes :func:`vjp` through ``torch.func.vjp``.
 """
 import math
 
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
+from . import _func
 from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device
 from ._fake import meta_outputs
 
@@ -79,7 +83,9 @@ def through_torch(fn, op, ref, *args):
       The checks run on meta stand-ins with the arguments' shapes, dtypes and
       strides. Where the innermost transform is vmap, the op itself: its
       batching rule (``_vmap``) runs it once for all the examples, and a
-      transform below vmap meets the op again (and takes `ref` there).
+      transform below vmap meets the op again. Where ``_func.serves`` (``grad``
+      and ``vmap`` only, no second derivative possible), the op's Function
+      there: Keel's kernels, forward and backward.
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; `ref`
       carries the tangents (and a reverse graph, so forward-over-reverse works).
@@ -88,6 +94,9 @@ def through_torch(fn, op, ref, *args):
     if functorch_on():
         if vmap_on_top():
             return fn(op, *args)
+        function = _func.FUNCTIONS.get(op._opname)
+        if function is not None and _func.serves(args):
+            return fn(function, *args)
         _check_on_meta(fn, op, args)
         return ref(*args)
     if not has_tangent(args):
@@ -121,6 +130,8 @@ def vjp(fn, inputs, grads, needs):
     where an output has no gradient), for the inputs whose `needs` is true, with
     a graph; None for the others. (`needs` may be shorter than `inputs`: the
     dispatcher drops trailing arguments equal to their defaults.)"""
+    if any(_wrapped(t) for t in (*inputs, *grads)):
+        return _vjp_in_transform(fn, inputs, grads, needs)
     take = [
         i
         for i, t in enumerate(inputs)
@@ -140,6 +151,54 @@ def vjp(fn, inputs, grads, needs):
         create_graph=True,
         allow_unused=True,
     )
+    for i, g in zip(take, got):
+        result[i] = g
+    return result
+
+
+def _wrapped(t) -> bool:
+    """Whether `t` is a tensor of a torch.func transform (``keel._func``'s
+    Functions' backwards meet them)."""
+    return isinstance(t, torch.Tensor) and _is_wrapped is not None and _is_wrapped(t)
+
+
+_is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+
+
+def _alive(tensors):
+    """`tensors` with the wrappers of ended transform levels taken off, as
+    torch's own dispatch does before a transform takes them."""
+    functorch = torch._C._functorch
+    out = []
+    for t in tensors:
+        while isinstance(t, torch.Tensor) and functorch.is_dead_tensor_wrapper(t):
+            t = functorch.unwrap_if_dead(t)
+        out.append(t)
+    return tuple(out)
+
+
+def _vjp_in_transform(fn, inputs, grads, needs):
+    """:func:`vjp` where the tensors belong to torch.func transforms (the backward
+    of a ``keel._func`` Function whose gradient a transform or autograd will
+    take): ``torch.func.vjp``, which tracks the inputs at a level of its own. A
+    saved input of a ``grad`` level that has ended (a ``vjp``'s pullback called
+    later) requires no gradient any more, so autograd.grad would find no graph."""
+    inputs, grads = _alive(inputs), _alive(grads)
+    take = [i for i, t in enumerate(inputs) if i < len(needs) and needs[i] and isinstance(t, torch.Tensor)]
+    result = [None] * len(inputs)
+    if not take or all(g is None for g in grads):
+        return result
+
+    def of_taken(*taken):
+        args = list(inputs)
+        for i, t in zip(take, taken):
+            args[i] = t
+        outs = fn(*args)
+        return outs if isinstance(outs, tuple) else (outs,)
+
+    outs, pull = torch.func.vjp(of_taken, *(inputs[i] for i in take))
+    grads = tuple(grads) + (None,) * (len(outs) - len(grads))
+    got = pull(tuple(torch.zeros_like(o) if g is None else g for o, g in zip(outs, grads)))
     for i, g in zip(take, got):
         result[i] = g
     return result

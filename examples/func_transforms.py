@@ -1,0 +1,74 @@
+"""torch.func through Keel's kernels: time of ``vjp`` and of per-example gradients
+(``vmap(grad(...))``), Keel's typed API against torch's own ops, in one process.
+
+Rows: ``vjp`` of each norm on ``[rows, hidden]`` (the pullback applied once), and
+the per-example input and weight gradients of ``sum(norm(x_i, w) * t)`` over a
+batch of examples with a shared weight. Calls interleaved, best of `--reps`, on
+the CPU (float32).
+
+    python examples/func_transforms.py [--rows 4096] [--hidden 4096] [--reps 7]
+"""
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.func import grad, vjp, vmap
+
+import keel
+
+NORMS = {
+    "rms_norm": (lambda x, w: keel.rms_norm(x, w, 1e-6), lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6)),
+    "layer_norm": (lambda x, w: keel.layer_norm(x, w), lambda x, w: F.layer_norm(x, x.shape[-1:], w)),
+}
+
+
+def _best(fns, reps):
+    """Each of `fns` timed `reps` times, interleaved, after one warm-up call: the best."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def _vjp_once(norm, x, w, g):
+    def run():
+        _, pull = vjp(norm, x, w)
+        return pull(g)
+
+    return run
+
+
+def _per_example(norm, x, w, t):
+    f = vmap(grad(lambda x, w: (norm(x, w) * t).sum(), (0, 1)), in_dims=(0, None))
+    return lambda: f(x, w)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    h = args.hidden
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, best of {args.reps}")
+    print(f"{'case':<48} {'keel ms':>9} {'torch ms':>9} {'speedup':>8}")
+    x, g, w = torch.randn(args.rows, h, generator=gen), torch.randn(args.rows, h, generator=gen), torch.randn(h, generator=gen)
+    batches = [(64, 128, min(h, 512)), (16, args.rows // 8, h)]
+    for name, (ours, theirs) in NORMS.items():
+        k, r = _best([_vjp_once(ours, x, w, g), _vjp_once(theirs, x, w, g)], args.reps)
+        print(f"{f'vjp {name} [{args.rows}, {h}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
+        for b, s, c in batches:
+            xb, t, wb = torch.randn(b, s, c, generator=gen), torch.randn(s, c, generator=gen), torch.randn(c, generator=gen)
+            k, r = _best([_per_example(ours, xb, wb, t), _per_example(theirs, xb, wb, t)], args.reps)
+            print(f"{f'per-example grads {name} {b} x [{s}, {c}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""``torch.func``'s reverse-mode transforms through Keel's kernels.
+
+torch runs no custom op's autograd inside a ``torch.func`` transform, so the
+typed API used to answer every transform with the op written in torch's ops
+(``_twice.through_torch``): correct, but with none of Keel's speed (``vjp`` of
+``rms_norm`` on ``[4096, 4096]`` f32: 221 ms, against 33 ms through autograd;
+docs/BENCHMARKS.md, session 107). torch.func does run an ``autograd.Function``
+written with ``setup_context``, and vmaps it where it says
+``generate_vmap_rule``. So each differentiable op has one such Function here
+(:data:`FUNCTIONS`): its forward is the op's ``_nograd`` twin, its
+``setup_context`` and backward are the op's formula (``_autograd``), and
+``grad``, ``vjp``, ``jacrev`` and ``vmap`` of them (per-example gradients) run
+Keel's forward and backward kernels.
+
+Where the op's gradient may itself be differentiated (a second ``grad`` level,
+``hessian``, autograd outside the transforms), or the transforms hold forward
+mode (``jvp``, ``jacfwd``) or ``functionalize``, the typed API keeps the torch-op
+version (:func:`serves` false): a Function would need a ``jvp`` of its own for
+tangents, and a backward that records its own graph for a second derivative.
+
+A formula's backward records a graph where grad mode is on (``_twice``).
+torch.func's ``grad`` runs every backward with grad mode on, also where nothing
+will differentiate it, so the Functions' backward asks the tensors
+(:func:`needs_graph`): it records a graph only where a tensor it reads is
+tracked by another live transform level than the one that recorded the
+Function, or by autograd outside the transforms (a ``vjp``'s pullback called
+inside another transform, or on a cotangent that requires a gradient), through
+``torch.func.vjp`` of the torch-op version (``_twice.vjp``). Else it runs under
+``no_grad``, on Keel's backward kernels.
+"""
+import torch
+
+from ._common import nograd
+
+_F = getattr(torch._C, "_functorch", None)
+_T = getattr(_F, "TransformType", None)
+_REVERSE = (getattr(_T, "Grad", None), getattr(_T, "Vmap", None))
+_TRACKING = (getattr(_T, "Grad", None), getattr(_T, "Jvp", None))
+
+_EMPTY = torch.empty(0)  # made outside every transform: what :func:`_token` wraps
+
+FUNCTIONS = {}
+"""Op name -> a callable that runs the op (its arguments as the op takes them,
+trailing defaults may be left out) through its ``autograd.Function`` for
+torch.func (filled by :func:`register`)."""
+
+
+def _stack():
+    """The functorch interpreters in place, innermost last."""
+    return _F.get_interpreter_stack() or []
+
+
+def serves(args) -> bool:
+    """Whether :data:`FUNCTIONS` serve an op called on `args` now: the torch.func
+    transforms in place are ``vmap`` and at most one ``grad`` (``vjp``,
+    ``jacrev``), and no tensor among `args` is tracked outside them (requires a
+    gradient or carries a forward-mode tangent below its wrappers). Elsewhere a
+    gradient of the op's gradient may be taken (``grad`` of ``grad``,
+    ``hessian``, autograd of a ``grad``), or a forward-mode tangent needs a
+    ``jvp`` of the Function's own: the torch-op version serves those."""
+    if _F is None or not hasattr(_F, "get_interpreter_stack"):
+        return False
+    grads = 0
+    for i in _stack():
+        key = i.key()
+        if key not in _REVERSE:
+            return False
+        grads += key == _REVERSE[0]
+    return grads <= 1 and not any(_tracked_outside(a) for a in args)
+
+
+def _tracked_outside(t) -> bool:
+    """Whether tensor `t`, below its functorch wrappers, requires a gradient or
+    carries a forward-mode tangent."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    fwad = torch.autograd.forward_ad
+    return t.requires_grad or (fwad._current_level >= 0 and fwad.unpack_dual(t).tangent is not None)
+
+
+def _level_of_records():
+    """The level of the innermost ``grad`` transform in place: the one whose
+    autograd records a Function applied now (None outside ``grad``)."""
+    levels = [i.level() for i in _stack() if i.key() == _TRACKING[0]]
+    return max(levels) if levels else None
+
+
+def _token():
+    """A marker of the ``grad`` level that records a Function applied now
+    (:func:`_level_of_records`): an empty tensor wrapped at that level, which
+    tells later whether the level has ended (levels are numbered again after
+    one ends). None outside ``grad``."""
+    level = _level_of_records()
+    return None if level is None else _F._wrap_for_grad(_EMPTY, level)
+
+
+def needs_graph(token, tensors) -> bool:
+    """Whether a backward that reads `tensors`, of a Function recorded by the
+    ``grad`` level that `token` marks (:func:`_token`), must record a graph: a
+    tensor is tracked by a live ``grad`` or ``jvp`` level other than that one (a
+    gradient of this gradient, or its tangent, will be taken; every live one
+    where that level has ended, as for a ``vjp``'s pullback called inside
+    another transform), or, below every wrapper, requires a gradient or carries
+    a forward-mode tangent (autograd outside the transforms)."""
+    live = {i.level() for i in _stack() if i.key() in _TRACKING}
+    if token is not None and not _F.is_dead_tensor_wrapper(token):
+        live.discard(_F.maybe_get_level(token))
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        while _F.is_functorch_wrapped_tensor(t):
+            if _F.is_gradtrackingtensor(t) and _F.maybe_get_level(t) in live:
+                return True
+            t = _F.get_unwrapped(t)
+        if _tracked_outside(t):
+            return True
+    return False
+
+
+def _function(name, backward, setup, call, defaults):
+    """Op `name`'s Function for torch.func: `call` (the ``_nograd`` twin's C
+    function) as its forward, `setup` and `backward` (the op's formula) around
+    it. Returns what :data:`FUNCTIONS` holds for it."""
+    count = len(defaults)
+
+    def forward(*args):
+        return call(*args)
+
+    def setup_context(ctx, inputs, output):
+        ctx.keel_token = _token()
+        setup(ctx, inputs, output)
+
+    def run_backward(ctx, *grads):
+        if torch.is_grad_enabled() and not needs_graph(ctx.keel_token, (*ctx.saved_tensors, *grads)):
+            with torch.no_grad():
+                return backward(ctx, *grads)
+        return backward(ctx, *grads)
+
+    fn = type(
+        f"KeelFunc_{name}",
+        (torch.autograd.Function,),
+        {
+            "generate_vmap_rule": True,
+            "forward": staticmethod(forward),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(run_backward),
+        },
+    )
+
+    def apply(*args):
+        # Every argument given: setup_context and backward see the op's whole schema.
+        return fn.apply(*args, *defaults[len(args) :]) if len(args) < count else fn.apply(*args)
+
+    return apply
+
+
+def register(formulas, skip) -> None:
+    """Builds :data:`FUNCTIONS` from `formulas` (op name -> (backward,
+    setup_context), ``_autograd.FORMULAS``), but for the ops in `skip`
+    (``_autograd.KEEPS``: the typed API calls ``cross_entropy_with_lse`` for
+    ``cross_entropy`` inside a transform)."""
+    ops = torch.ops.keel
+    for name, (backward, setup) in formulas.items():
+        if name in skip:
+            continue
+        twin = getattr(ops, nograd(name)).default
+        defaults = tuple(a.default_value if a.has_default_value() else None for a in twin._schema.arguments)
+        FUNCTIONS[name] = _function(name, backward, setup, getattr(twin, "_op", twin), defaults)

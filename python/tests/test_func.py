@@ -1,0 +1,274 @@
+"""``torch.func``'s reverse-mode transforms through Keel's kernels (``keel._func``):
+``grad``, ``vjp``, ``jacrev`` and ``vmap`` of the typed API run the ops' kernels
+forward and backward, with the bits of plain autograd; a gradient of a gradient,
+and forward mode, still go through the torch-op version, with its values."""
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.func import grad, hessian, jacrev, vjp, vmap
+
+import keel
+from conftest import devices
+from keel import _func, _twice, _vmap
+
+REFS = ("rms_norm", "layer_norm", "gated", "softmax", "cross_entropy", "rotary", "fused_add_rms_norm")
+"""The torch-op versions (``keel._twice``) that the typed API took inside a transform."""
+
+
+def _cases(device, dtype):
+    """name: (function of the float tensors, those tensors)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(device, dtype)
+
+    x, r, w, b = t(3, 5, 16), t(3, 5, 16), t(16), t(16)
+    logits, probs = t(6, 11), torch.softmax(t(6, 11), -1)
+    classes = torch.tensor([1, 4, -100, 0, 10, 3], device=device)
+    cw = t(11).abs() + 0.5
+    q, cs, sn = t(2, 5, 3, 16), t(5, 6), t(5, 6)
+    return {
+        "rms_norm": (lambda x, w: keel.rms_norm(x, w), (x, w)),
+        "rms_norm rounded before the weight": (lambda x, w: keel.rms_norm(x, w, 1e-5, True), (x, w)),
+        "layer_norm": (keel.layer_norm, (x, w, b)),
+        "fused_add_rms_norm": (lambda x, r, w: keel.fused_add_rms_norm(x, r, w), (x, r, w)),
+        "silu_and_mul": (keel.silu_and_mul, (x,)),
+        "gelu_and_mul tanh": (lambda x: keel.gelu_and_mul(x, "tanh"), (x,)),
+        "softmax": (lambda x: keel.softmax(x, 0.7), (x,)),
+        "cross_entropy": (lambda lg: keel.cross_entropy(lg, classes, label_smoothing=0.1), (logits,)),
+        "cross_entropy none": (lambda lg: keel.cross_entropy(lg, classes, reduction="none"), (logits,)),
+        "cross_entropy weights": (lambda lg, cw: keel.cross_entropy(lg, classes, weight=cw), (logits, cw)),
+        "cross_entropy probabilities": (lambda lg, p: keel.cross_entropy(lg, p), (logits, probs)),
+        "cross_entropy_with_lse": (lambda lg: keel.cross_entropy_with_lse(lg, classes, reduction="none"), (logits,)),
+        "rotary_embedding": (keel.rotary_embedding, (q, cs, sn)),
+    }
+
+
+NAMES = list(_cases("cpu", torch.float32))
+
+
+def _tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+@pytest.fixture
+def no_torch_op_version(monkeypatch):
+    """Fails a test whose transform takes the torch-op version of an op, or
+    records a graph in a backward (``_twice.vjp``)."""
+
+    def refuse(*_, **__):
+        raise AssertionError("the torch-op version ran")
+
+    for name in (*REFS, "vjp"):
+        monkeypatch.setattr(_twice, name, refuse)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("name", NAMES)
+def test_vjp_gives_autograds_bits(name, device, dtype, no_torch_op_version):
+    """``torch.func.vjp`` of each op: the outputs and gradients of plain autograd
+    through the same op, bit for bit (Keel's forward and backward kernels;
+    the torch-op version is refused)."""
+    fn, args = _cases(device, dtype)[name]
+    leaves = [a.detach().requires_grad_() for a in args]
+    want_out = _tuple(fn(*leaves))
+    cots = [torch.randn_like(o, dtype=torch.float64).to(o.dtype) for o in want_out]
+    want = torch.autograd.grad(want_out, leaves, cots, allow_unused=True)
+    out, pull = vjp(fn, *args)
+    got = pull(tuple(cots) if isinstance(out, tuple) else cots[0])
+    for g, w in zip(_tuple(out), want_out):
+        assert torch.equal(g, w.detach())
+    for g, w in zip(got, want):
+        assert torch.equal(g, torch.zeros_like(g) if w is None else w), name
+
+
+@pytest.mark.parametrize("device", devices())
+def test_grad_and_jacrev_run_keels_kernels(device, no_torch_op_version):
+    fn, (x, w) = _cases(device, torch.float32)["rms_norm"]
+    gx, gw = grad(lambda x, w: fn(x, w).square().sum(), (0, 1))(x, w)
+    xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+    want = torch.autograd.grad(fn(xl, wl).square().sum(), (xl, wl))
+    assert torch.equal(gx, want[0]) and torch.equal(gw, want[1])
+    jac = jacrev(lambda x: fn(x, w))(x[0, :2])
+    rows = [torch.autograd.grad(fn(xl[0, :2], w).flatten()[i], xl)[0][0, :2] for i in range(2 * 16)]
+    assert torch.equal(jac.flatten(0, 1), torch.stack(rows))
+
+
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm", "fused_add_rms_norm"])
+def test_per_example_gradients_in_one_call(norm, device, no_torch_op_version, monkeypatch):
+    """``vmap(grad(loss))`` over examples with shared parameters: each example's
+    input and weight gradients, from one call of the forward and of the backward
+    kernels (no per-example loop, no performance-drop warning). The input's
+    are plain autograd's bits on each example; the weight's are its own sums,
+    to 1e-5 (f32, summed in another order)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, 32, generator=gen).to(device)
+    w, b = torch.randn(32, generator=gen).to(device), torch.randn(32, generator=gen).to(device)
+    target = torch.randn(6, 32, generator=gen).to(device)
+    fns = {
+        "rms_norm": lambda x, w: keel.rms_norm(x, w),
+        "layer_norm": lambda x, w: keel.layer_norm(x, w, b),
+        "fused_add_rms_norm": lambda x, w: keel.fused_add_rms_norm(x, x * 0.5, w)[0],
+    }
+    fn = fns[norm]
+
+    def loss(x, w):
+        return (fn(x, w) * target).sum()
+
+    monkeypatch.setattr(_vmap, "_loop", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        gx, gw = vmap(grad(loss, (0, 1)), in_dims=(0, None))(x, w)
+    for k in range(x.shape[0]):
+        xl, wl = x[k].clone().requires_grad_(), w.clone().requires_grad_()
+        want_x, want_w = torch.autograd.grad(loss(xl, wl), (xl, wl))
+        assert torch.equal(gx[k], want_x)
+        torch.testing.assert_close(gw[k], want_w, rtol=1e-5, atol=1e-5)
+
+
+def _with_and_without_functions(monkeypatch, run):
+    """`run()` through ``_func``'s Functions, then through the torch-op version
+    alone (``_func.FUNCTIONS`` emptied: what the typed API did before)."""
+    got = run()
+    monkeypatch.setattr(_func, "FUNCTIONS", {})
+    return got, run()
+
+
+TRANSFORMS = [
+    "grad of grad",
+    "jacrev of jacrev",
+    "hessian",
+    "grad of a captured weight",
+    "autograd of grad",
+    "grad of a pullback",
+    "jacrev of a pullback",
+    "autograd of a pullback",
+]
+
+
+@pytest.mark.parametrize("transform", TRANSFORMS)
+@pytest.mark.parametrize(
+    "name", ["rms_norm", "layer_norm", "fused_add_rms_norm", "softmax", "cross_entropy weights", "gelu_and_mul tanh"]
+)
+def test_higher_orders_agree_with_the_torch_op_version(name, transform, monkeypatch):
+    """Second derivatives (float64): where the op's gradient is itself
+    differentiated (an outer ``grad`` level, a captured tensor's level, autograd
+    outside the transforms: the torch-op version serves the op, ``_func.serves``)
+    or a ``vjp``'s pullback, called later, is (its backward records a graph,
+    ``_func.needs_graph``), the results are those of the torch-op version
+    alone, to 1e-10."""
+    fn, args = _cases("cpu", torch.float64)[name]
+    x, rest = args[0], args[1:]
+    v = torch.randn_like(x)
+    outs = _tuple(fn(*args))
+    weights = [torch.randn_like(o) for o in outs]
+
+    def s(x, *rest):
+        return sum((o * c).sum() for o, c in zip(_tuple(fn(x, *rest)), weights))
+
+    def run():
+        if transform == "grad of grad":
+            return grad(lambda x: (grad(s)(x, *rest) * v).sum())(x)
+        if transform == "jacrev of jacrev":
+            return jacrev(jacrev(lambda x: s(x, *rest)))(x)
+        if transform == "hessian":
+            return hessian(lambda x: s(x, *rest))(x)
+        if transform == "grad of a captured weight":
+            if not rest:
+                pytest.skip("one tensor argument")
+            return grad(lambda r0: (grad(s)(x, r0, *rest[1:]) * v).sum())(rest[0])
+        if transform == "autograd of grad":
+            xl = x.clone().requires_grad_()
+            return torch.autograd.grad((grad(s)(xl, *rest) * v).sum(), xl)[0]
+        out, pull = vjp(fn, *args)
+        cot = [torch.randn_like(o) for o in _tuple(out)]
+
+        def pulled(c0):  # the gradients against the first cotangent, the others fixed
+            c = (c0, *cot[1:])
+            return sum((g * v_).sum() for g, v_ in zip(pull(c if isinstance(out, tuple) else c0), args))
+
+        if transform == "grad of a pullback":
+            return grad(pulled)(cot[0])
+        if transform == "jacrev of a pullback":
+            return jacrev(lambda c0: pull((c0, *cot[1:]) if isinstance(out, tuple) else c0)[0])(cot[0])
+        cl = cot[0].clone().requires_grad_()
+        return torch.autograd.grad(pulled(cl), cl)[0]
+
+    got, want = _with_and_without_functions(monkeypatch, run)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert got.abs().max() > 0
+
+
+def test_a_plain_gradient_records_no_graph(monkeypatch):
+    """``grad`` runs the backward with grad mode on; nothing differentiates it,
+    so it runs on Keel's backward kernel, under no_grad."""
+    calls = []
+    vjp_ = _twice.vjp
+    monkeypatch.setattr(_twice, "vjp", lambda *a: calls.append(1) or vjp_(*a))
+    x, w = torch.randn(3, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    grad(lambda x: keel.rms_norm(x, w).sin().sum())(x)
+    vmap(grad(lambda x: keel.rms_norm(x, w).sin().sum()))(x)
+    jacrev(lambda x: keel.rms_norm(x, w))(x)
+    assert not calls
+    _, pull = vjp(lambda x: keel.rms_norm(x, w), x)
+    grad(lambda v: pull(v)[0].sin().sum())(torch.randn_like(x))
+    assert calls  # the pullback's backward, differentiated by the grad around it
+
+
+def test_forward_mode_and_second_derivatives_keep_the_torch_op_version(monkeypatch):
+    """jvp (and jacfwd) need a Function's own jvp, and a second grad level or
+    autograd outside may differentiate the gradient: the torch-op version
+    serves them, as before."""
+    x, w, t = (torch.randn(3, 8, dtype=torch.float64) for _ in range(3))
+    seen = []
+    ref = _twice.rms_norm
+    monkeypatch.setattr(_twice, "rms_norm", lambda *a: seen.append(_func.serves(a[:1])) or ref(*a))
+    grad(lambda x: grad(lambda x: keel.rms_norm(x, w[0]).sin().sum())(x).sum())(x)
+    grad(lambda x: keel.rms_norm(x, w[0]).sin().sum())(x.clone().requires_grad_())
+    assert seen == [False, False]
+    seen.clear()
+    out, tangent = torch.func.jvp(lambda x: keel.rms_norm(x, w[0]), (x,), (t,))
+    assert seen == [False]
+    xd = x.clone().requires_grad_()
+    want = torch.autograd.functional.jvp(lambda x: ref(x, w[0], 1e-6), (xd,), (t,))[1]
+    torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-12)
+
+
+def test_errors_inside_a_transform_name_the_op_and_argument():
+    x = torch.randn(3, 8)
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' must have shape \[8\]"):
+        grad(lambda x: keel.rms_norm(x, torch.randn(7)).sum())(x)
+    with pytest.raises(RuntimeError, match=r"keel::softmax: argument 'input' must be"):
+        vjp(lambda x: keel.softmax(x.long().float().to(torch.float16).to(torch.int32)), x)
+
+
+def test_modules_through_functional_call(no_torch_op_version):
+    """``torch.func.functional_call`` + ``grad`` over a ``keel.nn`` module's
+    parameters: plain autograd's bits."""
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), keel.nn.RMSNorm(16))
+    x = torch.randn(4, 16)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    got = grad(lambda p: torch.func.functional_call(m, p, (x,)).square().sum())(params)
+    m.zero_grad()
+    m(x).square().sum().backward()
+    for k, p in m.named_parameters():
+        assert torch.equal(got[k], p.grad), k
+
+
+def test_the_timing_example_runs():
+    """``examples/func_transforms.py`` (the figures in the README) on small shapes."""
+    script = pathlib.Path(__file__).parents[2] / "examples" / "func_transforms.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--rows", "64", "--hidden", "32", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    assert out.count("x\n") == 6, out
