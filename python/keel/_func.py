@@ -12,6 +12,10 @@ written with ``setup_context``, and vmaps it where it says
 ``grad``, ``vjp``, ``jacrev`` and ``vmap`` of them (per-example gradients) run
 Keel's forward and backward kernels.
 
+torch.func's machinery around a Function costs about 150-250 us a call, so on
+small tensors (:data:`MIN_ELEMENTS`, measured on the CPU) the torch-op version
+serves, as before.
+
 Where the op's gradient may itself be differentiated (a second ``grad`` level,
 ``hessian``, autograd outside the transforms), or the transforms hold forward
 mode (``jvp``, ``jacfwd``) or ``functionalize``, the typed API keeps the torch-op
@@ -50,15 +54,43 @@ def _stack():
     return _F.get_interpreter_stack() or []
 
 
-def serves(args) -> bool:
-    """Whether :data:`FUNCTIONS` serve an op called on `args` now: the torch.func
-    transforms in place are ``vmap`` and at most one ``grad`` (``vjp``,
-    ``jacrev``), and no tensor among `args` is tracked outside them (requires a
-    gradient or carries a forward-mode tangent below its wrappers). Elsewhere a
-    gradient of the op's gradient may be taken (``grad`` of ``grad``,
-    ``hessian``, autograd of a ``grad``), or a forward-mode tangent needs a
-    ``jvp`` of the Function's own: the torch-op version serves those."""
-    if _F is None or not hasattr(_F, "get_interpreter_stack"):
+MIN_ELEMENTS = {
+    "rms_norm": 1 << 17,
+    "fused_add_rms_norm": 1 << 17,
+    "layer_norm": 1 << 14,
+    "silu_and_mul": 1 << 18,
+    "gelu_and_mul": 1 << 18,
+    "softmax": 1 << 20,
+    "cross_entropy_with_lse": 1 << 19,
+    "rotary_embedding": 1 << 14,
+}
+"""Op name -> the fewest elements of its first tensor (all the examples' under
+``vmap``) for which its Function serves on the CPU. torch.func's machinery
+around an ``autograd.Function`` costs about 150-250 us a call more than the
+torch-op version (``grad`` of rms_norm ``[1, 512]``: 506 against 339 us), which
+the kernels win back only on larger tensors: these are the crossovers measured
+on the 2-core Xeon (docs/BENCHMARKS.md, session 107), as powers of two. Below
+them the torch-op version serves, as before."""
+
+CUDA_MIN_ELEMENTS = 1 << 24
+"""The same for CUDA tensors, every op: an estimate, not measured (no GPU in
+session 107). There the torch-op version's extra passes over memory (about 32
+bytes an element) cost the Function's extra 170 us of Python only at about 16M
+elements at 3 TB/s."""
+
+
+def serves(name, args) -> bool:
+    """Whether op `name`'s Function (:data:`FUNCTIONS`) serves a call on `args`
+    now: the torch.func transforms in place are ``vmap`` and at most one
+    ``grad`` (``vjp``, ``jacrev``), no tensor among `args` is tracked outside
+    them (requires a gradient or carries a forward-mode tangent below its
+    wrappers), and the first tensor holds at least :data:`MIN_ELEMENTS`
+    (:data:`CUDA_MIN_ELEMENTS` on CUDA). Elsewhere a gradient of the op's
+    gradient may be taken (``grad`` of ``grad``, ``hessian``, autograd of a
+    ``grad``), a forward-mode tangent needs a ``jvp`` of the Function's own, or
+    torch.func's overhead would cost more than the kernels save: the torch-op
+    version serves those."""
+    if _F is None or not hasattr(_F, "get_interpreter_stack") or name not in FUNCTIONS:
         return False
     grads = 0
     for i in _stack():
@@ -66,7 +98,27 @@ def serves(args) -> bool:
         if key not in _REVERSE:
             return False
         grads += key == _REVERSE[0]
-    return grads <= 1 and not any(_tracked_outside(a) for a in args)
+    if grads > 1:
+        return False
+    first = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            base = _base(a)
+            if first is None:
+                first = base
+            if _tracked_outside(base):
+                return False
+    if first is None:
+        return False
+    least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
+    return first.numel() >= least
+
+
+def _base(t):
+    """Tensor `t` below its functorch wrappers (all the examples' under vmap)."""
+    while _F.is_functorch_wrapped_tensor(t):
+        t = _F.get_unwrapped(t)
+    return t
 
 
 def _tracked_outside(t) -> bool:
@@ -74,8 +126,7 @@ def _tracked_outside(t) -> bool:
     carries a forward-mode tangent."""
     if not isinstance(t, torch.Tensor):
         return False
-    while _F.is_functorch_wrapped_tensor(t):
-        t = _F.get_unwrapped(t)
+    t = _base(t)
     fwad = torch.autograd.forward_ad
     return t.requires_grad or (fwad._current_level >= 0 and fwad.unpack_dual(t).tangent is not None)
 

@@ -94,9 +94,8 @@ def through_torch(fn, op, ref, *args):
     if functorch_on():
         if vmap_on_top():
             return fn(op, *args)
-        function = _func.FUNCTIONS.get(op._opname)
-        if function is not None and _func.serves(args):
-            return fn(function, *args)
+        if _func.serves(op._opname, args):
+            return fn(_func.FUNCTIONS[op._opname], *args)
         _check_on_meta(fn, op, args)
         return ref(*args)
     if not has_tangent(args):

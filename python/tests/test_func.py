@@ -55,6 +55,13 @@ def _tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
 
+@pytest.fixture(autouse=True)
+def functions_at_every_size(monkeypatch):
+    """The Functions serve these small tensors too (``_func.MIN_ELEMENTS``)."""
+    monkeypatch.setattr(_func, "MIN_ELEMENTS", {})
+    monkeypatch.setattr(_func, "CUDA_MIN_ELEMENTS", 0)
+
+
 @pytest.fixture
 def no_torch_op_version(monkeypatch):
     """Fails a test whose transform takes the torch-op version of an op, or
@@ -228,7 +235,7 @@ def test_forward_mode_and_second_derivatives_keep_the_torch_op_version(monkeypat
     x, w, t = (torch.randn(3, 8, dtype=torch.float64) for _ in range(3))
     seen = []
     ref = _twice.rms_norm
-    monkeypatch.setattr(_twice, "rms_norm", lambda *a: seen.append(_func.serves(a[:1])) or ref(*a))
+    monkeypatch.setattr(_twice, "rms_norm", lambda *a: seen.append(_func.serves("rms_norm", a[:1])) or ref(*a))
     grad(lambda x: grad(lambda x: keel.rms_norm(x, w[0]).sin().sum())(x).sum())(x)
     grad(lambda x: keel.rms_norm(x, w[0]).sin().sum())(x.clone().requires_grad_())
     assert seen == [False, False]
@@ -238,6 +245,22 @@ def test_forward_mode_and_second_derivatives_keep_the_torch_op_version(monkeypat
     xd = x.clone().requires_grad_()
     want = torch.autograd.functional.jvp(lambda x: ref(x, w[0], 1e-6), (xd,), (t,))[1]
     torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rows, function", [(4, False), (255, False), (256, True)])
+def test_the_function_serves_from_its_size_on(rows, function, monkeypatch):
+    """Below ``MIN_ELEMENTS`` (rms_norm: 2^17 elements, all the examples'
+    under vmap) torch.func's overhead outweighs the kernels: the torch-op
+    version serves there."""
+    monkeypatch.undo()
+    assert _func.MIN_ELEMENTS["rms_norm"] == 256 * 512
+    calls = []
+    ref = _twice.rms_norm
+    monkeypatch.setattr(_twice, "rms_norm", lambda *a: calls.append(1) or ref(*a))
+    w = torch.randn(512)
+    grad(lambda x: keel.rms_norm(x, w).sum())(torch.randn(rows, 512))
+    vmap(grad(lambda x: keel.rms_norm(x, w).sum()))(torch.randn(rows, 1, 512))
+    assert len(calls) == (0 if function else 2)
 
 
 def test_errors_inside_a_transform_name_the_op_and_argument():
