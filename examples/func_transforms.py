@@ -3,10 +3,10 @@
 
 Rows: ``vjp`` of each norm on ``[rows, hidden]`` (the pullback applied once), and
 the per-example input and weight gradients of ``sum(norm(x_i, w) * t)`` over a
-batch of examples with a shared weight. Calls interleaved, best of `--reps`, on
-the CPU (float32).
+batch of examples with a shared weight. Calls interleaved, best of `--reps`,
+float32, on `--device` (CUDA calls synchronised).
 
-    python examples/func_transforms.py [--rows 4096] [--hidden 4096] [--reps 7]
+    python examples/func_transforms.py [--rows 4096] [--hidden 4096] [--reps 7] [--device cpu]
 """
 import argparse
 import time
@@ -23,15 +23,17 @@ NORMS = {
 }
 
 
-def _best(fns, reps):
+def _best(fns, reps, sync):
     """Each of `fns` timed `reps` times, interleaved, after one warm-up call: the best."""
     for fn in fns:
         fn()
     best = [float("inf")] * len(fns)
     for _ in range(reps):
         for i, fn in enumerate(fns):
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
 
@@ -54,19 +56,26 @@ def main():
     ap.add_argument("--rows", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    h = args.hidden
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, best of {args.reps}")
+    h, dev = args.hidden, torch.device(args.device)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dev)
+
+    where = f"{torch.get_num_threads()} threads" if dev.type == "cpu" else torch.cuda.get_device_name(dev)
+    print(f"torch {torch.__version__}, {where}, float32, best of {args.reps}")
     print(f"{'case':<48} {'keel ms':>9} {'torch ms':>9} {'speedup':>8}")
-    x, g, w = torch.randn(args.rows, h, generator=gen), torch.randn(args.rows, h, generator=gen), torch.randn(h, generator=gen)
+    x, g, w = randn(args.rows, h), randn(args.rows, h), randn(h)
     batches = [(64, 128, min(h, 512)), (16, args.rows // 8, h)]
     for name, (ours, theirs) in NORMS.items():
-        k, r = _best([_vjp_once(ours, x, w, g), _vjp_once(theirs, x, w, g)], args.reps)
+        k, r = _best([_vjp_once(ours, x, w, g), _vjp_once(theirs, x, w, g)], args.reps, sync)
         print(f"{f'vjp {name} [{args.rows}, {h}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
         for b, s, c in batches:
-            xb, t, wb = torch.randn(b, s, c, generator=gen), torch.randn(s, c, generator=gen), torch.randn(c, generator=gen)
-            k, r = _best([_per_example(ours, xb, wb, t), _per_example(theirs, xb, wb, t)], args.reps)
+            xb, t, wb = randn(b, s, c), randn(s, c), randn(c)
+            k, r = _best([_per_example(ours, xb, wb, t), _per_example(theirs, xb, wb, t)], args.reps, sync)
             print(f"{f'per-example grads {name} {b} x [{s}, {c}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
 
 

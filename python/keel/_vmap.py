@@ -26,8 +26,8 @@ once per example and stacks the results, as torch's fallback does, without
 its warning. The norms' backward ops (``PER_EXAMPLE_SUMS``) fold too: the
 input's gradient is the per-example calls' bits, and the weight's and bias's,
 which the kernel sums over all the rows it gets, are summed again over each
-example's rows in torch's ops (the accumulation dtype; within the rounding of
-a sum in another order). torch's fallback called the op once an example, with
+example's rows (the norm's forward op without weight, times the gradient, in
+the accumulation dtype; within the rounding of a sum in another order). torch's fallback called the op once an example, with
 its warning, and per-example gradients (``vmap(grad(...))``) met it on every
 norm (docs/BENCHMARKS.md, session 107).
 
