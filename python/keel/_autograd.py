@@ -14,7 +14,7 @@ direct calls), except in a backward that must itself be differentiable
 import torch
 
 from . import _backward_grad, _func, _torch_version, _twice
-from ._common import acc_dtype, class_weighted, heads_contiguous, mean_over, nograd
+from ._common import acc_dtype, class_weighted, heads_contiguous, mean_over, nograd, schema_defaults
 
 ops = torch.ops.keel
 
@@ -460,7 +460,7 @@ def _autograd_kernel(name, backward, setup):
     # A Python kernel gets keyword-only arguments as keywords: none of Keel's ops has any.
     assert not any(a.kwarg_only for a in arguments), f"keel::{name}: keyword-only arguments"
     # The dispatcher leaves out trailing arguments equal to their defaults.
-    defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments)
+    defaults = schema_defaults(twin)
     count = len(arguments)
     any_requires_grad = torch._C._any_requires_grad
     fwad = _twice._fwad

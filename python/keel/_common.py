@@ -17,6 +17,13 @@ def nograd(name: str) -> str:
     return f"_{name}_nograd"
 
 
+def schema_defaults(op) -> tuple:
+    """Each argument's default value in op overload `op`'s schema (None where it
+    has none): what the dispatcher leaves out of a call where trailing
+    arguments equal their defaults."""
+    return tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
+
+
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Keel's accumulation dtype for `t`: float64 for float64, else float32."""
     return acc_of(t.dtype)

@@ -34,12 +34,13 @@ inside another transform, or on a cotangent that requires a gradient), through
 """
 import torch
 
-from ._common import nograd
+from ._common import nograd, schema_defaults
 
 _F = getattr(torch._C, "_functorch", None)
 _T = getattr(_F, "TransformType", None)
-_REVERSE = (getattr(_T, "Grad", None), getattr(_T, "Vmap", None))
-_TRACKING = (getattr(_T, "Grad", None), getattr(_T, "Jvp", None))
+_GRAD, _VMAP, _JVP = (getattr(_T, k, None) for k in ("Grad", "Vmap", "Jvp"))
+_REVERSE = (_GRAD, _VMAP)  # the transforms under which a Function may serve
+_TRACKING = (_GRAD, _JVP)  # the transforms whose tensors a gradient or tangent may follow
 
 _EMPTY = torch.empty(0)  # made outside every transform: what :func:`_token` wraps
 
@@ -97,7 +98,7 @@ def serves(name, args) -> bool:
         key = i.key()
         if key not in _REVERSE:
             return False
-        grads += key == _REVERSE[0]
+        grads += key == _GRAD
     if grads > 1:
         return False
     first = None
@@ -121,20 +122,33 @@ def _base(t):
     return t
 
 
-def _tracked_outside(t) -> bool:
-    """Whether tensor `t`, below its functorch wrappers, requires a gradient or
-    carries a forward-mode tangent."""
-    if not isinstance(t, torch.Tensor):
-        return False
-    t = _base(t)
+def wrapped(t) -> bool:
+    """Whether `t` is a tensor of a torch.func transform (wrapped by one)."""
+    return isinstance(t, torch.Tensor) and _F is not None and _F.is_functorch_wrapped_tensor(t)
+
+
+def alive(tensors):
+    """`tensors` with the wrappers of ended transform levels taken off, as
+    torch's own dispatch does before a transform takes them."""
+    out = []
+    for t in tensors:
+        while isinstance(t, torch.Tensor) and _F.is_dead_tensor_wrapper(t):
+            t = _F.unwrap_if_dead(t)
+        out.append(t)
+    return tuple(out)
+
+
+def _tracked_outside(base) -> bool:
+    """Whether `base`, a tensor below its functorch wrappers (:func:`_base`),
+    requires a gradient or carries a forward-mode tangent."""
     fwad = torch.autograd.forward_ad
-    return t.requires_grad or (fwad._current_level >= 0 and fwad.unpack_dual(t).tangent is not None)
+    return base.requires_grad or (fwad._current_level >= 0 and fwad.unpack_dual(base).tangent is not None)
 
 
 def _level_of_records():
     """The level of the innermost ``grad`` transform in place: the one whose
     autograd records a Function applied now (None outside ``grad``)."""
-    levels = [i.level() for i in _stack() if i.key() == _TRACKING[0]]
+    levels = [i.level() for i in _stack() if i.key() == _GRAD]
     return max(levels) if levels else None
 
 
@@ -217,5 +231,4 @@ def register(formulas, skip) -> None:
         if name in skip:
             continue
         twin = getattr(ops, nograd(name)).default
-        defaults = tuple(a.default_value if a.has_default_value() else None for a in twin._schema.arguments)
-        FUNCTIONS[name] = _function(name, backward, setup, getattr(twin, "_op", twin), defaults)
+        FUNCTIONS[name] = _function(name, backward, setup, getattr(twin, "_op", twin), schema_defaults(twin))

@@ -129,7 +129,7 @@ def vjp(fn, inputs, grads, needs):
     where an output has no gradient), for the inputs whose `needs` is true, with
     a graph; None for the others. (`needs` may be shorter than `inputs`: the
     dispatcher drops trailing arguments equal to their defaults.)"""
-    if any(_wrapped(t) for t in (*inputs, *grads)):
+    if any(_func.wrapped(t) for t in (*inputs, *grads)):
         return _vjp_in_transform(fn, inputs, grads, needs)
     take = [
         i
@@ -155,34 +155,13 @@ def vjp(fn, inputs, grads, needs):
     return result
 
 
-def _wrapped(t) -> bool:
-    """Whether `t` is a tensor of a torch.func transform (``keel._func``'s
-    Functions' backwards meet them)."""
-    return isinstance(t, torch.Tensor) and _is_wrapped is not None and _is_wrapped(t)
-
-
-_is_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-
-
-def _alive(tensors):
-    """`tensors` with the wrappers of ended transform levels taken off, as
-    torch's own dispatch does before a transform takes them."""
-    functorch = torch._C._functorch
-    out = []
-    for t in tensors:
-        while isinstance(t, torch.Tensor) and functorch.is_dead_tensor_wrapper(t):
-            t = functorch.unwrap_if_dead(t)
-        out.append(t)
-    return tuple(out)
-
-
 def _vjp_in_transform(fn, inputs, grads, needs):
     """:func:`vjp` where the tensors belong to torch.func transforms (the backward
     of a ``keel._func`` Function whose gradient a transform or autograd will
     take): ``torch.func.vjp``, which tracks the inputs at a level of its own. A
     saved input of a ``grad`` level that has ended (a ``vjp``'s pullback called
     later) requires no gradient any more, so autograd.grad would find no graph."""
-    inputs, grads = _alive(inputs), _alive(grads)
+    inputs, grads = _func.alive(inputs), _func.alive(grads)
     take = [i for i, t in enumerate(inputs) if i < len(needs) and needs[i] and isinstance(t, torch.Tensor)]
     result = [None] * len(inputs)
     if not take or all(g is None for g in grads):

@@ -27,9 +27,10 @@ its warning. The norms' backward ops (``PER_EXAMPLE_SUMS``) fold too: the
 input's gradient is the per-example calls' bits, and the weight's and bias's,
 which the kernel sums over all the rows it gets, are summed again over each
 example's rows (the norm's forward op without weight, times the gradient, in
-the accumulation dtype; within the rounding of a sum in another order). torch's fallback called the op once an example, with
-its warning, and per-example gradients (``vmap(grad(...))``) met it on every
-norm (docs/BENCHMARKS.md, session 107).
+the accumulation dtype; within the rounding of a sum in another order).
+torch's fallback called the op once an example, with its warning, and
+per-example gradients (``vmap(grad(...))``) met it on every norm
+(docs/BENCHMARKS.md, session 107).
 
 The in-place ops (``INPLACE_SPECS``), which torch's fallback refuses (it takes
 no op that writes its arguments), write the examples' rows in place in one call

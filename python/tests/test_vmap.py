@@ -69,7 +69,8 @@ def test_every_op_has_a_rule():
 def _assert_matches(op_name, got, want):
     """`got` as the per-example calls' `want`: bit for bit, but for the per-feature
     gradients of the norms' backward ops, which the rule sums again over each
-    example's rows in torch's ops (float64 cases: to 1e-12)."""
+    example's rows (the norm's forward op times the gradient, summed in another
+    order than the kernel's; float64 cases: to 1e-12)."""
     if op_name not in _vmap.PER_EXAMPLE_SUMS:
         return _assert_equal(got, want)
     _assert_equal(got[0], want[0])
