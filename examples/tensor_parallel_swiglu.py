@@ -9,9 +9,7 @@ difference of the outputs.
 
     python examples/tensor_parallel_swiglu.py [TOKENS HIDDEN FFN]   # default 2048 1024 2816
 """
-import datetime
 import sys
-import tempfile
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +18,7 @@ from torch import nn
 import keel
 import keel.nn
 
-from _gloo_timing import ROUNDS, median_ms
+from _gloo import ROUNDS, median_ms, mesh, spawn
 
 
 class LlamaMLP(nn.Module):
@@ -36,50 +34,48 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _worker(rank, tmp, tokens, hidden, ffn):
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=600)
-    )
-    from torch.distributed.device_mesh import init_device_mesh
+def _worker(rank, store, tokens, hidden, ffn):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    mesh = init_device_mesh("cpu", (2,))
-    rows = []
-    for dtype in (torch.float32, torch.bfloat16):
-        torch.manual_seed(0)
-        ref = LlamaMLP(hidden, ffn, dtype)
-        fused = keel.nn.SwiGLU.from_linears(ref.gate_proj, ref.up_proj, ref.down_proj)
-        parallelize_module(ref, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
-                                       "down_proj": RowwiseParallel()})
-        parallelize_module(fused, mesh, {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()})
-        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
-        outs = {}
+    with mesh(rank, store, (2,)) as m:
+        rows = []
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            ref = LlamaMLP(hidden, ffn, dtype)
+            fused = keel.nn.SwiGLU.from_linears(ref.gate_proj, ref.up_proj, ref.down_proj)
+            torch_plan = {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(), "down_proj": RowwiseParallel()}
+            parallelize_module(ref, m, torch_plan)
+            parallelize_module(fused, m, {"gate_up_proj": keel.nn.GateUpColwiseParallel(), "down_proj": RowwiseParallel()})
+            x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+            rows.append((str(dtype).replace("torch.", ""), *_timed(ref, fused, x)))
+        if rank == 0:
+            print(f"tensor-parallel Llama MLP, [{tokens}, {hidden}] -> {ffn} -> {hidden}, 2 gloo ranks, 1 thread each, "
+                  f"forward + backward, median of {ROUNDS} (torch {torch.__version__})")
+            print("| dtype | torch (3 linears) ms | keel.nn.SwiGLU ms | torch / keel | max |keel - torch| |")
+            print("|---|---|---|---|---|")
+            for dtype, t_torch, t_keel, diff in rows:
+                print(f"| {dtype} | {t_torch:.1f} | {t_keel:.1f} | {t_torch / t_keel:.2f} | {diff:.2e} |")
 
-        def step(module, key):
-            out = module(x)
-            out.sum().backward()
-            outs[key] = out.detach() + 0  # waits for the all-reduce
 
-        t_torch = median_ms(lambda: step(ref, "torch"))
-        t_keel = median_ms(lambda: step(fused, "keel"))
-        diff = (outs["keel"].float() - outs["torch"].float()).abs().max().item()
-        rows.append((str(dtype).replace("torch.", ""), t_torch, t_keel, diff))
-    if rank == 0:
-        print(f"tensor-parallel Llama MLP, [{tokens}, {hidden}] -> {ffn} -> {hidden}, 2 gloo ranks, 1 thread each, "
-              f"forward + backward, median of {ROUNDS} (torch {torch.__version__})")
-        print("| dtype | torch (3 linears) ms | keel.nn.SwiGLU ms | torch / keel | max |keel - torch| |")
-        print("|---|---|---|---|---|")
-        for dtype, t_torch, t_keel, diff in rows:
-            print(f"| {dtype} | {t_torch:.1f} | {t_keel:.1f} | {t_torch / t_keel:.2f} | {diff:.2e} |")
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+def _timed(ref, fused, x):
+    """Median ms of `ref`'s and `fused`'s forward + backward on `x`, and the
+    largest difference of their outputs."""
+    outs = {}
+
+    def step(module, key):
+        out = module(x)
+        out.sum().backward()
+        outs[key] = out.detach() + 0  # waits for the all-reduce
+
+    t_torch = median_ms(lambda: step(ref, "torch"))
+    t_keel = median_ms(lambda: step(fused, "keel"))
+    diff = (outs["keel"].float() - outs["torch"].float()).abs().max().item()
+    return t_torch, t_keel, diff
 
 
 def main():
     tokens, hidden, ffn = (int(a) for a in sys.argv[1:4]) if len(sys.argv) >= 4 else (2048, 1024, 2816)
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(_worker, args=(tmp, tokens, hidden, ffn), nprocs=2, start_method="spawn")
+    spawn(_worker, 2, tokens, hidden, ffn)
 
 
 if __name__ == "__main__":

@@ -72,8 +72,10 @@ print('torch', torch.__version__, 'on CPython', platform.python_version(), platf
 # test_capability (x86 levels); test_report, whose runs time torch.compile
 # (its C++ would need an aarch64 toolchain and CPython's arm64 headers here);
 # DataLoader's fork workers, which crash qemu 7.2 itself (assertions in its TCG
-# vCPU code, exit 127), torch's own ops alone too.
-ignored=(test_capability test_report)
+# vCPU code, exit 127), torch's own ops alone too; test_gloo_examples, the
+# timing examples on up to four emulated processes each (their ops are
+# test_dtensor*'s, which run here).
+ignored=(test_capability test_report test_gloo_examples)
 args=()
 for t in "${ignored[@]}"; do args+=(--ignore "python/tests/$t.py"); done
 args+=(--deselect python/tests/test_fork.py::test_dataloader_fork_workers_run_keel_ops_after_the_parent_did)
