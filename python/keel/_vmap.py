@@ -191,6 +191,30 @@ def _per_example_sums(name, args, dims, size, outs):
     return (outs[0], *sums)
 
 
+LOOP_MIN = 1 << 16
+"""The norms' backward ops (:data:`PER_EXAMPLE_SUMS`) on the CPU run once an
+example (:func:`_loop`) where an example's gradient holds this many elements
+or more, rather than once on all the rows and summed again
+(:func:`_per_example_sums`): the per-example calls' time costs less there than
+the sums' passes over the rows (4-5 in the accumulation dtype). Measured on the
+2-core Xeon, ``vmap(grad(...))`` of rms_norm and layer_norm, 16 examples: at
+``[256, 1024]`` an example, 1.12-1.26x in f32 and 1.44-2.81x in bf16; at
+``[64, 512]`` 0.92-1.10x; at ``[16, 1024]`` 0.78-1.00x (docs/BENCHMARKS.md,
+session 108). The per-feature gradients are then the per-example calls' bits.
+On CUDA the sums serve at every size: their passes cost little there against a
+launch an example (not measured)."""
+
+
+def _loops(args, dims) -> bool:
+    """Whether a norm's backward op runs once an example (:data:`LOOP_MIN`):
+    `args[0]`, the gradient, is on the CPU and holds that many elements an
+    example."""
+    g, d = args[0], dims[0]
+    if not isinstance(g, torch.Tensor) or g.device.type != "cpu":
+        return False
+    return g.numel() // (g.shape[d] if d is not None else 1) >= LOOP_MIN
+
+
 def _example_args(args, dims, b):
     """The arguments of example `b`: each batched tensor's view of it."""
     return [a if d is None else a.select(d, b) for a, d in zip(args, dims)]
@@ -212,7 +236,9 @@ def rule(name, call, check):
 
     def batched(info, dims, *args):
         size = info.batch_size
-        if size == 0 or _foldable(name, args, dims):
+        if name in PER_EXAMPLE_SUMS and size > 0 and _loops(args, dims):
+            outs = _loop(call, args, dims, size)
+        elif size == 0 or _foldable(name, args, dims):
             outs = _fold(name, call, check, names, args, dims, size)
             if name in PER_EXAMPLE_SUMS and size > 0:
                 outs = _per_example_sums(name, args, dims, size, outs)

@@ -236,10 +236,68 @@ def test_norm_backwards_give_per_example_weight_gradients_in_one_call(name, batc
         torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * b.float().abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("batched", ["all rows", "grad only"])
 @pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
-def test_gradients_through_the_norm_backwards_rule(name):
+def test_norm_backwards_on_large_cpu_examples_run_once_an_example(name, batched, device, dtype, monkeypatch):
+    """Where an example's gradient holds ``_vmap.LOOP_MIN`` elements or more
+    (here lowered to 1), the norms' backward ops on the CPU run once an example:
+    every output is the per-example calls' bits, the weight's and bias's too. On
+    CUDA the one call and the sums serve at every size."""
+    op, make, rows = _NORM_BACKWARDS[name]
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(B, 5, 64, generator=gen) * 3 + 1).to(device, dtype)
+    g = torch.randn(B, 5, 64, generator=gen).to(device, dtype)
+    w = torch.randn(64, generator=gen).to(device, dtype)
+    if batched == "grad only":
+        x = x[0]
+    args = make(g, x, w)
+    in_dims = tuple(0 if i in rows and args[i].dim() == 3 else None for i in range(len(args)))
+    monkeypatch.setattr(_vmap, "LOOP_MIN", 1)
+    if device == "cpu":
+        monkeypatch.setattr(_vmap, "_per_example_sums", None)  # the sums would fail
+    else:
+        monkeypatch.setattr(_vmap, "_loop", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*performance drop.*")
+        got = torch.vmap(op, in_dims=in_dims)(*args)
+    want = _loop(op, args, in_dims)
+    if device == "cpu":
+        _assert_equal(got, want)
+    else:
+        _assert_equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
+def test_norm_backwards_loop_from_loop_min_elements_an_example(name, monkeypatch):
+    """The threshold itself: an example's gradient of ``LOOP_MIN`` elements runs
+    once an example, one row fewer folds and sums."""
+    op, make, rows = _NORM_BACKWARDS[name]
+    features = 64
+    summed = []
+    real = _vmap._per_example_sums
+    monkeypatch.setattr(_vmap, "_per_example_sums", lambda *a: summed.append(1) or real(*a))
+    for count, sums in ((_vmap.LOOP_MIN // features, 0), (_vmap.LOOP_MIN // features - 1, 1)):
+        g, x, w = torch.randn(B, count, features), torch.randn(B, count, features), torch.randn(features)
+        args = make(g, x, w)
+        in_dims = tuple(0 if i in rows else None for i in range(len(args)))
+        got = torch.vmap(op, in_dims=in_dims)(*args)
+        assert len(summed) == sums, count
+        want = _loop(op, args, in_dims)
+        _assert_equal(got if not sums else got[0], want if not sums else want[0])
+        for a, b in zip(got[1:], want[1:]):  # summed in another order where folded (float32)
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["sums", "loop"])
+@pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
+def test_gradients_through_the_norm_backwards_rule(name, loop, monkeypatch):
     """gradcheck (float64) of the batched backward op, weight gradients summed
-    per example included: the rule's sums are differentiable, as the op is."""
+    per example included: the rule's sums are differentiable, as the op is, and
+    so are its per-example calls (``LOOP_MIN`` lowered to 1)."""
+    if loop:
+        monkeypatch.setattr(_vmap, "LOOP_MIN", 1)
     op, make, rows = _NORM_BACKWARDS[name]
     gen = torch.Generator().manual_seed(2)
     g, x, w = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((2, 3, 8), (2, 3, 8), (8,)))
