@@ -33,6 +33,7 @@ inside another transform, or on a cotangent that requires a gradient), through
 ``no_grad``, on Keel's backward kernels.
 """
 import torch
+import torch.nn.functional as F
 
 from ._common import nograd, schema_defaults
 
@@ -80,6 +81,61 @@ bytes an element) cost the Function's extra 170 us of Python only at about 16M
 elements at 3 TB/s."""
 
 
+def _native_rms_norm(x, weight, eps, round_before_weight=False):
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+def _native_layer_norm(x, weight, bias, eps):
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def _native_fused_add_rms_norm(x, residual, weight, eps, round_before_weight=False):
+    s = x + residual
+    return F.rms_norm(s, s.shape[-1:], weight, eps), s
+
+
+NATIVE = {
+    "rms_norm": (_native_rms_norm, 1 << 17),
+    "fused_add_rms_norm": (_native_fused_add_rms_norm, 1 << 17),
+    "layer_norm": (_native_layer_norm, 1 << 21),
+}
+"""Op name -> (its expression in one of torch's own ops, the fewest elements
+from which the op's Function (:data:`FUNCTIONS`) beats it on the CPU). Below
+that size, under the transforms where the Function would serve
+(:func:`serves`), torch's own op serves (:func:`native`) rather than the
+torch-op version Keel writes out (``_twice``), which runs several of torch's
+ops, each through torch.func's wrappers: ``vjp`` of layer_norm ``[512, 512]``
+f32 took 2262 us written out, 1133 us through the Function and 552 us as
+``F.layer_norm`` (docs/BENCHMARKS.md, session 108). Their values are torch's
+op's, which differ from Keel's kernels by the last bit here and there, as the
+written-out version's do. Not for float64 (``F.layer_norm`` loses digits on
+rows far from 0, ``_twice.layer_norm``), nor for rms_norm's
+``round_before_weight``, which torch's op does not have."""
+
+
+_ROUND_BEFORE_WEIGHT = {"rms_norm": 3, "fused_add_rms_norm": 4}  # where the typed API passes it
+
+
+def native(name, args):
+    """Op `name`'s expression in torch's own op (:data:`NATIVE`) where it serves
+    a call on `args` now: the transforms and arguments are those under which
+    the op's Function would serve (:func:`serves`), the first tensor is not
+    float64, holds fewer elements than :data:`NATIVE`'s size (on CUDA, than
+    :data:`CUDA_MIN_ELEMENTS`), and rms_norm's ``round_before_weight`` is off.
+    None elsewhere."""
+    entry = NATIVE.get(name)
+    if entry is None:
+        return None
+    first = _first_order_base(args)
+    if first is None or first.dtype == torch.float64:
+        return None
+    at = _ROUND_BEFORE_WEIGHT.get(name)
+    if at is not None and at < len(args) and args[at]:
+        return None
+    below = CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]
+    return entry[0] if first.numel() < below else None
+
+
 def serves(name, args) -> bool:
     """Whether op `name`'s Function (:data:`FUNCTIONS`) serves a call on `args`
     now: the torch.func transforms in place are ``vmap`` and at most one
@@ -91,16 +147,29 @@ def serves(name, args) -> bool:
     ``grad``), a forward-mode tangent needs a ``jvp`` of the Function's own, or
     torch.func's overhead would cost more than the kernels save: the torch-op
     version serves those."""
-    if _F is None or not hasattr(_F, "get_interpreter_stack") or name not in FUNCTIONS:
+    if name not in FUNCTIONS:
         return False
+    first = _first_order_base(args)
+    if first is None:
+        return False
+    least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
+    return first.numel() >= least
+
+
+def _first_order_base(args):
+    """The first tensor among `args` below its functorch wrappers, where the
+    transforms in place are ``vmap`` and at most one ``grad`` and no tensor
+    among `args` is tracked outside them (:func:`serves`); else None."""
+    if _F is None or not hasattr(_F, "get_interpreter_stack"):
+        return None
     grads = 0
     for i in _stack():
         key = i.key()
         if key not in _REVERSE:
-            return False
+            return None
         grads += key == _GRAD
     if grads > 1:
-        return False
+        return None
     first = None
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -108,11 +177,8 @@ def serves(name, args) -> bool:
             if first is None:
                 first = base
             if _tracked_outside(base):
-                return False
-    if first is None:
-        return False
-    least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
-    return first.numel() >= least
+                return None
+    return first
 
 
 def _base(t):

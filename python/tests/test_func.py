@@ -57,8 +57,10 @@ def _tuple(out):
 
 @pytest.fixture(autouse=True)
 def functions_at_every_size(monkeypatch):
-    """The Functions serve these small tensors too (``_func.MIN_ELEMENTS``)."""
+    """The Functions serve these small tensors too (``_func.MIN_ELEMENTS``),
+    rather than torch's own ops (``_func.NATIVE``)."""
     monkeypatch.setattr(_func, "MIN_ELEMENTS", {})
+    monkeypatch.setattr(_func, "NATIVE", {})
     monkeypatch.setattr(_func, "CUDA_MIN_ELEMENTS", 0)
 
 
@@ -247,20 +249,100 @@ def test_forward_mode_and_second_derivatives_keep_the_torch_op_version(monkeypat
     torch.testing.assert_close(tangent, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("rows, function", [(4, False), (255, False), (256, True)])
-def test_the_function_serves_from_its_size_on(rows, function, monkeypatch):
+def test_the_function_serves_from_its_size_on(rows, function, dtype, monkeypatch):
     """Below ``MIN_ELEMENTS`` (rms_norm: 2^17 elements, all the examples'
-    under vmap) torch.func's overhead outweighs the kernels: the torch-op
-    version serves there."""
+    under vmap) torch.func's overhead outweighs the kernels: torch's own
+    ``F.rms_norm`` serves there (``_func.NATIVE``), and the torch-op version
+    Keel writes out for float64."""
     monkeypatch.undo()
-    assert _func.MIN_ELEMENTS["rms_norm"] == 256 * 512
-    calls = []
-    ref = _twice.rms_norm
-    monkeypatch.setattr(_twice, "rms_norm", lambda *a: calls.append(1) or ref(*a))
-    w = torch.randn(512)
-    grad(lambda x: keel.rms_norm(x, w).sum())(torch.randn(rows, 512))
-    vmap(grad(lambda x: keel.rms_norm(x, w).sum()))(torch.randn(rows, 1, 512))
-    assert len(calls) == (0 if function else 2)
+    assert _func.MIN_ELEMENTS["rms_norm"] == _func.NATIVE["rms_norm"][1] == 256 * 512
+    calls = {"written": 0, "native": 0}
+    ref, (nat, least) = _twice.rms_norm, _func.NATIVE["rms_norm"]
+    monkeypatch.setattr(_twice, "rms_norm", lambda *a: calls.__setitem__("written", calls["written"] + 1) or ref(*a))
+    spy = (lambda *a: calls.__setitem__("native", calls["native"] + 1) or nat(*a), least)
+    monkeypatch.setitem(_func.NATIVE, "rms_norm", spy)
+    w = torch.randn(512, dtype=dtype)
+    grad(lambda x: keel.rms_norm(x, w).sum())(torch.randn(rows, 512, dtype=dtype))
+    vmap(grad(lambda x: keel.rms_norm(x, w).sum()))(torch.randn(rows, 1, 512, dtype=dtype))
+    small = 0 if function else 2
+    assert calls == {"written": small if dtype == torch.float64 else 0, "native": small if dtype == torch.float32 else 0}
+
+
+_NATIVE_CASES = {
+    "rms_norm": lambda x, r, w, b: keel.rms_norm(x, w),
+    "layer_norm": lambda x, r, w, b: keel.layer_norm(x, w, b),
+    "layer_norm without weight": lambda x, r, w, b: keel.layer_norm(x, None, b),
+    "fused_add_rms_norm": lambda x, r, w, b: keel.fused_add_rms_norm(x, r, w),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("name", list(_NATIVE_CASES))
+def test_small_norms_under_transforms_run_torchs_own_op(name, device, dtype, monkeypatch):
+    """Below the Function's size, the norms under ``vjp`` and ``vmap(grad)`` run
+    torch's own op (``F.rms_norm``, ``F.layer_norm``; the Keel-written torch-op
+    version is refused): outputs and gradients those of plain autograd through
+    Keel's kernels, within one rounding (f32: 1e-5; bf16: 2^-7, of the largest)."""
+    monkeypatch.undo()
+
+    def refuse(*_, **__):
+        raise AssertionError("the torch-op version ran")
+
+    for ref in ("rms_norm", "layer_norm", "fused_add_rms_norm", "vjp"):
+        monkeypatch.setattr(_twice, ref, refuse)
+    monkeypatch.setattr(_func, "FUNCTIONS", {})  # nor the Functions
+    gen = torch.Generator().manual_seed(3)
+    x, r, t = (torch.randn(4, 6, 32, generator=gen).to(device, dtype) for _ in range(3))
+    w, b = (torch.randn(32, generator=gen).to(device, dtype) for _ in range(2))
+    fn = _NATIVE_CASES[name]
+
+    def loss(x, w, b, r, t):
+        return sum((o.float() * t.float()).sum() for o in _tuple(fn(x, r, w, b)))
+
+    leaves = [a.detach().requires_grad_() for a in (x, w, b)]
+    want_out = _tuple(fn(leaves[0], r, *leaves[1:]))
+    want = torch.autograd.grad(loss(*leaves, r, t), leaves, allow_unused=True)
+    out, pull = vjp(lambda x, w, b: fn(x, r, w, b), x, w, b)
+    got = pull(tuple(torch.ones_like(o) for o in out) if isinstance(out, tuple) else torch.ones_like(out))
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+
+    def close(a, b):
+        b = torch.zeros_like(a) if b is None else b
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.float().abs().max().item(), 1))
+
+    for a, b_ in zip(_tuple(out), want_out):
+        close(a, b_)
+    ones = torch.autograd.grad(list(want_out), leaves, [torch.ones_like(o) for o in want_out], allow_unused=True)
+    for a, b_ in zip(got, ones):
+        close(a, b_)
+    per_example = vmap(grad(loss, (0, 1, 2)), in_dims=(0, None, None, 0, 0))(x, w, b, r, t)
+    close(per_example[0], want[0])
+    for a, b_ in zip(per_example[1:], want[1:]):
+        close(a.sum(0), b_)
+
+
+def test_torchs_own_op_serves_neither_float64_nor_second_derivatives_nor_round_before_weight(monkeypatch):
+    """float64 (``F.layer_norm`` loses digits on rows far from 0), a second
+    derivative (its double backward raises for a bias without weight) and
+    rms_norm's ``round_before_weight`` (torch's op has none) keep the torch-op
+    version Keel writes out."""
+    monkeypatch.undo()
+    seen = []
+    for name in ("rms_norm", "layer_norm"):
+        ref = getattr(_twice, name)
+        monkeypatch.setattr(_twice, name, lambda *a, ref=ref, name=name: seen.append(name) or ref(*a))
+    x32, w32 = torch.randn(3, 8), torch.randn(8)
+    grad(lambda x: keel.layer_norm(x.double(), None, w32.double()).sum())(x32)
+    grad(lambda x: grad(lambda x: keel.layer_norm(x, None, w32).sin().sum())(x).sum())(x32)
+    grad(lambda x: keel.rms_norm(x, w32, 1e-6, True).sum())(x32)
+    assert seen == ["layer_norm", "layer_norm", "rms_norm"]
+    seen.clear()
+    grad(lambda x: keel.layer_norm(x, None, w32).sum())(x32)
+    grad(lambda x: keel.rms_norm(x, w32, 1e-6, False).sum())(x32)
+    assert seen == []
 
 
 def test_errors_inside_a_transform_name_the_op_and_argument():
