@@ -202,17 +202,10 @@ _NORM_BACKWARDS = {
 }
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("device", devices())
-@pytest.mark.parametrize("batched", ["all rows", "grad only"])
-@pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
-def test_norm_backwards_give_per_example_weight_gradients_in_one_call(name, batched, device, dtype, monkeypatch):
-    """The norms' backward ops under vmap: the input's gradient is the per-example
-    calls' bits; the weight's and bias's are each example's own sums (one call:
-    no per-example loop), as the loop gives them, within the rounding of a sum
-    in another order (f32: 1e-5; bf16: one rounding of the result, 2^-8).
-    "grad only": the rows unbatched and the gradient batched, as jacrev and
-    ``is_grads_batched`` call it."""
+def _norm_backward_args(name, batched, device, dtype):
+    """Norm `name`'s backward op, its arguments over B examples of [5, 64] rows
+    and their in_dims; "grad only": the rows unbatched and the gradient
+    batched, as jacrev and ``is_grads_batched`` call it."""
     op, make, rows = _NORM_BACKWARDS[name]
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(B, 5, 64, generator=gen) * 3 + 1).to(device, dtype)
@@ -221,13 +214,23 @@ def test_norm_backwards_give_per_example_weight_gradients_in_one_call(name, batc
     if batched == "grad only":
         x = x[0]
     args = make(g, x, w)
-    in_dims = [None] * len(args)
-    for i in rows:
-        in_dims[i] = 0 if args[i].dim() == 3 else None
+    return op, args, tuple(0 if i in rows and args[i].dim() == 3 else None for i in range(len(args)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("batched", ["all rows", "grad only"])
+@pytest.mark.parametrize("name", list(_NORM_BACKWARDS))
+def test_norm_backwards_give_per_example_weight_gradients_in_one_call(name, batched, device, dtype, monkeypatch):
+    """The norms' backward ops under vmap: the input's gradient is the per-example
+    calls' bits; the weight's and bias's are each example's own sums (one call:
+    no per-example loop), as the loop gives them, within the rounding of a sum
+    in another order (f32: 1e-5; bf16: one rounding of the result, 2^-8)."""
+    op, args, in_dims = _norm_backward_args(name, batched, device, dtype)
     monkeypatch.setattr(_vmap, "_loop", None)  # any per-example call fails
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*performance drop.*")
-        got = torch.vmap(op, in_dims=tuple(in_dims))(*args)
+        got = torch.vmap(op, in_dims=in_dims)(*args)
     want = _loop(op, args, in_dims)
     _assert_equal(got[0], want[0])
     tol = 1e-5 if dtype == torch.float32 else 2**-8
@@ -245,15 +248,7 @@ def test_norm_backwards_on_large_cpu_examples_run_once_an_example(name, batched,
     (here lowered to 1), the norms' backward ops on the CPU run once an example:
     every output is the per-example calls' bits, the weight's and bias's too. On
     CUDA the one call and the sums serve at every size."""
-    op, make, rows = _NORM_BACKWARDS[name]
-    gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(B, 5, 64, generator=gen) * 3 + 1).to(device, dtype)
-    g = torch.randn(B, 5, 64, generator=gen).to(device, dtype)
-    w = torch.randn(64, generator=gen).to(device, dtype)
-    if batched == "grad only":
-        x = x[0]
-    args = make(g, x, w)
-    in_dims = tuple(0 if i in rows and args[i].dim() == 3 else None for i in range(len(args)))
+    op, args, in_dims = _norm_backward_args(name, batched, device, dtype)
     monkeypatch.setattr(_vmap, "LOOP_MIN", 1)
     if device == "cpu":
         monkeypatch.setattr(_vmap, "_per_example_sums", None)  # the sums would fail
