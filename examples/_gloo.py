@@ -4,6 +4,7 @@ group and device mesh, and the timing. Run from ``examples/``'s scripts, which
 find it beside them."""
 import contextlib
 import datetime
+import math
 import statistics
 import tempfile
 import time
@@ -26,9 +27,7 @@ def mesh(rank, store, shape):
     (one torch thread each); the group is destroyed after, once every rank is
     done."""
     torch.set_num_threads(1)
-    world = 1
-    for s in shape:
-        world *= s
+    world = math.prod(shape)
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
     )

@@ -20,7 +20,7 @@ beats the torch-op version Keel writes out.
 Where the op's gradient may itself be differentiated (a second ``grad`` level,
 ``hessian``, autograd outside the transforms), or the transforms hold forward
 mode (``jvp``, ``jacfwd``) or ``functionalize``, the typed API keeps the torch-op
-version (:func:`serves` false): a Function would need a ``jvp`` of its own for
+version (:func:`route`): a Function would need a ``jvp`` of its own for
 tangents, and a backward that records its own graph for a second derivative.
 
 A formula's backward records a graph where grad mode is on (``_twice``).
@@ -92,7 +92,7 @@ def _native_layer_norm(x, weight, bias, eps):
 
 def _native_fused_add_rms_norm(x, residual, weight, eps, round_before_weight=False):
     s = x + residual
-    return F.rms_norm(s, s.shape[-1:], weight, eps), s
+    return _native_rms_norm(s, weight, eps), s
 
 
 NATIVE = {
@@ -102,65 +102,70 @@ NATIVE = {
 }
 """Op name -> (its expression in one of torch's own ops, the fewest elements
 from which the op's Function (:data:`FUNCTIONS`) beats it on the CPU). Below
-that size, under the transforms where the Function would serve
-(:func:`serves`), torch's own op serves (:func:`native`) rather than the
-torch-op version Keel writes out (``_twice``), which runs several of torch's
-ops, each through torch.func's wrappers: ``vjp`` of layer_norm ``[512, 512]``
-f32 took 2262 us written out, 1133 us through the Function and 552 us as
-``F.layer_norm`` (docs/BENCHMARKS.md, session 108). Their values are torch's
-op's, which differ from Keel's kernels by the last bit here and there, as the
-written-out version's do. Not for float64 (``F.layer_norm`` loses digits on
-rows far from 0, ``_twice.layer_norm``), nor for rms_norm's
-``round_before_weight``, which torch's op does not have."""
+that size, under the transforms where the Function would serve, torch's own
+op serves (:func:`route`) rather than the torch-op version Keel writes out
+(``_twice``), which runs several of torch's ops, each through torch.func's
+wrappers: ``vjp`` of layer_norm ``[512, 512]`` f32 took 2262 us written out,
+1133 us through the Function and 552 us as ``F.layer_norm``
+(docs/BENCHMARKS.md, session 108). Their values are torch's op's, which differ
+from Keel's kernels by the last bit here and there, as the written-out
+version's do. Not for float64 (``F.layer_norm`` loses digits on rows far from
+0, ``_twice.layer_norm``), nor for rms_norm's ``round_before_weight``, which
+torch's op does not have."""
 
 
-_ROUND_BEFORE_WEIGHT = {"rms_norm": 3, "fused_add_rms_norm": 4}  # where the typed API passes it
+def route(op, args):
+    """Which version of Keel's op `op` (an overload) serves a call on `args`
+    under torch.func now, in place of the torch-op version Keel writes out:
+    ``(function, None)`` where the op's Function (:data:`FUNCTIONS`) serves,
+    ``(None, native)`` where torch's own op does (:data:`NATIVE`), ``(None,
+    None)`` where neither does.
 
-
-def native(name, args):
-    """Op `name`'s expression in torch's own op (:data:`NATIVE`) where it serves
-    a call on `args` now: the transforms and arguments are those under which
-    the op's Function would serve (:func:`serves`), the first tensor is not
-    float64, holds fewer elements than :data:`NATIVE`'s size (on CUDA, than
-    :data:`CUDA_MIN_ELEMENTS`), and rms_norm's ``round_before_weight`` is off.
-    None elsewhere."""
-    entry = NATIVE.get(name)
-    if entry is None:
-        return None
-    first = _first_order_base(args)
-    if first is None or first.dtype == torch.float64:
-        return None
-    at = _ROUND_BEFORE_WEIGHT.get(name)
-    if at is not None and at < len(args) and args[at]:
-        return None
-    below = CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]
-    return entry[0] if first.numel() < below else None
-
-
-def serves(name, args) -> bool:
-    """Whether op `name`'s Function (:data:`FUNCTIONS`) serves a call on `args`
-    now: the torch.func transforms in place are ``vmap`` and at most one
-    ``grad`` (``vjp``, ``jacrev``), no tensor among `args` is tracked outside
-    them (requires a gradient or carries a forward-mode tangent below its
-    wrappers), and the first tensor holds at least :data:`MIN_ELEMENTS`
-    (:data:`CUDA_MIN_ELEMENTS` on CUDA). Elsewhere a gradient of the op's
-    gradient may be taken (``grad`` of ``grad``, ``hessian``, autograd of a
-    ``grad``), a forward-mode tangent needs a ``jvp`` of the Function's own, or
-    torch.func's overhead would cost more than the kernels save: the torch-op
-    version serves those."""
-    if name not in FUNCTIONS:
-        return False
+    Both need the transforms in place to be ``vmap`` and at most one ``grad``
+    (``vjp``, ``jacrev``), and no tensor among `args` tracked outside them
+    (requiring a gradient, or carrying a forward-mode tangent below its
+    wrappers). Elsewhere a gradient of the op's gradient may be taken (``grad``
+    of ``grad``, ``hessian``, autograd of a ``grad``), or a forward-mode tangent
+    needs a ``jvp`` of the Function's own: the torch-op version serves those.
+    Then, by the elements of the first tensor (all the examples' under vmap):
+    torch's own op below :data:`NATIVE`'s size (:data:`CUDA_MIN_ELEMENTS` on
+    CUDA) where the tensor is not float64 and rms_norm's
+    ``round_before_weight`` is off; the Function from :data:`MIN_ELEMENTS`
+    (:data:`CUDA_MIN_ELEMENTS` on CUDA) on, below which torch.func's overhead
+    would cost more than the kernels save. One walk over the transforms and
+    the arguments for both answers."""
     first = _first_order_base(args)
     if first is None:
-        return False
+        return None, None
+    name, elements = op._opname, first.numel()
+    entry = NATIVE.get(name)
+    if entry is not None and first.dtype != torch.float64 and not _rounds_before_weight(op, args):
+        if elements < (CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]):
+            return None, entry[0]
+    function = FUNCTIONS.get(name)
     least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
-    return first.numel() >= least
+    return (function if function is not None and elements >= least else None), None
+
+
+def _rounds_before_weight(op, args) -> bool:
+    """Whether `args` (positional, as `op` takes them) set `op`'s
+    ``round_before_weight`` argument, where its schema has one."""
+    at = _ROUND_AT.get(op)
+    if at is None:
+        names = [a.name for a in op._schema.arguments]
+        at = _ROUND_AT[op] = names.index("round_before_weight") if "round_before_weight" in names else -1
+    return 0 <= at < len(args) and bool(args[at])
+
+
+_ROUND_AT = {}
+"""Op overload -> the position of its ``round_before_weight`` argument, -1 for
+none (:func:`_rounds_before_weight`)."""
 
 
 def _first_order_base(args):
     """The first tensor among `args` below its functorch wrappers, where the
     transforms in place are ``vmap`` and at most one ``grad`` and no tensor
-    among `args` is tracked outside them (:func:`serves`); else None."""
+    among `args` is tracked outside them (:func:`route`); else None."""
     if _F is None or not hasattr(_F, "get_interpreter_stack"):
         return None
     grads = 0

@@ -70,7 +70,7 @@ def in_transform(op, twin, name, args):
     """Op `name` (overload `op`) on `args` (all given) inside a ``torch.func``
     transform: Keel's checks (its `twin`'s Meta kernel; errors name `op`) on meta
     stand-ins, then the torch-op version."""
-    meta = _twice._check_on_meta(lambda _, *a: twin(*a), op, args)
+    meta = _twice._check_on_meta(twin, op, args)
 
     def stand_ins():
         # A missing weight's gradient as the kernel gives it: [0], of the input's dtype.

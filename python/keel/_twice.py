@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
 from . import _func
-from ._common import acc_dtype, ce_loss_dtype, class_weighted, nograd, one_device
+from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device
 from ._fake import meta_outputs
 
 
@@ -71,11 +71,11 @@ def transformed() -> bool:
     return _fwad._current_level >= 0 or (_peek is not None and _peek() is not None and not _compiling())
 
 
-def through_torch(fn, op, ref, *args):
+def through_torch(fn, op, twin, ref, *args):
     """`fn(op, *args)` (Keel's op `op` through its Python caller `fn`, e.g.
     ``functional._rms_norm``) where torch's autograd machinery serves it, else
     `ref(*args)`: the op in torch's ops, after Keel's checks of the arguments
-    (so the errors are Keel's).
+    (so the errors are Keel's; through `fn` with the op's ``_nograd`` `twin`).
 
     - Inside a ``torch.func`` transform: torch runs no custom op's autograd
       there (``register_autograd`` is unsupported, for torch's own ``custom_op``
@@ -83,11 +83,11 @@ def through_torch(fn, op, ref, *args):
       The checks run on meta stand-ins with the arguments' shapes, dtypes and
       strides. Where the innermost transform is vmap, the op itself: its
       batching rule (``_vmap``) runs it once for all the examples, and a
-      transform below vmap meets the op again. Where ``_func.serves`` (``grad``
-      and ``vmap`` only, no second derivative possible), the op's Function
-      there: Keel's kernels, forward and backward. Under those transforms but
-      on tensors too small for the Function to pay, torch's own op where it
-      has one (``_func.native``: the norms), else `ref`.
+      transform below vmap meets the op again. Where ``_func.route`` says so
+      (``grad`` and ``vmap`` only, no second derivative possible), the op's
+      Function there: Keel's kernels, forward and backward. Under those
+      transforms but on tensors too small for the Function to pay, torch's own
+      op where it has one (the norms), else `ref`.
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; `ref`
       carries the tangents (and a reverse graph, so forward-over-reverse works).
@@ -96,10 +96,10 @@ def through_torch(fn, op, ref, *args):
     if functorch_on():
         if vmap_on_top():
             return fn(op, *args)
-        native = _func.native(op._opname, args)
-        if native is None and _func.serves(op._opname, args):
-            return fn(_func.FUNCTIONS[op._opname], *args)
-        _check_on_meta(fn, op, args)
+        function, native = _func.route(op, args)
+        if function is not None:
+            return fn(function, *args)
+        _check_on_meta(lambda *a: fn(twin, *a), op, args)
         return (native or ref)(*args)
     if not has_tangent(args):
         return fn(op, *args)
@@ -118,25 +118,20 @@ def primal(a):
     return _fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a
 
 
-def _check_on_meta(fn, op, args):
-    """Runs Keel's argument checks (the Meta kernel's, and one device for all
-    tensors) on meta tensors shaped like `args`' tensors; returns the Meta
-    kernel's outputs (``_fake.meta_outputs``). Through `fn` with the op's
-    ``_nograd`` twin (the same checks and errors, naming the op, without the
-    op's Python autograd kernel), with torch.func's dispatch off: the stand-ins
-    belong to no transform. 29 -> 18 us a call (layer_norm under ``vjp``,
-    measured)."""
+def _check_on_meta(checks, op, args):
+    """Runs Keel's argument checks of op `op` (the Meta kernel's, and one device
+    for all tensors) on meta tensors shaped like `args`' tensors; returns the
+    Meta kernel's outputs (``_fake.meta_outputs``). `checks(*args)` calls the
+    op's ``_nograd`` twin (the same checks and errors, naming the op, without
+    the op's Python autograd kernel); torch.func's dispatch is off meanwhile:
+    the stand-ins belong to no transform. 29 -> 18 us a call (layer_norm under
+    ``vjp``, measured)."""
     names = [a.name for a in op._schema.arguments]
     one_device(op._opname, list(zip(names, args)))
-    twin = _TWINS.get(op)
-    if twin is None:
-        twin = _TWINS[op] = getattr(torch.ops.keel, nograd(op._opname)).default
     with _no_functorch():
-        return meta_outputs(lambda *a: fn(twin, *a), args, {})
+        return meta_outputs(checks, args, {})
 
 
-_TWINS = {}
-"""Op overload -> its ``_nograd`` twin's (:func:`_check_on_meta`)."""
 _no_functorch = torch._C._DisableFuncTorch
 
 

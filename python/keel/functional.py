@@ -700,7 +700,7 @@ def _call(fn, ops, ref, *args):
     """
     try:
         if ref is not None and _transformed():
-            return _twice.through_torch(fn, ops[0], ref, *args)
+            return _twice.through_torch(fn, ops[0], ops[1], ref, *args)
         if _is_grad_enabled():
             # A loop, not any(<generator>): the generator, left early, cost 4 us here.
             for a in args:

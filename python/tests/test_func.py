@@ -16,6 +16,7 @@ from conftest import devices
 from keel import _func, _twice, _vmap
 
 REFS = ("rms_norm", "layer_norm", "gated", "softmax", "cross_entropy", "rotary", "fused_add_rms_norm")
+RMS_NORM = torch.ops.keel.rms_norm.default
 """The torch-op versions (``keel._twice``) that the typed API took inside a transform."""
 
 
@@ -168,7 +169,7 @@ TRANSFORMS = [
 def test_higher_orders_agree_with_the_torch_op_version(name, transform, monkeypatch):
     """Second derivatives (float64): where the op's gradient is itself
     differentiated (an outer ``grad`` level, a captured tensor's level, autograd
-    outside the transforms: the torch-op version serves the op, ``_func.serves``)
+    outside the transforms: the torch-op version serves the op, ``_func.route``)
     or a ``vjp``'s pullback, called later, is (its backward records a graph,
     ``_func.needs_graph``), the results are those of the torch-op version
     alone, to 1e-10."""
@@ -237,7 +238,7 @@ def test_forward_mode_and_second_derivatives_keep_the_torch_op_version(monkeypat
     x, w, t = (torch.randn(3, 8, dtype=torch.float64) for _ in range(3))
     seen = []
     ref = _twice.rms_norm
-    monkeypatch.setattr(_twice, "rms_norm", lambda *a: seen.append(_func.serves("rms_norm", a[:1])) or ref(*a))
+    monkeypatch.setattr(_twice, "rms_norm", lambda *a: seen.append(_func.route(RMS_NORM, a[:1])[0] is not None) or ref(*a))
     grad(lambda x: grad(lambda x: keel.rms_norm(x, w[0]).sin().sum())(x).sum())(x)
     grad(lambda x: keel.rms_norm(x, w[0]).sin().sum())(x.clone().requires_grad_())
     assert seen == [False, False]
@@ -331,17 +332,20 @@ def test_torchs_own_op_serves_neither_float64_nor_second_derivatives_nor_round_b
     version Keel writes out."""
     monkeypatch.undo()
     seen = []
-    for name in ("rms_norm", "layer_norm"):
+    for name in ("rms_norm", "layer_norm", "fused_add_rms_norm"):
         ref = getattr(_twice, name)
         monkeypatch.setattr(_twice, name, lambda *a, ref=ref, name=name: seen.append(name) or ref(*a))
     x32, w32 = torch.randn(3, 8), torch.randn(8)
     grad(lambda x: keel.layer_norm(x.double(), None, w32.double()).sum())(x32)
     grad(lambda x: grad(lambda x: keel.layer_norm(x, None, w32).sin().sum())(x).sum())(x32)
     grad(lambda x: keel.rms_norm(x, w32, 1e-6, True).sum())(x32)
-    assert seen == ["layer_norm", "layer_norm", "rms_norm"]
+    grad(lambda x: keel.fused_add_rms_norm(x, x32, w32, 1e-6, True)[0].sum())(x32)
+    # _twice.fused_add_rms_norm calls _twice.rms_norm: both are seen.
+    assert seen == ["layer_norm", "layer_norm", "rms_norm", "fused_add_rms_norm", "rms_norm"]
     seen.clear()
     grad(lambda x: keel.layer_norm(x, None, w32).sum())(x32)
     grad(lambda x: keel.rms_norm(x, w32, 1e-6, False).sum())(x32)
+    grad(lambda x: keel.fused_add_rms_norm(x, x32, w32, 1e-6, False)[0].sum())(x32)
     assert seen == []
 
 

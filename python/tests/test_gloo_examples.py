@@ -29,9 +29,8 @@ def _table(*args):
     that fails is run once more, with a warning that holds its error: one run
     of the 1-D example exited 1 in CI (session 108, on CPython 3.13, its
     stderr not kept) and in no run here before or after (three at once on that
-    venv among them), so a process or gloo
-    hiccup is the likelier cause; a second failure fails the test with its
-    error."""
+    venv among them), so a process or gloo hiccup is the likelier cause; a
+    second failure fails the test with its error."""
     rc, out, err = _run(args)
     if rc != 0:
         warnings.warn(f"{args[0]} exited {rc}, run again; its stderr ended:\n{err[-3000:]}")
