@@ -66,11 +66,16 @@ def with_tangents(twin, name, args):
     return _returned(REFS[name](*args), not isinstance(plain, tuple), lambda: plain)
 
 
+def _direct(op, *args):
+    """`op(*args)`: the caller :func:`in_transform` gives ``_twice._check_on_meta``."""
+    return op(*args)
+
+
 def in_transform(op, twin, name, args):
     """Op `name` (overload `op`) on `args` (all given) inside a ``torch.func``
     transform: Keel's checks (its `twin`'s Meta kernel; errors name `op`) on meta
     stand-ins, then the torch-op version."""
-    meta = _twice._check_on_meta(twin, op, args)
+    meta = _twice._check_on_meta(_direct, twin, op, args)
 
     def stand_ins():
         # A missing weight's gradient as the kernel gives it: [0], of the input's dtype.

@@ -357,6 +357,42 @@ def test_errors_inside_a_transform_name_the_op_and_argument():
         vjp(lambda x: keel.softmax(x.long().float().to(torch.float16).to(torch.int32)), x)
 
 
+def test_checks_inside_a_transform_run_once_a_signature(monkeypatch):
+    """Keel's checks under torch.func (``_twice._check_on_meta``) read only the
+    tensors' sizes, strides, dtypes and devices and the other arguments'
+    values: a call matching one that passed skips them, a difference in any of
+    those runs them again, and a failing call raises every time (never kept)."""
+    monkeypatch.undo()
+    runs = []
+    meta = _twice.meta_outputs
+    monkeypatch.setattr(_twice, "meta_outputs", lambda *a: runs.append(1) or meta(*a))
+    monkeypatch.setattr(_twice, "_PASSED", {})
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+
+    def run(x, w=w, b=b, eps=1e-5):
+        return grad(lambda x: keel.layer_norm(x, w, b, eps).sum())(x)
+
+    want = run(x)
+    torch.testing.assert_close(run(x.clone()), want, rtol=0, atol=0)
+    assert len(runs) == 1
+    run(torch.randn(4, 8))  # sizes
+    run(torch.randn(8, 3).t().contiguous())  # the same sizes and strides as x
+    run(torch.randn(8, 3).t())  # strides
+    run(x, eps=1e-3)  # a value
+    run(x, b=None)  # None for a tensor
+    assert len(runs) == 5
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"keel::layer_norm: argument 'weight'"):
+            run(x, w=torch.randn(8, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"keel::layer_norm: argument 'weight' must have shape \[8\]"):
+            run(x, w=torch.randn(7))
+    assert len(runs) == 9
+    monkeypatch.setattr(_twice, "PASSED_MAX", 2)
+    for rows in (5, 6, 7):
+        run(torch.randn(rows, 8))
+    assert len(_twice._PASSED) <= 2
+
+
 def test_modules_through_functional_call(no_torch_op_version):
     """``torch.func.functional_call`` + ``grad`` over a ``keel.nn`` module's
     parameters: plain autograd's bits."""
