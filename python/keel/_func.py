@@ -114,7 +114,7 @@ version's do. Not for float64 (``F.layer_norm`` loses digits on rows far from
 torch's op does not have."""
 
 
-def route(op, args):
+def route(op, args, functions=True):
     """Which version of Keel's op `op` (an overload) serves a call on `args`
     under torch.func now, in place of the torch-op version Keel writes out:
     ``(function, None)`` where the op's Function (:data:`FUNCTIONS`) serves,
@@ -128,21 +128,23 @@ def route(op, args):
     of ``grad``, ``hessian``, autograd of a ``grad``), or a forward-mode tangent
     needs a ``jvp`` of the Function's own: the torch-op version serves those.
     Then, by the elements of the first tensor (all the examples' under vmap):
-    torch's own op below :data:`NATIVE`'s size (:data:`CUDA_MIN_ELEMENTS` on
-    CUDA) where the tensor is not float64 and rms_norm's
-    ``round_before_weight`` is off; the Function from :data:`MIN_ELEMENTS`
-    (:data:`CUDA_MIN_ELEMENTS` on CUDA) on, below which torch.func's overhead
-    would cost more than the kernels save. One walk over the transforms and
-    the arguments for both answers."""
+    torch's own op where the tensor is not float64 and rms_norm's
+    ``round_before_weight`` is off, below :data:`NATIVE`'s size
+    (:data:`CUDA_MIN_ELEMENTS` on CUDA), or at every size where the op has no
+    Function or `functions` is false (a bare op, in its autograd kernel, where
+    torch.func runs no Function: ``_torch_version.in_transform``); the
+    Function from :data:`MIN_ELEMENTS` (:data:`CUDA_MIN_ELEMENTS` on CUDA) on,
+    below which torch.func's overhead would cost more than the kernels save.
+    One walk over the transforms and the arguments for both answers."""
     first = _first_order_base(args)
     if first is None:
         return None, None
     name, elements = op._opname, first.numel()
+    function = FUNCTIONS.get(name) if functions else None
     entry = NATIVE.get(name)
     if entry is not None and first.dtype != torch.float64 and not _rounds_before_weight(op, args):
-        if elements < (CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]):
+        if function is None or elements < (CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]):
             return None, entry[0]
-    function = FUNCTIONS.get(name)
     least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
     return (function if function is not None and elements >= least else None), None
 

@@ -165,3 +165,80 @@ def test_bad_argument_inside_torch_func_gets_keels_error():
     meta = _t(6, seed=2).to("meta")
     with pytest.raises(RuntimeError, match="^keel::rms_norm: argument 'weight' is on meta but 'input' is on cpu"):
         torch.func.grad(lambda z: ops.rms_norm(z, meta, 1e-6).sum())(x)
+
+
+_BARE_NORMS = {
+    "rms_norm": lambda x, r, w, b: ops.rms_norm(x, w, 1e-6),
+    "layer_norm": lambda x, r, w, b: ops.layer_norm(x, w, b),
+    "layer_norm without weight": lambda x, r, w, b: ops.layer_norm(x, None, b),
+    "fused_add_rms_norm": lambda x, r, w, b: ops.fused_add_rms_norm(x, r, w),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(_BARE_NORMS))
+def test_bare_norms_inside_torch_func_run_torchs_own_op(name, dtype, monkeypatch):
+    """The bare norms under ``vjp`` and ``vmap(grad)`` run torch's own op
+    (``F.rms_norm``, ``F.layer_norm``: the torch-op version is refused), at
+    every size (torch.func runs no Function inside an op's autograd kernel):
+    outputs and gradients those of autograd through Keel's kernels within one
+    rounding (f32: 1e-5; bf16: 2^-7, of the largest)."""
+    from keel import _torch_version
+
+    def refuse(*_):
+        raise AssertionError("the torch-op version ran")
+
+    for k in ("rms_norm", "layer_norm", "fused_add_rms_norm"):
+        monkeypatch.setitem(_torch_version.REFS, k, refuse)
+    gen = torch.Generator().manual_seed(3)
+    x, r, t = (torch.randn(4, 6, 32, generator=gen).to(dtype) for _ in range(3))
+    w, b = (torch.randn(32, generator=gen).to(dtype) for _ in range(2))
+    fn = _BARE_NORMS[name]
+
+    def outs(o):
+        return o if isinstance(o, tuple) else (o,)
+
+    def loss(x, w, b, r, t):
+        return sum((o.float() * t.float()).sum() for o in outs(fn(x, r, w, b)))
+
+    leaves = [a.detach().requires_grad_() for a in (x, w, b)]
+    want_out = outs(fn(leaves[0], r, *leaves[1:]))
+    want = torch.autograd.grad(loss(*leaves, r, t), leaves, allow_unused=True, materialize_grads=True)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+
+    def close(a, b):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.float().abs().max().item(), 1))
+
+    out, pull = torch.func.vjp(lambda x, w, b: fn(x, r, w, b), x, w, b)
+    for a, b_ in zip(outs(out), want_out):
+        close(a, b_)
+    ones = torch.autograd.grad(list(want_out), leaves, [torch.ones_like(o) for o in want_out], allow_unused=True)
+    cotangent = tuple(torch.ones_like(o) for o in outs(out))
+    for a, b_ in zip(pull(cotangent if isinstance(out, tuple) else cotangent[0]), ones):
+        close(a, torch.zeros_like(a) if b_ is None else b_)
+    per_example = torch.func.vmap(torch.func.grad(loss, (0, 1, 2)), in_dims=(0, None, None, 0, 0))(x, w, b, r, t)
+    close(per_example[0], want[0])
+    for a, b_ in zip(per_example[1:], want[1:]):
+        close(a.sum(0), b_)
+
+
+def test_bare_norms_keep_the_torch_op_version_for_float64_round_before_weight_and_second_derivatives(monkeypatch):
+    """float64 (``F.layer_norm`` loses digits on rows far from 0), rms_norm's
+    ``round_before_weight`` (torch's op has none) and a second derivative
+    (``F.layer_norm``'s double backward raises for a bias without weight) keep
+    the torch-op version, as the typed API's do."""
+    from keel import _torch_version
+
+    seen = []
+    for k in ("rms_norm", "layer_norm"):
+        ref = _torch_version.REFS[k]
+        monkeypatch.setitem(_torch_version.REFS, k, lambda *a, ref=ref, k=k: seen.append(k) or ref(*a))
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torch.func.grad(lambda x: ops.layer_norm(x.double(), None, w.double()).sum())(x)
+    torch.func.grad(lambda x: torch.func.grad(lambda x: ops.layer_norm(x, None, w).sin().sum())(x).sum())(x)
+    torch.func.grad(lambda x: ops.rms_norm(x, w, 1e-6, True).sum())(x)
+    assert seen == ["layer_norm", "layer_norm", "rms_norm"]
+    seen.clear()
+    torch.func.grad(lambda x: ops.layer_norm(x, None, w).sum())(x)
+    torch.func.grad(lambda x: ops.rms_norm(x, w, 1e-6, False).sum())(x)
+    assert seen == []
