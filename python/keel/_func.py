@@ -14,8 +14,8 @@ Keel's forward and backward kernels.
 
 torch.func's machinery around a Function costs about 150-250 us a call, so on
 small tensors (:data:`MIN_ELEMENTS`, measured on the CPU) the torch-op version
-serves, as before, and for the norms torch's own op (:data:`NATIVE`), which
-beats the torch-op version Keel writes out.
+serves, as before, and for the norms, softmax and cross-entropy torch's own op
+(:data:`NATIVE`), which beats the torch-op version Keel writes out.
 
 Where the op's gradient may itself be differentiated (a second ``grad`` level,
 ``hessian``, autograd outside the transforms), or the transforms hold forward
@@ -65,6 +65,7 @@ MIN_ELEMENTS = {
     "gelu_and_mul": 1 << 18,
     "softmax": 1 << 20,
     "cross_entropy_with_lse": 1 << 19,
+    "cross_entropy": 1 << 19,
     "rotary_embedding": 1 << 14,
 }
 """Op name -> the fewest elements of its first tensor (all the examples' under
@@ -95,23 +96,61 @@ def _native_fused_add_rms_norm(x, residual, weight, eps, round_before_weight=Fal
     return _native_rms_norm(s, weight, eps), s
 
 
+def _native_softmax(x, scale=1.0):
+    return torch.softmax(x if scale == 1.0 else x * scale, -1)
+
+
+def _native_cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None):
+    return F.cross_entropy(
+        logits, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+    )
+
+
 NATIVE = {
     "rms_norm": (_native_rms_norm, 1 << 17),
     "fused_add_rms_norm": (_native_fused_add_rms_norm, 1 << 17),
     "layer_norm": (_native_layer_norm, 1 << 21),
+    "softmax": (_native_softmax, 1 << 21),
+    "cross_entropy": (_native_cross_entropy, 1 << 20),
 }
 """Op name -> (its expression in one of torch's own ops, the fewest elements
-from which the op's Function (:data:`FUNCTIONS`) beats it on the CPU). Below
-that size, under the transforms where the Function would serve, torch's own
-op serves (:func:`route`) rather than the torch-op version Keel writes out
-(``_twice``), which runs several of torch's ops, each through torch.func's
+from which the op's Function (:data:`FUNCTIONS`) serves instead on the CPU).
+Below that size, under the transforms where the Function would serve, torch's
+own op serves (:func:`route`) rather than the torch-op version Keel writes out
+(``_twice``), which runs more of torch's ops, each through torch.func's
 wrappers: ``vjp`` of layer_norm ``[512, 512]`` f32 took 2262 us written out,
 1133 us through the Function and 552 us as ``F.layer_norm``
-(docs/BENCHMARKS.md, session 108). Their values are torch's op's, which differ
+(docs/BENCHMARKS.md, session 108); the forward of softmax ``[64, 512]`` inside
+a ``vjp`` 29.9 us written out, 10.6 as ``torch.softmax``; cross-entropy's
+written-out forward also finds each row's log-sum-exp, which the loss alone
+does not need (session 109). The sizes are where the Functions start to beat
+torch's op, measured (``vjp`` or ``grad``, f32 and bf16; softmax: native /
+Function 0.77-0.86 at 2^20 elements, 1.01-1.12 at 2^21; cross-entropy f32:
+0.85 at 2^19, 1.10-1.13 at 2^20). The values are torch's op's, which differ
 from Keel's kernels by the last bit here and there, as the written-out
 version's do. Not for float64 (``F.layer_norm`` loses digits on rows far from
-0, ``_twice.layer_norm``), nor for rms_norm's ``round_before_weight``, which
-torch's op does not have."""
+0, ``_twice.layer_norm``), nor where :data:`_NATIVE_REFUSES` says torch's op
+would not give Keel's result."""
+
+_NATIVE_REFUSES = {
+    "rms_norm": lambda x, weight, eps, round_before_weight=False: round_before_weight,
+    "fused_add_rms_norm": lambda x, residual, weight, eps, round_before_weight=False: round_before_weight,
+    "softmax": lambda x, scale=1.0: scale != 1.0 and x.dtype != torch.float32,
+    "cross_entropy": lambda logits, target, *rest: (
+        logits.dtype != torch.float32
+        or not isinstance(target, torch.Tensor)
+        or target.dtype not in (torch.float32, torch.int64)
+        or (len(rest) > 3 and rest[3] is not None)
+    ),
+}
+"""Op name -> whether torch's own op (:data:`NATIVE`) would not give Keel's
+result on these arguments (the op's, as the typed API or the op takes them):
+rms_norm's ``round_before_weight``, which torch's op does not have; a softmax
+``scale`` other than 1 in a half dtype, where ``x * scale`` would round before
+the softmax (Keel scales in float32); cross-entropy other than on float32
+logits (torch's ``log_softmax`` rounds to a half dtype, Keel's accumulates in
+float32), or with class weights (torch's ``nll_loss`` is not differentiable in
+them)."""
 
 
 def route(op, args, functions=True):
@@ -128,8 +167,8 @@ def route(op, args, functions=True):
     of ``grad``, ``hessian``, autograd of a ``grad``), or a forward-mode tangent
     needs a ``jvp`` of the Function's own: the torch-op version serves those.
     Then, by the elements of the first tensor (all the examples' under vmap):
-    torch's own op where the tensor is not float64 and rms_norm's
-    ``round_before_weight`` is off, below :data:`NATIVE`'s size
+    torch's own op where the tensor is not float64 and
+    :data:`_NATIVE_REFUSES` does not refuse the arguments, below :data:`NATIVE`'s size
     (:data:`CUDA_MIN_ELEMENTS` on CUDA), or at every size where the op has no
     Function or `functions` is false (a bare op, in its autograd kernel, where
     torch.func runs no Function: ``_torch_version.in_transform``); the
@@ -142,26 +181,15 @@ def route(op, args, functions=True):
     name, elements = op._opname, first.numel()
     function = FUNCTIONS.get(name) if functions else None
     entry = NATIVE.get(name)
-    if entry is not None and first.dtype != torch.float64 and not _rounds_before_weight(op, args):
+    if entry is not None and first.dtype != torch.float64 and not _NATIVE_REFUSES.get(name, _never)(*args):
         if function is None or elements < (CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]):
             return None, entry[0]
     least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
     return (function if function is not None and elements >= least else None), None
 
 
-def _rounds_before_weight(op, args) -> bool:
-    """Whether `args` (positional, as `op` takes them) set `op`'s
-    ``round_before_weight`` argument, where its schema has one."""
-    at = _ROUND_AT.get(op)
-    if at is None:
-        names = [a.name for a in op._schema.arguments]
-        at = _ROUND_AT[op] = names.index("round_before_weight") if "round_before_weight" in names else -1
-    return 0 <= at < len(args) and bool(args[at])
-
-
-_ROUND_AT = {}
-"""Op overload -> the position of its ``round_before_weight`` argument, -1 for
-none (:func:`_rounds_before_weight`)."""
+def _never(*_):
+    return False
 
 
 def _first_order_base(args):
@@ -297,12 +325,25 @@ def _function(name, backward, setup, call, defaults):
 
 def register(formulas, skip) -> None:
     """Builds :data:`FUNCTIONS` from `formulas` (op name -> (backward,
-    setup_context), ``_autograd.FORMULAS``), but for the ops in `skip`
-    (``_autograd.KEEPS``: the typed API calls ``cross_entropy_with_lse`` for
-    ``cross_entropy`` inside a transform)."""
+    setup_context), ``_autograd.FORMULAS``); an op in `skip` (``_autograd.KEEPS``:
+    op name -> the op whose formula it keeps, ``cross_entropy`` ->
+    ``cross_entropy_with_lse``) gets the first output of that op's Function."""
     ops = torch.ops.keel
     for name, (backward, setup) in formulas.items():
         if name in skip:
             continue
         twin = getattr(ops, nograd(name)).default
         FUNCTIONS[name] = _function(name, backward, setup, getattr(twin, "_op", twin), schema_defaults(twin))
+    for name, kept in skip.items():
+        FUNCTIONS[name] = _first_output(FUNCTIONS[kept])
+
+
+def _first_output(apply):
+    """What :data:`FUNCTIONS` holds for an op that gives the first output of
+    the op whose Function is `apply` (``cross_entropy``: the loss of
+    ``cross_entropy_with_lse``)."""
+
+    def first(*args):
+        return apply(*args)[0]
+
+    return first

@@ -87,7 +87,7 @@ def through_torch(fn, op, twin, ref, *args):
       (``grad`` and ``vmap`` only, no second derivative possible), the op's
       Function there: Keel's kernels, forward and backward. Under those
       transforms but on tensors too small for the Function to pay, torch's own
-      op where it has one (the norms), else `ref`.
+      op where it has one (the norms, softmax, cross-entropy), else `ref`.
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; `ref`
       carries the tangents (and a reverse graph, so forward-over-reverse works).
@@ -302,11 +302,25 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weig
     (``_common.ce_loss_dtype``). `weight`: class weights (or None), as the
     op takes them."""
     a = logits.to(acc_dtype(logits))
+    lse = torch.logsumexp(a, -1)
+    if not target.dtype.is_floating_point:  # probabilities: no row is ignored
+        lse = lse * (target != ignore_index).to(a.dtype)
+    return _loss(logits, a, target, ignore_index, label_smoothing, reduction, weight), lse
+
+
+def cross_entropy_loss(logits, target, ignore_index, label_smoothing, reduction, weight=None):
+    """The loss of :func:`cross_entropy` alone (the op ``cross_entropy``):
+    without the log-sum-exp, which costs as much again inside a transform
+    (each of torch's ops through its wrappers)."""
+    return _loss(logits, logits.to(acc_dtype(logits)), target, ignore_index, label_smoothing, reduction, weight)
+
+
+def _loss(logits, a, target, ignore_index, label_smoothing, reduction, weight):
+    """:func:`cross_entropy`'s loss, from `a`, the logits in Keel's accumulation dtype."""
     w = None if weight is None else weight.to(a.dtype)
-    if target.dtype.is_floating_point:  # probabilities: no row is ignored
+    if target.dtype.is_floating_point:
         loss = F.cross_entropy(a, target.to(a.dtype), w, label_smoothing=label_smoothing, reduction=reduction)
-        return loss.to(ce_loss_dtype(logits, target)), torch.logsumexp(a, -1)
-    lse = torch.logsumexp(a, -1) * (target != ignore_index).to(a.dtype)
+        return loss.to(ce_loss_dtype(logits, target))
     if w is not None:
         # d = -log p_t, smooth = -sum_c w_c log p_c: torch's nll_loss is not
         # differentiable in `w`, these are.
@@ -314,9 +328,9 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weig
         d = -logp.gather(1, torch.where(target != ignore_index, target, 0)[:, None]).squeeze(1)
         smooth = -(logp * w).sum(-1)
         loss = class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reduction)
-        return loss.to(logits.dtype), lse
+        return loss.to(logits.dtype)
     loss = F.cross_entropy(a, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
-    return loss.to(logits.dtype), lse
+    return loss.to(logits.dtype)
 
 
 def rotary(x, cos, sin, interleaved):

@@ -386,7 +386,10 @@ def cross_entropy(
             _refuse(_CROSS_ENTROPY[0], (logits, target, ignore_index, label_smoothing, reduction, weight), err)
             raise
     if _transformed():
-        return cross_entropy_with_lse(logits, target, ignore_index, label_smoothing, reduction)[0]
+        # The op's own checks, then its Function (the loss of cross_entropy_with_lse's),
+        # torch's own op or the loss written out (``_twice.through_torch``).
+        args = (logits, target, ignore_index, label_smoothing, reduction)
+        return _call(_contiguous_cross_entropy, _CROSS_ENTROPY, _twice.cross_entropy_loss, *args)
     try:
         logits, target = logits.contiguous(), target.contiguous()
         if _autocast_on():
@@ -533,7 +536,7 @@ def cross_entropy_with_lse(
         except _PREPARING as err:
             _refuse(_CROSS_ENTROPY_WITH_LSE[0], args, err)
             raise
-    return _call(_cross_entropy_with_lse, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
+    return _call(_contiguous_cross_entropy, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, logits, target, ignore_index, label_smoothing, reduction)
 
 
 def _with_lse(logits, target, ignore_index, label_smoothing, reduction, weight=None):
@@ -550,7 +553,8 @@ def _with_lse(logits, target, ignore_index, label_smoothing, reduction, weight=N
     return _call(_cross_entropy, _CROSS_ENTROPY_WITH_LSE, _twice.cross_entropy, *args)
 
 
-def _cross_entropy_with_lse(op, logits, target, ignore_index, label_smoothing, reduction):
+def _contiguous_cross_entropy(op, logits, target, ignore_index, label_smoothing, reduction):
+    """:func:`_cross_entropy` (either op) on contiguous logits and target."""
     return _cross_entropy(op, logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction)
 
 

@@ -15,7 +15,16 @@ import keel
 from conftest import devices
 from keel import _func, _twice, _vmap
 
-REFS = ("rms_norm", "layer_norm", "gated", "softmax", "cross_entropy", "rotary", "fused_add_rms_norm")
+REFS = (
+    "rms_norm",
+    "layer_norm",
+    "gated",
+    "softmax",
+    "cross_entropy",
+    "cross_entropy_loss",
+    "rotary",
+    "fused_add_rms_norm",
+)
 RMS_NORM = torch.ops.keel.rms_norm.default
 """The torch-op versions (``keel._twice``) that the typed API took inside a transform."""
 
@@ -325,6 +334,63 @@ def test_small_norms_under_transforms_run_torchs_own_op(name, device, dtype, mon
         close(a.sum(0), b_)
 
 
+_TARGET = torch.tensor([3, -100, 0, 31, 7, -100])
+_PROBS = torch.softmax(torch.randn(6, 32, generator=torch.Generator().manual_seed(4)), -1)
+_NATIVE_OTHERS = {
+    "softmax": (torch.bfloat16, lambda x: keel.softmax(x)),
+    "softmax scaled": (torch.float32, lambda x: keel.softmax(x, 0.25)),
+    "cross_entropy": (torch.float32, lambda x: keel.cross_entropy(x, _TARGET)),
+    "cross_entropy none, smoothed": (torch.float32, lambda x: keel.cross_entropy(x, _TARGET, -100, 0.1, "none")),
+    "cross_entropy sum, other ignore_index": (
+        torch.float32,
+        lambda x: keel.cross_entropy(x, _TARGET.clamp(7), 7, 0.0, "sum"),
+    ),
+    "bare softmax": (torch.float32, lambda x: torch.ops.keel.softmax(x)),
+    "bare cross_entropy": (torch.float32, lambda x: torch.ops.keel.cross_entropy(x, _TARGET, -100, 0.1, "sum")),
+    "bare cross_entropy probabilities": (torch.float32, lambda x: torch.ops.keel.cross_entropy(x, _PROBS, -100, 0.2)),
+}
+
+
+@pytest.mark.parametrize("name", list(_NATIVE_OTHERS))
+def test_small_softmax_and_cross_entropy_under_transforms_run_torchs_own_op(name, monkeypatch):
+    """Below their Functions' sizes, softmax (scale 1 in any dtype, any scale in
+    float32) and cross-entropy (float32 logits, no class weights) under ``vjp``
+    and ``vmap(grad)`` run torch's own op (the torch-op version Keel writes out
+    is refused), the bare ops too: outputs and gradients those of plain autograd
+    through Keel's kernels within one rounding (f32: 1e-5; bf16: 2^-7, of the
+    largest)."""
+    monkeypatch.undo()
+
+    def refuse(*_, **__):
+        raise AssertionError("the torch-op version ran")
+
+    for ref in ("softmax", "cross_entropy", "cross_entropy_loss", "vjp"):
+        monkeypatch.setattr(_twice, ref, refuse)
+    from keel import _torch_version
+
+    for ref in ("softmax", "cross_entropy", "cross_entropy_with_lse"):
+        monkeypatch.setitem(_torch_version.REFS, ref, refuse)
+    monkeypatch.setattr(_func, "FUNCTIONS", {})  # nor the Functions
+    dtype, fn = _NATIVE_OTHERS[name]
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(6, 32, generator=gen) * 3).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+
+    def close(a, b):
+        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.float().abs().max().item(), 1))
+
+    leaf = x.detach().requires_grad_()
+    want_out = fn(leaf)
+    cot = torch.randn(want_out.shape, generator=gen).to(dtype)
+    (want,) = torch.autograd.grad(want_out, leaf, cot)
+    out, pull = vjp(fn, x)
+    close(out, want_out)
+    close(pull(cot)[0], want)
+    if want_out.dim() == 2:  # softmax: per-example gradients of each row
+        per_row = vmap(grad(lambda r, c: (fn(r[None]) * c).sum().float()))(x, cot)
+        close(per_row, want)
+
+
 def test_torchs_own_op_serves_neither_float64_nor_second_derivatives_nor_round_before_weight(monkeypatch):
     """float64 (``F.layer_norm`` loses digits on rows far from 0), a second
     derivative (its double backward raises for a bias without weight) and
@@ -346,6 +412,58 @@ def test_torchs_own_op_serves_neither_float64_nor_second_derivatives_nor_round_b
     grad(lambda x: keel.layer_norm(x, None, w32).sum())(x32)
     grad(lambda x: keel.rms_norm(x, w32, 1e-6, False).sum())(x32)
     grad(lambda x: keel.fused_add_rms_norm(x, x32, w32, 1e-6, False)[0].sum())(x32)
+    assert seen == []
+
+
+@pytest.mark.parametrize("name, cols, args", [("softmax", 1024, (1.0,)), ("cross_entropy", 4096, ())])
+def test_softmax_and_cross_entropy_take_their_function_from_natives_size_on(name, cols, args, monkeypatch):
+    """``_func.route`` under ``grad``: torch's own op below ``NATIVE``'s size
+    (softmax 2^21 elements, cross-entropy 2^20: measured crossovers), the op's
+    Function from there on."""
+    monkeypatch.undo()
+    op = getattr(torch.ops.keel, name).default
+    native, least = _func.NATIVE[name]
+    assert least == {"softmax": 1 << 21, "cross_entropy": 1 << 20}[name]
+    seen = []
+
+    def probe(x):
+        rest = args if name == "softmax" else (torch.zeros(x.shape[0], dtype=torch.long),)
+        seen.append(_func.route(op, (x, *rest)))
+        return x.sum()
+
+    for rows in (least // cols - 1, least // cols):
+        grad(probe)(torch.zeros(rows, cols))
+    assert seen[0] == (None, native)
+    assert seen[1][0] is _func.FUNCTIONS[name] and seen[1][1] is None
+
+
+def test_torchs_own_softmax_and_cross_entropy_serve_only_where_they_give_keels_result(monkeypatch):
+    """A softmax scale other than 1 in bf16 (``x * scale`` would round first),
+    cross-entropy on bf16 logits (torch's log_softmax rounds to bf16) or with
+    class weights (torch's nll_loss is not differentiable in them), and float64
+    keep the torch-op version Keel writes out, typed and bare."""
+    monkeypatch.undo()
+    seen = []
+    from keel import _torch_version
+
+    for name in ("softmax", "cross_entropy", "cross_entropy_loss"):
+        ref = getattr(_twice, name)
+        monkeypatch.setattr(_twice, name, lambda *a, ref=ref, name=name: seen.append(name) or ref(*a))
+    ref = _torch_version.REFS["cross_entropy"]
+    monkeypatch.setitem(_torch_version.REFS, "cross_entropy", lambda *a: seen.append("bare") or ref(*a))
+    x, w = torch.randn(6, 32), torch.rand(32)
+    bf = x.to(torch.bfloat16)
+    grad(lambda x: keel.softmax(x, 0.5).float().sum())(bf)
+    grad(lambda x: keel.softmax(x).sum())(x.double())
+    grad(lambda x: keel.cross_entropy(x, _TARGET).float())(bf)
+    grad(lambda x: keel.cross_entropy(x, _TARGET, weight=w))(x)
+    grad(lambda x: torch.ops.keel.cross_entropy(x, _TARGET, -100, 0.0, "mean", w))(x)
+    assert seen == ["softmax", "softmax", "cross_entropy_loss", "cross_entropy", "bare"]
+    seen.clear()
+    grad(lambda x: keel.softmax(x).float().sum())(bf)
+    grad(lambda x: keel.softmax(x, 0.5).sum())(x)
+    grad(lambda x: keel.cross_entropy(x, _TARGET))(x)
+    grad(lambda x: torch.ops.keel.cross_entropy(x, _TARGET))(x)
     assert seen == []
 
 
