@@ -133,8 +133,8 @@ version's do. Not for float64 (``F.layer_norm`` loses digits on rows far from
 would not give Keel's result."""
 
 _NATIVE_REFUSES = {
-    "rms_norm": lambda x, weight, eps, round_before_weight=False: round_before_weight,
-    "fused_add_rms_norm": lambda x, residual, weight, eps, round_before_weight=False: round_before_weight,
+    "rms_norm": lambda *args: len(args) > 3 and bool(args[3]),  # round_before_weight
+    "fused_add_rms_norm": lambda *args: len(args) > 4 and bool(args[4]),  # round_before_weight
     "softmax": lambda x, scale=1.0: scale != 1.0 and x.dtype != torch.float32,
     "cross_entropy": lambda logits, target, *rest: (
         logits.dtype != torch.float32
@@ -167,8 +167,8 @@ def route(op, args, functions=True):
     of ``grad``, ``hessian``, autograd of a ``grad``), or a forward-mode tangent
     needs a ``jvp`` of the Function's own: the torch-op version serves those.
     Then, by the elements of the first tensor (all the examples' under vmap):
-    torch's own op where the tensor is not float64 and
-    :data:`_NATIVE_REFUSES` does not refuse the arguments, below :data:`NATIVE`'s size
+    torch's own op where the tensor is not float64 and :data:`_NATIVE_REFUSES`
+    does not refuse the arguments, below :data:`NATIVE`'s size
     (:data:`CUDA_MIN_ELEMENTS` on CUDA), or at every size where the op has no
     Function or `functions` is false (a bare op, in its autograd kernel, where
     torch.func runs no Function: ``_torch_version.in_transform``); the
@@ -189,6 +189,7 @@ def route(op, args, functions=True):
 
 
 def _never(*_):
+    """:data:`_NATIVE_REFUSES`'s answer for an op it does not name: never."""
     return False
 
 
