@@ -14,6 +14,7 @@ import math
 import os
 import tempfile
 import traceback
+import warnings
 
 import pytest
 import torch
@@ -433,7 +434,23 @@ def _worker(rank, tmp, module, shape, cases, special):
     # writes aborted now and then ("terminate called without an active
     # exception": 2 of 8 runs of a torch-only script, none with it).
     torch.distributed.barrier()
+    open(os.path.join(tmp, f"done{rank}"), "w").close()
     torch.distributed.destroy_process_group()
+
+
+def _spawn(worker, tmp, nprocs, args):
+    """`worker(rank, *args)` on `nprocs` spawned processes, each of which writes
+    ``done<rank>`` in `tmp` once past its last barrier (:func:`_worker`). gloo's
+    teardown still aborts a rank now and then with "terminate called without
+    an active exception" (once in a compat run of torch 2.11 under load, session
+    109, after the barrier above): where every rank got past its last barrier,
+    such a failure is reported as a warning and the results stand."""
+    try:
+        torch.multiprocessing.start_processes(worker, args=args, nprocs=nprocs, start_method="spawn")
+    except torch.multiprocessing.ProcessExitedException as err:
+        if not all(os.path.exists(os.path.join(tmp, f"done{r}")) for r in range(nprocs)):
+            raise
+        warnings.warn(f"a rank failed in gloo's teardown, after every case had run: {err}")
 
 
 def spawn_results(module, shape=(WORLD,), cases="_cases", special="SPECIAL"):
@@ -443,7 +460,7 @@ def spawn_results(module, shape=(WORLD,), cases="_cases", special="SPECIAL"):
     its error)."""
     with tempfile.TemporaryDirectory() as tmp:
         args = (tmp, module, tuple(shape), cases, special)
-        torch.multiprocessing.start_processes(_worker, args=args, nprocs=math.prod(shape), start_method="spawn")
+        _spawn(_worker, tmp, math.prod(shape), args)
         return torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
 
 

@@ -18,7 +18,7 @@ import keel
 import keel.nn
 from conftest import assert_close
 from keel._vocab_parallel import _TORCH
-from test_dtensor import WORLD, _x, spawn_results
+from test_dtensor import WORLD, _spawn, _x, spawn_results
 
 if torch.distributed.is_available():  # else every test skips (pytestmark)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -556,6 +556,7 @@ def _fsdp_worker(rank, tmp):
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
     torch.distributed.barrier()
+    open(os.path.join(tmp, f"done{rank}"), "w").close()  # for _spawn
     torch.distributed.destroy_process_group()
 
 
@@ -564,7 +565,7 @@ def fsdp_results():
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.start_processes(_fsdp_worker, args=(tmp,), nprocs=4, start_method="spawn")
+        _spawn(_fsdp_worker, tmp, 4, (tmp,))
         return torch.load(os.path.join(tmp, "results.pt"), weights_only=False)
 
 
