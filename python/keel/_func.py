@@ -174,13 +174,17 @@ def route(op, args, functions=True):
     torch.func runs no Function: ``_torch_version.in_transform``); the
     Function from :data:`MIN_ELEMENTS` (:data:`CUDA_MIN_ELEMENTS` on CUDA) on,
     below which torch.func's overhead would cost more than the kernels save.
-    One walk over the transforms and the arguments for both answers."""
+    One walk over the transforms and the arguments for both answers, none for
+    an op that has neither (the backward ops, called bare)."""
+    name = op._opname
+    function = FUNCTIONS.get(name) if functions else None
+    entry = NATIVE.get(name)
+    if function is None and entry is None:
+        return None, None
     first = _first_order_base(args)
     if first is None:
         return None, None
-    name, elements = op._opname, first.numel()
-    function = FUNCTIONS.get(name) if functions else None
-    entry = NATIVE.get(name)
+    elements = first.numel()
     if entry is not None and first.dtype != torch.float64 and not _NATIVE_REFUSES.get(name, _never)(*args):
         if function is None or elements < (CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]):
             return None, entry[0]
