@@ -434,13 +434,18 @@ def _worker(rank, tmp, module, shape, cases, special):
     # writes aborted now and then ("terminate called without an active
     # exception": 2 of 8 runs of a torch-only script, none with it).
     torch.distributed.barrier()
-    open(os.path.join(tmp, f"done{rank}"), "w").close()
+    mark_done(tmp, rank)
     torch.distributed.destroy_process_group()
+
+
+def mark_done(tmp, rank):
+    """Marks `rank` past its last barrier, for :func:`_spawn`."""
+    open(os.path.join(tmp, f"done{rank}"), "w").close()
 
 
 def _spawn(worker, tmp, nprocs, args):
     """`worker(rank, *args)` on `nprocs` spawned processes, each of which writes
-    ``done<rank>`` in `tmp` once past its last barrier (:func:`_worker`). gloo's
+    ``done<rank>`` in `tmp` once past its last barrier (:func:`mark_done`). gloo's
     teardown still aborts a rank now and then with "terminate called without
     an active exception" (once in a compat run of torch 2.11 under load, session
     109, after the barrier above): where every rank got past its last barrier,

@@ -18,7 +18,7 @@ import keel
 import keel.nn
 from conftest import assert_close
 from keel._vocab_parallel import _TORCH
-from test_dtensor import WORLD, _spawn, _x, spawn_results
+from test_dtensor import WORLD, _spawn, _x, mark_done, spawn_results
 
 if torch.distributed.is_available():  # else every test skips (pytestmark)
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -556,7 +556,7 @@ def _fsdp_worker(rank, tmp):
     if rank == 0:
         torch.save(results, os.path.join(tmp, "results.pt"))
     torch.distributed.barrier()
-    open(os.path.join(tmp, f"done{rank}"), "w").close()  # for _spawn
+    mark_done(tmp, rank)
     torch.distributed.destroy_process_group()
 
 

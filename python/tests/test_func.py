@@ -78,12 +78,21 @@ def functions_at_every_size(monkeypatch):
 def no_torch_op_version(monkeypatch):
     """Fails a test whose transform takes the torch-op version of an op, or
     records a graph in a backward (``_twice.vjp``)."""
-
-    def refuse(*_, **__):
-        raise AssertionError("the torch-op version ran")
-
     for name in (*REFS, "vjp"):
-        monkeypatch.setattr(_twice, name, refuse)
+        monkeypatch.setattr(_twice, name, _refuse)
+
+
+def _refuse(*_, **__):
+    """Stands in for the torch-op version where a test refuses it."""
+    raise AssertionError("the torch-op version ran")
+
+
+def _within_one_rounding(a, b):
+    """`a` against `b` (zeros where None) within one rounding of `a`'s dtype
+    (f32: 1e-5; bf16: 2^-7), of the largest of `b` or 1."""
+    b = torch.zeros_like(a) if b is None else b
+    tol = 1e-5 if a.dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.float().abs().max().item(), 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -297,12 +306,8 @@ def test_small_norms_under_transforms_run_torchs_own_op(name, device, dtype, mon
     version is refused): outputs and gradients those of plain autograd through
     Keel's kernels, within one rounding (f32: 1e-5; bf16: 2^-7, of the largest)."""
     monkeypatch.undo()
-
-    def refuse(*_, **__):
-        raise AssertionError("the torch-op version ran")
-
     for ref in ("rms_norm", "layer_norm", "fused_add_rms_norm", "vjp"):
-        monkeypatch.setattr(_twice, ref, refuse)
+        monkeypatch.setattr(_twice, ref, _refuse)
     monkeypatch.setattr(_func, "FUNCTIONS", {})  # nor the Functions
     gen = torch.Generator().manual_seed(3)
     x, r, t = (torch.randn(4, 6, 32, generator=gen).to(device, dtype) for _ in range(3))
@@ -317,21 +322,15 @@ def test_small_norms_under_transforms_run_torchs_own_op(name, device, dtype, mon
     want = torch.autograd.grad(loss(*leaves, r, t), leaves, allow_unused=True)
     out, pull = vjp(lambda x, w, b: fn(x, r, w, b), x, w, b)
     got = pull(tuple(torch.ones_like(o) for o in out) if isinstance(out, tuple) else torch.ones_like(out))
-    tol = 1e-5 if dtype == torch.float32 else 2**-7
-
-    def close(a, b):
-        b = torch.zeros_like(a) if b is None else b
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.float().abs().max().item(), 1))
-
     for a, b_ in zip(_tuple(out), want_out):
-        close(a, b_)
+        _within_one_rounding(a, b_)
     ones = torch.autograd.grad(list(want_out), leaves, [torch.ones_like(o) for o in want_out], allow_unused=True)
     for a, b_ in zip(got, ones):
-        close(a, b_)
+        _within_one_rounding(a, b_)
     per_example = vmap(grad(loss, (0, 1, 2)), in_dims=(0, None, None, 0, 0))(x, w, b, r, t)
-    close(per_example[0], want[0])
+    _within_one_rounding(per_example[0], want[0])
     for a, b_ in zip(per_example[1:], want[1:]):
-        close(a.sum(0), b_)
+        _within_one_rounding(a.sum(0), b_)
 
 
 _TARGET = torch.tensor([3, -100, 0, 31, 7, -100])
@@ -360,35 +359,26 @@ def test_small_softmax_and_cross_entropy_under_transforms_run_torchs_own_op(name
     through Keel's kernels within one rounding (f32: 1e-5; bf16: 2^-7, of the
     largest)."""
     monkeypatch.undo()
-
-    def refuse(*_, **__):
-        raise AssertionError("the torch-op version ran")
-
     for ref in ("softmax", "cross_entropy", "cross_entropy_loss", "vjp"):
-        monkeypatch.setattr(_twice, ref, refuse)
+        monkeypatch.setattr(_twice, ref, _refuse)
     from keel import _torch_version
 
     for ref in ("softmax", "cross_entropy", "cross_entropy_with_lse"):
-        monkeypatch.setitem(_torch_version.REFS, ref, refuse)
+        monkeypatch.setitem(_torch_version.REFS, ref, _refuse)
     monkeypatch.setattr(_func, "FUNCTIONS", {})  # nor the Functions
     dtype, fn = _NATIVE_OTHERS[name]
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(6, 32, generator=gen) * 3).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2**-7
-
-    def close(a, b):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol * max(b.float().abs().max().item(), 1))
-
     leaf = x.detach().requires_grad_()
     want_out = fn(leaf)
     cot = torch.randn(want_out.shape, generator=gen).to(dtype)
     (want,) = torch.autograd.grad(want_out, leaf, cot)
     out, pull = vjp(fn, x)
-    close(out, want_out)
-    close(pull(cot)[0], want)
+    _within_one_rounding(out, want_out)
+    _within_one_rounding(pull(cot)[0], want)
     if want_out.dim() == 2:  # softmax: per-example gradients of each row
         per_row = vmap(grad(lambda r, c: (fn(r[None]) * c).sum().float()))(x, cot)
-        close(per_row, want)
+        _within_one_rounding(per_row, want)
 
 
 def test_torchs_own_op_serves_neither_float64_nor_second_derivatives_nor_round_before_weight(monkeypatch):
