@@ -133,8 +133,9 @@ version's do. Not for float64 (``F.layer_norm`` loses digits on rows far from
 would not give Keel's result."""
 
 _NATIVE_REFUSES = {
-    "rms_norm": lambda *args: len(args) > 3 and bool(args[3]),  # round_before_weight
-    "fused_add_rms_norm": lambda *args: len(args) > 4 and bool(args[4]),  # round_before_weight
+    # round_before_weight anything but False (not bool(): a wrong type reaches the checks).
+    "rms_norm": lambda *args: len(args) > 3 and args[3] is not False,
+    "fused_add_rms_norm": lambda *args: len(args) > 4 and args[4] is not False,
     "softmax": lambda x, scale=1.0: scale != 1.0 and x.dtype != torch.float32,
     "cross_entropy": lambda logits, target, *rest: (
         logits.dtype != torch.float32

@@ -461,6 +461,8 @@ def test_errors_inside_a_transform_name_the_op_and_argument():
     x = torch.randn(3, 8)
     with pytest.raises(RuntimeError, match=r"keel::rms_norm: argument 'weight' must have shape \[8\]"):
         grad(lambda x: keel.rms_norm(x, torch.randn(7)).sum())(x)
+    with pytest.raises(RuntimeError, match=r"keel::rms_norm\(\) Expected a value of type 'bool' for argument 'round_before_weight'"):
+        grad(lambda x: keel.rms_norm(x, torch.randn(8), 1e-6, torch.ones(3)).sum())(x)
     with pytest.raises(RuntimeError, match=r"keel::softmax: argument 'input' must be"):
         vjp(lambda x: keel.softmax(x.long().float().to(torch.float16).to(torch.int32)), x)
 
