@@ -1,5 +1,8 @@
 """Conventions of Keel's ops that its Python layers share: the accumulation
-dtype, one device for all tensor arguments, and the layouts the ops read."""
+dtype, one device for all tensor arguments, the layouts the ops read, and an
+error of one op named as another that ran in its place."""
+from typing import Optional
+
 import torch
 
 INPLACE = ("fused_add_rms_norm_", "rotary_embedding_")
@@ -120,3 +123,12 @@ def rows_in_place(t: torch.Tensor) -> torch.Tensor:
             continue
         dims, inner = dims + 1, (n, s)
     return t if dims <= 3 else t.contiguous()
+
+
+def as_called(err: BaseException, other_name: str, name: str) -> Optional[RuntimeError]:
+    """`err` as a RuntimeError naming op `name` (``keel::...``) where op `other_name`,
+    which ran in its place, raised it (torch's parser error ``other_name()``, or a
+    kernel's check ``other_name:``); None for any other error."""
+    if isinstance(err, RuntimeError) and str(err).startswith((other_name + "()", other_name + ":")):
+        return RuntimeError(str(err).replace(other_name, name))
+    return None

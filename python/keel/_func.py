@@ -36,7 +36,7 @@ inside another transform, or on a cotangent that requires a gradient), through
 import torch
 import torch.nn.functional as F
 
-from ._common import nograd, schema_defaults
+from ._common import as_called, nograd, schema_defaults
 
 _F = getattr(torch._C, "_functorch", None)
 _T = getattr(_F, "TransformType", None)
@@ -215,15 +215,15 @@ def _first_order_base(args):
     first = None
     for a in args:
         if isinstance(a, torch.Tensor):
-            base = _base(a)
+            below = base(a)
             if first is None:
-                first = base
-            if _tracked_outside(base):
+                first = below
+            if _tracked_outside(below):
                 return None
     return first
 
 
-def _base(t):
+def base(t):
     """Tensor `t` below its functorch wrappers (all the examples' under vmap)."""
     while _F.is_functorch_wrapped_tensor(t):
         t = _F.get_unwrapped(t)
@@ -247,7 +247,7 @@ def alive(tensors):
 
 
 def _tracked_outside(base) -> bool:
-    """Whether `base`, a tensor below its functorch wrappers (:func:`_base`),
+    """Whether `base`, a tensor below its functorch wrappers (:func:`base`),
     requires a gradient or carries a forward-mode tangent."""
     fwad = torch.autograd.forward_ad
     return base.requires_grad or (fwad._current_level >= 0 and fwad.unpack_dual(base).tangent is not None)
@@ -341,15 +341,23 @@ def register(formulas, skip) -> None:
         twin = getattr(ops, nograd(name)).default
         FUNCTIONS[name] = _function(name, backward, setup, getattr(twin, "_op", twin), schema_defaults(twin))
     for name, kept in skip.items():
-        FUNCTIONS[name] = _first_output(FUNCTIONS[kept])
+        FUNCTIONS[name] = _first_output(FUNCTIONS[kept], kept, name)
 
 
-def _first_output(apply):
-    """What :data:`FUNCTIONS` holds for an op that gives the first output of
-    the op whose Function is `apply` (``cross_entropy``: the loss of
-    ``cross_entropy_with_lse``)."""
+def _first_output(apply, kept, name):
+    """What :data:`FUNCTIONS` holds for op `name`, which gives the first output
+    of op `kept`, whose Function is `apply` (``cross_entropy``: the loss of
+    ``cross_entropy_with_lse``); `kept`'s errors (its kernels' checks) name `name`,
+    the op called."""
+    kept, name = f"keel::{kept}", f"keel::{name}"
 
     def first(*args):
-        return apply(*args)[0]
+        try:
+            return apply(*args)[0]
+        except RuntimeError as err:
+            renamed = as_called(err, kept, name)
+            if renamed is None:
+                raise
+            raise renamed from None
 
     return first

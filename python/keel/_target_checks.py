@@ -1,6 +1,9 @@
 """``keel.set_cuda_target_checks`` and ``keel.cuda_target_checks``: cross_entropy's
-CUDA check of class targets, on or off."""
+CUDA check of class targets, on or off; and :func:`checking`, where the Python
+side checks them as the kernels would."""
 import ctypes
+
+import torch
 
 from . import _load
 
@@ -24,3 +27,17 @@ def set_checks(path: str, enabled: bool) -> bool:
 def checks(path: str) -> bool:
     """Whether the check of the library at ``path`` is on."""
     return _call(path, "cuda_target_checks")
+
+
+def checking(x) -> bool:
+    """Whether out-of-range class targets of logits `x` raise (else their rows'
+    losses are NaN): as the kernels check, not while compiling, nor on CUDA
+    where the check is off (``keel.set_cuda_target_checks``) or a graph is
+    being captured."""
+    if torch.compiler.is_compiling():
+        return False
+    if x.is_cuda:
+        import keel
+
+        return keel.cuda_target_checks() and not torch.cuda.is_current_stream_capturing()
+    return True

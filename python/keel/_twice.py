@@ -29,6 +29,7 @@ from torch.autograd import forward_ad as _fwad
 from . import _func
 from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device
 from ._fake import meta_outputs
+from ._target_checks import checking
 
 
 def forward_ad_on() -> bool:
@@ -134,17 +135,58 @@ def _check_on_meta(fn, twin, op, args):
     ``vjp``, measured). A failing call is never kept: it raises every time."""
     key = _signature(fn, op, args)
     out = _PASSED.get(key) if key is not None else None
-    if out is not None:
-        return out
-    names = [a.name for a in op._schema.arguments]
-    one_device(op._opname, list(zip(names, args)))
-    with _no_functorch():
-        out = meta_outputs(lambda *a: fn(twin, *a), args, {})
-    if key is not None and out is not None:
-        if len(_PASSED) >= PASSED_MAX:
-            _PASSED.clear()
-        _PASSED[key] = out
+    if out is None:
+        names = [a.name for a in op._schema.arguments]
+        one_device(op._opname, list(zip(names, args)))
+        with _no_functorch():
+            out = meta_outputs(lambda *a: fn(twin, *a), args, {})
+        if key is not None and out is not None:
+            if len(_PASSED) >= PASSED_MAX:
+                _PASSED.clear()
+            _PASSED[key] = out
+    if op._opname in _CLASS_TARGETS:
+        check_class_targets(op, args)
     return out
+
+
+_CLASS_TARGETS = {
+    "cross_entropy": (0, 1, 2),
+    "cross_entropy_with_lse": (0, 1, 2),
+    "cross_entropy_backward": (1, 2, 3),
+}
+"""Op name -> the positions of its logits, target and ignore_index
+(:func:`check_class_targets`)."""
+
+
+def check_class_targets(op, args):
+    """Raises the error Keel's kernels raise (naming `op`, a cross-entropy op of
+    :data:`_CLASS_TARGETS`, and the argument) where its class-index target holds
+    a value out of range that is not ``ignore_index``. For :func:`_check_on_meta`'s
+    callers: there torch's own op or the written-out version runs, not Keel's
+    kernels, and would raise torch's IndexError instead (on CUDA, a device-side
+    assert). Reads the target below its wrappers (every example's under vmap),
+    outside the transforms; as the kernels do, not while compiling, nor on CUDA
+    with the check off (``keel.set_cuda_target_checks``). The row is named where
+    the target is not batched (then it is the kernels' row)."""
+    at_logits, at_target, at_ignore = _CLASS_TARGETS[op._opname]
+    logits, target = args[at_logits], args[at_target]
+    if not isinstance(target, torch.Tensor) or target.dtype.is_floating_point or not checking(target):
+        return
+    ignore_index = args[at_ignore] if len(args) > at_ignore else -100
+    classes = logits.shape[-1]
+    base = _func.base(target)
+    with _no_functorch():
+        t = base.reshape(-1)
+        found = ((t != ignore_index) & ((t < 0) | (t >= classes))).nonzero()
+        if not found.numel():
+            return
+        i = int(found[0, 0])
+        value = int(t[i])
+    at = f" at row {i}" if base.shape == target.shape else ""
+    raise RuntimeError(
+        f"keel::{op._opname}: argument 'target' holds {value}{at}, out of range for {classes} classes "
+        f"(and not ignore_index = {ignore_index})"
+    )
 
 
 def _signature(fn, op, args):

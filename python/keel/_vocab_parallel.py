@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from ._dtensor import _MODULE
+from ._target_checks import checking
 
 _16_BIT = (torch.float16, torch.bfloat16)
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -130,7 +131,7 @@ def vocab_parallel(op: str, logits, target, ignore_index, label_smoothing, reduc
     chunk = -(-classes // mesh.size(dim))
     lo = mesh.get_local_rank(dim) * chunk
     bad = (t != ignore_index) & ((t < 0) | (t >= classes))
-    if _checking(x):
+    if checking(x):
         found = bad.nonzero()
         if found.numel():
             i = int(found[0, 0])
@@ -170,19 +171,6 @@ def _first_row(logits) -> int:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     return compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)[1][0]
-
-
-def _checking(x) -> bool:
-    """Whether out-of-range targets raise (else their rows' losses are NaN): as
-    the kernels check, not while compiling, nor on CUDA where the check is off
-    (``keel.set_cuda_target_checks``) or a graph is being captured."""
-    if torch.compiler.is_compiling():
-        return False
-    if x.is_cuda:
-        import keel
-
-        return keel.cuda_target_checks() and not torch.cuda.is_current_stream_capturing()
-    return True
 
 
 class _VocabParallel(torch.autograd.Function):

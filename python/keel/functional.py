@@ -6,7 +6,7 @@ from torch import Tensor
 from torch.overrides import handle_torch_function
 
 from . import _autograd, _ce_forms, _gate_halves, _sharded_mean, _twice, _vocab_parallel
-from ._common import ce_weight_dtype, heads_contiguous, nograd, rows_in_place
+from ._common import as_called, ce_weight_dtype, heads_contiguous, nograd, rows_in_place
 
 # A tensor argument that overrides __torch_function__ (a subclass, torch.fx's
 # Proxy) or an active TorchFunctionMode sees the call of the typed function,
@@ -771,15 +771,6 @@ def _refuse(op, args, err, called=()):
         renamed = as_called(err, other._schema.name, name)
         if renamed is not None:
             raise renamed from None
-
-
-def as_called(err: BaseException, other_name: str, name: str) -> Optional[RuntimeError]:
-    """`err` as a RuntimeError naming op `name` (``keel::...``) where op `other_name`,
-    which ran in its place, raised it (torch's parser error ``other_name()``, or a
-    kernel's check ``other_name:``); None for any other error."""
-    if isinstance(err, RuntimeError) and str(err).startswith((other_name + "()", other_name + ":")):
-        return RuntimeError(str(err).replace(other_name, name))
-    return None
 
 
 _below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView

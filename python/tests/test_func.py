@@ -467,6 +467,62 @@ def test_errors_inside_a_transform_name_the_op_and_argument():
         vjp(lambda x: keel.softmax(x.long().float().to(torch.float16).to(torch.int32)), x)
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("functions", [True, False], ids=["functions", "thresholds"])
+def test_a_class_target_out_of_range_inside_a_transform_gets_keels_error(device, functions, monkeypatch):
+    """Inside a transform, cross-entropy below its Function's size runs torch's
+    op or the written-out version, not Keel's kernels: a class target out of
+    range gets Keel's error there too (``_twice.check_class_targets``), naming
+    the op, the argument, the value and its row, not torch's IndexError (on
+    CUDA, a device-side assert); through the Functions (every size here, or
+    the real thresholds: torch's op at these sizes), the kernels' error names
+    the op called (``cross_entropy``, not the ``cross_entropy_with_lse`` whose
+    Function serves it). Targets equal to ignore_index pass."""
+    if not functions:
+        monkeypatch.undo()
+    x = torch.randn(8, 16, device=device)
+    good = torch.tensor([1, 15, -100, 0, 3, 4, 5, 6], device=device)
+    bad = good.clone()
+    bad[3] = 21
+    w = torch.rand(16, device=device) + 0.5
+    x3, t3 = torch.randn(4, 16, 5, device=device), torch.zeros(4, 5, dtype=torch.long, device=device)
+    t3[1, 2] = -7  # row 7 of the [20, 16] rows
+    one = torch.randn(16, device=device)
+    losses = [
+        ("cross_entropy", lambda t: lambda x: keel.cross_entropy(x, t, label_smoothing=0.1)),
+        ("cross_entropy", lambda t: lambda x: keel.cross_entropy(x, t, weight=w)),
+        ("cross_entropy_with_lse", lambda t: lambda x: keel.cross_entropy_with_lse(x, t)[0]),
+        ("cross_entropy", lambda t: lambda x: torch.ops.keel.cross_entropy(x, t)),
+        ("cross_entropy_with_lse", lambda t: lambda x: torch.ops.keel.cross_entropy_with_lse(x, t)[0]),
+        (
+            "cross_entropy_backward",
+            lambda t: lambda x: torch.ops.keel.cross_entropy_backward(torch.ones((), device=device), x, t, -100, 0.0, "mean").sum(),
+        ),
+    ]
+    transforms = [
+        lambda f, x: grad(f)(x),
+        lambda f, x: vjp(f, x)[1](torch.ones((), device=device)),
+        lambda f, x: torch.func.jvp(f, (x,), (x,)),
+        lambda f, x: vmap(grad(f))(torch.stack([x, x])),
+    ]
+    for op, loss in losses:
+        for transform in transforms:
+            transform(loss(good), x)
+            with pytest.raises(RuntimeError, match=rf"^keel::{op}: argument 'target' holds 21 at row 3, out of range for 16 classes"):
+                transform(loss(bad), x)
+    with pytest.raises(RuntimeError, match=r"^keel::cross_entropy: argument 'target' holds -7 at row 7, out of range"):
+        grad(lambda x: keel.cross_entropy(x, t3))(x3)
+    with pytest.raises(RuntimeError, match=r"^keel::cross_entropy: argument 'target' holds 16 at row 0, out of range"):
+        grad(lambda x: keel.cross_entropy(x, torch.tensor(16, device=device)))(one)
+    grad(lambda x: keel.cross_entropy(x, bad.clamp(min=0), ignore_index=21))(x)
+    # A target batched under vmap: the value, and the row where the kernels
+    # run each example (the Function), else none (one check of every example's).
+    targets = torch.stack([good, bad])
+    row = " at row 3" if functions else ""
+    with pytest.raises(RuntimeError, match=rf"^keel::cross_entropy: argument 'target' holds 21{row}, out of range for 16 classes"):
+        vmap(grad(lambda x, t: keel.cross_entropy(x, t)))(torch.stack([x, x]), targets)
+
+
 def test_checks_inside_a_transform_run_once_a_signature(monkeypatch):
     """Keel's checks under torch.func (``_twice._check_on_meta``) read only the
     tensors' sizes, strides, dtypes and devices and the other arguments'
