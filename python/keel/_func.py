@@ -19,9 +19,11 @@ serves, as before, and for the norms, softmax and cross-entropy torch's own op
 
 Where the op's gradient may itself be differentiated (a second ``grad`` level,
 ``hessian``, autograd outside the transforms), or the transforms hold forward
-mode (``jvp``, ``jacfwd``) or ``functionalize``, the typed API keeps the torch-op
-version (:func:`route`): a Function would need a ``jvp`` of its own for
-tangents, and a backward that records its own graph for a second derivative.
+mode (``jvp``, ``jacfwd``) or ``functionalize``, no Function serves
+(:func:`route`): it would need a ``jvp`` of its own for tangents, and a
+backward that records its own graph for a second derivative. There the typed
+API keeps the torch-op version, except in forward mode alone, where torch's
+own op serves the ops that have one (:data:`NATIVE`) at every size.
 
 A formula's backward records a graph where grad mode is on (``_twice``).
 torch.func's ``grad`` runs every backward with grad mode on, also where nothing
@@ -43,6 +45,7 @@ _T = getattr(_F, "TransformType", None)
 _GRAD, _VMAP, _JVP = (getattr(_T, k, None) for k in ("Grad", "Vmap", "Jvp"))
 _REVERSE = (_GRAD, _VMAP)  # the transforms under which a Function may serve
 _TRACKING = (_GRAD, _JVP)  # the transforms whose tensors a gradient or tangent may follow
+_FORWARD = (_JVP, _VMAP)  # the transforms of forward mode alone (:func:`_forward_base`)
 
 _EMPTY = torch.empty(0)  # made outside every transform: what :func:`_token` wraps
 
@@ -88,7 +91,15 @@ def _native_rms_norm(x, weight, eps, round_before_weight=False):
 
 
 def _native_layer_norm(x, weight, bias, eps):
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    if x.dtype != torch.float32:
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    # float32 rows centred first, as Keel's kernels and the torch-op version do:
+    # F.layer_norm alone loses digits on rows far from 0 (-1000 + 0.01 * randn:
+    # 3.8e-3 of the result off, 8.6e-8 centred; 16-bit rows: within a rounding
+    # of theirs). The mean is detached: layer_norm is the same for every shift of
+    # a row, so its gradient and tangent through the mean are 0 (computing them
+    # cost 3x; this costs 1.3-1.6x F.layer_norm's under vjp, measured session 110).
+    return F.layer_norm(x - x.mean(-1, keepdim=True).detach(), x.shape[-1:], weight, bias, eps)
 
 
 def _native_fused_add_rms_norm(x, residual, weight, eps, round_before_weight=False):
@@ -128,9 +139,10 @@ torch's op, measured (``vjp`` or ``grad``, f32 and bf16; softmax: native /
 Function 0.77-0.86 at 2^20 elements, 1.01-1.12 at 2^21; cross-entropy f32:
 0.85 at 2^19, 1.10-1.13 at 2^20). The values are torch's op's, which differ
 from Keel's kernels by the last bit here and there, as the written-out
-version's do. Not for float64 (``F.layer_norm`` loses digits on rows far from
-0, ``_twice.layer_norm``), nor where :data:`_NATIVE_REFUSES` says torch's op
-would not give Keel's result."""
+version's do (layer_norm's float32 rows are centred first, as Keel's are:
+``_native_layer_norm``). Not for float64 (``F.layer_norm`` loses digits on rows
+far from 0, ``_twice.layer_norm``), nor where :data:`_NATIVE_REFUSES` says
+torch's op would not give Keel's result."""
 
 _NATIVE_REFUSES = {
     # round_before_weight anything but False (not bool(): a wrong type reaches the checks).
@@ -152,6 +164,14 @@ the softmax (Keel scales in float32); cross-entropy other than on float32
 logits (torch's ``log_softmax`` rounds to a half dtype, Keel's accumulates in
 float32), or with class weights (torch's ``nll_loss`` is not differentiable in
 them)."""
+
+_FORWARD_REFUSES = {
+    "layer_norm": lambda x, *rest: x.dtype != torch.float32,
+}
+"""Op name -> whether torch's own op (:data:`NATIVE`) would not give Keel's
+tangents on these arguments in forward mode (:func:`route`): torch's ``jvp``
+of a 16-bit ``F.layer_norm`` computes in that dtype (float16 tangents
+overflowed to inf where Keel's are finite, test_ops_differential)."""
 
 
 def route(op, args, functions=True):
@@ -175,6 +195,19 @@ def route(op, args, functions=True):
     torch.func runs no Function: ``_torch_version.in_transform``); the
     Function from :data:`MIN_ELEMENTS` (:data:`CUDA_MIN_ELEMENTS` on CUDA) on,
     below which torch.func's overhead would cost more than the kernels save.
+
+    In forward mode alone (``jvp``, ``jacfwd``, or the tangents of
+    ``torch.autograd.forward_ad``; ``vmap`` beside them, nothing requiring a
+    gradient below the wrappers: :func:`_forward_base`), torch's own op at
+    every size, under the same rules and :data:`_FORWARD_REFUSES`: it carries
+    the tangents itself, where
+    the torch-op version runs more of torch's ops (``jvp`` of
+    ``keel.layer_norm`` ``[2048, 1024]`` f32: 30.2 ms written out, 18.5 ms as
+    ``F.layer_norm``; softmax ``[64, 512]`` 1.19 against 0.43 ms; measured,
+    docs/BENCHMARKS.md session 110). Second derivatives keep the torch-op
+    version: torch's double backward of rms_norm and layer_norm was as slow or
+    slower there (0.79-0.93 on ``[2048, 1024]``).
+
     One walk over the transforms and the arguments for both answers, none for
     an op that has neither (the backward ops, called bare)."""
     name = op._opname
@@ -184,13 +217,23 @@ def route(op, args, functions=True):
         return None, None
     first = _first_order_base(args)
     if first is None:
-        return None, None
+        first = _forward_base(args) if entry is not None else None
+        if first is None or not _native_serves(name, first, args) or _FORWARD_REFUSES.get(name, _never)(*args):
+            return None, None
+        return None, entry[0]
     elements = first.numel()
-    if entry is not None and first.dtype != torch.float64 and not _NATIVE_REFUSES.get(name, _never)(*args):
+    if entry is not None and _native_serves(name, first, args):
         if function is None or elements < (CUDA_MIN_ELEMENTS if first.is_cuda else entry[1]):
             return None, entry[0]
     least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
     return (function if function is not None and elements >= least else None), None
+
+
+def _native_serves(name, first, args) -> bool:
+    """Whether torch's own op (:data:`NATIVE`) gives op `name`'s result on
+    `args`, whose first tensor below its wrappers is `first`: not float64, and
+    not refused (:data:`_NATIVE_REFUSES`)."""
+    return first.dtype != torch.float64 and not _NATIVE_REFUSES.get(name, _never)(*args)
 
 
 def _never(*_):
@@ -221,6 +264,34 @@ def _first_order_base(args):
             if _tracked_outside(below):
                 return None
     return first
+
+
+def _forward_base(args):
+    """The first tensor among `args` below its functorch wrappers, where forward
+    mode alone is in use: the transforms in place are ``jvp`` and ``vmap``, with
+    a ``jvp`` among them or a tensor of `args` carrying a tangent of
+    ``torch.autograd.forward_ad`` below its wrappers, and none requiring a
+    gradient there (:func:`route`); else None."""
+    if _F is None or not hasattr(_F, "get_interpreter_stack"):
+        return None
+    tangent = False
+    for i in _stack():
+        key = i.key()
+        if key not in _FORWARD:
+            return None
+        tangent = tangent or key == _JVP
+    fwad = torch.autograd.forward_ad
+    first = None
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            below = base(a)
+            if first is None:
+                first = below
+            if below.requires_grad:
+                return None
+            if not tangent and fwad._current_level >= 0:
+                tangent = fwad.unpack_dual(below).tangent is not None
+    return first if tangent else None
 
 
 def base(t):

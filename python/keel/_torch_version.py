@@ -11,7 +11,9 @@ torch-op versions: forward-mode AD and ``torch.func`` through bare
 The typed API (``keel.rms_norm`` ...) has long taken the op's torch-op version
 in both (``_twice.through_torch``); the ops' own autograd kernels
 (``_autograd._autograd_kernel``) now do the same. With tangents
-(:func:`with_tangents`), Keel's kernel runs on the primals first (its checks,
+(:func:`with_tangents`), in forward mode alone the norms, softmax and
+cross-entropy run torch's own op after Keel's checks on meta stand-ins, as the
+typed API's do; else Keel's kernel runs on the primals first (its checks,
 so errors are Keel's, and the empty stand-ins of the outputs that have no
 torch-op version), then the torch-op version (:data:`REFS`) gives the values
 and the tangents (and a reverse graph, where grad mode is on and an argument
@@ -52,16 +54,24 @@ def _returned(out, single, stand_ins):
     return tuple(s if o is None else o for o, s in zip(out, stand_ins()))
 
 
-def with_tangents(twin, name, args):
-    """Op `name` on `args` (all given) where one carries a tangent: `twin` (the op's
-    ``_nograd`` twin) on the primals, then the torch-op version with the tangents."""
+def with_tangents(op, twin, name, args):
+    """Op `name` (overload `op`) on `args` (all given) where one carries a
+    tangent: torch's own op where ``_func.route`` gives one (forward mode alone,
+    the norms, softmax and cross-entropy), after Keel's checks on meta stand-ins
+    (`twin`'s, the op's ``_nograd`` twin); else `twin` on the primals, then the
+    torch-op version with the tangents."""
+    native = _func.route(op, args, functions=False)[1]
+    if native is not None:
+        _twice._check_on_meta(_direct, twin, op, args)
+        return native(*args)
     with torch.no_grad():
         plain = twin(*[_twice.primal(a) for a in args])
     return _returned(REFS[name](*args), not isinstance(plain, tuple), lambda: plain)
 
 
 def _direct(op, *args):
-    """`op(*args)`: the caller :func:`in_transform` gives ``_twice._check_on_meta``."""
+    """`op(*args)`: the caller :func:`in_transform` and :func:`with_tangents` give
+    ``_twice._check_on_meta``."""
     return op(*args)
 
 
