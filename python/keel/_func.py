@@ -166,12 +166,15 @@ float32), or with class weights (torch's ``nll_loss`` is not differentiable in
 them)."""
 
 _FORWARD_REFUSES = {
-    "layer_norm": lambda x, *rest: x.dtype != torch.float32,
+    "layer_norm": lambda *args: True,
 }
-"""Op name -> whether torch's own op (:data:`NATIVE`) would not give Keel's
-tangents on these arguments in forward mode (:func:`route`): torch's ``jvp``
+"""Op name -> whether torch's own op (:data:`NATIVE`) does not serve these
+arguments in forward mode (:func:`route`). layer_norm never: torch's ``jvp``
 of a 16-bit ``F.layer_norm`` computes in that dtype (float16 tangents
-overflowed to inf where Keel's are finite, test_ops_differential)."""
+overflowed to inf where Keel's are finite, test_ops_differential), and on
+float32 rows, centred first (:func:`_native_layer_norm`), it was no faster
+than the torch-op version (``jvp`` ``[512, 512]`` 0.72-0.84x, ``[64, 512]``
+0.98-1.24x, ``[2048, 1024]`` 1.06-1.10x; measured, session 110)."""
 
 
 def route(op, args, functions=True):
@@ -199,14 +202,14 @@ def route(op, args, functions=True):
     In forward mode alone (``jvp``, ``jacfwd``, or the tangents of
     ``torch.autograd.forward_ad``; ``vmap`` beside them, nothing requiring a
     gradient below the wrappers: :func:`_forward_base`), torch's own op at
-    every size, under the same rules and :data:`_FORWARD_REFUSES`: it carries
-    the tangents itself, where
-    the torch-op version runs more of torch's ops (``jvp`` of
-    ``keel.layer_norm`` ``[2048, 1024]`` f32: 30.2 ms written out, 18.5 ms as
-    ``F.layer_norm``; softmax ``[64, 512]`` 1.19 against 0.43 ms; measured,
-    docs/BENCHMARKS.md session 110). Second derivatives keep the torch-op
-    version: torch's double backward of rms_norm and layer_norm was as slow or
-    slower there (0.79-0.93 on ``[2048, 1024]``).
+    every size, under the same rules and :data:`_FORWARD_REFUSES` (not
+    layer_norm): it carries the tangents itself, where the torch-op version
+    runs more of torch's ops (written-out / torch's op, ``jvp``: softmax
+    ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
+    1.25-1.45x; fused_add_rms_norm 1.1-1.2x; cross-entropy even; measured in
+    one process, docs/BENCHMARKS.md session 110). Second derivatives keep the
+    torch-op version: torch's double backward of rms_norm and layer_norm was as
+    slow or slower there (0.79-0.93 on ``[2048, 1024]``).
 
     One walk over the transforms and the arguments for both answers, none for
     an op that has neither (the backward ops, called bare)."""
