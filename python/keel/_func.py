@@ -43,9 +43,7 @@ from ._common import as_called, nograd, schema_defaults
 _F = getattr(torch._C, "_functorch", None)
 _T = getattr(_F, "TransformType", None)
 _GRAD, _VMAP, _JVP = (getattr(_T, k, None) for k in ("Grad", "Vmap", "Jvp"))
-_REVERSE = (_GRAD, _VMAP)  # the transforms under which a Function may serve
 _TRACKING = (_GRAD, _JVP)  # the transforms whose tensors a gradient or tangent may follow
-_FORWARD = (_JVP, _VMAP)  # the transforms of forward mode alone (:func:`_forward_base`)
 
 _EMPTY = torch.empty(0)  # made outside every transform: what :func:`_token` wraps
 
@@ -201,7 +199,7 @@ def route(op, args, functions=True):
 
     In forward mode alone (``jvp``, ``jacfwd``, or the tangents of
     ``torch.autograd.forward_ad``; ``vmap`` beside them, nothing requiring a
-    gradient below the wrappers: :func:`_forward_base`), torch's own op at
+    gradient below the wrappers: :func:`_bases`), torch's own op at
     every size, under the same rules and :data:`_FORWARD_REFUSES` (not
     layer_norm): it carries the tangents itself, where the torch-op version
     runs more of torch's ops (written-out / torch's op, ``jvp``: softmax
@@ -218,10 +216,11 @@ def route(op, args, functions=True):
     entry = NATIVE.get(name)
     if function is None and entry is None:
         return None, None
-    first = _first_order_base(args)
+    first, forward = _bases(args)
     if first is None:
-        first = _forward_base(args) if entry is not None else None
-        if first is None or not _native_serves(name, first, args) or _FORWARD_REFUSES.get(name, _never)(*args):
+        return None, None
+    if forward:
+        if entry is None or not _native_serves(name, first, args) or _FORWARD_REFUSES.get(name, _never)(*args):
             return None, None
         return None, entry[0]
     elements = first.numel()
@@ -244,57 +243,42 @@ def _never(*_):
     return False
 
 
-def _first_order_base(args):
-    """The first tensor among `args` below its functorch wrappers, where the
-    transforms in place are ``vmap`` and at most one ``grad`` and no tensor
-    among `args` is tracked outside them (:func:`route`); else None."""
+def _bases(args):
+    """One walk over the transforms in place and `args`: ``(first, forward)``,
+    `first` the first tensor among `args` below its functorch wrappers (all the
+    examples' under vmap), where no tensor among them requires a gradient
+    below its wrappers and either the transforms are ``vmap`` and at most one
+    ``grad``, no tensor carrying a forward-mode tangent below its wrappers
+    (`forward` false: reverse mode, :func:`route`'s Functions), or they are
+    ``jvp`` and ``vmap`` with forward mode in use (a ``jvp`` among them, or
+    such a tangent; `forward` true); else ``(None, False)``."""
     if _F is None or not hasattr(_F, "get_interpreter_stack"):
-        return None
-    grads = 0
+        return None, False
+    grads = jvps = 0
     for i in _stack():
         key = i.key()
-        if key not in _REVERSE:
-            return None
-        grads += key == _GRAD
-    if grads > 1:
-        return None
-    first = None
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            below = base(a)
-            if first is None:
-                first = below
-            if _tracked_outside(below):
-                return None
-    return first
-
-
-def _forward_base(args):
-    """The first tensor among `args` below its functorch wrappers, where forward
-    mode alone is in use: the transforms in place are ``jvp`` and ``vmap``, with
-    a ``jvp`` among them or a tensor of `args` carrying a tangent of
-    ``torch.autograd.forward_ad`` below its wrappers, and none requiring a
-    gradient there (:func:`route`); else None."""
-    if _F is None or not hasattr(_F, "get_interpreter_stack"):
-        return None
-    tangent = False
-    for i in _stack():
-        key = i.key()
-        if key not in _FORWARD:
-            return None
-        tangent = tangent or key == _JVP
+        if key == _GRAD:
+            grads += 1
+        elif key == _JVP:
+            jvps += 1
+        elif key != _VMAP:
+            return None, False
+    if grads > 1 or (grads and jvps):
+        return None, False
     fwad = torch.autograd.forward_ad
-    first = None
+    first, tangent = None, False
     for a in args:
         if isinstance(a, torch.Tensor):
             below = base(a)
             if first is None:
                 first = below
             if below.requires_grad:
-                return None
-            if not tangent and fwad._current_level >= 0:
-                tangent = fwad.unpack_dual(below).tangent is not None
-    return first if tangent else None
+                return None, False
+            if fwad._current_level >= 0 and fwad.unpack_dual(below).tangent is not None:
+                if grads:
+                    return None, False
+                tangent = True
+    return first, bool(jvps or tangent)
 
 
 def base(t):
