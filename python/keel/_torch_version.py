@@ -11,9 +11,9 @@ torch-op versions: forward-mode AD and ``torch.func`` through bare
 The typed API (``keel.rms_norm`` ...) has long taken the op's torch-op version
 in both (``_twice.through_torch``); the ops' own autograd kernels
 (``_autograd._autograd_kernel``) now do the same. With tangents
-(:func:`with_tangents`), in forward mode alone the norms, softmax and
-cross-entropy run torch's own op after Keel's checks on meta stand-ins, as the
-typed API's do; else Keel's kernel runs on the primals first (its checks,
+(:func:`with_tangents`), in forward mode alone rms_norm, fused_add_rms_norm,
+softmax and cross-entropy run torch's own op after Keel's checks on meta
+stand-ins, as the typed API's do; else Keel's kernel runs on the primals first (its checks,
 so errors are Keel's, and the empty stand-ins of the outputs that have no
 torch-op version), then the torch-op version (:data:`REFS`) gives the values
 and the tangents (and a reverse graph, where grad mode is on and an argument
@@ -56,8 +56,8 @@ def _returned(out, single, stand_ins):
 
 def with_tangents(op, twin, name, args):
     """Op `name` (overload `op`) on `args` (all given) where one carries a
-    tangent: torch's own op where ``_func.route`` gives one (forward mode alone,
-    the norms, softmax and cross-entropy), after Keel's checks on meta stand-ins
+    tangent: torch's own op where ``_func.route`` gives one (forward mode alone:
+    rms_norm, fused_add_rms_norm, softmax, cross-entropy), after Keel's checks on meta stand-ins
     (`twin`'s, the op's ``_nograd`` twin); else `twin` on the primals, then the
     torch-op version with the tangents."""
     native = _func.route(op, args, functions=False)[1]

@@ -87,9 +87,9 @@ def through_torch(fn, op, twin, ref, *args):
       transform below vmap meets the op again. Where ``_func.route`` says so
       (``grad`` and ``vmap`` only, no second derivative possible), the op's
       Function there: Keel's kernels, forward and backward. Under those
-      transforms but on tensors too small for the Function to pay, and in
-      forward mode alone (``jvp``) at every size, torch's own op where it has
-      one (the norms, softmax, cross-entropy), else `ref`.
+      transforms but on tensors too small for the Function to pay, torch's own
+      op where it has one (the norms, softmax, cross-entropy), and in forward
+      mode alone (``jvp``) at every size (not layer_norm there), else `ref`.
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; torch's
       own op carries them where ``_func.route`` gives one (nothing requires a
