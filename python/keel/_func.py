@@ -163,16 +163,14 @@ logits (torch's ``log_softmax`` rounds to a half dtype, Keel's accumulates in
 float32), or with class weights (torch's ``nll_loss`` is not differentiable in
 them)."""
 
-_FORWARD_REFUSES = {
-    "layer_norm": lambda *args: True,
-}
-"""Op name -> whether torch's own op (:data:`NATIVE`) does not serve these
-arguments in forward mode (:func:`route`). layer_norm never: torch's ``jvp``
-of a 16-bit ``F.layer_norm`` computes in that dtype (float16 tangents
-overflowed to inf where Keel's are finite, test_ops_differential), and on
-float32 rows, centred first (:func:`_native_layer_norm`), it was no faster
-than the torch-op version (``jvp`` ``[512, 512]`` 0.72-0.84x, ``[64, 512]``
-0.98-1.24x, ``[2048, 1024]`` 1.06-1.10x; measured, session 110)."""
+_FORWARD_REFUSES = {"layer_norm"}
+"""The ops whose torch's own op (:data:`NATIVE`) does not serve forward mode
+(:func:`route`). layer_norm: torch's ``jvp`` of a 16-bit ``F.layer_norm``
+computes in that dtype (float16 tangents overflowed to inf where Keel's are
+finite, test_ops_differential), and on float32 rows, centred first
+(:func:`_native_layer_norm`), it was no faster than the torch-op version
+(``jvp`` ``[512, 512]`` 0.72-0.84x, ``[64, 512]`` 0.98-1.24x, ``[2048, 1024]``
+1.06-1.10x; measured, session 110)."""
 
 
 def route(op, args, functions=True):
@@ -220,7 +218,7 @@ def route(op, args, functions=True):
     if first is None:
         return None, None
     if forward:
-        if entry is None or not _native_serves(name, first, args) or _FORWARD_REFUSES.get(name, _never)(*args):
+        if entry is None or not _native_serves(name, first, args) or name in _FORWARD_REFUSES:
             return None, None
         return None, entry[0]
     elements = first.numel()

@@ -1,6 +1,7 @@
 """``keel.set_cuda_target_checks`` and ``keel.cuda_target_checks``: cross_entropy's
-CUDA check of class targets, on or off; and :func:`checking`, where the Python
-side checks them as the kernels would."""
+CUDA check of class targets, on or off; :func:`checking`, where the Python side
+checks them as the kernels would, and :func:`out_of_range` and
+:func:`raise_first`, how."""
 import ctypes
 
 import torch
@@ -41,3 +42,25 @@ def checking(x) -> bool:
 
         return keel.cuda_target_checks() and not torch.cuda.is_current_stream_capturing()
     return True
+
+
+def out_of_range(t, classes: int, ignore_index: int):
+    """Where class-index target `t` holds a value out of range for `classes`
+    classes that is not `ignore_index` (a bool tensor shaped as `t`)."""
+    return (t != ignore_index) & ((t < 0) | (t >= classes))
+
+
+def raise_first(op: str, t, bad, classes: int, ignore_index: int, first_row=0):
+    """Raises the kernels' error, naming `op` and the argument, for the first
+    value of 1-D target `t` that mask `bad` (:func:`out_of_range`) marks, at
+    its row plus `first_row` (None: no row named); returns where none is
+    marked."""
+    found = bad.nonzero()
+    if not found.numel():
+        return
+    i = int(found[0, 0])
+    at = "" if first_row is None else f" at row {i + first_row}"
+    raise RuntimeError(
+        f"{op}: argument 'target' holds {int(t[i])}{at}, out of range for {classes} classes "
+        f"(and not ignore_index = {ignore_index})"
+    )

@@ -29,7 +29,7 @@ from torch.autograd import forward_ad as _fwad
 from . import _func
 from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device
 from ._fake import meta_outputs
-from ._target_checks import checking
+from ._target_checks import checking, out_of_range, raise_first
 
 
 def forward_ad_on() -> bool:
@@ -189,16 +189,8 @@ def check_class_targets(op, args):
         lo, hi = torch.aminmax(t)
         if lo.item() >= 0 and hi.item() < classes:  # one op where no row is ignored
             return
-        found = ((t != ignore_index) & ((t < 0) | (t >= classes))).nonzero()
-        if not found.numel():
-            return
-        i = int(found[0, 0])
-        value = int(t[i])
-    at = f" at row {i}" if base.shape == target.shape else ""
-    raise RuntimeError(
-        f"keel::{op._opname}: argument 'target' holds {value}{at}, out of range for {classes} classes "
-        f"(and not ignore_index = {ignore_index})"
-    )
+        raise_first(f"keel::{op._opname}", t, out_of_range(t, classes, ignore_index), classes, ignore_index,
+                    0 if base.shape == target.shape else None)
 
 
 def _signature(fn, op, args):

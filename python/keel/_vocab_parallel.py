@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from ._dtensor import _MODULE
-from ._target_checks import checking
+from ._target_checks import checking, out_of_range, raise_first
 
 _16_BIT = (torch.float16, torch.bfloat16)
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
@@ -130,17 +130,11 @@ def vocab_parallel(op: str, logits, target, ignore_index, label_smoothing, reduc
         raise RuntimeError(f"{op}: argument 'weight' must have shape [{classes}], got {list(w.shape)}")
     chunk = -(-classes // mesh.size(dim))
     lo = mesh.get_local_rank(dim) * chunk
-    bad = (t != ignore_index) & ((t < 0) | (t >= classes))
+    bad = out_of_range(t, classes, ignore_index)
     if checking(x):
-        found = bad.nonzero()
-        if found.numel():
-            i = int(found[0, 0])
-            # Raised on the ranks whose rows hold it (with the rows sharded, the
-            # others wait at their next collective, as for torch's own ops).
-            raise RuntimeError(
-                f"{op}: argument 'target' holds {int(t[i])} at row {i + _first_row(logits)}, out of range for {classes} classes "
-                f"(and not ignore_index = {ignore_index})"
-            )
+        # Raised on the ranks whose rows hold it (with the rows sharded, the
+        # others wait at their next collective, as for torch's own ops).
+        raise_first(op, t, bad, classes, ignore_index, _first_row(logits))
     out = x.dtype
     if out in _16_BIT and torch.is_autocast_enabled(x.device.type):
         out = torch.float32  # as torch's cross_entropy under autocast
