@@ -494,13 +494,13 @@ def _autograd_kernel(name, backward, setup):
     def kernel(*args):
         if fwad._current_level >= 0 and _twice.has_tangent(args):
             # torch would drop the tangents: the op's torch-op version carries them.
-            return _torch_version.with_tangents(public, call_twin, name, args + defaults[len(args) :])
+            return _torch_version.run(public, twin, name, args + defaults[len(args) :])
         # What the dispatcher left out stays out: torch's parser costs 0.4-0.7 us
         # for each scalar passed (`functional._call`); `apply` fills them in.
         if grad_enabled() and any_requires_grad(*args):
             if _twice.functorch_on():
                 # torch.func runs no autograd.Function without setup_context (the formula).
-                return _torch_version.in_transform(public, twin, name, args + defaults[len(args) :])
+                return _torch_version.run(public, twin, name, args + defaults[len(args) :])
             return apply(*args)
         return call_twin(*args)
 

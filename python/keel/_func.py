@@ -191,7 +191,7 @@ def route(op, args, functions=True):
     does not refuse the arguments, below :data:`NATIVE`'s size
     (:data:`CUDA_MIN_ELEMENTS` on CUDA), or at every size where the op has no
     Function or `functions` is false (a bare op, in its autograd kernel, where
-    torch.func runs no Function: ``_torch_version.in_transform``); the
+    torch.func runs no Function: ``_torch_version.run``); the
     Function from :data:`MIN_ELEMENTS` (:data:`CUDA_MIN_ELEMENTS` on CUDA) on,
     below which torch.func's overhead would cost more than the kernels save.
 

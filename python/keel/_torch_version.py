@@ -10,17 +10,10 @@ torch-op versions: forward-mode AD and ``torch.func`` through bare
 
 The typed API (``keel.rms_norm`` ...) has long taken the op's torch-op version
 in both (``_twice.through_torch``); the ops' own autograd kernels
-(``_autograd._autograd_kernel``) now do the same. With tangents
-(:func:`with_tangents`), in forward mode alone rms_norm, fused_add_rms_norm,
-softmax and cross-entropy run torch's own op after Keel's checks on meta
-stand-ins, as the typed API's do; else Keel's kernel runs on the primals first (its checks,
-so errors are Keel's, and the empty stand-ins of the outputs that have no
-torch-op version), then the torch-op version (:data:`REFS`) gives the values
-and the tangents (and a reverse graph, where grad mode is on and an argument
-requires a gradient: forward-over-reverse works). Inside a transform
-(:func:`in_transform`), Keel's checks run on meta stand-ins, as the typed
-API's do, and the norms, softmax and cross-entropy run torch's own op where the
-typed API's would.
+(``_autograd._autograd_kernel``) do the same through :func:`run`: Keel's checks
+on meta stand-ins (errors are Keel's; the empty stand-ins of the outputs that
+have no torch-op version come from their shapes), then torch's own op where the
+typed API's would take it, else the torch-op version (:data:`REFS`).
 """
 import torch
 
@@ -54,35 +47,20 @@ def _returned(out, single, stand_ins):
     return tuple(s if o is None else o for o, s in zip(out, stand_ins()))
 
 
-def with_tangents(op, twin, name, args):
-    """Op `name` (overload `op`) on `args` (all given) where one carries a
-    tangent: torch's own op where ``_func.route`` gives one (forward mode alone:
-    rms_norm, fused_add_rms_norm, softmax, cross-entropy), after Keel's checks on meta stand-ins
-    (`twin`'s, the op's ``_nograd`` twin); else `twin` on the primals, then the
-    torch-op version with the tangents."""
-    native = _func.route(op, args, functions=False)[1]
-    if native is not None:
-        _twice._check_on_meta(_direct, twin, op, args)
-        return native(*args)
-    with torch.no_grad():
-        plain = twin(*[_twice.primal(a) for a in args])
-    return _returned(REFS[name](*args), not isinstance(plain, tuple), lambda: plain)
-
-
-def _direct(op, *args):
-    """`op(*args)`: the caller :func:`in_transform` and :func:`with_tangents` give
-    ``_twice._check_on_meta``."""
-    return op(*args)
-
-
-def in_transform(op, twin, name, args):
-    """Op `name` (overload `op`) on `args` (all given) inside a ``torch.func``
-    transform: Keel's checks (its `twin`'s Meta kernel; errors name `op`) on meta
-    stand-ins, then torch's own op where ``_func.route`` gives one (the norms,
-    softmax and cross-entropy, at every size: torch.func runs no Function
-    here, and torch's ``F.layer_norm`` beats the torch-op version, 5.6-6.3
-    against 28-33 ms for ``vjp`` on ``[4096, 1024]`` f32, measured), else the
-    torch-op version."""
+def run(op, twin, name, args):
+    """Op `name` (overload `op`) on `args` (all given) where torch's autograd
+    machinery does not serve it: inside a ``torch.func`` transform, or with an
+    argument carrying a forward-mode tangent. Keel's checks (its `twin`'s Meta
+    kernel, the op's ``_nograd`` twin; errors name `op`) on meta stand-ins, then
+    torch's own op where ``_func.route`` gives one, else the torch-op version
+    (:data:`REFS`). Inside a transform the norms, softmax and cross-entropy run
+    torch's own op at every size (torch.func runs no Function here, and torch's
+    ``F.layer_norm`` beats the torch-op version, 5.6-6.3 against 28-33 ms for
+    ``vjp`` on ``[4096, 1024]`` f32, measured); in forward mode alone (nothing
+    requiring a gradient) rms_norm, fused_add_rms_norm, softmax and
+    cross-entropy do. The torch-op version carries the tangents and records a
+    reverse graph where grad mode is on and an argument requires a gradient
+    (forward-over-reverse works)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
     native = _func.route(op, args, functions=False)[1]
     if native is not None:
@@ -94,3 +72,8 @@ def in_transform(op, twin, name, args):
         return [torch.empty(m.shape, dtype=m.dtype, device=device) for m in meta]
 
     return _returned(REFS[name](*args), len(twin._schema.returns) == 1, stand_ins)
+
+
+def _direct(op, *args):
+    """`op(*args)`: the caller :func:`run` gives ``_twice._check_on_meta``."""
+    return op(*args)

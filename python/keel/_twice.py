@@ -93,8 +93,9 @@ def through_torch(fn, op, twin, ref, *args):
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; torch's
       own op carries them where ``_func.route`` gives one (nothing requires a
-      gradient), after the checks on meta stand-ins; else `ref` (and a reverse
-      graph, so forward-over-reverse works), after the checks on the primals.
+      gradient), else `ref` (and a reverse graph, so forward-over-reverse
+      works), after the checks on meta stand-ins (not Keel's kernel on the
+      primals: its values would be thrown away).
     """
     if functorch_on():
         if vmap_on_top():
@@ -102,27 +103,17 @@ def through_torch(fn, op, twin, ref, *args):
         function, native = _func.route(op, args)
         if function is not None:
             return fn(function, *args)
-        _check_on_meta(fn, twin, op, args)
-        return (native or ref)(*args)
-    if not has_tangent(args):
+    elif not has_tangent(args):
         return fn(op, *args)
-    native = _func.route(op, args)[1]
-    if native is not None:
-        _check_on_meta(fn, twin, op, args)
-        return native(*args)
-    with torch.no_grad():
-        fn(op, *[primal(a) for a in args])
-    return ref(*args)
+    else:
+        native = _func.route(op, args)[1]
+    _check_on_meta(fn, twin, op, args)
+    return (native or ref)(*args)
 
 
 def has_tangent(args) -> bool:
     """Whether a tensor among `args` is dual (carries a tangent)."""
     return any(isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None for a in args)
-
-
-def primal(a):
-    """`a`'s primal, detached, where it is a tensor; else `a`."""
-    return _fwad.unpack_dual(a).primal.detach() if isinstance(a, torch.Tensor) else a
 
 
 def _check_on_meta(fn, twin, op, args):

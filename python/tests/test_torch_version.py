@@ -7,8 +7,9 @@ and transforms' gradients against autograd's, in float64."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import keel  # noqa: F401  (registers the ops)
+import keel
 from keel._autograd import WITH_TWIN
 from test_backward_grad import CASES as BACKWARD_CASES
 
@@ -116,6 +117,48 @@ def test_bad_argument_with_a_tangent_gets_keels_error():
     with fwAD.dual_level():
         with pytest.raises(RuntimeError, match="keel::rms_norm: .*weight"):
             ops.rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w, 1e-6)
+
+
+class _KeelCalls(TorchDispatchMode):
+    """Records Keel's ops that torch dispatches below autograd on tensors that
+    are not meta stand-ins (``calls``: names such as ``"keel.rms_norm_nograd.default"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if str(func).startswith("keel.") and any(not t.is_meta for t in tensors):
+            self.calls.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+_TYPED = {
+    "layer_norm": lambda x, w, b: keel.layer_norm(x, w, b),
+    "silu_and_mul": lambda x, w, b: keel.silu_and_mul(x),
+    "rotary_embedding": lambda x, w, b: keel.rotary_embedding(x.reshape(1, 3, 1, 6), w[:3].expand(3, 3), b[:3].expand(3, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES) + [f"typed {k}" for k in _TYPED])
+def test_forward_mode_runs_no_kernel_on_the_primals(name):
+    """With a tangent, Keel's kernel is not run on the primals as well (its
+    values would be thrown away: the torch-op version or torch's own op gives
+    them); its checks run on meta stand-ins."""
+    if name.startswith("typed "):
+        x, w, b = _t(3, 6, seed=1), _t(6, seed=2), _t(6, seed=3)
+        op, args = _TYPED[name[len("typed ") :]], (x, w, b)
+    else:
+        op, args = CASES[name]
+    i = _floats(args)[0]
+    with fwAD.dual_level():
+        dual = list(args)
+        dual[i] = fwAD.make_dual(args[i].detach(), torch.ones_like(args[i]))
+        with _KeelCalls() as mode:
+            outs = _outputs(op(*dual))
+        assert fwAD.unpack_dual(outs[0]).tangent is not None, name
+    assert mode.calls == [], name
 
 
 def _loss(op, args, i):
