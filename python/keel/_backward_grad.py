@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _twice
-from ._common import acc_dtype, mean_over
+from ._common import acc_dtype, mean_over, plus, times
 
 
 def _rows(t):
@@ -39,7 +39,7 @@ def _rms_norm(grad_out, x, weight, eps):
     # y = a r w, r = (mean(a^2) + eps)^-1/2: dx = r gy - a r^3 mean(gy a), gy = g w.
     acc = acc_dtype(x)
     a, g = x.to(acc), grad_out.to(acc)
-    r = torch.rsqrt(a.square().mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt(plus(a.square().mean(-1, keepdim=True), eps))
     gy = g if weight is None else g * weight.to(acc)
     gx = r * gy - a * r.pow(3) * (gy * a).mean(-1, keepdim=True)
     gw = None if weight is None else _rows(g * a * r).to(x.dtype)
@@ -53,7 +53,7 @@ def _layer_norm(grad_out, x, weight, bias, eps):
     a, g = x.to(acc), grad_out.to(acc)
     c = a - a.mean(-1, keepdim=True)
     c = c - c.mean(-1, keepdim=True)
-    r = torch.rsqrt(c.square().mean(-1, keepdim=True) + eps)
+    r = torch.rsqrt(plus(c.square().mean(-1, keepdim=True), eps))
     xhat = c * r
     gy = g if weight is None else g * weight.to(acc)
     gx = r * (gy - gy.mean(-1, keepdim=True) - xhat * (gy * xhat).mean(-1, keepdim=True))
@@ -78,19 +78,19 @@ def _gated(grad_out, x, act):
 
 def _silu(a):
     s = torch.sigmoid(a)
-    return a * s, s * (1 + a * (1 - s))
+    return a * s, s * plus(a * (1 - s), 1)
 
 
 def _gelu(a):
-    cdf = 0.5 * (1 + torch.erf(a * math.sqrt(0.5)))
-    return a * cdf, cdf + a * torch.exp(-0.5 * a * a) * (1 / math.sqrt(2 * math.pi))
+    cdf = times(plus(torch.erf(times(a, math.sqrt(0.5))), 1), 0.5)
+    return a * cdf, cdf + times(a * torch.exp(times(a, -0.5) * a), 1 / math.sqrt(2 * math.pi))
 
 
 def _gelu_tanh(a):
     # The kernels' sigmoid form: a sigmoid(2u), u = sqrt(2/pi) (a + 0.044715 a^3).
     k = 2 * math.sqrt(2 / math.pi)
-    s = torch.sigmoid(k * (a + 0.044715 * a * a * a))
-    return a * s, s + a * s * (1 - s) * k * (1 + 3 * 0.044715 * a * a)
+    s = torch.sigmoid(times(a + times(a, 0.044715) * a * a, k))
+    return a * s, s + times(a * s * (1 - s), k) * plus(times(a, 3 * 0.044715) * a, 1)
 
 
 def _silu_and_mul(grad_out, x):
@@ -119,7 +119,7 @@ def _cross_entropy(grad, logits, target, ignore_index, label_smoothing, reductio
     w = torch.ones(c, dtype=acc, device=x.device) if weight is None else weight.to(acc)
     g = grad.to(acc)
     if target.dtype.is_floating_point:
-        q = (1 - s) * target.to(acc) + s / c
+        q = plus(times(target.to(acc), 1 - s), s / c)
         g = g / n if reduction == "mean" else g
         live = None
     else:

@@ -27,6 +27,27 @@ def schema_defaults(op) -> tuple:
     return tuple(a.default_value if a.has_default_value() else None for a in op._schema.arguments)
 
 
+_ADD_SCALAR = torch.ops.aten.add.Scalar
+_MUL_SCALAR = torch.ops.aten.mul.Scalar
+
+
+def plus(t: torch.Tensor, c) -> torch.Tensor:
+    """``t + c`` for a number `c`, through ``aten.add.Scalar``. The written-out
+    versions of the ops use it: in forward mode (``jvp``, ``forward_ad``)
+    ``t + c`` is ``add.Tensor``, whose formula meets the number's missing
+    tangent as an efficient zero tensor, and torch sizes the zero tensor's op
+    through the op's Python meta (``prims::add``): about 0.2 ms a call under
+    ``forward_ad`` on the CPU and more under ``jvp``, where ``add.Scalar``'s
+    tangent is the input's (torch 2.15, measured; docs/BENCHMARKS.md session
+    111). The same values."""
+    return _ADD_SCALAR(t, c)
+
+
+def times(t: torch.Tensor, c) -> torch.Tensor:
+    """``t * c`` for a number `c`, through ``aten.mul.Scalar``: as :func:`plus`."""
+    return _MUL_SCALAR(t, c)
+
+
 def acc_dtype(t: torch.Tensor) -> torch.dtype:
     """Keel's accumulation dtype for `t`: float64 for float64, else float32."""
     return acc_of(t.dtype)

@@ -38,7 +38,7 @@ inside another transform, or on a cotangent that requires a gradient), through
 import torch
 import torch.nn.functional as F
 
-from ._common import as_called, nograd, schema_defaults
+from ._common import as_called, nograd, schema_defaults, times
 
 _F = getattr(torch._C, "_functorch", None)
 _T = getattr(_F, "TransformType", None)
@@ -106,7 +106,7 @@ def _native_fused_add_rms_norm(x, residual, weight, eps, round_before_weight=Fal
 
 
 def _native_softmax(x, scale=1.0):
-    return torch.softmax(x if scale == 1.0 else x * scale, -1)
+    return torch.softmax(x if scale == 1.0 else times(x, scale), -1)
 
 
 def _native_cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
 from . import _func
-from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device
+from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device, plus, times
 from ._fake import meta_outputs
 from ._target_checks import checking, out_of_range, raise_first
 
@@ -273,7 +273,7 @@ def rms_norm(x, weight, eps, round_before_weight=False):
     """`F.rms_norm` over the last dim, in Keel's accumulation dtype; with
     `round_before_weight`, `x / rms` rounded to `x`'s dtype before the weight."""
     a = x.to(acc_dtype(x))
-    y = a * torch.rsqrt(a.square().mean(-1, keepdim=True) + eps)
+    y = a * torch.rsqrt(plus(a.square().mean(-1, keepdim=True), eps))
     if weight is not None:
         if round_before_weight:
             y = y.to(x.dtype).to(y.dtype)
@@ -293,7 +293,7 @@ def layer_norm(x, weight, bias, eps):
     a = x.to(acc)
     c = a - a.mean(-1, keepdim=True)
     c = c - c.mean(-1, keepdim=True)
-    y = c * torch.rsqrt((c * c).mean(-1, keepdim=True) + eps)
+    y = c * torch.rsqrt(plus((c * c).mean(-1, keepdim=True), eps))
     if weight is not None:
         y = y * weight.to(acc)
     if bias is not None:
@@ -309,7 +309,7 @@ def gated(x, approximate=None):
     the kernel gives 7.8e-9), so forward-mode AD's values would differ from Keel's."""
     a, g = x.to(acc_dtype(x)).chunk(2, -1)
     if approximate == "tanh":
-        act = a * torch.sigmoid((2 * math.sqrt(2 / math.pi)) * (a + 0.044715 * a * a * a))
+        act = a * torch.sigmoid(times(a + times(a, 0.044715) * a * a, 2 * math.sqrt(2 / math.pi)))
     else:
         act = F.silu(a) if approximate is None else F.gelu(a, approximate=approximate)
     return (act * g).to(x.dtype)
@@ -317,7 +317,7 @@ def gated(x, approximate=None):
 
 def softmax(x, scale):
     """`torch.softmax(x * scale, -1)` in Keel's accumulation dtype."""
-    return torch.softmax(x.to(acc_dtype(x)) * scale, -1).to(x.dtype)
+    return torch.softmax(times(x.to(acc_dtype(x)), scale), -1).to(x.dtype)
 
 
 def fused_add_rms_norm(x, residual, weight, eps, round_before_weight=False):
@@ -330,7 +330,7 @@ def softmax_backward(grad, y, scale):
     """`scale * y * (grad - sum(grad * y))`, the softmax backward from its output."""
     acc = acc_dtype(y)
     g, p = grad.to(acc), y.to(acc)
-    return (scale * p * (g - (g * p).sum(-1, keepdim=True))).to(y.dtype)
+    return (times(p, scale) * (g - (g * p).sum(-1, keepdim=True))).to(y.dtype)
 
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weight=None):
