@@ -63,6 +63,7 @@ def run(op, twin, name, args):
     (forward-over-reverse works)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
     native = _func.route(op, args, functions=False)[1]
+    args = _twice.zero_tangents(args)
     if native is not None:
         return native(*args)
 

@@ -171,22 +171,32 @@ _SCALAR_CASES = {
     "silu_and_mul backward": lambda z: ops.silu_and_mul_backward(z[:, :3], z),
     "gelu_and_mul tanh backward": lambda z: ops.gelu_and_mul_backward(z[:, :3], z, "tanh"),
     "softmax backward": lambda z: ops.softmax_backward(z, z.softmax(-1), 0.5),
+    "layer_norm weight bias": lambda z: keel.layer_norm(z, _t(6, seed=2), _t(6, seed=3)),
+    "rms_norm weight": lambda z: keel.rms_norm(z, _t(6, seed=2)),
+    "rms_norm weight f32": lambda z: keel.rms_norm(z.float(), _t(6, seed=2).float()),
+    "bare layer_norm weight bias": lambda z: ops.layer_norm(z, _t(6, seed=2), _t(6, seed=3)),
+    "rotary": lambda z: keel.rotary_embedding(z.reshape(1, 3, 1, 6), _t(3, 3, seed=4), _t(3, 3, seed=5)),
+    "rotary expanded cos": lambda z: keel.rotary_embedding(z.reshape(1, 3, 1, 6), _t(3, seed=4).expand(3, 3), _t(3, 3, seed=5)),
 }
 
 
 @pytest.mark.parametrize("name", list(_SCALAR_CASES))
-def test_forward_mode_meets_no_number_as_a_zero_tangent(name):
+def test_forward_mode_takes_no_zero_tensor_path(name):
     """In forward mode the torch-op versions add and multiply numbers through
-    ``add.Scalar`` and ``mul.Scalar`` (``_common.plus``, ``times``): ``t + c`` would
-    take ``add.Tensor``, whose zero tensor for the number's tangent torch sizes
-    through the op's Python meta (``prims::``), 0.2 ms or more a call."""
+    ``add.Scalar`` and ``mul.Scalar`` (``_common.plus``, ``times``), and on small
+    tensors give a weight, a bias, rotary's cos and sin a zero tangent
+    (``_twice.zero_tangents``): else torch makes the missing tangent an
+    efficient zero tensor (``aten::_efficientzerotensor``) and sizes its op
+    through the op's meta (for ``add``, Python's: ``prims::``), 0.2 ms or more
+    a call."""
     x = _t(3, 6, seed=1)
     with fwAD.dual_level():
         dual = fwAD.make_dual(x, torch.ones_like(x))
         with torch.autograd.profiler.profile() as prof:
             out = _SCALAR_CASES[name](dual)
         assert fwAD.unpack_dual(_outputs(out)[0]).tangent is not None
-    assert [e.name for e in prof.function_events if e.name.startswith("prims::")] == []
+    zero_path = [e.name for e in prof.function_events if e.name.startswith("prims::") or e.name == "aten::_efficientzerotensor"]
+    assert zero_path == []
 
 
 def _loss(op, args, i):
