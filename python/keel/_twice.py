@@ -128,9 +128,9 @@ def zero_tangents(args):
     on the CPU, 0.04 with a real zero tangent (torch 2.15). A real zero tangent
     costs its share of each formula instead (``w_t * y`` is an op the size of
     the output), which outgrows that past about 2^17 elements: the norms
-    ``[64, 512]`` 0.40-0.68x the time, ``[256, 512]`` 0.59-0.91x (float64
-    1.42-1.46x there, hence its elements count twice), rotary ``[1, 64, 8, 64]``
-    0.23-0.37x (measured, docs/BENCHMARKS.md session 111). A zero tangent adds
+    ``[64, 512]`` 0.26-0.95x the time, ``[256, 512]`` 0.63-0.91x (float64
+    1.42-1.46x under ``jvp`` there, hence its elements count twice), rotary
+    ``[1, 64, 8, 64]`` 0.18-0.37x (measured, docs/BENCHMARKS.md session 111). A zero tangent adds
     nothing to the result's where the other factor is finite."""
     if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
         return args

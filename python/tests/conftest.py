@@ -84,17 +84,22 @@ def make(shape, dtype, device, seed, scale=1.0):
 
 class DispatchedOps:
     """A context that records the ops torch dispatches below autograd inside it
-    (``calls.ops``: names such as ``"keel.rms_norm.default"``): shows that a
-    call made no copy (no ``aten.clone``) or ran a given kernel."""
+    (``calls.ops``: names such as ``"keel.rms_norm.default"``), and apart those
+    with a tensor argument that is not a meta stand-in (``calls.on_data``):
+    shows that a call made no copy (no ``aten.clone``) or ran a given kernel,
+    or ran it only for its checks on meta tensors."""
 
     def __enter__(self):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         ops = self.ops = []
+        on_data = self.on_data = []
 
         class Record(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 ops.append(str(func))
+                if any(isinstance(a, torch.Tensor) and not a.is_meta for a in args):
+                    on_data.append(str(func))
                 return func(*args, **(kwargs or {}))
 
         self._mode = Record()

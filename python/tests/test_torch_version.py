@@ -7,10 +7,10 @@ and transforms' gradients against autograd's, in float64."""
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import keel
 from keel._autograd import WITH_TWIN
+from conftest import DispatchedOps
 from test_backward_grad import CASES as BACKWARD_CASES
 
 ops = torch.ops.keel
@@ -119,21 +119,6 @@ def test_bad_argument_with_a_tangent_gets_keels_error():
             ops.rms_norm(fwAD.make_dual(x, torch.ones_like(x)), w, 1e-6)
 
 
-class _KeelCalls(TorchDispatchMode):
-    """Records Keel's ops that torch dispatches below autograd on tensors that
-    are not meta stand-ins (``calls``: names such as ``"keel.rms_norm_nograd.default"``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if str(func).startswith("keel.") and any(not t.is_meta for t in tensors):
-            self.calls.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 _TYPED = {
     "layer_norm": lambda x, w, b: keel.layer_norm(x, w, b),
     "silu_and_mul": lambda x, w, b: keel.silu_and_mul(x),
@@ -155,10 +140,10 @@ def test_forward_mode_runs_no_kernel_on_the_primals(name):
     with fwAD.dual_level():
         dual = list(args)
         dual[i] = fwAD.make_dual(args[i].detach(), torch.ones_like(args[i]))
-        with _KeelCalls() as mode:
+        with DispatchedOps() as mode:
             outs = _outputs(op(*dual))
         assert fwAD.unpack_dual(outs[0]).tangent is not None, name
-    assert mode.calls == [], name
+    assert [op for op in mode.on_data if op.startswith("keel.")] == [], name
 
 
 _SCALAR_CASES = {
