@@ -84,12 +84,13 @@ def class_weighted(d, smooth, w, target, ignore_index, label_smoothing, reductio
     (:func:`mean_over`). ``_autocast`` (the float32 value), ``_autograd`` (the
     "mean" term of the weights' gradient), ``_twice`` (differentiable twice)
     and ``_ce_forms`` (weights needing a gradient) each give their own ``d``
-    and ``smooth``."""
+    and ``smooth``. The numbers scale through :func:`times` (forward mode:
+    see :func:`plus`)."""
     live = target != ignore_index
     w_t = torch.where(live, w[torch.where(live, target, 0)], 0.0)
-    rows = (1.0 - label_smoothing) * w_t * d
+    rows = times(w_t, 1.0 - label_smoothing) * d
     if label_smoothing != 0:
-        rows = rows + (label_smoothing / w.shape[0]) * smooth
+        rows = rows + times(smooth, label_smoothing / w.shape[0])
     rows = torch.where(live, rows, 0.0)
     if reduction == "none":
         return rows

@@ -383,7 +383,10 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, weig
     a = logits.to(acc_dtype(logits))
     lse = torch.logsumexp(a, -1)
     if not target.dtype.is_floating_point:  # probabilities: no row is ignored
-        lse = lse * (target != ignore_index).to(a.dtype)
+        # `where`, not a product with the mask: 0 as from the kernel where an
+        # ignored row holds an inf, and in forward mode no zero tensor's product
+        # (0.2 ms a call: `_common.plus`).
+        lse = torch.where(target != ignore_index, lse, 0.0)
     return _loss(logits, a, target, ignore_index, label_smoothing, reduction, weight), lse
 
 
