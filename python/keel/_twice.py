@@ -130,8 +130,9 @@ def zero_tangents(args):
     the output), which outgrows that past about 2^17 elements: the norms
     ``[64, 512]`` 0.26-0.95x the time, ``[256, 512]`` 0.63-0.91x (float64
     1.42-1.46x under ``jvp`` there, hence its elements count twice), rotary
-    ``[1, 64, 8, 64]`` 0.18-0.37x (measured, docs/BENCHMARKS.md session 111). A zero tangent adds
-    nothing to the result's where the other factor is finite."""
+    ``[1, 64, 8, 64]`` 0.18-0.37x (measured, docs/BENCHMARKS.md session 111).
+    A zero tangent adds nothing to the result's where the other factor is
+    finite."""
     if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
         return args
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
