@@ -22,8 +22,9 @@ Where the op's gradient may itself be differentiated (a second ``grad`` level,
 mode (``jvp``, ``jacfwd``) or ``functionalize``, no Function serves
 (:func:`route`): it would need a ``jvp`` of its own for tangents, and a
 backward that records its own graph for a second derivative. There the typed
-API keeps the torch-op version, except in forward mode alone, where torch's
-own op serves the ops that have one (:data:`NATIVE`) at every size.
+API keeps the torch-op version, except where torch's own op serves the ops
+that have one (:data:`NATIVE`) at every size: in forward mode alone, and on
+float32 tensors where a second derivative may be taken.
 
 A formula's backward records a graph where grad mode is on (``_twice``).
 torch.func's ``grad`` runs every backward with grad mode on, also where nothing
@@ -185,7 +186,8 @@ def route(op, args, functions=True):
     (requiring a gradient, or carrying a forward-mode tangent below its
     wrappers). Elsewhere a gradient of the op's gradient may be taken (``grad``
     of ``grad``, ``hessian``, autograd of a ``grad``), or a forward-mode tangent
-    needs a ``jvp`` of the Function's own: the torch-op version serves those.
+    needs a ``jvp`` of the Function's own: no Function serves those (torch's
+    own op may, below).
     Then, by the elements of the first tensor (all the examples' under vmap):
     torch's own op where the tensor is not float64 and :data:`_NATIVE_REFUSES`
     does not refuse the arguments, below :data:`NATIVE`'s size
@@ -203,9 +205,19 @@ def route(op, args, functions=True):
     runs more of torch's ops (written-out / torch's op, ``jvp``: softmax
     ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
     1.25-1.45x; fused_add_rms_norm 1.1-1.2x; cross-entropy even; measured in
-    one process, docs/BENCHMARKS.md session 110). Second derivatives keep the
-    torch-op version: torch's double backward of rms_norm and layer_norm was as
-    slow or slower there (0.79-0.93 on ``[2048, 1024]``).
+    one process, docs/BENCHMARKS.md session 110).
+
+    Where a second derivative may be taken (two ``grad`` levels, or ``grad``
+    and ``jvp``: ``hessian``, a Hessian-vector product ``jvp(grad(f))``),
+    torch's own op at every size on float32 tensors, under the same rules,
+    :data:`_TWICE_REFUSES`, and with a ``jvp`` :data:`_FORWARD_REFUSES`; the
+    torch-op version elsewhere (16-bit dtypes: torch's double backward
+    computes in them, 1e-2 of layer_norm's off in bfloat16). ``grad(grad(f))``
+    through torch's own op / the torch-op version, float32: layer_norm ``[512,
+    512]`` 0.59-0.66, ``[64, 512]`` 0.76-0.97, softmax 0.82-0.88, the others
+    within the noise (measured, docs/BENCHMARKS.md session 113).
+    layer_norm's ``jvp(grad(f))`` was 1.1-1.3x slower through torch's op there,
+    as its forward mode alone was no faster.
 
     One walk over the transforms and the arguments for both answers, none for
     an op that has neither (the backward ops, called bare)."""
@@ -214,10 +226,16 @@ def route(op, args, functions=True):
     entry = NATIVE.get(name)
     if function is None and entry is None:
         return None, None
-    first, forward = _bases(args)
+    first, mode = _bases(args)
     if first is None:
         return None, None
-    if forward:
+    if mode in (_TWICE, _TWICE_FORWARD):
+        if entry is None or first.dtype != torch.float32 or not _native_serves(name, first, args):
+            return None, None
+        if _TWICE_REFUSES.get(name, _never)(*args) or (mode == _TWICE_FORWARD and name in _FORWARD_REFUSES):
+            return None, None
+        return None, entry[0]
+    if mode == _FORWARD:
         if entry is None or not _native_serves(name, first, args) or name in _FORWARD_REFUSES:
             return None, None
         return None, entry[0]
@@ -227,6 +245,18 @@ def route(op, args, functions=True):
             return None, entry[0]
     least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
     return (function if function is not None and elements >= least else None), None
+
+
+_REVERSE, _FORWARD, _TWICE, _TWICE_FORWARD = "reverse", "forward", "twice", "twice, forward"
+"""The kinds of transform stacks that :func:`_bases` tells apart."""
+
+_TWICE_REFUSES = {
+    # A bias without a weight: torch's double backward raises where the bias is
+    # differentiated too ("Expected a proper Tensor but got None", torch 2.15).
+    "layer_norm": lambda x, weight=None, bias=None, *rest: weight is None and bias is not None,
+}
+"""Op name -> whether torch's own op (:data:`NATIVE`) cannot take a second
+derivative on these arguments (:func:`route`)."""
 
 
 def _native_serves(name, first, args) -> bool:
@@ -242,16 +272,19 @@ def _never(*_):
 
 
 def _bases(args):
-    """One walk over the transforms in place and `args`: ``(first, forward)``,
+    """One walk over the transforms in place and `args`: ``(first, mode)``,
     `first` the first tensor among `args` below its functorch wrappers (all the
     examples' under vmap), where no tensor among them requires a gradient
-    below its wrappers and either the transforms are ``vmap`` and at most one
+    below its wrappers and the transforms are ``vmap`` and at most one
     ``grad``, no tensor carrying a forward-mode tangent below its wrappers
-    (`forward` false: reverse mode, :func:`route`'s Functions), or they are
-    ``jvp`` and ``vmap`` with forward mode in use (a ``jvp`` among them, or
-    such a tangent; `forward` true); else ``(None, False)``."""
+    (`mode` :data:`_REVERSE`: :func:`route`'s Functions), or ``jvp`` and
+    ``vmap`` with forward mode in use (a ``jvp`` among them, or such a
+    tangent; :data:`_FORWARD`), or ``vmap`` with two ``grad`` levels or more,
+    or ``grad`` and ``jvp``, and no such tangent (:data:`_TWICE`, or
+    :data:`_TWICE_FORWARD` with a ``jvp``: a second derivative may be taken);
+    else ``(None, None)``."""
     if _F is None or not hasattr(_F, "get_interpreter_stack"):
-        return None, False
+        return None, None
     grads = jvps = 0
     for i in _stack():
         key = i.key()
@@ -261,8 +294,6 @@ def _bases(args):
             jvps += 1
         elif key != _VMAP:
             return None, False
-    if grads > 1 or (grads and jvps):
-        return None, False
     fwad = torch.autograd.forward_ad
     first, tangent = None, False
     for a in args:
@@ -271,12 +302,19 @@ def _bases(args):
             if first is None:
                 first = below
             if below.requires_grad:
-                return None, False
+                return None, None
             if fwad._current_level >= 0 and fwad.unpack_dual(below).tangent is not None:
                 if grads:
-                    return None, False
+                    return None, None
                 tangent = True
-    return first, bool(jvps or tangent)
+    if grads > 1 or (grads and jvps):
+        return first, (_TWICE_FORWARD if jvps else _TWICE)
+    return first, (_FORWARD if jvps or tangent else _REVERSE)
+
+
+def under_grad() -> bool:
+    """Whether a ``grad`` transform (``grad``, ``vjp``, ``jacrev``) is in place."""
+    return _F is not None and hasattr(_F, "get_interpreter_stack") and any(i.key() == _GRAD for i in _stack())
 
 
 def base(t):

@@ -118,7 +118,8 @@ accumulation dtype) of the largest tensor among the arguments for which
 
 
 def zero_tangents(args):
-    """`args`, where forward mode is on (``jvp``, ``forward_ad``) and no tensor
+    """`args`, where forward mode is on (``jvp``, ``forward_ad``) with no ``grad``
+    transform in place and no tensor
     among them has more than :data:`ZERO_TANGENT_MAX` elements, with each
     floating tensor that carries no tangent (a weight, a bias, rotary's cos and
     sin) made dual with a zero tangent; else `args` as they are. Where a tensor
@@ -132,8 +133,14 @@ def zero_tangents(args):
     1.42-1.46x under ``jvp`` there, hence its elements count twice), rotary
     ``[1, 64, 8, 64]`` 0.18-0.37x (measured, docs/BENCHMARKS.md session 111).
     A zero tangent adds nothing to the result's where the other factor is
-    finite."""
-    if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
+    finite. Not under a ``grad`` transform (``jvp(grad(f))``, ``hessian``):
+    there the input's ``grad`` wrapper shows no tangent (it is below the
+    wrapper), so it was made dual too and each op's tangent formula ran again
+    on the wrappers, and a weight's zero tangent made the backward's formulas
+    carry tangents through every op (``jvp(grad(f))`` of rms_norm ``[8, 64]``
+    dispatched 772 ops with them, 189 without; torch's own 187; 3.5-4x the
+    time, docs/BENCHMARKS.md session 113)."""
+    if _fwad._current_level < 0 or torch.is_inference_mode_enabled() or _func.under_grad():
         return args
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors or max(a.numel() * (2 if a.dtype == torch.float64 else 1) for a in tensors) > ZERO_TANGENT_MAX:

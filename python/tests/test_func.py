@@ -510,18 +510,18 @@ def test_forward_mode_alone_runs_torchs_own_op(name, how, monkeypatch):
 
 
 def test_second_derivatives_and_forward_over_reverse_keep_the_torch_op_version(monkeypatch):
-    """Forward mode with a gradient beside it (``hessian``, a tangent of a
-    tensor that requires a gradient), float64, and layer_norm in forward mode
-    (torch's jvp of it overflowed in float16, and was no faster in float32)
-    keep the torch-op version Keel writes out: torch's double backward of the
-    norms was slower there."""
+    """A second derivative other than on float32 (``hessian`` in float64), a
+    tangent of a tensor that requires a gradient, float64, and layer_norm in
+    forward mode (torch's jvp of it overflowed in float16, and was no faster
+    in float32) keep the torch-op version Keel writes out
+    (test_func_second_order: float32 second derivatives)."""
     monkeypatch.undo()
     seen = []
     for name in ("layer_norm", "softmax"):
         ref = getattr(_twice, name)
         monkeypatch.setattr(_twice, name, lambda *a, ref=ref, name=name: seen.append(name) or ref(*a))
     x, w = torch.randn(3, 8), torch.randn(8)
-    hessian(lambda x: keel.layer_norm(x, w, w).sin().sum())(x)
+    hessian(lambda x: keel.layer_norm(x, w.double(), w.double()).sin().sum())(x.double())
     half = x.to(torch.float16)
     torch.func.jvp(lambda x: keel.layer_norm(x, None, None), (half,), (half,))
     torch.func.jvp(lambda x: keel.layer_norm(x, w, w), (x,), (x,))
