@@ -111,8 +111,13 @@ def _native_softmax(x, scale=1.0):
 
 
 def _native_cross_entropy(logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None):
+    if weight is not None:
+        # Class weights that nothing differentiates (:data:`_NATIVE_REFUSES`);
+        # a zero tangent that ``_twice.zero_tangents`` gave them is dropped:
+        # torch's ``nll_loss`` has no derivative in them.
+        weight = torch.autograd.forward_ad.unpack_dual(weight).primal
     return F.cross_entropy(
-        logits, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
+        logits, target, weight, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing
     )
 
 
@@ -152,7 +157,7 @@ _NATIVE_REFUSES = {
         logits.dtype != torch.float32
         or not isinstance(target, torch.Tensor)
         or target.dtype not in (torch.float32, torch.int64)
-        or (len(rest) > 3 and rest[3] is not None)
+        or (len(rest) > 3 and rest[3] is not None and not _constant(rest[3]))
     ),
 }
 """Op name -> whether torch's own op (:data:`NATIVE`) would not give Keel's
@@ -161,8 +166,35 @@ rms_norm's ``round_before_weight``, which torch's op does not have; a softmax
 ``scale`` other than 1 in a half dtype, where ``x * scale`` would round before
 the softmax (Keel scales in float32); cross-entropy other than on float32
 logits (torch's ``log_softmax`` rounds to a half dtype, Keel's accumulates in
-float32), or with class weights (torch's ``nll_loss`` is not differentiable in
-them)."""
+float32), or with class weights that a transform or autograd differentiates
+(torch's ``nll_loss`` is not differentiable in them: :func:`_constant`)."""
+
+
+def _constant(t) -> bool:
+    """Whether tensor `t` is a constant to every transform and to autograd: each
+    of its functorch wrappers one that a ``grad`` level put on a tensor it does
+    not differentiate (not requiring a gradient there; ``grad`` wraps every
+    tensor an op takes) or the innermost ``jvp`` level on one without a tangent,
+    none of ``vmap`` (examples), and below them no gradient required nor
+    forward-mode tangent carried."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    stack = _stack() if wrapped(t) else []
+    kinds = {i.level(): i.key() for i in stack}
+    while _F is not None and _F.is_functorch_wrapped_tensor(t):
+        level = _F.maybe_get_level(t)
+        if _F.is_batchedtensor(t) or t.requires_grad:
+            return False
+        if kinds.get(level) == _JVP:
+            # The innermost jvp lifts every tensor an op takes, with no tangent
+            # but its own primals' (shown there); a jvp's primal below an
+            # inner grad shows none, so a jvp wrapper there counts as one.
+            if level != stack[-1].level() or torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+                return False
+        elif kinds.get(level) != _GRAD:
+            return False
+        t = _F.get_unwrapped(t)
+    return not _tracked_outside(t)
 
 _FORWARD_REFUSES = {"layer_norm"}
 """The ops whose torch's own op (:data:`NATIVE`) does not serve forward mode
@@ -200,9 +232,9 @@ def route(op, args, functions=True):
     In forward mode alone (``jvp``, ``jacfwd``, or the tangents of
     ``torch.autograd.forward_ad``; ``vmap`` beside them, nothing requiring a
     gradient below the wrappers: :func:`_bases`), torch's own op at
-    every size, under the same rules and :data:`_FORWARD_REFUSES` (not
-    layer_norm): it carries the tangents itself, where the torch-op version
-    runs more of torch's ops (written-out / torch's op, ``jvp``: softmax
+    every size, under the same rules, :data:`_FORWARD_REFUSES` (not
+    layer_norm) and :data:`_FORWARD_ALONE_REFUSES`: it carries the tangents
+    itself, where the torch-op version runs more of torch's ops (written-out / torch's op, ``jvp``: softmax
     ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
     1.25-1.45x; fused_add_rms_norm 1.1-1.2x; cross-entropy even; measured in
     one process, docs/BENCHMARKS.md session 110).
@@ -215,7 +247,8 @@ def route(op, args, functions=True):
     computes in them, 1e-2 of layer_norm's off in bfloat16). ``grad(grad(f))``
     through torch's own op / the torch-op version, float32: layer_norm ``[512,
     512]`` 0.59-0.66, ``[64, 512]`` 0.76-0.97, softmax 0.82-0.88, the others
-    within the noise (measured, docs/BENCHMARKS.md session 113).
+    within the noise; cross-entropy with constant class weights 0.54-0.85 on
+    ``[8, 64]`` and ``[64, 512]`` (measured, docs/BENCHMARKS.md session 113).
     layer_norm's ``jvp(grad(f))`` was 1.1-1.3x slower through torch's op there,
     as its forward mode alone was no faster.
 
@@ -238,6 +271,8 @@ def route(op, args, functions=True):
     if mode == _FORWARD:
         if entry is None or not _native_serves(name, first, args) or name in _FORWARD_REFUSES:
             return None, None
+        if _FORWARD_ALONE_REFUSES.get(name, _never)(*args):
+            return None, None
         return None, entry[0]
     elements = first.numel()
     if entry is not None and _native_serves(name, first, args):
@@ -246,6 +281,20 @@ def route(op, args, functions=True):
     least = CUDA_MIN_ELEMENTS if first.is_cuda else MIN_ELEMENTS.get(name, 0)
     return (function if function is not None and elements >= least else None), None
 
+
+_FORWARD_ALONE_REFUSES = {
+    # Class weights with label smoothing: torch's op takes its smoothing term's
+    # tangent through an efficient zero tensor (``prims::mul``, session 112);
+    # the torch-op version was 1.5-2.7x faster on [8, 64] and [64, 512] under
+    # jvp and forward_ad (0.85-1.17x on [256, 1024]; session 113). With weights
+    # alone torch's op was 2-3x faster.
+    "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: (
+        weight is not None and label_smoothing != 0
+    ),
+}
+"""Op name -> whether torch's own op (:data:`NATIVE`) does not serve these
+arguments in forward mode alone (:func:`route`), though it serves them
+elsewhere."""
 
 _REVERSE, _FORWARD, _TWICE, _TWICE_FORWARD = "reverse", "forward", "twice", "twice, forward"
 """The kinds of transform stacks that :func:`_bases` tells apart."""

@@ -379,6 +379,14 @@ def cross_entropy(
     if weight is not None and isinstance(logits, Tensor):  # else the op refuses the logits
         _ce_forms.check(_CE, logits, weight, label_smoothing, reduction, _ce_forms.classes(logits))
         try:
+            if _transformed():
+                # The op cross_entropy itself, which takes the weights: its
+                # Function, torch's own op (weights that nothing differentiates)
+                # or the loss written out, without the log-sum-exp that
+                # cross_entropy_with_lse would find and this call drop.
+                weight = weight.contiguous().to(ce_weight_dtype(logits, target))
+                args = (logits.contiguous(), target.contiguous(), ignore_index, label_smoothing, reduction, weight)
+                return _call(_cross_entropy, _CROSS_ENTROPY, _twice.cross_entropy_loss, *args)
             return _as_cross_entropy(_ce_forms.weighted, logits, target, weight, ignore_index, label_smoothing, reduction)[0]
         except _PREPARING as err:
             # A target that is no tensor (None, a list) failed in the form's

@@ -431,8 +431,10 @@ def test_softmax_and_cross_entropy_take_their_function_from_natives_size_on(name
 def test_torchs_own_softmax_and_cross_entropy_serve_only_where_they_give_keels_result(monkeypatch):
     """A softmax scale other than 1 in bf16 (``x * scale`` would round first),
     cross-entropy on bf16 logits (torch's log_softmax rounds to bf16) or with
-    class weights (torch's nll_loss is not differentiable in them), and float64
-    keep the torch-op version Keel writes out, typed and bare."""
+    class weights that a transform differentiates (torch's nll_loss is not
+    differentiable in them), and float64 keep the torch-op version Keel writes
+    out, typed and bare; constant class weights take torch's op
+    (test_func_class_weights)."""
     monkeypatch.undo()
     seen = []
     from keel import _torch_version
@@ -447,9 +449,9 @@ def test_torchs_own_softmax_and_cross_entropy_serve_only_where_they_give_keels_r
     grad(lambda x: keel.softmax(x, 0.5).float().sum())(bf)
     grad(lambda x: keel.softmax(x).sum())(x.double())
     grad(lambda x: keel.cross_entropy(x, _TARGET).float())(bf)
-    grad(lambda x: keel.cross_entropy(x, _TARGET, weight=w))(x)
-    grad(lambda x: torch.ops.keel.cross_entropy(x, _TARGET, -100, 0.0, "mean", w))(x)
-    assert seen == ["softmax", "softmax", "cross_entropy_loss", "cross_entropy", "bare"]
+    grad(lambda x, w: keel.cross_entropy(x, _TARGET, weight=w), (0, 1))(x, w)
+    grad(lambda x, w: torch.ops.keel.cross_entropy(x, _TARGET, -100, 0.0, "mean", w), (0, 1))(x, w)
+    assert seen == ["softmax", "softmax", "cross_entropy_loss", "cross_entropy_loss", "bare"]
     seen.clear()
     grad(lambda x: keel.softmax(x).float().sum())(bf)
     grad(lambda x: keel.softmax(x, 0.5).sum())(x)
