@@ -1,10 +1,12 @@
 """torch.func through Keel's kernels: time of ``vjp`` and of per-example gradients
 (``vmap(grad(...))``), Keel's typed API against torch's own ops, in one process.
 
-Rows: ``vjp`` of each norm on ``[rows, hidden]`` (the pullback applied once), and
+Rows: ``vjp`` of each norm on ``[rows, hidden]`` (the pullback applied once),
 the per-example input and weight gradients of ``sum(norm(x_i, w) * t)`` over a
-batch of examples with a shared weight. Calls interleaved, best of `--reps`,
-float32, on `--device` (CUDA calls synchronised).
+batch of examples with a shared weight, and a Hessian-vector product
+(``jvp(grad(...))``) of ``sum((norm(x, w) * t)^2)`` on a small ``[64, 512]``.
+Calls interleaved, best of `--reps`, float32, on `--device` (CUDA calls
+synchronised).
 
     python examples/func_transforms.py [--rows 4096] [--hidden 4096] [--reps 7] [--device cpu]
 """
@@ -13,7 +15,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.func import grad, vjp, vmap
+from torch.func import grad, jvp, vjp, vmap
 
 import keel
 
@@ -51,6 +53,11 @@ def _per_example(norm, x, w, t):
     return lambda: f(x, w)
 
 
+def _hvp(norm, x, w, t, v):
+    loss = grad(lambda x: (norm(x, w) * t).square().sum())
+    return lambda: jvp(loss, (x,), (v,))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4096)
@@ -77,6 +84,10 @@ def main():
             xb, t, wb = randn(b, s, c), randn(s, c), randn(c)
             k, r = _best([_per_example(ours, xb, wb, t), _per_example(theirs, xb, wb, t)], args.reps, sync)
             print(f"{f'per-example grads {name} {b} x [{s}, {c}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
+        r_, c = min(args.rows, 64), min(h, 512)
+        xs, t, v, ws = randn(r_, c), randn(r_, c), randn(r_, c), randn(c)
+        k, r = _best([_hvp(ours, xs, ws, t, v), _hvp(theirs, xs, ws, t, v)], args.reps, sync)
+        print(f"{f'hessian-vector product {name} [{r_}, {c}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
 
 
 if __name__ == "__main__":

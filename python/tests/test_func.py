@@ -681,4 +681,4 @@ def test_the_timing_example_runs():
         timeout=300,
         check=True,
     ).stdout
-    assert out.count("x\n") == 6, out
+    assert out.count("x\n") == 8, out
