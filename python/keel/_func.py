@@ -206,6 +206,32 @@ finite, test_ops_differential), and on float32 rows, centred first
 1.06-1.10x; measured, session 110)."""
 
 
+_FORWARD_ALONE_REFUSES = {
+    # Class weights with label smoothing: torch's op takes its smoothing term's
+    # tangent through an efficient zero tensor (``prims::mul``, session 112);
+    # the torch-op version was 1.5-2.7x faster on [8, 64] and [64, 512] under
+    # jvp and forward_ad (0.85-1.17x on [256, 1024]; session 113). With weights
+    # alone torch's op was 2-3x faster.
+    "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: (
+        weight is not None and label_smoothing != 0
+    ),
+}
+"""Op name -> whether torch's own op (:data:`NATIVE`) does not serve these
+arguments in forward mode alone (:func:`route`), though it serves them
+elsewhere."""
+
+_REVERSE, _FORWARD, _TWICE, _TWICE_FORWARD = "reverse", "forward", "twice", "twice, forward"
+"""The kinds of transform stacks that :func:`_bases` tells apart."""
+
+_TWICE_REFUSES = {
+    # A bias without a weight: torch's double backward raises where the bias is
+    # differentiated too ("Expected a proper Tensor but got None", torch 2.15).
+    "layer_norm": lambda x, weight=None, bias=None, *rest: weight is None and bias is not None,
+}
+"""Op name -> whether torch's own op (:data:`NATIVE`) cannot take a second
+derivative on these arguments (:func:`route`)."""
+
+
 def route(op, args, functions=True):
     """Which version of Keel's op `op` (an overload) serves a call on `args`
     under torch.func now, in place of the torch-op version Keel writes out:
@@ -234,8 +260,8 @@ def route(op, args, functions=True):
     gradient below the wrappers: :func:`_bases`), torch's own op at
     every size, under the same rules, :data:`_FORWARD_REFUSES` (not
     layer_norm) and :data:`_FORWARD_ALONE_REFUSES`: it carries the tangents
-    itself, where the torch-op version runs more of torch's ops (written-out / torch's op, ``jvp``: softmax
-    ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
+    itself, where the torch-op version runs more of torch's ops (written-out /
+    torch's op, ``jvp``: softmax ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
     1.25-1.45x; fused_add_rms_norm 1.1-1.2x; cross-entropy even; measured in
     one process, docs/BENCHMARKS.md session 110).
 
@@ -282,32 +308,6 @@ def route(op, args, functions=True):
     return (function if function is not None and elements >= least else None), None
 
 
-_FORWARD_ALONE_REFUSES = {
-    # Class weights with label smoothing: torch's op takes its smoothing term's
-    # tangent through an efficient zero tensor (``prims::mul``, session 112);
-    # the torch-op version was 1.5-2.7x faster on [8, 64] and [64, 512] under
-    # jvp and forward_ad (0.85-1.17x on [256, 1024]; session 113). With weights
-    # alone torch's op was 2-3x faster.
-    "cross_entropy": lambda logits, target, ignore_index=-100, label_smoothing=0.0, reduction="mean", weight=None: (
-        weight is not None and label_smoothing != 0
-    ),
-}
-"""Op name -> whether torch's own op (:data:`NATIVE`) does not serve these
-arguments in forward mode alone (:func:`route`), though it serves them
-elsewhere."""
-
-_REVERSE, _FORWARD, _TWICE, _TWICE_FORWARD = "reverse", "forward", "twice", "twice, forward"
-"""The kinds of transform stacks that :func:`_bases` tells apart."""
-
-_TWICE_REFUSES = {
-    # A bias without a weight: torch's double backward raises where the bias is
-    # differentiated too ("Expected a proper Tensor but got None", torch 2.15).
-    "layer_norm": lambda x, weight=None, bias=None, *rest: weight is None and bias is not None,
-}
-"""Op name -> whether torch's own op (:data:`NATIVE`) cannot take a second
-derivative on these arguments (:func:`route`)."""
-
-
 def _native_serves(name, first, args) -> bool:
     """Whether torch's own op (:data:`NATIVE`) gives op `name`'s result on
     `args`, whose first tensor below its wrappers is `first`: not float64, and
@@ -342,7 +342,7 @@ def _bases(args):
         elif key == _JVP:
             jvps += 1
         elif key != _VMAP:
-            return None, False
+            return None, None
     fwad = torch.autograd.forward_ad
     first, tangent = None, False
     for a in args:

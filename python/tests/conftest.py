@@ -108,3 +108,15 @@ class DispatchedOps:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+def torchs_op_calls(monkeypatch, name):
+    """A list that gets an entry (`name`) for each call of torch's own op where it
+    serves Keel's op `name` (``keel._func.NATIVE``) from now on in the test."""
+    from keel import _func
+
+    monkeypatch.undo()
+    calls = []
+    native, least = _func.NATIVE[name]
+    monkeypatch.setitem(_func.NATIVE, name, (lambda *a: calls.append(name) or native(*a), least))
+    return calls

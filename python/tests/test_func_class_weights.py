@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.func import grad, jacfwd, jvp, vmap
 
 import keel
-from keel import _func
+from conftest import torchs_op_calls
 
 _TARGET = torch.tensor([3, -100, 0, 31, 7, -100])
 _KW = [{}, {"label_smoothing": 0.2}, {"reduction": "sum"}, {"reduction": "none", "label_smoothing": 0.1}]
@@ -21,16 +21,6 @@ def _inputs():
     w = torch.rand(32, generator=gen, dtype=torch.float64) + 0.1
     v = torch.randn(6, 32, generator=gen, dtype=torch.float64)
     return x, w, v
-
-
-def _record_torchs_op(monkeypatch):
-    """A list that gets an entry for each call of torch's own cross-entropy
-    where it serves Keel's (``_func.NATIVE``)."""
-    monkeypatch.undo()
-    served = []
-    native, least = _func.NATIVE["cross_entropy"]
-    monkeypatch.setitem(_func.NATIVE, "cross_entropy", (lambda *a: served.append(1) or native(*a), least))
-    return served
 
 
 def _loss(ce, w, kw):
@@ -54,7 +44,7 @@ def test_constant_class_weights_run_torchs_own_op(kw, how, monkeypatch):
     serves (not in forward mode alone with label smoothing, where the torch-op
     version was faster), and the result is the float64 definition's within
     1e-5 of its largest term."""
-    served = _record_torchs_op(monkeypatch)
+    served = torchs_op_calls(monkeypatch, "cross_entropy")
     x, w, v = _inputs()
     got = _TRANSFORMS[how](_loss(keel.cross_entropy, w.float(), kw), x.float(), v.float())
     want = _TRANSFORMS[how](_loss(F.cross_entropy, w, kw), x, v)
@@ -66,7 +56,7 @@ def test_constant_class_weights_run_torchs_own_op(kw, how, monkeypatch):
 def test_forward_mode_with_constant_class_weights_runs_torchs_own_op(monkeypatch):
     """``torch.autograd.forward_ad`` with class weights that carry no tangent:
     torch's own op, the definition's tangent."""
-    served = _record_torchs_op(monkeypatch)
+    served = torchs_op_calls(monkeypatch, "cross_entropy")
     x, w, v = _inputs()
     fwad = torch.autograd.forward_ad
     with fwad.dual_level():
@@ -91,7 +81,7 @@ def test_class_weights_that_a_transform_differentiates_keep_the_torch_op_version
     """Weights that a transform differentiates or batches: the torch-op version
     Keel writes out (torch's ``nll_loss`` has no derivative in them), with the
     definition's values, the weights' derivative included."""
-    served = _record_torchs_op(monkeypatch)
+    served = torchs_op_calls(monkeypatch, "cross_entropy")
     x, w, v = _inputs()
 
     def define(x, w):

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch.func import grad, hessian, jvp
 
 import keel
-from conftest import DispatchedOps
-from keel import _func, _twice
+from conftest import DispatchedOps, torchs_op_calls
+from keel import _twice
 
 ROWS, HIDDEN = 4, 16
 
@@ -70,10 +70,7 @@ def test_float32_second_derivatives_run_torchs_own_op(name, how, monkeypatch):
     layer_norm's with a ``jvp``: the torch-op version, as in forward mode
     alone), against the float64 definition's (float32 tolerance: 1e-4 of the
     largest term)."""
-    monkeypatch.undo()
-    served = []
-    native, least = _func.NATIVE[name]
-    monkeypatch.setitem(_func.NATIVE, name, (lambda *a: served.append(name) or native(*a), least))
+    served = torchs_op_calls(monkeypatch, name)
     x, w, b, r, c, v, t = _inputs()
     mine, want = _losses(*(a.float() for a in (w, b, r, c)), t)[name][0], _losses(w, b, r, c, t)[name][1]
     got = _second(how, mine, x.float(), v.float())
