@@ -60,9 +60,13 @@ def run(op, twin, name, args):
     requiring a gradient) rms_norm, fused_add_rms_norm, softmax and
     cross-entropy do. The torch-op version carries the tangents and records a
     reverse graph where grad mode is on and an argument requires a gradient
-    (forward-over-reverse works)."""
+    (forward-over-reverse works). Rotary embedding with a tangent on ``x``
+    alone is the op on the primal and on the tangent
+    (``_twice.rotary_tangent``)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
     native = _func.route(op, args, functions=False)[1]
+    if op._schema.name == _twice.ROTARY and (out := _twice.rotary_tangent(args, twin)) is not None:
+        return out
     args = _twice.zero_tangents(args)
     if native is not None:
         return native(*args)

@@ -108,6 +108,8 @@ def through_torch(fn, op, twin, ref, *args):
     else:
         native = _func.route(op, args)[1]
     _check_on_meta(fn, twin, op, args)
+    if op._schema.name == ROTARY and (out := rotary_tangent(args, lambda *a: fn(twin, *a))) is not None:
+        return out
     return (native or ref)(*zero_tangents(args))
 
 
@@ -151,6 +153,38 @@ def zero_tangents(args):
         else a
         for a in args
     )
+
+
+ROTARY = "keel::rotary_embedding"
+"""The op that :func:`rotary_tangent` serves."""
+
+
+def rotary_tangent(args, kernel):
+    """Rotary embedding in forward mode where only ``x`` carries a tangent (cos
+    and sin none) and nothing requires a gradient; else None. The op is linear
+    in ``x``, so the output's tangent is the op on ``x``'s tangent: with no
+    ``torch.func`` transform in place both run through Keel's kernel
+    (`kernel(x, cos, sin, interleaved)`), else through :func:`rotary`. This
+    carries no tangent for cos and sin: a zero one (:func:`zero_tangents`)
+    would make the tangent NaN wherever ``x`` holds an inf (``0 * inf``), where
+    the derivative, ``cos`` and ``sin`` themselves, is finite; and the
+    zero-tensor path that a plain cos and sin take instead costs a Python meta
+    call per op (docs/BENCHMARKS.md sessions 111 and 114)."""
+    x, cos, sin = args[:3]
+    if (
+        _fwad._current_level < 0
+        or torch.is_inference_mode_enabled()
+        or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
+        or _fwad.unpack_dual(cos).tangent is not None
+        or _fwad.unpack_dual(sin).tangent is not None
+        or _func.under_grad()
+    ):
+        return None
+    primal, tangent = _fwad.unpack_dual(x)
+    if tangent is None:
+        return None
+    run = rotary if functorch_on() else kernel
+    return _fwad.make_dual(run(primal, *args[1:]), run(tangent, *args[1:]))
 
 
 def _zero_dual(a):

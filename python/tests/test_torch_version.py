@@ -130,7 +130,9 @@ _TYPED = {
 def test_forward_mode_runs_no_kernel_on_the_primals(name):
     """With a tangent, Keel's kernel is not run on the primals as well (its
     values would be thrown away: the torch-op version or torch's own op gives
-    them); its checks run on meta stand-ins."""
+    them); its checks run on meta stand-ins. Rotary with a tangent on ``x``
+    alone is the exception: linear in ``x``, its output and tangent are the
+    kernel's on the primal and on the tangent (``_twice.rotary_tangent``)."""
     if name.startswith("typed "):
         x, w, b = _t(3, 6, seed=1), _t(6, seed=2), _t(6, seed=3)
         op, args = _TYPED[name[len("typed ") :]], (x, w, b)
@@ -143,7 +145,11 @@ def test_forward_mode_runs_no_kernel_on_the_primals(name):
         with DispatchedOps() as mode:
             outs = _outputs(op(*dual))
         assert fwAD.unpack_dual(outs[0]).tangent is not None, name
-    assert [op for op in mode.on_data if op.startswith("keel.")] == [], name
+    kernels = [op for op in mode.on_data if op.startswith("keel.")]
+    if name in ("rotary_embedding", "typed rotary_embedding"):
+        assert kernels == ["keel._rotary_embedding_nograd.default"] * 2, name
+    else:
+        assert kernels == [], name
 
 
 _SCALAR_CASES = {
@@ -360,3 +366,80 @@ def test_bare_norms_keep_the_torch_op_version_for_float64_round_before_weight_an
     torch.func.grad(lambda x: ops.layer_norm(x, None, w).sum())(x)
     torch.func.grad(lambda x: ops.rms_norm(x, w, 1e-6, False).sum())(x)
     assert seen == []
+
+
+def _rotary_inputs(seed, shape=(1, 3, 2, 8), half=3, inf=True):
+    x = _t(*shape, seed=seed)
+    if inf:
+        x[0, 1, 0, 1] = float("inf")  # its partner's tangent too: x[..., 1 + half] pairs with it
+    return x, _t(shape[1], half, seed=seed + 1), _t(shape[1], half, seed=seed + 2), _t(*shape, seed=seed + 3)
+
+
+_ROTARY_CALLS = {
+    "typed": lambda x, c, s, i: keel.rotary_embedding(x, c, s, i),
+    "bare": lambda x, c, s, i: ops.rotary_embedding(x, c, s, i),
+}
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("call", list(_ROTARY_CALLS))
+@pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
+@pytest.mark.parametrize("shape", [(1, 3, 2, 8), (2, 128, 8, 64)], ids=["small", "past the zero-tangent bound"])
+def test_forward_mode_rotary_tangent_is_the_rotation_of_the_tangent(shape, mode, call, interleaved):
+    """rotary_embedding is linear in ``x``: where only ``x`` carries a tangent
+    its output's tangent is the rotation of that tangent, finite wherever
+    ``cos`` and ``sin`` are, an inf in ``x`` included (a zero tangent given to
+    cos and sin made it NaN there: ``0 * inf``), at every size; the primal is
+    the kernel's. Against Keel's kernel on the tangent, float64."""
+    x, c, s, v = _rotary_inputs(11, shape, shape[-1] // 2 - 1)
+    fn = _ROTARY_CALLS[call]
+    want = ops.rotary_embedding(x, c, s, interleaved)
+    want_t = ops.rotary_embedding(v, c, s, interleaved)
+    assert want_t.isfinite().all()
+    if mode == "jvp":
+        primal, tangent = torch.func.jvp(lambda z: fn(z, c, s, interleaved), (x,), (v,))
+    else:
+        with fwAD.dual_level():
+            primal, tangent = fwAD.unpack_dual(fn(fwAD.make_dual(x, v), c, s, interleaved))
+    torch.testing.assert_close(primal, want, atol=0, rtol=1e-12, equal_nan=True)
+    torch.testing.assert_close(tangent, want_t, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("call", list(_ROTARY_CALLS))
+def test_forward_ad_rotary_runs_the_kernel_on_primal_and_tangent(call):
+    """Under ``forward_ad`` alone (no ``torch.func`` transform) both the output
+    and its tangent come from Keel's kernel: its ``_nograd`` twin runs twice, and
+    no torch op of the written-out version (no ``cat``) does."""
+    x, c, s, v = _rotary_inputs(21, inf=False)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, v)
+        with torch.autograd.profiler.profile() as prof:
+            out = _ROTARY_CALLS[call](dual, c, s, False)
+        assert fwAD.unpack_dual(out).tangent is not None
+    names = [e.name for e in prof.function_events]
+    assert names.count("keel::_rotary_embedding_nograd") == 2, names
+    assert "aten::cat" not in names
+
+
+@pytest.mark.parametrize("requires", ["x", "cos"])
+def test_forward_mode_rotary_with_a_gradient_or_a_cos_tangent_keeps_the_written_out_version(requires):
+    """Where ``x`` also requires a gradient (forward-over-reverse) or ``cos``
+    carries a tangent too, rotary's torch-op version serves: its tangent and
+    the input's gradient against central differences and autograd."""
+    x, c, s, v = _rotary_inputs(31, inf=False)
+    ct = _t(*c.shape, seed=35)
+    h = 1e-6
+    with fwAD.dual_level():
+        if requires == "x":
+            xg = x.clone().requires_grad_()
+            out = keel.rotary_embedding(fwAD.make_dual(xg, v), c, s)
+            primal, tangent = fwAD.unpack_dual(out)
+            want_t = (keel.rotary_embedding(x + h * v, c, s) - keel.rotary_embedding(x - h * v, c, s)) / (2 * h)
+            (g,) = torch.autograd.grad(primal.sum(), xg)
+            torch.testing.assert_close(g, torch.autograd.grad(keel.rotary_embedding(xg, c, s).sum(), xg)[0])
+        else:
+            out = keel.rotary_embedding(fwAD.make_dual(x, v), fwAD.make_dual(c, ct), s)
+            tangent = fwAD.unpack_dual(out).tangent
+            hi = keel.rotary_embedding(x + h * v, c + h * ct, s)
+            want_t = (hi - keel.rotary_embedding(x - h * v, c - h * ct, s)) / (2 * h)
+    torch.testing.assert_close(tangent, want_t, atol=1e-7, rtol=1e-6)
