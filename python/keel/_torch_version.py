@@ -62,11 +62,12 @@ def run(op, twin, name, args):
     reverse graph where grad mode is on and an argument requires a gradient
     (forward-over-reverse works). Rotary embedding with a tangent on ``x``
     alone is the op on the primal and on the tangent
-    (``_twice.rotary_tangent``)."""
+    (``_twice.rotary_parts``)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
+    parts = _twice.rotary_parts(op, args)
+    if parts is not None:
+        return _twice.rotary_dual(parts, args, twin)
     native = _func.route(op, args, functions=False)[1]
-    if op._schema.name == _twice.ROTARY and (out := _twice.rotary_tangent(args, twin)) is not None:
-        return out
     args = _twice.zero_tangents(args)
     if native is not None:
         return native(*args)

@@ -97,19 +97,21 @@ def through_torch(fn, op, twin, ref, *args):
       works), after the checks on meta stand-ins (not Keel's kernel on the
       primals: its values would be thrown away).
     """
-    if functorch_on():
-        if vmap_on_top():
-            return fn(op, *args)
-        function, native = _func.route(op, args)
-        if function is not None:
-            return fn(function, *args)
-    elif not has_tangent(args):
+    functorch = functorch_on()
+    if functorch and vmap_on_top():
         return fn(op, *args)
-    else:
-        native = _func.route(op, args)[1]
+    if not functorch and not has_tangent(args):
+        return fn(op, *args)
+    # Before ``route``, which it makes needless (a stack walk, 22 us a call).
+    parts = rotary_parts(op, args)
+    native = None
+    if parts is None:
+        function, native = _func.route(op, args)
+        if functorch and function is not None:
+            return fn(function, *args)
     _check_on_meta(fn, twin, op, args)
-    if op._schema.name == ROTARY and (out := rotary_tangent(args, lambda *a: fn(twin, *a))) is not None:
-        return out
+    if parts is not None:
+        return rotary_dual(parts, args, lambda *a: fn(twin, *a))
     return (native or ref)(*zero_tangents(args))
 
 
@@ -156,20 +158,22 @@ def zero_tangents(args):
 
 
 ROTARY = "keel::rotary_embedding"
-"""The op that :func:`rotary_tangent` serves."""
+"""The op that :func:`rotary_parts` serves."""
 
 
-def rotary_tangent(args, kernel):
-    """Rotary embedding in forward mode where only ``x`` carries a tangent (cos
-    and sin none) and nothing requires a gradient; else None. The op is linear
-    in ``x``, so the output's tangent is the op on ``x``'s tangent: with no
-    ``torch.func`` transform in place both run through Keel's kernel
-    (`kernel(x, cos, sin, interleaved)`), else through :func:`rotary`. This
-    carries no tangent for cos and sin: a zero one (:func:`zero_tangents`)
-    would make the tangent NaN wherever ``x`` holds an inf (``0 * inf``), where
-    the derivative, ``cos`` and ``sin`` themselves, is finite; and the
-    zero-tensor path that a plain cos and sin take instead costs a Python meta
-    call per op (docs/BENCHMARKS.md sessions 111 and 114)."""
+def rotary_parts(op, args):
+    """``x``'s primal and tangent where `op` is rotary embedding in forward mode
+    with a tangent on ``x`` alone (cos and sin none) and nothing requiring a
+    gradient; else None. There the op is linear in ``x``, so the output's
+    tangent is the op on ``x``'s tangent (:func:`rotary_dual`). That carries no
+    tangent for cos and sin: a zero one (:func:`zero_tangents`) would make the
+    tangent NaN wherever ``x`` holds an inf (``0 * inf``), where the
+    derivative, ``cos`` and ``sin`` themselves, is finite; and the zero-tensor
+    path that a plain cos and sin take instead costs a Python meta call per op
+    (docs/BENCHMARKS.md sessions 111 and 114). Where it serves, ``_func.route``
+    gives no Function nor torch op (there is a tangent, and torch has no rotary)."""
+    if op._schema.name != ROTARY:
+        return None
     x, cos, sin = args[:3]
     if (
         _fwad._current_level < 0
@@ -181,9 +185,17 @@ def rotary_tangent(args, kernel):
     ):
         return None
     primal, tangent = _fwad.unpack_dual(x)
-    if tangent is None:
-        return None
+    return None if tangent is None else (primal, tangent)
+
+
+def rotary_dual(parts, args, kernel):
+    """The output of rotary embedding on `args` from :func:`rotary_parts`'
+    `parts`: the op on the primal, dual with the op on the tangent. With no
+    ``torch.func`` transform in place both run through Keel's kernel
+    (`kernel(x, cos, sin, interleaved)`), else through :func:`rotary` (Keel's
+    kernel does not run on functorch's wrappers)."""
     run = rotary if functorch_on() else kernel
+    primal, tangent = parts
     return _fwad.make_dual(run(primal, *args[1:]), run(tangent, *args[1:]))
 
 

@@ -132,7 +132,7 @@ def test_forward_mode_runs_no_kernel_on_the_primals(name):
     values would be thrown away: the torch-op version or torch's own op gives
     them); its checks run on meta stand-ins. Rotary with a tangent on ``x``
     alone is the exception: linear in ``x``, its output and tangent are the
-    kernel's on the primal and on the tangent (``_twice.rotary_tangent``)."""
+    kernel's on the primal and on the tangent (``_twice.rotary_parts``)."""
     if name.startswith("typed "):
         x, w, b = _t(3, 6, seed=1), _t(6, seed=2), _t(6, seed=3)
         op, args = _TYPED[name[len("typed ") :]], (x, w, b)
