@@ -718,16 +718,7 @@ def test_the_op_takes_class_weights_with_probabilities(device, reduction):
             torch.testing.assert_close(lse.double(), torch.logsumexp(x.double(), -1), atol=1e-5, rtol=1e-5)
             plain = torch.ops.keel.cross_entropy(x, p, -100, ls, reduction, w)
             torch.testing.assert_close(plain, loss, atol=0, rtol=0)
-            for given in (None, lse):
-                dx = torch.ops.keel.cross_entropy_backward(g, x, p, -100, ls, reduction, given, w)
-                torch.testing.assert_close(dx.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
-            for op in (torch.ops.keel.cross_entropy, torch.ops.keel.cross_entropy_with_lse):
-                xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
-                out = op(xk, p, -100, ls, reduction, wk)
-                (out[0] if isinstance(out, tuple) else out).backward(g)
-                torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
-                scale = wr.grad.abs().max().item()
-                torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10 * scale, rtol=rtol * 2)
+            assert_weighted_gradients(g, x, p, w, ls, reduction, lse, xr.grad, wr.grad)
 
 
 @pytest.mark.parametrize("device", devices())
@@ -757,16 +748,25 @@ def test_the_op_takes_class_weights_with_class_indices(device, reduction):
             want_lse = torch.logsumexp(x.double(), -1) * (t != -100)
             torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(torch.ops.keel.cross_entropy(x, t, -100, ls, reduction, w), loss, atol=0, rtol=0)
-            for given in (None, lse):
-                dx = torch.ops.keel.cross_entropy_backward(g, x, t, -100, ls, reduction, given, w)
-                torch.testing.assert_close(dx.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
-            for op in (torch.ops.keel.cross_entropy, torch.ops.keel.cross_entropy_with_lse):
-                xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
-                out = op(xk, t, -100, ls, reduction, wk)
-                (out[0] if isinstance(out, tuple) else out).backward(g)
-                torch.testing.assert_close(xk.grad.double(), xr.grad, atol=atol * 2, rtol=rtol * 2)
-                scale = wr.grad.abs().max().item()
-                torch.testing.assert_close(wk.grad.double(), wr.grad, atol=atol * 10 * scale, rtol=rtol * 2)
+            assert_weighted_gradients(g, x, t, w, ls, reduction, lse, xr.grad, wr.grad)
+
+
+def assert_weighted_gradients(g, x, target, w, ls, reduction, lse, want_x, want_w):
+    """The logits' gradient from ``cross_entropy_backward`` (given `lse` and
+    without it), and the logits' and weights' from autograd through both
+    cross_entropy ops with weights `w`, against the float64 references
+    `want_x` and `want_w` (the weights' tolerance scales with their largest)."""
+    atol, rtol = TOL[x.dtype]
+    for given in (None, lse):
+        dx = torch.ops.keel.cross_entropy_backward(g, x, target, -100, ls, reduction, given, w)
+        torch.testing.assert_close(dx.double(), want_x, atol=atol * 2, rtol=rtol * 2)
+    for op in (torch.ops.keel.cross_entropy, torch.ops.keel.cross_entropy_with_lse):
+        xk, wk = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = op(xk, target, -100, ls, reduction, wk)
+        (out[0] if isinstance(out, tuple) else out).backward(g)
+        torch.testing.assert_close(xk.grad.double(), want_x, atol=atol * 2, rtol=rtol * 2)
+        scale = want_w.abs().max().item()
+        torch.testing.assert_close(wk.grad.double(), want_w, atol=atol * 10 * scale, rtol=rtol * 2)
 
 
 def class_weighted_loss(x, t, w, ls, reduction):
