@@ -361,6 +361,36 @@ def _bases(args):
     return first, (_FORWARD if jvps or tangent else _REVERSE)
 
 
+def forward_alone(args) -> bool:
+    """Whether forward mode's one level alone tracks `args`: no transform in
+    place (plain ``torch.autograd.forward_ad``), or ``jvp`` innermost with
+    only ``vmap`` beside it (``jacfwd``, ``vmap(jvp(f))``); and in grad mode
+    no layer of a tensor among `args` requires a gradient, nor does a tensor
+    below its functorch wrappers carry a tangent. There an op without autograd
+    run on the arguments (their ``jvp`` wrappers) loses nothing; elsewhere a
+    ``grad`` transform, an outer ``jvp``, ``forward_ad`` level or autograd graph
+    would lose its derivative through it."""
+    if _F is None or not hasattr(_F, "get_interpreter_stack"):
+        return False
+    stack = _stack()
+    if stack and (stack[-1].key() != _JVP or any(i.key() != _VMAP for i in stack[:-1])):
+        return False
+    grad = torch.is_grad_enabled()
+    for a in args:
+        if not isinstance(a, torch.Tensor):
+            continue
+        below = a
+        while True:
+            if grad and below.requires_grad:
+                return False
+            if not _F.is_functorch_wrapped_tensor(below):
+                break
+            below = _F.get_unwrapped(below)
+        if below is not a and torch.autograd.forward_ad.unpack_dual(below).tangent is not None:
+            return False
+    return True
+
+
 def under_grad() -> bool:
     """Whether a ``grad`` transform (``grad``, ``vjp``, ``jacrev``) is in place."""
     return _F is not None and hasattr(_F, "get_interpreter_stack") and any(i.key() == _GRAD for i in _stack())

@@ -61,8 +61,8 @@ def run(op, twin, name, args):
     cross-entropy do. The torch-op version carries the tangents and records a
     reverse graph where grad mode is on and an argument requires a gradient
     (forward-over-reverse works). Rotary embedding with a tangent on ``x``
-    alone is the op on the primal and on the tangent
-    (``_twice.rotary_parts``)."""
+    alone, which ``forward_ad`` or one ``jvp`` alone tracks, is Keel's kernel
+    on the primal and on the tangent (``_twice.rotary_parts``)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
     parts = _twice.rotary_parts(op, args)
     if parts is not None:

@@ -96,6 +96,9 @@ def through_torch(fn, op, twin, ref, *args):
       gradient), else `ref` (and a reverse graph, so forward-over-reverse
       works), after the checks on meta stand-ins (not Keel's kernel on the
       primals: its values would be thrown away).
+    - Rotary embedding with a tangent on ``x`` alone, under ``forward_ad`` or
+      one ``jvp`` (:func:`rotary_parts`): Keel's kernel on the primal and on
+      the tangent (:func:`rotary_dual`).
     """
     functorch = functorch_on()
     if functorch and vmap_on_top():
@@ -163,8 +166,10 @@ ROTARY = "keel::rotary_embedding"
 
 def rotary_parts(op, args):
     """``x``'s primal and tangent where `op` is rotary embedding in forward mode
-    with a tangent on ``x`` alone (cos and sin none) and nothing requiring a
-    gradient; else None. There the op is linear in ``x``, so the output's
+    with a tangent on ``x`` alone (cos and sin none) and forward mode's one
+    level alone tracking the arguments (:func:`_func.forward_alone`: nothing
+    requiring a gradient, no ``grad`` transform, one ``jvp`` at the most);
+    else None. There the op is linear in ``x``, so the output's
     tangent is the op on ``x``'s tangent (:func:`rotary_dual`). That carries no
     tangent for cos and sin: a zero one (:func:`zero_tangents`) would make the
     tangent NaN wherever ``x`` holds an inf (``0 * inf``), where the
@@ -178,10 +183,9 @@ def rotary_parts(op, args):
     if (
         _fwad._current_level < 0
         or torch.is_inference_mode_enabled()
-        or (torch.is_grad_enabled() and torch._C._any_requires_grad(*args))
         or _fwad.unpack_dual(cos).tangent is not None
         or _fwad.unpack_dual(sin).tangent is not None
-        or _func.under_grad()
+        or not _func.forward_alone(args)
     ):
         return None
     primal, tangent = _fwad.unpack_dual(x)
@@ -190,13 +194,14 @@ def rotary_parts(op, args):
 
 def rotary_dual(parts, args, kernel):
     """The output of rotary embedding on `args` from :func:`rotary_parts`'
-    `parts`: the op on the primal, dual with the op on the tangent. With no
-    ``torch.func`` transform in place both run through Keel's kernel
-    (`kernel(x, cos, sin, interleaved)`), else through :func:`rotary` (Keel's
-    kernel does not run on functorch's wrappers)."""
-    run = rotary if functorch_on() else kernel
+    `parts`: the op on the primal, dual with the op on the tangent, both
+    through Keel's kernel (`kernel(x, cos, sin, interleaved)`, the op's
+    ``_nograd`` twin). Under ``jvp`` they are its wrappers: the twin has no
+    autograd, so functorch takes them off and runs it below (the batching
+    rule under ``vmap(jvp(f))`` and ``jacfwd``), which loses nothing where
+    :func:`rotary_parts` served (no level below tracks them)."""
     primal, tangent = parts
-    return _fwad.make_dual(run(primal, *args[1:]), run(tangent, *args[1:]))
+    return _fwad.make_dual(kernel(primal, *args[1:]), kernel(tangent, *args[1:]))
 
 
 def _zero_dual(a):

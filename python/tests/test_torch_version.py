@@ -421,6 +421,74 @@ def test_forward_ad_rotary_runs_the_kernel_on_primal_and_tangent(call):
     assert "aten::cat" not in names
 
 
+_JVP_STACKS = {  # x and v stacked for vmap beforehand (stack runs cat)
+    "jvp": lambda f, x, v: torch.func.jvp(f, (x,), (v,)),
+    "vmap(jvp)": lambda f, x, v: torch.func.vmap(lambda a, b: torch.func.jvp(f, (a,), (b,)))(x, v),
+    "jacfwd": lambda f, x, v: (torch.func.jacfwd(f)(x),),
+}
+
+
+@pytest.mark.parametrize("stack", list(_JVP_STACKS))
+@pytest.mark.parametrize("call", list(_ROTARY_CALLS))
+def test_jvp_rotary_runs_the_kernel_on_primal_and_tangent(call, stack):
+    """Under ``jvp`` (``vmap`` beside it: ``jacfwd``) too, with a tangent on
+    ``x`` alone, the output and its tangent come from Keel's kernel on
+    functorch's wrappers (its ``_nograd`` twin; no ``cat`` of the
+    written-out version), with the written-out version's values, the
+    per-example ``cos`` of a ``vmap`` included."""
+    x, c, s, v = _rotary_inputs(23, inf=False)
+    fn = _ROTARY_CALLS[call]
+    run = _JVP_STACKS[stack]
+    if stack == "vmap(jvp)":
+        x, v = torch.stack([x, 2 * x]), torch.stack([v, -v])
+    with torch.autograd.profiler.profile() as prof:
+        got = run(lambda z: fn(z, c, s, False), x, v)
+    names = [e.name for e in prof.function_events]
+    assert names.count("keel::_rotary_embedding_nograd") >= 2, names
+    assert "aten::cat" not in names
+    want = run(lambda z: keel._twice.rotary(z, c, s, False), x, v)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+    if stack == "vmap(jvp)":
+        cs = torch.stack([c, c.flip(0)])
+        got = torch.func.vmap(lambda a, b, c: torch.func.jvp(lambda z: fn(z, c, s, False), (a,), (b,)))(x, v, cs)
+        for i in range(2):
+            torch.testing.assert_close(got[0][i], ops.rotary_embedding(x[i], cs[i], s), atol=0, rtol=0)
+            torch.testing.assert_close(got[1][i], ops.rotary_embedding(v[i], cs[i], s), atol=0, rtol=0)
+
+
+_TRACKED_OUTSIDE = {
+    # an autograd graph through jvp: x requires a gradient below the wrapper
+    "autograd of jvp": lambda f, x, v: torch.autograd.grad(
+        sum((o * w).sum() for o, w in zip(torch.func.jvp(f, (x,), (v,)), (_t(*x.shape, seed=51), _t(*x.shape, seed=52)))),
+        x,
+    ),
+    # an outer tangent on x: through the inner jvp's primal
+    "jvp of jvp": lambda f, x, v: torch.func.jvp(
+        lambda a: (lambda o, t: o * t.sum())(*torch.func.jvp(f, (a,), (v,))), (x,), (_t(*x.shape, seed=53),)
+    ),
+    "grad of jvp": lambda f, x, v: torch.func.grad(lambda a: (torch.func.jvp(f, (a,), (v,))[1] ** 2).sum())(x),
+    "jvp of grad": lambda f, x, v: torch.func.jvp(torch.func.grad(lambda a: (f(a) ** 3).sum()), (x,), (v,)),
+}
+
+
+@pytest.mark.parametrize("outer", list(_TRACKED_OUTSIDE))
+@pytest.mark.parametrize("call", list(_ROTARY_CALLS))
+def test_rotary_tracked_outside_its_jvp_keeps_every_derivative(call, outer):
+    """Where something outside rotary's ``jvp`` tracks ``x`` too (an autograd
+    graph, an outer ``jvp``, a ``grad`` transform), Keel's kernel on the
+    wrappers would lose that level's derivative (the twin has no autograd):
+    the results are the written-out version's, float64."""
+    x, c, s, v = _rotary_inputs(41, inf=False)
+    fn = _ROTARY_CALLS[call]
+    run = _TRACKED_OUTSIDE[outer]
+    xs = [x.clone().requires_grad_() if outer == "autograd of jvp" else x for _ in range(2)]
+    got = run(lambda z: fn(z, c, s, False), xs[0], v)
+    want = run(lambda z: keel._twice.rotary(z, c, s, False), xs[1], v)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
 @pytest.mark.parametrize("requires", ["x", "cos"])
 def test_forward_mode_rotary_with_a_gradient_or_a_cos_tangent_keeps_the_written_out_version(requires):
     """Where ``x`` also requires a gradient (forward-over-reverse) or ``cos``
