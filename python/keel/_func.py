@@ -24,7 +24,9 @@ mode (``jvp``, ``jacfwd``) or ``functionalize``, no Function serves
 backward that records its own graph for a second derivative. There the typed
 API keeps the torch-op version, except where torch's own op serves the ops
 that have one (:data:`NATIVE`) at every size: in forward mode alone, and on
-float32 tensors where a second derivative may be taken.
+float32 tensors where a second derivative may be taken. (Before this is asked,
+rotary, the norms and softmax with a tangent on ``x`` alone, in forward mode
+alone, take Keel's kernels: ``_twice.kernel_parts``.)
 
 A formula's backward records a graph where grad mode is on (``_twice``).
 torch.func's ``grad`` runs every backward with grad mode on, also where nothing
@@ -263,7 +265,10 @@ def route(op, args, functions=True):
     itself, where the torch-op version runs more of torch's ops (written-out /
     torch's op, ``jvp``: softmax ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
     1.25-1.45x; fused_add_rms_norm 1.1-1.2x; cross-entropy even; measured in
-    one process, docs/BENCHMARKS.md session 110).
+    one process, docs/BENCHMARKS.md session 110). rms_norm and softmax come
+    here only where ``_twice.kernel_parts`` (Keel's kernels, 2-14x faster
+    than torch's op, session 116) did not serve: a weight's tangent, or
+    ``x``'s tracked by another level too.
 
     Where a second derivative may be taken (two ``grad`` levels, or ``grad``
     and ``jvp``: ``hessian``, a Hessian-vector product ``jvp(grad(f))``),

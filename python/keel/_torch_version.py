@@ -60,13 +60,14 @@ def run(op, twin, name, args):
     requiring a gradient) rms_norm, fused_add_rms_norm, softmax and
     cross-entropy do. The torch-op version carries the tangents and records a
     reverse graph where grad mode is on and an argument requires a gradient
-    (forward-over-reverse works). Rotary embedding with a tangent on ``x``
-    alone, which ``forward_ad`` or one ``jvp`` alone tracks, is Keel's kernel
-    on the primal and on the tangent (``_twice.rotary_parts``)."""
+    (forward-over-reverse works). Rotary embedding and layer_norm with a
+    tangent on ``x`` alone, which ``forward_ad`` or one ``jvp`` alone tracks,
+    are Keel's kernel on the primal and Keel's kernels for the tangent
+    (``_twice.kernel_parts``)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
-    parts = _twice.rotary_parts(op, args)
+    parts = _twice.kernel_parts(op, args)
     if parts is not None:
-        return _twice.rotary_dual(parts, args, twin)
+        return _twice.kernel_dual(op, parts, args, twin)
     native = _func.route(op, args, functions=False)[1]
     args = _twice.zero_tangents(args)
     if native is not None:

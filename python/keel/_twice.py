@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad as _fwad
 
 from . import _func
-from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device, plus, times
+from ._common import acc_dtype, ce_loss_dtype, class_weighted, one_device, plus, rows_in_place, times
 from ._fake import meta_outputs
 from ._target_checks import checking, out_of_range, raise_first
 
@@ -89,16 +89,18 @@ def through_torch(fn, op, twin, ref, *args):
       Function there: Keel's kernels, forward and backward. Under those
       transforms but on tensors too small for the Function to pay, torch's own
       op where it has one (the norms, softmax, cross-entropy), and in forward
-      mode alone (``jvp``) at every size (not layer_norm there), else `ref`.
+      mode alone (``jvp``) at every size (not layer_norm there), else `ref`
+      (but see the last item).
     - Forward-mode AD with a dual argument: torch drops a custom op's tangents
       without a word, and raises where the input also needs a gradient; torch's
       own op carries them where ``_func.route`` gives one (nothing requires a
       gradient), else `ref` (and a reverse graph, so forward-over-reverse
       works), after the checks on meta stand-ins (not Keel's kernel on the
       primals: its values would be thrown away).
-    - Rotary embedding with a tangent on ``x`` alone, under ``forward_ad`` or
-      one ``jvp`` (:func:`rotary_parts`): Keel's kernel on the primal and on
-      the tangent (:func:`rotary_dual`).
+    - Rotary embedding, rms_norm, layer_norm and softmax with a tangent on
+      ``x`` alone, under ``forward_ad`` or one ``jvp`` (:func:`kernel_parts`):
+      Keel's kernel on the primal, Keel's kernels for the tangent
+      (:func:`kernel_dual`).
     """
     functorch = functorch_on()
     if functorch and vmap_on_top():
@@ -106,7 +108,7 @@ def through_torch(fn, op, twin, ref, *args):
     if not functorch and not has_tangent(args):
         return fn(op, *args)
     # Before ``route``, which it makes needless (a stack walk, 22 us a call).
-    parts = rotary_parts(op, args)
+    parts = kernel_parts(op, args)
     native = None
     if parts is None:
         function, native = _func.route(op, args)
@@ -114,7 +116,7 @@ def through_torch(fn, op, twin, ref, *args):
             return fn(function, *args)
     _check_on_meta(fn, twin, op, args)
     if parts is not None:
-        return rotary_dual(parts, args, lambda *a: fn(twin, *a))
+        return kernel_dual(op, parts, args, lambda *a: fn(twin, *a))
     return (native or ref)(*zero_tangents(args))
 
 
@@ -160,48 +162,105 @@ def zero_tangents(args):
     )
 
 
-ROTARY = "keel::rotary_embedding"
-"""The op that :func:`rotary_parts` serves."""
-
-
-def rotary_parts(op, args):
-    """``x``'s primal and tangent where `op` is rotary embedding in forward mode
-    with a tangent on ``x`` alone (cos and sin none) and forward mode's one
-    level alone tracking the arguments (:func:`_func.forward_alone`: nothing
-    requiring a gradient, no ``grad`` transform, one ``jvp`` at the most);
-    else None. There the op is linear in ``x``, so the output's
-    tangent is the op on ``x``'s tangent (:func:`rotary_dual`). That carries no
-    tangent for cos and sin: a zero one (:func:`zero_tangents`) would make the
-    tangent NaN wherever ``x`` holds an inf (``0 * inf``), where the
-    derivative, ``cos`` and ``sin`` themselves, is finite; and the zero-tensor
-    path that a plain cos and sin take instead costs a Python meta call per op
-    (docs/BENCHMARKS.md sessions 111 and 114). Where it serves, ``_func.route``
-    gives no Function nor torch op (there is a tangent, and torch has no rotary)."""
-    if op._schema.name != ROTARY:
+def kernel_parts(op, args):
+    """``x``'s primal and tangent where `op` has a forward mode through Keel's
+    kernels (:data:`KERNEL_DUALS`: rotary embedding, the norms, softmax), in forward
+    mode with a tangent on ``x`` (the first argument) alone, and forward mode's
+    one level alone tracking the arguments (:func:`_func.forward_alone`:
+    nothing requiring a gradient, no ``grad`` transform, one ``jvp`` at the
+    most); else None. There the output's tangent is a linear map of ``x``'s
+    tangent that Keel's kernels compute (:func:`kernel_dual`). The other
+    tensors carry no tangent, and get no zero one (:func:`zero_tangents`): that
+    would make the tangent NaN wherever ``x`` holds an inf (``0 * inf``),
+    where rotary's derivative, ``cos`` and ``sin`` themselves, is finite; and
+    the zero-tensor path that a plain tensor takes instead costs a Python meta
+    call per op (docs/BENCHMARKS.md sessions 111 and 114). Where it serves,
+    ``_func.route`` is not asked (a stack walk, about 20 us a call)."""
+    if op._schema.name not in KERNEL_DUALS:
         return None
-    x, cos, sin = args[:3]
-    if (
-        _fwad._current_level < 0
-        or torch.is_inference_mode_enabled()
-        or _fwad.unpack_dual(cos).tangent is not None
-        or _fwad.unpack_dual(sin).tangent is not None
-        or not _func.forward_alone(args)
-    ):
+    if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
         return None
-    primal, tangent = _fwad.unpack_dual(x)
+    for a in args[1:]:
+        if isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None:
+            return None
+    if not _func.forward_alone(args):
+        return None
+    primal, tangent = _fwad.unpack_dual(args[0])
     return None if tangent is None else (primal, tangent)
 
 
-def rotary_dual(parts, args, kernel):
-    """The output of rotary embedding on `args` from :func:`rotary_parts`'
-    `parts`: the op on the primal, dual with the op on the tangent, both
-    through Keel's kernel (`kernel(x, cos, sin, interleaved)`, the op's
-    ``_nograd`` twin). Under ``jvp`` they are its wrappers: the twin has no
-    autograd, so functorch takes them off and runs it below (the batching
-    rule under ``vmap(jvp(f))`` and ``jacfwd``), which loses nothing where
-    :func:`rotary_parts` served (no level below tracks them)."""
+def kernel_dual(op, parts, args, kernel):
+    """The output of `op` on `args` from :func:`kernel_parts`' `parts`: `kernel`
+    (the op's ``_nograd`` twin, called as the op) on the primal, dual with the
+    tangent that Keel's kernels give (:data:`KERNEL_DUALS`). Under ``jvp`` they
+    run on its wrappers: the twins have no autograd, so functorch takes the
+    wrappers off and runs them below (their batching rules under
+    ``vmap(jvp(f))`` and ``jacfwd``), which loses nothing where
+    :func:`kernel_parts` served (no level below tracks them)."""
     primal, tangent = parts
-    return _fwad.make_dual(kernel(primal, *args[1:]), kernel(tangent, *args[1:]))
+    out = kernel(primal, *args[1:])
+    return _fwad.make_dual(out, KERNEL_DUALS[op._schema.name](tangent, primal, out, args, kernel))
+
+
+def _rotary_tangent(tangent, primal, out, args, kernel):
+    """Rotary embedding is linear in ``x``: the op on ``x``'s tangent."""
+    return kernel(tangent, *args[1:])
+
+
+def _layer_norm_tangent(tangent, primal, out, args, kernel):
+    """``w * J t``: layer_norm's Jacobian without the weight, ``J = r (I - (1
+    1^T + xhat xhat^T) / n)`` in each row, is symmetric, so its product with ``x``'s
+    tangent ``t`` is the backward's with ``t`` for the output's gradient and no
+    weight (Keel's backward kernel, one pass; bias and weight have no tangent
+    here). In a half dtype that rounds ``J t`` before the weight multiplies it:
+    two roundings where the written-out version has one (docs/BENCHMARKS.md
+    session 116; :func:`_times_weight`)."""
+    weight, eps = args[1], args[3]
+    backward = torch.ops.keel._layer_norm_backward_nograd.default
+    jt = backward(tangent.contiguous(), primal.contiguous(), None, None, eps)[0]
+    return _times_weight(jt, weight)
+
+
+def _times_weight(jt, weight):
+    """``J t`` times the weight where one is given: in place (``J t`` is a
+    fresh output of the size of ``x``: 30% of layer_norm's time on ``[4096,
+    4096]`` went to a new one), except where the weight is a transform's (a
+    per-example weight under ``vmap``: ``J t`` may not be batched as it is)."""
+    if weight is None:
+        return jt
+    return jt * weight if _func.wrapped(weight) else jt.mul_(weight)
+
+
+def _rms_norm_tangent(tangent, primal, out, args, kernel):
+    """``w * J t``: rms_norm's Jacobian without the weight, ``J = r (I - a
+    a^T r^2 / n)`` in each row, is symmetric, so its product with ``x``'s
+    tangent is the backward's with ``t`` for the output's gradient and no weight
+    (Keel's backward kernel, one pass), as :func:`_layer_norm_tangent`'s. With
+    ``round_before_weight`` too: the rounding's derivative is taken as 1, as in
+    the backward."""
+    weight, eps = args[1], args[2]
+    jt = torch.ops.keel._rms_norm_backward_nograd.default(tangent.contiguous(), rows_in_place(primal), None, eps)[0]
+    return _times_weight(jt, weight)
+
+
+def _softmax_tangent(tangent, primal, out, args, kernel):
+    """``J t = scale y (t - sum(t y))``: softmax's Jacobian, ``scale (diag(y) -
+    y y^T)`` in each row, is symmetric, so its product with ``x``'s tangent is
+    Keel's backward kernel with ``t`` for the output's gradient (one pass, on
+    the output ``y``, rounded to its dtype as the backward reads it)."""
+    return torch.ops.keel._softmax_backward_nograd.default(tangent.contiguous(), out, args[1])
+
+
+KERNEL_DUALS = {
+    "keel::rotary_embedding": _rotary_tangent,
+    "keel::layer_norm": _layer_norm_tangent,
+    "keel::rms_norm": _rms_norm_tangent,
+    "keel::softmax": _softmax_tangent,
+}
+"""Op name -> the tangent of its output from ``x``'s, through Keel's kernels
+(``(tangent, primal, out, args, kernel)``: ``x``'s tangent and primal, the
+output, the op's arguments, its twin called as the op), for
+:func:`kernel_parts`."""
 
 
 def _zero_dual(a):

@@ -126,13 +126,23 @@ _TYPED = {
 }
 
 
+_KERNEL_DUALS = {  # case -> op: forward kernel on the primal, backward kernel for the tangent
+    "layer_norm": "layer_norm",
+    "typed layer_norm": "layer_norm",
+    "rms_norm": "rms_norm",
+    "rms_norm rounded before the weight": "rms_norm",
+    "softmax": "softmax",
+}
+
+
 @pytest.mark.parametrize("name", list(CASES) + [f"typed {k}" for k in _TYPED])
 def test_forward_mode_runs_no_kernel_on_the_primals(name):
     """With a tangent, Keel's kernel is not run on the primals as well (its
     values would be thrown away: the torch-op version or torch's own op gives
-    them); its checks run on meta stand-ins. Rotary with a tangent on ``x``
-    alone is the exception: linear in ``x``, its output and tangent are the
-    kernel's on the primal and on the tangent (``_twice.rotary_parts``)."""
+    them); its checks run on meta stand-ins. Rotary, the norms and softmax
+    with a tangent on ``x`` alone are the exceptions: their output is the
+    kernel's on the primal, their tangent Keel's kernels' (rotary's on the
+    tangent, the others' backward; ``_twice.kernel_parts``)."""
     if name.startswith("typed "):
         x, w, b = _t(3, 6, seed=1), _t(6, seed=2), _t(6, seed=3)
         op, args = _TYPED[name[len("typed ") :]], (x, w, b)
@@ -148,6 +158,9 @@ def test_forward_mode_runs_no_kernel_on_the_primals(name):
     kernels = [op for op in mode.on_data if op.startswith("keel.")]
     if name in ("rotary_embedding", "typed rotary_embedding"):
         assert kernels == ["keel._rotary_embedding_nograd.default"] * 2, name
+    elif name in _KERNEL_DUALS:
+        op = _KERNEL_DUALS[name]
+        assert kernels == [f"keel._{op}_nograd.default", f"keel._{op}_backward_nograd.default"], name
     else:
         assert kernels == [], name
 
@@ -409,10 +422,13 @@ def test_forward_mode_rotary_tangent_is_the_rotation_of_the_tangent(shape, mode,
 def test_forward_ad_rotary_runs_the_kernel_on_primal_and_tangent(call):
     """Under ``forward_ad`` alone (no ``torch.func`` transform) both the output
     and its tangent come from Keel's kernel: its ``_nograd`` twin runs twice, and
-    no torch op of the written-out version (no ``cat``) does."""
+    no torch op of the written-out version (no ``cat``) does. (A first call
+    before: Keel's checks run the twin on meta stand-ins too, once for each
+    kind of arguments, so the count would depend on the tests run before.)"""
     x, c, s, v = _rotary_inputs(21, inf=False)
     with fwAD.dual_level():
         dual = fwAD.make_dual(x, v)
+        _ROTARY_CALLS[call](dual, c, s, False)
         with torch.autograd.profiler.profile() as prof:
             out = _ROTARY_CALLS[call](dual, c, s, False)
         assert fwAD.unpack_dual(out).tangent is not None
