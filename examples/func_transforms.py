@@ -2,9 +2,11 @@
 (``vmap(grad(...))``), Keel's typed API against torch's own ops, in one process.
 
 Rows: ``vjp`` of each norm on ``[rows, hidden]`` (the pullback applied once),
-the per-example input and weight gradients of ``sum(norm(x_i, w) * t)`` over a
-batch of examples with a shared weight, and a Hessian-vector product
-(``jvp(grad(...))``) of ``sum((norm(x, w) * t)^2)`` on a small ``[64, 512]``.
+its ``jvp`` there (a tangent on ``x``: Keel's forward and backward kernels,
+docs/BENCHMARKS.md session 116), the per-example input and weight gradients of
+``sum(norm(x_i, w) * t)`` over a batch of examples with a shared weight, and a
+Hessian-vector product (``jvp(grad(...))``) of ``sum((norm(x, w) * t)^2)`` on a
+small ``[64, 512]``.
 Calls interleaved, best of `--reps`, float32, on `--device` (CUDA calls
 synchronised).
 
@@ -48,6 +50,10 @@ def _vjp_once(norm, x, w, g):
     return run
 
 
+def _jvp(norm, x, w, v):
+    return lambda: jvp(lambda x: norm(x, w), (x,), (v,))
+
+
 def _per_example(norm, x, w, t):
     f = vmap(grad(lambda x, w: (norm(x, w) * t).sum(), (0, 1)), in_dims=(0, None))
     return lambda: f(x, w)
@@ -80,6 +86,8 @@ def main():
     for name, (ours, theirs) in NORMS.items():
         k, r = _best([_vjp_once(ours, x, w, g), _vjp_once(theirs, x, w, g)], args.reps, sync)
         print(f"{f'vjp {name} [{args.rows}, {h}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
+        k, r = _best([_jvp(ours, x, w, g), _jvp(theirs, x, w, g)], args.reps, sync)
+        print(f"{f'jvp {name} [{args.rows}, {h}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
         for b, s, c in batches:
             xb, t, wb = randn(b, s, c), randn(s, c), randn(c)
             k, r = _best([_per_example(ours, xb, wb, t), _per_example(theirs, xb, wb, t)], args.reps, sync)

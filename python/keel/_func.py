@@ -265,10 +265,11 @@ def route(op, args, functions=True):
     itself, where the torch-op version runs more of torch's ops (written-out /
     torch's op, ``jvp``: softmax ``[64, 512]`` 2.5-2.9x, bf16 ``[2048, 1024]`` 2.4x; rms_norm ``[64, 512]``
     1.25-1.45x; fused_add_rms_norm 1.1-1.2x; cross-entropy even; measured in
-    one process, docs/BENCHMARKS.md session 110). rms_norm and softmax come
-    here only where ``_twice.kernel_parts`` (Keel's kernels, 2-14x faster
-    than torch's op, session 116) did not serve: a weight's tangent, or
-    ``x``'s tracked by another level too.
+    one process, docs/BENCHMARKS.md session 110). rms_norm,
+    fused_add_rms_norm and softmax come here only where
+    ``_twice.kernel_parts`` (Keel's kernels, 1.5-14x faster than torch's op,
+    session 116) did not serve: a weight's tangent, or ``x``'s tracked by
+    another level too.
 
     Where a second derivative may be taken (two ``grad`` levels, or ``grad``
     and ``jvp``: ``hessian``, a Hessian-vector product ``jvp(grad(f))``),

@@ -97,10 +97,10 @@ def through_torch(fn, op, twin, ref, *args):
       gradient), else `ref` (and a reverse graph, so forward-over-reverse
       works), after the checks on meta stand-ins (not Keel's kernel on the
       primals: its values would be thrown away).
-    - Rotary embedding, rms_norm, layer_norm and softmax with a tangent on
-      ``x`` alone, under ``forward_ad`` or one ``jvp`` (:func:`kernel_parts`):
-      Keel's kernel on the primal, Keel's kernels for the tangent
-      (:func:`kernel_dual`).
+    - Rotary embedding, the norms and softmax with a tangent on ``x`` alone
+      (fused_add_rms_norm: on ``x`` or the residual), under ``forward_ad`` or
+      one ``jvp`` (:func:`kernel_parts`): Keel's kernel on the primals, Keel's
+      kernels for the tangent (:func:`kernel_dual`).
     """
     functorch = functorch_on()
     if functorch and vmap_on_top():
@@ -163,51 +163,57 @@ def zero_tangents(args):
 
 
 def kernel_parts(op, args):
-    """``x``'s primal and tangent where `op` has a forward mode through Keel's
-    kernels (:data:`KERNEL_DUALS`: rotary embedding, the norms, softmax), in forward
-    mode with a tangent on ``x`` (the first argument) alone, and forward mode's
-    one level alone tracking the arguments (:func:`_func.forward_alone`:
-    nothing requiring a gradient, no ``grad`` transform, one ``jvp`` at the
-    most); else None. There the output's tangent is a linear map of ``x``'s
-    tangent that Keel's kernels compute (:func:`kernel_dual`). The other
-    tensors carry no tangent, and get no zero one (:func:`zero_tangents`): that
-    would make the tangent NaN wherever ``x`` holds an inf (``0 * inf``),
-    where rotary's derivative, ``cos`` and ``sin`` themselves, is finite; and
-    the zero-tensor path that a plain tensor takes instead costs a Python meta
-    call per op (docs/BENCHMARKS.md sessions 111 and 114). Where it serves,
-    ``_func.route`` is not asked (a stack walk, about 20 us a call)."""
-    if op._schema.name not in KERNEL_DUALS:
+    """The primals and tangents of the arguments that may carry one, where `op`
+    has a forward mode through Keel's kernels (:data:`KERNEL_DUALS`: rotary
+    embedding, the norms, softmax), in forward mode with a tangent on ``x``
+    (fused_add_rms_norm: on ``x``, the residual or both) and on no other
+    argument, and forward mode's one level alone tracking the arguments
+    (:func:`_func.forward_alone`: nothing requiring a gradient, no ``grad``
+    transform, one ``jvp`` at the most); else None. There the output's tangent
+    is a linear map of those tangents that Keel's kernels compute
+    (:func:`kernel_dual`). The other tensors carry no tangent, and get no zero
+    one (:func:`zero_tangents`): that would make the tangent NaN wherever ``x``
+    holds an inf (``0 * inf``), where rotary's derivative, ``cos`` and ``sin``
+    themselves, is finite; and the zero-tensor path that a plain tensor takes
+    instead costs a Python meta call per op (docs/BENCHMARKS.md sessions 111
+    and 114). Where it serves, ``_func.route`` is not asked (a stack walk,
+    about 20 us a call)."""
+    entry = KERNEL_DUALS.get(op._schema.name)
+    if entry is None:
         return None
     if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
         return None
-    for a in args[1:]:
+    duals = entry[0]
+    for a in args[duals:]:
         if isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None:
             return None
     if not _func.forward_alone(args):
         return None
-    primal, tangent = _fwad.unpack_dual(args[0])
-    return None if tangent is None else (primal, tangent)
+    parts = [_fwad.unpack_dual(a) for a in args[:duals]]
+    if all(p.tangent is None for p in parts):
+        return None
+    return [p.primal for p in parts], [p.tangent for p in parts]
 
 
 def kernel_dual(op, parts, args, kernel):
     """The output of `op` on `args` from :func:`kernel_parts`' `parts`: `kernel`
-    (the op's ``_nograd`` twin, called as the op) on the primal, dual with the
-    tangent that Keel's kernels give (:data:`KERNEL_DUALS`). Under ``jvp`` they
+    (the op's ``_nograd`` twin, called as the op) on the primals, dual with the
+    tangents that Keel's kernels give (:data:`KERNEL_DUALS`). Under ``jvp`` they
     run on its wrappers: the twins have no autograd, so functorch takes the
     wrappers off and runs them below (their batching rules under
     ``vmap(jvp(f))`` and ``jacfwd``), which loses nothing where
     :func:`kernel_parts` served (no level below tracks them)."""
-    primal, tangent = parts
-    out = kernel(primal, *args[1:])
-    return _fwad.make_dual(out, KERNEL_DUALS[op._schema.name](tangent, primal, out, args, kernel))
+    primals, tangents = parts
+    out = kernel(*primals, *args[len(primals) :])
+    return KERNEL_DUALS[op._schema.name][1](out, primals, tangents, args, kernel)
 
 
-def _rotary_tangent(tangent, primal, out, args, kernel):
+def _rotary_dual(out, primals, tangents, args, kernel):
     """Rotary embedding is linear in ``x``: the op on ``x``'s tangent."""
-    return kernel(tangent, *args[1:])
+    return _fwad.make_dual(out, kernel(tangents[0], *args[1:]))
 
 
-def _layer_norm_tangent(tangent, primal, out, args, kernel):
+def _layer_norm_dual(out, primals, tangents, args, kernel):
     """``w * J t``: layer_norm's Jacobian without the weight, ``J = r (I - (1
     1^T + xhat xhat^T) / n)`` in each row, is symmetric, so its product with ``x``'s
     tangent ``t`` is the backward's with ``t`` for the output's gradient and no
@@ -217,8 +223,8 @@ def _layer_norm_tangent(tangent, primal, out, args, kernel):
     session 116; :func:`_times_weight`)."""
     weight, eps = args[1], args[3]
     backward = torch.ops.keel._layer_norm_backward_nograd.default
-    jt = backward(tangent.contiguous(), primal.contiguous(), None, None, eps)[0]
-    return _times_weight(jt, weight)
+    jt = backward(tangents[0].contiguous(), primals[0].contiguous(), None, None, eps)[0]
+    return _fwad.make_dual(out, _times_weight(jt, weight))
 
 
 def _times_weight(jt, weight):
@@ -231,36 +237,51 @@ def _times_weight(jt, weight):
     return jt * weight if _func.wrapped(weight) else jt.mul_(weight)
 
 
-def _rms_norm_tangent(tangent, primal, out, args, kernel):
+def _rms_norm_dual(out, primals, tangents, args, kernel):
     """``w * J t``: rms_norm's Jacobian without the weight, ``J = r (I - a
     a^T r^2 / n)`` in each row, is symmetric, so its product with ``x``'s
     tangent is the backward's with ``t`` for the output's gradient and no weight
-    (Keel's backward kernel, one pass), as :func:`_layer_norm_tangent`'s. With
+    (Keel's backward kernel, one pass), as :func:`_layer_norm_dual`'s. With
     ``round_before_weight`` too: the rounding's derivative is taken as 1, as in
     the backward."""
     weight, eps = args[1], args[2]
-    jt = torch.ops.keel._rms_norm_backward_nograd.default(tangent.contiguous(), rows_in_place(primal), None, eps)[0]
-    return _times_weight(jt, weight)
+    backward = torch.ops.keel._rms_norm_backward_nograd.default
+    jt = backward(tangents[0].contiguous(), rows_in_place(primals[0]), None, eps)[0]
+    return _fwad.make_dual(out, _times_weight(jt, weight))
 
 
-def _softmax_tangent(tangent, primal, out, args, kernel):
+def _fused_add_rms_norm_dual(out, primals, tangents, args, kernel):
+    """``s = x + residual`` and ``rms_norm(s)``: ``s``'s tangent is the sum of
+    the two tangents (a copy of the one given, where one is: no output's
+    tangent is an input's), the normed output's ``w * J t_s`` as rms_norm's
+    (:func:`_rms_norm_dual`), on the sum the kernel gave."""
+    y, s = out
+    weight, eps = args[2], args[3]
+    tx, tr = tangents
+    ts = tx.clone() if tr is None else tr.clone() if tx is None else tx + tr
+    jt = torch.ops.keel._rms_norm_backward_nograd.default(ts.contiguous(), s, None, eps)[0]
+    return _fwad.make_dual(y, _times_weight(jt, weight)), _fwad.make_dual(s, ts)
+
+
+def _softmax_dual(out, primals, tangents, args, kernel):
     """``J t = scale y (t - sum(t y))``: softmax's Jacobian, ``scale (diag(y) -
     y y^T)`` in each row, is symmetric, so its product with ``x``'s tangent is
     Keel's backward kernel with ``t`` for the output's gradient (one pass, on
     the output ``y``, rounded to its dtype as the backward reads it)."""
-    return torch.ops.keel._softmax_backward_nograd.default(tangent.contiguous(), out, args[1])
+    return _fwad.make_dual(out, torch.ops.keel._softmax_backward_nograd.default(tangents[0].contiguous(), out, args[1]))
 
 
 KERNEL_DUALS = {
-    "keel::rotary_embedding": _rotary_tangent,
-    "keel::layer_norm": _layer_norm_tangent,
-    "keel::rms_norm": _rms_norm_tangent,
-    "keel::softmax": _softmax_tangent,
+    "keel::rotary_embedding": (1, _rotary_dual),
+    "keel::layer_norm": (1, _layer_norm_dual),
+    "keel::rms_norm": (1, _rms_norm_dual),
+    "keel::fused_add_rms_norm": (2, _fused_add_rms_norm_dual),
+    "keel::softmax": (1, _softmax_dual),
 }
-"""Op name -> the tangent of its output from ``x``'s, through Keel's kernels
-(``(tangent, primal, out, args, kernel)``: ``x``'s tangent and primal, the
-output, the op's arguments, its twin called as the op), for
-:func:`kernel_parts`."""
+"""Op name -> (how many leading arguments may carry a tangent, the dual output
+from the twin's output, those arguments' primals and tangents (None where one
+has none), the op's arguments and its twin called as the op), through Keel's
+kernels, for :func:`kernel_parts`."""
 
 
 def _zero_dual(a):

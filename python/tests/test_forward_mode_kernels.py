@@ -26,16 +26,31 @@ def _pick(typed, bare, written):
 _LAYER_NORM = _pick(keel.layer_norm, ops.layer_norm, _twice.layer_norm)
 _RMS_NORM = _pick(keel.rms_norm, ops.rms_norm, _twice.rms_norm)
 _SOFTMAX = _pick(keel.softmax, ops.softmax, _twice.softmax)
+_FUSED = _pick(keel.fused_add_rms_norm, ops.fused_add_rms_norm, _twice.fused_add_rms_norm)
 
-_OPS = {  # name -> (kind, x, weight, bias) -> output; the op whose kernels serve
-    "layer_norm": (lambda kind, x, w, b: _LAYER_NORM(kind)(x, w, b, 1e-5), "layer_norm"),
-    "rms_norm": (lambda kind, x, w, b: _RMS_NORM(kind)(x, w, 1e-6), "rms_norm"),
-    "rms_norm rounded": (lambda kind, x, w, b: _RMS_NORM(kind)(x, w, 1e-6, True), "rms_norm"),
-    "softmax": (lambda kind, x, w, b: _SOFTMAX(kind)(x, 0.7), "softmax"),
+
+def _residual(x):
+    """A residual without a tangent, shaped like `x` (one example's under vmap;
+    no random numbers, which vmap refuses)."""
+    return torch.arange(x.numel(), dtype=torch.float64).mul(0.37).cos().reshape(x.shape).to(x.device, x.dtype)
+
+
+_OPS = {  # name -> ((kind, x, weight, bias) -> output, its forward kernel, the tangent's kernel)
+    "layer_norm": (lambda kind, x, w, b: _LAYER_NORM(kind)(x, w, b, 1e-5), "layer_norm", "layer_norm_backward"),
+    "rms_norm": (lambda kind, x, w, b: _RMS_NORM(kind)(x, w, 1e-6), "rms_norm", "rms_norm_backward"),
+    "rms_norm rounded": (lambda kind, x, w, b: _RMS_NORM(kind)(x, w, 1e-6, True), "rms_norm", "rms_norm_backward"),
+    "softmax": (lambda kind, x, w, b: _SOFTMAX(kind)(x, 0.7), "softmax", "softmax_backward"),
+    # both outputs in one tensor (the normed sum, the sum), for the tests written for one
+    "fused_add_rms_norm": (
+        lambda kind, x, w, b: torch.stack(_FUSED(kind)(x, _residual(x), w, 1e-6)),
+        "fused_add_rms_norm",
+        "rms_norm_backward",
+    ),
 }
 
-_WRITTEN_OUT_OP = {"layer_norm": "aten::rsqrt", "rms_norm": "aten::rsqrt", "softmax": "aten::_softmax"}
-"""An op that the written-out version runs and Keel's kernels' path does not."""
+_WRITTEN_OUT_OP = {"softmax": "aten::_softmax"}
+"""An op that the written-out version runs and Keel's kernels' path does not
+(the norms': ``rsqrt``)."""
 
 _CALLS = ["typed", "bare"]
 
@@ -46,6 +61,7 @@ _PARAMS = {
 }
 
 _OP_PARAMS = [(op, p) for op in _OPS for p in _PARAMS if op != "softmax" or p == "none"]
+_WEIGHTED = [op for op in _OPS if op != "softmax"]
 
 
 def _inputs(seed, shape=(3, 2, 8)):
@@ -123,15 +139,15 @@ def test_forward_ad_runs_the_kernels(op, call):
     backward kernel the tangent: no op of the written-out version runs."""
     x, v = _inputs(21)
     w, b = _PARAMS["weight and bias"](8, 22)
-    kernel = _OPS[op][1]
+    _, forward, tangent = _OPS[op]
     with fwAD.dual_level():
         with torch.autograd.profiler.profile() as prof:
             out = _fn(op, call, w, b)(fwAD.make_dual(x, v))
         assert fwAD.unpack_dual(out).tangent is not None
     names = _names(prof)
-    assert names.count(f"keel::_{kernel}_backward_nograd") == 1, names
-    assert f"keel::_{kernel}_nograd" in names
-    assert _WRITTEN_OUT_OP[kernel] not in names
+    assert names.count(f"keel::_{tangent}_nograd") == 1, names
+    assert f"keel::_{forward}_nograd" in names
+    assert _WRITTEN_OUT_OP.get(op, "aten::rsqrt") not in names
 
 
 @pytest.mark.parametrize("stack", list(_JVP_STACKS))
@@ -144,19 +160,18 @@ def test_jvp_runs_the_kernels(op, call, stack):
     per-example weight of a ``vmap`` included."""
     x, v = _inputs(23)
     w, b = _PARAMS["weight and bias"](8, 24)
-    kernel = _OPS[op][1]
     run = _JVP_STACKS[stack]
     if stack == "vmap(jvp)":
         x, v = torch.stack([x, 2 * x]), torch.stack([v, -v])
     with torch.autograd.profiler.profile() as prof:
         got = run(_fn(op, call, w, b), x, v)
     names = _names(prof)
-    assert names.count(f"keel::_{kernel}_backward_nograd") >= 1, names
-    assert _WRITTEN_OUT_OP[kernel] not in names
+    assert names.count(f"keel::_{_OPS[op][2]}_nograd") >= 1, names
+    assert _WRITTEN_OUT_OP.get(op, "aten::rsqrt") not in names
     want = run(_fn(op, "written", w, b), x, v)
     for a, c in zip(got, want):
         torch.testing.assert_close(a, c, atol=1e-12, rtol=1e-12)
-    if stack == "vmap(jvp)" and kernel != "softmax":
+    if stack == "vmap(jvp)" and op in _WEIGHTED:
         ws = torch.stack([w, w.flip(0)])
         got = torch.func.vmap(lambda a, t, u: torch.func.jvp(_fn(op, call, u, b), (a,), (t,)))(x, v, ws)
         for i in range(2):
@@ -191,7 +206,7 @@ _OTHER_TANGENTS = [
     (op, on)
     for op in _OPS
     for on in ("weight", "bias", "x requiring a gradient")
-    if on.startswith("x") or (op != "softmax" and (on == "weight" or op == "layer_norm"))
+    if on.startswith("x") or (op in _WEIGHTED and (on == "weight" or op == "layer_norm"))
 ]
 
 
@@ -218,5 +233,39 @@ def test_forward_mode_with_another_tangent_keeps_the_written_out_version(op, tan
         if xg is not x:
             (g,) = torch.autograd.grad(primal.sum(), xg)
             torch.testing.assert_close(g, torch.autograd.grad(_fn(op, "typed", w, b)(xg).sum(), xg)[0])
-    assert f"keel::_{_OPS[op][1]}_backward_nograd" not in _names(prof)
+    assert f"keel::_{_OPS[op][2]}_nograd" not in _names(prof)
     torch.testing.assert_close(tangent, want_t, atol=1e-7, rtol=1e-6)
+
+
+_RESIDUAL_TANGENTS = {
+    "residual": lambda x, r, tx, tr: ((r,), (tr,), lambda f: lambda b: f(x, b)),
+    "both": lambda x, r, tx, tr: ((x, r), (tx, tr), lambda f: f),
+}
+
+
+@pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
+@pytest.mark.parametrize("call", _CALLS)
+@pytest.mark.parametrize("on", list(_RESIDUAL_TANGENTS))
+def test_fused_add_rms_norm_with_a_residual_tangent_runs_the_kernels(on, call, mode):
+    """fused_add_rms_norm's residual may carry a tangent too (alone or with
+    ``x``'s): the sum's tangent is theirs added, the normed output's ``w J
+    t_s``; both outputs and tangents as the written-out version's (float64), no
+    ``rsqrt`` of it run."""
+    x, tx = _inputs(51)
+    r, tr = _inputs(55)
+    w = _t(8, seed=59)
+    primals, tangents, bind = _RESIDUAL_TANGENTS[on](x, r, tx, tr)
+    fn = bind(lambda a, b: _FUSED(call)(a, b, w, 1e-6))
+    with torch.autograd.profiler.profile() as prof:
+        if mode == "jvp":
+            out, tangent = torch.func.jvp(fn, primals, tangents)
+        else:
+            with fwAD.dual_level():
+                dual = fn(*(fwAD.make_dual(p, t) for p, t in zip(primals, tangents)))
+                out, tangent = zip(*(fwAD.unpack_dual(o) for o in dual))
+    assert "aten::rsqrt" not in _names(prof)
+    want, want_t = torch.func.jvp(lambda a, b: _twice.fused_add_rms_norm(a, b, w, 1e-6), (x, r), (tx if on == "both" else 0 * tx, tr))
+    torch.testing.assert_close(tuple(out), ops.fused_add_rms_norm(x, r, w, 1e-6), atol=0, rtol=0)
+    torch.testing.assert_close(tuple(tangent), tuple(want_t), atol=1e-12, rtol=1e-12)
+    # no output's tangent is an input's (the sum's is a copy where one is given)
+    assert all(t.data_ptr() != g.data_ptr() for t in tangent for g in tangents)
