@@ -60,9 +60,10 @@ def run(op, twin, name, args):
     requiring a gradient) rms_norm, fused_add_rms_norm, softmax and
     cross-entropy do. The torch-op version carries the tangents and records a
     reverse graph where grad mode is on and an argument requires a gradient
-    (forward-over-reverse works). Rotary embedding and layer_norm with a
-    tangent on ``x`` alone, which ``forward_ad`` or one ``jvp`` alone tracks,
-    are Keel's kernel on the primal and Keel's kernels for the tangent
+    (forward-over-reverse works). Rotary embedding, the norms and softmax
+    with a tangent on ``x`` alone (fused_add_rms_norm: on ``x`` or the
+    residual), which ``forward_ad`` or one ``jvp`` alone tracks, are Keel's
+    kernel on the primals and Keel's kernels for the tangent
     (``_twice.kernel_parts``)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
     parts = _twice.kernel_parts(op, args)

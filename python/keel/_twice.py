@@ -184,10 +184,7 @@ def kernel_parts(op, args):
     if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
         return None
     duals = entry[0]
-    for a in args[duals:]:
-        if isinstance(a, torch.Tensor) and _fwad.unpack_dual(a).tangent is not None:
-            return None
-    if not _func.forward_alone(args):
+    if has_tangent(args[duals:]) or not _func.forward_alone(args):
         return None
     parts = [_fwad.unpack_dual(a) for a in args[:duals]]
     if all(p.tangent is None for p in parts):
@@ -244,10 +241,14 @@ def _rms_norm_dual(out, primals, tangents, args, kernel):
     (Keel's backward kernel, one pass), as :func:`_layer_norm_dual`'s. With
     ``round_before_weight`` too: the rounding's derivative is taken as 1, as in
     the backward."""
-    weight, eps = args[1], args[2]
+    return _fwad.make_dual(out, _rms_norm_tangent(tangents[0], primals[0], args[1], args[2]))
+
+
+def _rms_norm_tangent(t, x, weight, eps):
+    """``w * J t`` of rms_norm at `x` (:func:`_rms_norm_dual`): Keel's backward
+    kernel with `t` for the output's gradient and no weight, then the weight."""
     backward = torch.ops.keel._rms_norm_backward_nograd.default
-    jt = backward(tangents[0].contiguous(), rows_in_place(primals[0]), None, eps)[0]
-    return _fwad.make_dual(out, _times_weight(jt, weight))
+    return _times_weight(backward(t.contiguous(), rows_in_place(x), None, eps)[0], weight)
 
 
 def _fused_add_rms_norm_dual(out, primals, tangents, args, kernel):
@@ -256,11 +257,9 @@ def _fused_add_rms_norm_dual(out, primals, tangents, args, kernel):
     tangent is an input's), the normed output's ``w * J t_s`` as rms_norm's
     (:func:`_rms_norm_dual`), on the sum the kernel gave."""
     y, s = out
-    weight, eps = args[2], args[3]
     tx, tr = tangents
     ts = tx.clone() if tr is None else tr.clone() if tx is None else tx + tr
-    jt = torch.ops.keel._rms_norm_backward_nograd.default(ts.contiguous(), s, None, eps)[0]
-    return _fwad.make_dual(y, _times_weight(jt, weight)), _fwad.make_dual(s, ts)
+    return _fwad.make_dual(y, _rms_norm_tangent(ts, s, args[2], args[3])), _fwad.make_dual(s, ts)
 
 
 def _softmax_dual(out, primals, tangents, args, kernel):
