@@ -45,7 +45,7 @@ def _rms_norm_setup(ctx, inputs, output):
 
 def _rms_norm_backward(ctx, grad):
     x, weight = ctx.saved_tensors
-    if _twice.wanted():
+    if _twice.wanted(grad, x, weight):
         args = (x, weight, ctx.eps, ctx.round_before_weight)
         gx, gw, _, _ = _twice.vjp(_twice.rms_norm, args, (grad,), ctx.needs_input_grad)
         return gx, gw, None, None
@@ -63,7 +63,7 @@ def _layer_norm_setup(ctx, inputs, output):
 
 def _layer_norm_backward(ctx, grad):
     x, weight, bias = ctx.saved_tensors
-    if _twice.wanted():
+    if _twice.wanted(grad, x, weight, bias):
         gx, gw, gb, _ = _twice.vjp(_twice.layer_norm, (x, weight, bias, ctx.eps), (grad,), ctx.needs_input_grad)
         return gx, gw, gb, None
     gx, gw, gb = _twin("layer_norm_backward")(grad.contiguous(), x, weight, bias, ctx.eps)
@@ -77,9 +77,10 @@ def _layer_norm_backward(ctx, grad):
 
 def _fused_add_rms_norm_setup(ctx, inputs, output):
     _, _, weight, eps, round_before_weight = inputs
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or getattr(ctx, "dual", False)):
         # The sum depends on neither input needing a gradient (only the weight
-        # does): it needs none either, as torch's `input + residual` then.
+        # does): it needs none either, as torch's `input + residual` then. But
+        # not through `_with_jvp`: a non-differentiable output gets no tangent.
         ctx.mark_non_differentiable(output[1])
     ctx.save_for_backward(output[1], weight)
     ctx.eps = eps
@@ -91,7 +92,7 @@ def _fused_add_rms_norm_backward(ctx, grad_out, grad_sum):
     s, weight = ctx.saved_tensors
     if grad_out is None and grad_sum is None:
         return None, None, None, None, None
-    if _twice.wanted():
+    if _twice.wanted(grad_out, grad_sum, s, weight):
         needs = (True, weight is not None and ctx.needs_input_grad[2], False)
         args = (s, weight, ctx.eps, ctx.round_before_weight)
         gs, gw, _, _ = _twice.vjp(_twice.rms_norm, args, (grad_out,), needs)
@@ -116,7 +117,7 @@ def _silu_and_mul_setup(ctx, inputs, output):
 
 def _silu_and_mul_backward(ctx, grad):
     (x,) = ctx.saved_tensors
-    if _twice.wanted():
+    if _twice.wanted(grad, x):
         return tuple(_twice.vjp(_twice.gated, (x,), (grad,), ctx.needs_input_grad))
     return _grad(ctx, 0, _twin("silu_and_mul_backward")(grad.contiguous(), x))
 
@@ -128,7 +129,7 @@ def _gelu_and_mul_setup(ctx, inputs, output):
 
 def _gelu_and_mul_backward(ctx, grad):
     (x,) = ctx.saved_tensors
-    if _twice.wanted():
+    if _twice.wanted(grad, x):
         gelu = lambda t: _twice.gated(t, ctx.approximate)  # noqa: E731
         return _twice.vjp(gelu, (x,), (grad,), ctx.needs_input_grad)[0], None
     return _grad(ctx, 0, _twin("gelu_and_mul_backward")(grad.contiguous(), x, ctx.approximate)), None
@@ -141,7 +142,7 @@ def _softmax_setup(ctx, inputs, output):
 
 def _softmax_backward(ctx, grad):
     (y,) = ctx.saved_tensors
-    if _twice.wanted():
+    if _twice.wanted(grad, y):
         return _grad(ctx, 0, _twice.softmax_backward(grad, y, ctx.scale)), None
     return _grad(ctx, 0, _twin("softmax_backward")(grad.contiguous(), y, ctx.scale)), None
 
@@ -157,7 +158,7 @@ def _cross_entropy_backward(ctx, grad):
     logits, target, lse, weight = ctx.saved_tensors
     gw = _ce_weight_grad(ctx, grad, logits, target, weight, lse)
     gt = _ce_target_grad(ctx, grad, logits, target, weight, lse)
-    if _twice.wanted():
+    if _twice.wanted(grad, logits, target, weight):
         loss = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)[0]  # noqa: E731
         return _twice.vjp(loss, (logits,), (grad,), ctx.needs_input_grad)[0], gt, None, None, None, gw
     if not ctx.needs_input_grad[0]:
@@ -353,7 +354,7 @@ def _cross_entropy_lse_backward(ctx, grad, grad_lse):
     gt = _ce_target_grad(ctx, grad, logits, target, weight, lse)
     if not ctx.needs_input_grad[0] or (grad is None and grad_lse is None):
         return None, gt, None, None, None, gw
-    if _twice.wanted():
+    if _twice.wanted(grad, grad_lse, logits, target, weight):
         both = lambda t: _twice.cross_entropy(t, target, *ctx.args, weight)  # noqa: E731
         return _twice.vjp(both, (logits,), (grad, grad_lse), ctx.needs_input_grad)[0], gt, None, None, None, gw
     g = None
@@ -386,7 +387,7 @@ def _rotary_pairs(t, half, interleaved):
 
 def _rotary_backward(ctx, grad):
     x, cos, sin = ctx.saved_tensors
-    if _twice.wanted():
+    if _twice.wanted(grad, x, cos, sin):
         return tuple(_twice.vjp(_twice.rotary, (x, cos, sin, ctx.interleaved), (grad,), ctx.needs_input_grad))
     grad = heads_contiguous(grad)
     gx = _twin("rotary_embedding_backward")(grad, cos, sin, ctx.interleaved) if ctx.needs_input_grad[0] else None
@@ -490,6 +491,9 @@ def _autograd_kernel(name, backward, setup):
         {"forward": staticmethod(forward), "backward": staticmethod(backward)},
     )
     apply = APPLY[name] = formula.apply
+    dual = _twice.KERNEL_DUALS.get(f"keel::{name}")
+    if dual is not None:
+        _twice.DUAL_FUNCTIONS[f"keel::{name}"] = _with_jvp(name, formula, forward, defaults, public, dual).apply
 
     def kernel(*args):
         if fwad._current_level >= 0 and _twice.has_tangent(args):
@@ -505,6 +509,39 @@ def _autograd_kernel(name, backward, setup):
         return call_twin(*args)
 
     return kernel
+
+
+def _with_jvp(name, formula, forward, defaults, public, dual):
+    """Op `name`'s `formula` (its forward `forward`) with a ``jvp``: the
+    tangents of ``_twice.KERNEL_DUALS``' `dual` (how many leading arguments may
+    carry one, the tangent function), recording a graph (``_twice.DUAL_FUNCTIONS``).
+    Applied to dual arguments, torch runs the forward on the primals, saves the
+    inputs with their tangents for the backward (so a gradient taken inside the
+    level carries a tangent: ``_twice.wanted``) and calls the ``jvp`` at once:
+    it takes the arguments and output the forward kept, then lets them go (a
+    reference to the output on its own node would keep both alive). A tensor
+    without a tangent gets None, not a materialised zero (a residual without
+    one: a fresh tensor of its size a call). fused_add_rms_norm's sum, which a
+    weight alone requiring a gradient leaves without one through the formula
+    (as torch's ``input + residual``), requires one here: torch gives no
+    tangent to an output marked non-differentiable."""
+    leading, tangent = dual
+
+    def dual_forward(ctx, *args):
+        ctx.dual = True  # (for the setup: every output carries a tangent)
+        out = forward(ctx, *args)
+        ctx.set_materialize_grads(False)
+        ctx.dual = (args + defaults[len(args) :], out)
+        return out
+
+    def jvp(ctx, *tangents):
+        args, out = ctx.dual
+        del ctx.dual
+        return tangent(out, args[:leading], tangents[:leading], args, public, True)
+
+    return type(
+        f"KeelDual_{name}", (formula,), {"forward": staticmethod(dual_forward), "jvp": staticmethod(jvp)}
+    )
 
 
 def register() -> None:

@@ -174,8 +174,8 @@ def _backward_of(ref):
     one is wanted (``_twice.wanted``)."""
 
     def backward(ctx, *grads):
-        graph = _twice.wanted()
         args = [o if t is None else t for t, o in zip(ctx.saved_tensors, ctx.others)]
+        graph = _twice.wanted(*grads, *args)
         needs = ctx.needs_input_grad
         result = [None] * len(needs)
         take = [i for i, a in enumerate(args[: len(needs)]) if needs[i] and isinstance(a, torch.Tensor)]

@@ -367,34 +367,45 @@ def _bases(args):
     return first, (_FORWARD if jvps or tangent else _REVERSE)
 
 
-def forward_alone(args) -> bool:
-    """Whether forward mode's one level alone tracks `args`: no transform in
-    place (plain ``torch.autograd.forward_ad``), or ``jvp`` innermost with
-    only ``vmap`` beside it (``jacfwd``, ``vmap(jvp(f))``); and in grad mode
-    no layer of a tensor among `args` requires a gradient, nor does a tensor
-    below its functorch wrappers carry a tangent. There an op without autograd
-    run on the arguments (their ``jvp`` wrappers) loses nothing; elsewhere a
-    ``grad`` transform, an outer ``jvp``, ``forward_ad`` level or autograd graph
-    would lose its derivative through it."""
+def forward_alone(args, tangents):
+    """Whether forward mode's one level alone tracks `args` and `tangents`
+    (those of `args`' tangents Keel's kernels will take), and if so, whether an
+    autograd graph must be recorded beside it: None where it does not, else
+    whether one must.
+
+    It does with no transform in place (plain ``torch.autograd.forward_ad``),
+    or ``jvp`` innermost with only ``vmap`` beside it (``jacfwd``,
+    ``vmap(jvp(f))``), where no tensor below its functorch wrappers carries a
+    tangent. There an op without autograd run on the arguments (their ``jvp``
+    wrappers) loses nothing where, in grad mode, no layer of a tensor among
+    them requires a gradient (False). Under plain ``forward_ad`` in grad mode a
+    tensor that requires one (a module's parameter, an input with a graph
+    behind it, a tangent computed from one) asks for a graph (True: the op's
+    autograd, and tangents that record one: ``_twice.kernel_dual``). Under a
+    transform it answers None: a ``grad`` transform, an outer ``jvp``, or an
+    autograd graph below a ``jvp`` would lose its derivative."""
     if _F is None or not hasattr(_F, "get_interpreter_stack"):
-        return False
+        return None
     stack = _stack()
     if stack and (stack[-1].key() != _JVP or any(i.key() != _VMAP for i in stack[:-1])):
-        return False
+        return None
     grad = torch.is_grad_enabled()
-    for a in args:
+    graph = False
+    for a in (*args, *tangents):
         if not isinstance(a, torch.Tensor):
             continue
         below = a
         while True:
             if grad and below.requires_grad:
-                return False
+                if stack:
+                    return None
+                graph = True
             if not _F.is_functorch_wrapped_tensor(below):
                 break
             below = _F.get_unwrapped(below)
         if below is not a and torch.autograd.forward_ad.unpack_dual(below).tangent is not None:
-            return False
-    return True
+            return None
+    return graph
 
 
 def under_grad() -> bool:

@@ -64,11 +64,12 @@ def run(op, twin, name, args):
     with a tangent on ``x`` alone (fused_add_rms_norm: on ``x`` or the
     residual), which ``forward_ad`` or one ``jvp`` alone tracks, are Keel's
     kernel on the primals and Keel's kernels for the tangent
-    (``_twice.kernel_parts``)."""
+    (``_twice.kernel_parts``; under plain ``forward_ad`` with a graph where a
+    tensor requires a gradient)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
     parts = _twice.kernel_parts(op, args)
     if parts is not None:
-        return _twice.kernel_dual(op, parts, args, twin)
+        return _twice.kernel_dual(op, twin, parts, args, _direct)
     native = _func.route(op, args, functions=False)[1]
     args = _twice.zero_tangents(args)
     if native is not None:

@@ -32,15 +32,15 @@ from ._fake import meta_outputs
 from ._target_checks import checking, out_of_range, raise_first
 
 
-def forward_ad_on() -> bool:
-    """True inside ``torch.autograd.forward_ad.dual_level()``."""
-    return _fwad._current_level >= 0
-
-
-def wanted() -> bool:
+def wanted(*tensors) -> bool:
     """True inside a backward that must itself be differentiable: one that records
-    a graph, or runs on dual tensors of forward-mode AD (forward-over-reverse)."""
-    return torch.is_grad_enabled() or forward_ad_on()
+    a graph, or runs on dual tensors of forward-mode AD (forward-over-reverse:
+    a tensor among `tensors`, the backward's gradients and saved tensors,
+    carries a tangent). A backward run inside ``forward_ad.dual_level()`` on
+    tensors without one keeps Keel's kernels: ``loss.backward()`` inside the
+    level, after the tangents were taken (rms_norm's backward ``[2048, 2048]``
+    f32: 23 against 48 ms, docs/BENCHMARKS.md session 117)."""
+    return torch.is_grad_enabled() or (_fwad._current_level >= 0 and has_tangent(tensors))
 
 
 def functorch_on() -> bool:
@@ -66,8 +66,8 @@ def vmap_on_top() -> bool:
 
 
 def transformed() -> bool:
-    """True where the typed API takes :func:`through_torch`: :func:`forward_ad_on`
-    or :func:`functorch_on`, written out in one frame (the typed API asks on every
+    """True where the typed API takes :func:`through_torch`: inside
+    ``forward_ad.dual_level()`` or :func:`functorch_on`, written out in one frame (the typed API asks on every
     call; the two calls cost 0.1 us of its 0.2, measured)."""
     return _fwad._current_level >= 0 or (_peek is not None and _peek() is not None and not _compiling())
 
@@ -100,7 +100,9 @@ def through_torch(fn, op, twin, ref, *args):
     - Rotary embedding, the norms and softmax with a tangent on ``x`` alone
       (fused_add_rms_norm: on ``x`` or the residual), under ``forward_ad`` or
       one ``jvp`` (:func:`kernel_parts`): Keel's kernel on the primals, Keel's
-      kernels for the tangent (:func:`kernel_dual`).
+      kernels for the tangent (:func:`kernel_dual`); under plain
+      ``forward_ad`` also where a tensor requires a gradient, recording the
+      graph (the op's formula with a ``jvp``: :data:`DUAL_FUNCTIONS`).
     """
     functorch = functorch_on()
     if functorch and vmap_on_top():
@@ -116,7 +118,7 @@ def through_torch(fn, op, twin, ref, *args):
             return fn(function, *args)
     _check_on_meta(fn, twin, op, args)
     if parts is not None:
-        return kernel_dual(op, parts, args, lambda *a: fn(twin, *a))
+        return kernel_dual(op, twin, parts, args, fn)
     return (native or ref)(*zero_tangents(args))
 
 
@@ -163,54 +165,119 @@ def zero_tangents(args):
 
 
 def kernel_parts(op, args):
-    """The primals and tangents of the arguments that may carry one, where `op`
-    has a forward mode through Keel's kernels (:data:`KERNEL_DUALS`: rotary
-    embedding, the norms, softmax), in forward mode with a tangent on ``x``
-    (fused_add_rms_norm: on ``x``, the residual or both) and on no other
-    argument, and forward mode's one level alone tracking the arguments
-    (:func:`_func.forward_alone`: nothing requiring a gradient, no ``grad``
-    transform, one ``jvp`` at the most); else None. There the output's tangent
-    is a linear map of those tangents that Keel's kernels compute
-    (:func:`kernel_dual`). The other tensors carry no tangent, and get no zero
-    one (:func:`zero_tangents`): that would make the tangent NaN wherever ``x``
-    holds an inf (``0 * inf``), where rotary's derivative, ``cos`` and ``sin``
-    themselves, is finite; and the zero-tensor path that a plain tensor takes
-    instead costs a Python meta call per op (docs/BENCHMARKS.md sessions 111
-    and 114). Where it serves, ``_func.route`` is not asked (a stack walk,
-    about 20 us a call)."""
+    """The primals and tangents of the arguments that may carry one, and
+    whether an autograd graph must be recorded, where `op` has a forward mode
+    through Keel's kernels (:data:`KERNEL_DUALS`: rotary embedding, the norms,
+    softmax), in forward mode with a tangent on ``x`` (fused_add_rms_norm: on
+    ``x``, the residual or both) and on no other argument, and forward mode's
+    one level alone tracking the arguments (:func:`_func.forward_alone`: no
+    ``grad`` transform, one ``jvp`` at the most, nothing requiring a gradient
+    under a ``jvp``); else None. There the output's tangent is a linear map of
+    those tangents that Keel's kernels compute (:func:`kernel_dual`). The other
+    tensors carry no tangent, and get no zero one (:func:`zero_tangents`): that
+    would make the tangent NaN wherever ``x`` holds an inf (``0 * inf``), where
+    rotary's derivative, ``cos`` and ``sin`` themselves, is finite; and the
+    zero-tensor path that a plain tensor takes instead costs a Python meta call
+    per op (docs/BENCHMARKS.md sessions 111 and 114). Where it serves,
+    ``_func.route`` is not asked (a stack walk, about 20 us a call)."""
     entry = KERNEL_DUALS.get(op._schema.name)
     if entry is None:
         return None
     if _fwad._current_level < 0 or torch.is_inference_mode_enabled():
         return None
     duals = entry[0]
-    if has_tangent(args[duals:]) or not _func.forward_alone(args):
+    if has_tangent(args[duals:]):
         return None
     parts = [_fwad.unpack_dual(a) for a in args[:duals]]
-    if all(p.tangent is None for p in parts):
+    tangents = [p.tangent for p in parts]
+    if all(t is None for t in tangents):
         return None
-    return [p.primal for p in parts], [p.tangent for p in parts]
+    graph = _func.forward_alone(args, [t for t in tangents if t is not None])
+    if graph is None:
+        return None
+    return [p.primal for p in parts], tangents, graph
 
 
-def kernel_dual(op, parts, args, kernel):
-    """The output of `op` on `args` from :func:`kernel_parts`' `parts`: `kernel`
-    (the op's ``_nograd`` twin, called as the op) on the primals, dual with the
-    tangents that Keel's kernels give (:data:`KERNEL_DUALS`). Under ``jvp`` they
-    run on its wrappers: the twins have no autograd, so functorch takes the
-    wrappers off and runs them below (their batching rules under
-    ``vmap(jvp(f))`` and ``jacfwd``), which loses nothing where
-    :func:`kernel_parts` served (no level below tracks them)."""
-    primals, tangents = parts
-    out = kernel(*primals, *args[len(primals) :])
-    return KERNEL_DUALS[op._schema.name][1](out, primals, tangents, args, kernel)
+def kernel_dual(op, twin, parts, args, call):
+    """The output of `op` on `args` from :func:`kernel_parts`' `parts`, each
+    output dual with the tangent that Keel's kernels give (:data:`KERNEL_DUALS`);
+    `call(f, *args)` calls `f` as the op (the typed API's caller, or ``f(*args)``).
+
+    Without a graph to record: `twin` (the op's ``_nograd`` twin) on the
+    primals, the tangents beside it. Under ``jvp`` they run on its wrappers: the
+    twins have no autograd, so functorch takes the wrappers off and runs them
+    below (their batching rules under ``vmap(jvp(f))`` and ``jacfwd``), which
+    loses nothing where :func:`kernel_parts` served (no level below tracks
+    them). With one (plain ``forward_ad``, a tensor requiring a gradient): the
+    op's formula with a ``jvp`` (:data:`DUAL_FUNCTIONS`) on the dual arguments:
+    the same kernels, its ``jvp`` the same tangents, recording a graph
+    (:class:`_KernelTangent`), and its backward sees the inputs as they were,
+    dual, so a gradient taken inside the level carries its tangent
+    (forward-over-reverse: a Hessian-vector product), as torch's own ops'."""
+    primals, tangents, graph = parts
+    name = op._schema.name
+    if graph:
+        return call(DUAL_FUNCTIONS[name], *args)
+    out = call(twin, *primals, *args[len(primals) :])
+    got = KERNEL_DUALS[name][1](out, primals, tangents, args, lambda *a: call(twin, *a), False)
+    if isinstance(out, tuple):
+        return tuple(_fwad.make_dual(o, t) for o, t in zip(out, got))
+    return _fwad.make_dual(out, got)
 
 
-def _rotary_dual(out, primals, tangents, args, kernel):
-    """Rotary embedding is linear in ``x``: the op on ``x``'s tangent."""
-    return _fwad.make_dual(out, kernel(tangents[0], *args[1:]))
+DUAL_FUNCTIONS = {}
+"""Op name (``keel::rms_norm`` ...) -> ``apply`` of its formula with a ``jvp``:
+an ``autograd.Function`` whose forward runs the op's twin and records the
+backward, as the op's autograd kernel's formula, and whose ``jvp`` gives the
+tangents of :data:`KERNEL_DUALS` with a graph (filled by ``_autograd.register``)."""
 
 
-def _layer_norm_dual(out, primals, tangents, args, kernel):
+class _KernelTangent(torch.autograd.Function):
+    """``J t`` by a Keel backward kernel, ``kernel(t, x)``, recording a graph:
+    its backward is the gradient of the written-out ``written(t, x)``, torch's
+    ops (:func:`vjp`: with a graph, so derivatives of any order follow). For
+    :func:`_jt` where ``t`` or ``x`` requires a gradient: a tangent that a loss
+    takes in (a Jacobian penalty), or one computed from a tensor requiring a
+    gradient. The forward, what every call runs, stays the one kernel."""
+
+    @staticmethod
+    def forward(kernel, written, t, x):
+        return kernel(t, x)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.written = inputs[1]
+        ctx.save_for_backward(*inputs[2:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, x = ctx.saved_tensors
+        return (None, None, *vjp(ctx.written, (t, x), (grad,), ctx.needs_input_grad[2:]))
+
+
+def _jt(kernel, written, t, x, graph):
+    """``J t``: `kernel(t, x)`, through :class:`_KernelTangent` where `graph`
+    and `t` or `x` requires a gradient."""
+    if graph and (t.requires_grad or x.requires_grad):
+        return _KernelTangent.apply(kernel, written, t, x)
+    return kernel(t, x)
+
+
+def _symmetric_jt(f, t, x):
+    """``J t`` of `f` (a map of rows whose Jacobian ``J`` is symmetric) at `x`,
+    written out: the gradient of `f` at `x` against `t`, with a graph."""
+    with torch.enable_grad():
+        leaf = x if x.requires_grad else x.detach().requires_grad_()
+        return torch.autograd.grad(f(leaf), leaf, t, create_graph=True)[0]
+
+
+def _rotary_tangent(out, primals, tangents, args, kernel, graph):
+    """Rotary embedding is linear in ``x``: the op on ``x``'s tangent (`kernel`,
+    the op itself where `graph`: its autograd records one)."""
+    return kernel(tangents[0], *args[1:])
+
+
+def _layer_norm_tangent(out, primals, tangents, args, kernel, graph):
     """``w * J t``: layer_norm's Jacobian without the weight, ``J = r (I - (1
     1^T + xhat xhat^T) / n)`` in each row, is symmetric, so its product with ``x``'s
     tangent ``t`` is the backward's with ``t`` for the output's gradient and no
@@ -220,67 +287,96 @@ def _layer_norm_dual(out, primals, tangents, args, kernel):
     session 116; :func:`_times_weight`)."""
     weight, eps = args[1], args[3]
     backward = torch.ops.keel._layer_norm_backward_nograd.default
-    jt = backward(tangents[0].contiguous(), primals[0].contiguous(), None, None, eps)[0]
-    return _fwad.make_dual(out, _times_weight(jt, weight))
+
+    def kernel_jt(t, x):
+        return backward(t.contiguous(), x.contiguous(), None, None, eps)[0]
+
+    def written(t, x):
+        return _symmetric_jt(lambda a: layer_norm(a, None, None, eps), t, x)
+
+    return _times_weight(_jt(kernel_jt, written, tangents[0], primals[0], graph), weight, graph)
 
 
-def _times_weight(jt, weight):
+def _times_weight(jt, weight, graph):
     """``J t`` times the weight where one is given: in place (``J t`` is a
     fresh output of the size of ``x``: 30% of layer_norm's time on ``[4096,
     4096]`` went to a new one), except where the weight is a transform's (a
-    per-example weight under ``vmap``: ``J t`` may not be batched as it is)."""
+    per-example weight under ``vmap``: ``J t`` may not be batched as it is),
+    or where `graph` and either requires a gradient (autograd keeps ``J t``
+    for the weight's gradient)."""
     if weight is None:
         return jt
-    return jt * weight if _func.wrapped(weight) else jt.mul_(weight)
+    if _func.wrapped(weight) or (graph and (jt.requires_grad or weight.requires_grad)):
+        return jt * weight
+    return jt.mul_(weight)
 
 
-def _rms_norm_dual(out, primals, tangents, args, kernel):
+def _rms_norm_tangent(out, primals, tangents, args, kernel, graph):
     """``w * J t``: rms_norm's Jacobian without the weight, ``J = r (I - a
     a^T r^2 / n)`` in each row, is symmetric, so its product with ``x``'s
     tangent is the backward's with ``t`` for the output's gradient and no weight
-    (Keel's backward kernel, one pass), as :func:`_layer_norm_dual`'s. With
+    (Keel's backward kernel, one pass), as :func:`_layer_norm_tangent`'s. With
     ``round_before_weight`` too: the rounding's derivative is taken as 1, as in
     the backward."""
-    return _fwad.make_dual(out, _rms_norm_tangent(tangents[0], primals[0], args[1], args[2]))
+    return _weighted_rms_jt(tangents[0], primals[0], args[1], args[2], graph)
 
 
-def _rms_norm_tangent(t, x, weight, eps):
-    """``w * J t`` of rms_norm at `x` (:func:`_rms_norm_dual`): Keel's backward
-    kernel with `t` for the output's gradient and no weight, then the weight."""
+def _weighted_rms_jt(t, x, weight, eps, graph):
+    """``w * J t`` of rms_norm at `x` (:func:`_rms_norm_tangent`): Keel's backward
+    kernel with `t` for the output's gradient and no weight, then the weight;
+    recording a graph where `graph` (:func:`_jt`)."""
     backward = torch.ops.keel._rms_norm_backward_nograd.default
-    return _times_weight(backward(t.contiguous(), rows_in_place(x), None, eps)[0], weight)
+
+    def kernel_jt(t, x):
+        return backward(t.contiguous(), rows_in_place(x), None, eps)[0]
+
+    def written(t, x):
+        return _symmetric_jt(lambda a: rms_norm(a, None, eps), t, x)
+
+    return _times_weight(_jt(kernel_jt, written, t, x, graph), weight, graph)
 
 
-def _fused_add_rms_norm_dual(out, primals, tangents, args, kernel):
+def _fused_add_rms_norm_tangent(out, primals, tangents, args, kernel, graph):
     """``s = x + residual`` and ``rms_norm(s)``: ``s``'s tangent is the sum of
     the two tangents (a copy of the one given, where one is: no output's
     tangent is an input's), the normed output's ``w * J t_s`` as rms_norm's
-    (:func:`_rms_norm_dual`), on the sum the kernel gave."""
+    (:func:`_rms_norm_tangent`), on the sum the kernel gave."""
     y, s = out
     tx, tr = tangents
     ts = tx.clone() if tr is None else tr.clone() if tx is None else tx + tr
-    return _fwad.make_dual(y, _rms_norm_tangent(ts, s, args[2], args[3])), _fwad.make_dual(s, ts)
+    return _weighted_rms_jt(ts, s, args[2], args[3], graph), ts
 
 
-def _softmax_dual(out, primals, tangents, args, kernel):
+def _softmax_tangent(out, primals, tangents, args, kernel, graph):
     """``J t = scale y (t - sum(t y))``: softmax's Jacobian, ``scale (diag(y) -
     y y^T)`` in each row, is symmetric, so its product with ``x``'s tangent is
     Keel's backward kernel with ``t`` for the output's gradient (one pass, on
-    the output ``y``, rounded to its dtype as the backward reads it)."""
-    return _fwad.make_dual(out, torch.ops.keel._softmax_backward_nograd.default(tangents[0].contiguous(), out, args[1]))
+    the output ``y``, rounded to its dtype as the backward reads it;
+    recording a graph where `graph`: :func:`_jt`)."""
+    scale = args[1]
+    backward = torch.ops.keel._softmax_backward_nograd.default
+
+    def kernel_jt(t, y):
+        return backward(t.contiguous(), y, scale)
+
+    def written(t, y):
+        return softmax_backward(t, y, scale)
+
+    return _jt(kernel_jt, written, tangents[0], out, graph)
 
 
 KERNEL_DUALS = {
-    "keel::rotary_embedding": (1, _rotary_dual),
-    "keel::layer_norm": (1, _layer_norm_dual),
-    "keel::rms_norm": (1, _rms_norm_dual),
-    "keel::fused_add_rms_norm": (2, _fused_add_rms_norm_dual),
-    "keel::softmax": (1, _softmax_dual),
+    "keel::rotary_embedding": (1, _rotary_tangent),
+    "keel::layer_norm": (1, _layer_norm_tangent),
+    "keel::rms_norm": (1, _rms_norm_tangent),
+    "keel::fused_add_rms_norm": (2, _fused_add_rms_norm_tangent),
+    "keel::softmax": (1, _softmax_tangent),
 }
-"""Op name -> (how many leading arguments may carry a tangent, the dual output
-from the twin's output, those arguments' primals and tangents (None where one
-has none), the op's arguments and its twin called as the op), through Keel's
-kernels, for :func:`kernel_parts`."""
+"""Op name -> (how many leading arguments may carry a tangent, the tangent of
+each output, through Keel's kernels, from the op's output, those arguments'
+primals and tangents (None where one has none), the op's arguments, the op
+called as the op (its twin; the op itself where a graph must be recorded) and
+whether one must), for :func:`kernel_parts` and :data:`DUAL_FUNCTIONS`."""
 
 
 def _zero_dual(a):
