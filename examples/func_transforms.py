@@ -3,7 +3,9 @@
 
 Rows: ``vjp`` of each norm on ``[rows, hidden]`` (the pullback applied once),
 its ``jvp`` there (a tangent on ``x``: Keel's forward and backward kernels,
-docs/BENCHMARKS.md session 116), the per-example input and weight gradients of
+docs/BENCHMARKS.md session 116) and the same tangent under
+``torch.autograd.forward_ad`` with a weight requiring a gradient (a module's,
+in grad mode: a graph recorded beside it, session 117), the per-example input and weight gradients of
 ``sum(norm(x_i, w) * t)`` over a batch of examples with a shared weight, and a
 Hessian-vector product (``jvp(grad(...))``) of ``sum((norm(x, w) * t)^2)`` on a
 small ``[64, 512]``.
@@ -17,6 +19,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad as fwAD
 from torch.func import grad, jvp, vjp, vmap
 
 import keel
@@ -54,6 +57,16 @@ def _jvp(norm, x, w, v):
     return lambda: jvp(lambda x: norm(x, w), (x,), (v,))
 
 
+def _forward_ad(norm, x, w, v):
+    w = w.detach().requires_grad_()
+
+    def run():
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(norm(fwAD.make_dual(x, v), w)).tangent
+
+    return run
+
+
 def _per_example(norm, x, w, t):
     f = vmap(grad(lambda x, w: (norm(x, w) * t).sum(), (0, 1)), in_dims=(0, None))
     return lambda: f(x, w)
@@ -88,6 +101,8 @@ def main():
         print(f"{f'vjp {name} [{args.rows}, {h}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
         k, r = _best([_jvp(ours, x, w, g), _jvp(theirs, x, w, g)], args.reps, sync)
         print(f"{f'jvp {name} [{args.rows}, {h}]':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
+        k, r = _best([_forward_ad(ours, x, w, g), _forward_ad(theirs, x, w, g)], args.reps, sync)
+        print(f"{f'forward_ad {name}, weight requires grad':<48} {k * 1e3:>9.2f} {r * 1e3:>9.2f} {r / k:>7.2f}x")
         for b, s, c in batches:
             xb, t, wb = randn(b, s, c), randn(s, c), randn(c)
             k, r = _best([_per_example(ours, xb, wb, t), _per_example(theirs, xb, wb, t)], args.reps, sync)

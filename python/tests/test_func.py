@@ -685,4 +685,4 @@ def test_the_timing_example_runs():
         timeout=300,
         check=True,
     ).stdout
-    assert out.count("x\n") == 10, out
+    assert out.count("x\n") == 12, out
