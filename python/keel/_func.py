@@ -80,6 +80,24 @@ the kernels win back only on larger tensors: these are the crossovers measured
 on the 2-core Xeon (docs/BENCHMARKS.md, session 107), as powers of two. Below
 them the torch-op version serves, as before."""
 
+JVP_GRAPH_MIN_ELEMENTS = {
+    "rms_norm": 1 << 19,
+    "layer_norm": 1 << 19,
+    "softmax": 1 << 19,
+    "fused_add_rms_norm": 1 << 20,
+    "rotary_embedding": 1 << 19,
+}
+"""Op name -> the fewest elements of its first tensor (all the examples' under
+``vmap``) for which, on the CPU, its Function with a ``jvp``
+(:data:`DUAL_FUNCTIONS`) serves under ``jvp`` where a tensor requires a
+gradient below the transforms (``_twice.kernel_parts``); below them the paths
+of before. torch.func's machinery around the Function costs about 0.3-0.5 ms
+a call: ``jvp`` with a weight requiring a gradient, f32, against the
+written-out version, ``[256, 512]`` 0.55-0.81x, ``[512, 1024]`` 1.3-2.6x
+(fused_add_rms_norm 0.93-1.11x), ``[1024, 1024]`` 1.2-3.4x (measured on the
+2-core Zen 4, docs/BENCHMARKS.md session 117; rotary's not measured, taken as
+the norms'). On CUDA :data:`CUDA_MIN_ELEMENTS`, as for the Functions above."""
+
 CUDA_MIN_ELEMENTS = 1 << 24
 """The same for CUDA tensors, every op: an estimate, not measured (no GPU in
 session 107). There the torch-op version's extra passes over memory (about 32
@@ -378,12 +396,12 @@ def forward_alone(args, tangents):
     ``vmap(jvp(f))``), where no tensor below its functorch wrappers carries a
     tangent. There an op without autograd run on the arguments (their ``jvp``
     wrappers) loses nothing where, in grad mode, no layer of a tensor among
-    them requires a gradient (False). Under plain ``forward_ad`` in grad mode a
-    tensor that requires one (a module's parameter, an input with a graph
-    behind it, a tangent computed from one) asks for a graph (True: the op's
-    autograd, and tangents that record one: ``_twice.kernel_dual``). Under a
-    transform it answers None: a ``grad`` transform, an outer ``jvp``, or an
-    autograd graph below a ``jvp`` would lose its derivative."""
+    them requires a gradient (False). In grad mode a tensor that requires one
+    (a module's parameter, an input with a graph behind it, a tangent computed
+    from one) asks for a graph (True: the op's formula with a ``jvp``, whose
+    tangents record one: ``_twice.kernel_dual``). Elsewhere (a ``grad``
+    transform, an outer ``jvp``) it answers None: Keel's kernels would lose a
+    derivative there."""
     if _F is None or not hasattr(_F, "get_interpreter_stack"):
         return None
     stack = _stack()
@@ -397,8 +415,6 @@ def forward_alone(args, tangents):
         below = a
         while True:
             if grad and below.requires_grad:
-                if stack:
-                    return None
                 graph = True
             if not _F.is_functorch_wrapped_tensor(below):
                 break
@@ -515,6 +531,51 @@ def _function(name, backward, setup, call, defaults):
     def apply(*args):
         # Every argument given: setup_context and backward see the op's whole schema.
         return fn.apply(*args, *defaults[len(args) :]) if len(args) < count else fn.apply(*args)
+
+    dual = KERNEL_DUALS.get(f"keel::{name}")
+    if dual is not None:
+        DUAL_FUNCTIONS[f"keel::{name}"] = _with_jvp(fn, defaults, lambda *a: FUNCTIONS[name](*a), dual)
+    return apply
+
+
+KERNEL_DUALS = {}
+"""``_twice.KERNEL_DUALS``, set by ``_twice`` (which imports this module)."""
+
+WRAPPED = "wrapped"
+"""The `graph` that :func:`_with_jvp`'s ``jvp`` gives ``_twice.KERNEL_DUALS``'
+tangent functions: there a tensor's ``requires_grad`` does not tell whether a
+level below tracks it (functorch's wrappers), so a graph is always recorded."""
+
+DUAL_FUNCTIONS = {}
+"""Op name (``keel::rms_norm`` ...) -> the op's Function for torch.func with a
+``jvp`` (:func:`_with_jvp`), for ``_twice.kernel_dual`` under ``jvp`` where a
+tensor requires a gradient below the transforms."""
+
+
+def _with_jvp(fn, defaults, op, dual):
+    """Function `fn` (:func:`_function`'s) with a ``jvp``: the tangents of
+    ``_twice.KERNEL_DUALS``' `dual` (how many leading arguments may carry one,
+    the tangent function), recording a graph below the transforms (`op`, the
+    op's Function for torch.func: rotary's tangent is the op on ``x``'s);
+    called as the op (trailing defaults may be left out)."""
+    leading, tangent = dual
+    count = len(defaults)
+
+    def setup_context(ctx, inputs, output):
+        ctx.dual = True  # (for the formula's setup: every output carries a tangent)
+        fn.setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)
+        ctx.dual = (inputs, output)
+
+    def jvp(ctx, *tangents):
+        args, out = ctx.dual
+        del ctx.dual
+        return tangent(out, args[:leading], tangents[:leading], args, op, WRAPPED)
+
+    cls = type(f"{fn.__name__}_jvp", (fn,), {"setup_context": staticmethod(setup_context), "jvp": staticmethod(jvp)})
+
+    def apply(*args):
+        return cls.apply(*args, *defaults[len(args) :]) if len(args) < count else cls.apply(*args)
 
     return apply
 

@@ -64,10 +64,11 @@ def run(op, twin, name, args):
     with a tangent on ``x`` alone (fused_add_rms_norm: on ``x`` or the
     residual), which ``forward_ad`` or one ``jvp`` alone tracks, are Keel's
     kernel on the primals and Keel's kernels for the tangent
-    (``_twice.kernel_parts``; under plain ``forward_ad`` with a graph where a
-    tensor requires a gradient)."""
+    (``_twice.kernel_parts``; with a graph where a tensor requires a gradient,
+    under plain ``forward_ad``: a graph under torch.func needs a Function,
+    which torch.func does not run in an op's autograd kernel)."""
     meta = _twice._check_on_meta(_direct, twin, op, args)
-    parts = _twice.kernel_parts(op, args)
+    parts = _twice.kernel_parts(op, args, functions=False)
     if parts is not None:
         return _twice.kernel_dual(op, twin, parts, args, _direct)
     native = _func.route(op, args, functions=False)[1]

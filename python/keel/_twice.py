@@ -100,9 +100,9 @@ def through_torch(fn, op, twin, ref, *args):
     - Rotary embedding, the norms and softmax with a tangent on ``x`` alone
       (fused_add_rms_norm: on ``x`` or the residual), under ``forward_ad`` or
       one ``jvp`` (:func:`kernel_parts`): Keel's kernel on the primals, Keel's
-      kernels for the tangent (:func:`kernel_dual`); under plain
-      ``forward_ad`` also where a tensor requires a gradient, recording the
-      graph (the op's formula with a ``jvp``: :data:`DUAL_FUNCTIONS`).
+      kernels for the tangent (:func:`kernel_dual`); also where a tensor
+      requires a gradient, recording the graph (the op's formula with a
+      ``jvp``: :data:`DUAL_FUNCTIONS`).
     """
     functorch = functorch_on()
     if functorch and vmap_on_top():
@@ -164,15 +164,18 @@ def zero_tangents(args):
     )
 
 
-def kernel_parts(op, args):
+def kernel_parts(op, args, functions=True):
     """The primals and tangents of the arguments that may carry one, and
     whether an autograd graph must be recorded, where `op` has a forward mode
     through Keel's kernels (:data:`KERNEL_DUALS`: rotary embedding, the norms,
     softmax), in forward mode with a tangent on ``x`` (fused_add_rms_norm: on
     ``x``, the residual or both) and on no other argument, and forward mode's
     one level alone tracking the arguments (:func:`_func.forward_alone`: no
-    ``grad`` transform, one ``jvp`` at the most, nothing requiring a gradient
-    under a ``jvp``); else None. There the output's tangent is a linear map of
+    ``grad`` transform, one ``jvp`` at the most); not where a graph must be
+    recorded under torch.func and `functions` is false (a bare op, in its
+    autograd kernel, where torch.func runs no Function: ``_torch_version.run``)
+    or the tensor is smaller than ``_func.JVP_GRAPH_MIN_ELEMENTS`` says;
+    else None. There the output's tangent is a linear map of
     those tangents that Keel's kernels compute (:func:`kernel_dual`). The other
     tensors carry no tangent, and get no zero one (:func:`zero_tangents`): that
     would make the tangent NaN wherever ``x`` holds an inf (``0 * inf``), where
@@ -195,7 +198,13 @@ def kernel_parts(op, args):
     graph = _func.forward_alone(args, [t for t in tangents if t is not None])
     if graph is None:
         return None
-    return [p.primal for p in parts], tangents, graph
+    primals = [p.primal for p in parts]
+    if graph and functorch_on():
+        first = _func.base(next(p for p, t in zip(primals, tangents) if t is not None))
+        least = _func.CUDA_MIN_ELEMENTS if first.is_cuda else _func.JVP_GRAPH_MIN_ELEMENTS[op._opname]
+        if not functions or first.numel() < least:
+            return None
+    return primals, tangents, graph
 
 
 def kernel_dual(op, twin, parts, args, call):
@@ -208,16 +217,17 @@ def kernel_dual(op, twin, parts, args, call):
     twins have no autograd, so functorch takes the wrappers off and runs them
     below (their batching rules under ``vmap(jvp(f))`` and ``jacfwd``), which
     loses nothing where :func:`kernel_parts` served (no level below tracks
-    them). With one (plain ``forward_ad``, a tensor requiring a gradient): the
-    op's formula with a ``jvp`` (:data:`DUAL_FUNCTIONS`) on the dual arguments:
-    the same kernels, its ``jvp`` the same tangents, recording a graph
+    them). With one (a tensor requiring a gradient): the op's formula with a
+    ``jvp`` (:data:`DUAL_FUNCTIONS`; under torch.func the op's Function there
+    with one, ``_func.DUAL_FUNCTIONS``) on the dual arguments: the same
+    kernels, its ``jvp`` the same tangents, recording a graph
     (:class:`_KernelTangent`), and its backward sees the inputs as they were,
     dual, so a gradient taken inside the level carries its tangent
     (forward-over-reverse: a Hessian-vector product), as torch's own ops'."""
     primals, tangents, graph = parts
     name = op._schema.name
     if graph:
-        return call(DUAL_FUNCTIONS[name], *args)
+        return call((_func.DUAL_FUNCTIONS if functorch_on() else DUAL_FUNCTIONS)[name], *args)
     out = call(twin, *primals, *args[len(primals) :])
     got = KERNEL_DUALS[name][1](out, primals, tangents, args, lambda *a: call(twin, *a), False)
     if isinstance(out, tuple):
@@ -240,6 +250,8 @@ class _KernelTangent(torch.autograd.Function):
     takes in (a Jacobian penalty), or one computed from a tensor requiring a
     gradient. The forward, what every call runs, stays the one kernel."""
 
+    generate_vmap_rule = True
+
     @staticmethod
     def forward(kernel, written, t, x):
         return kernel(t, x)
@@ -257,8 +269,9 @@ class _KernelTangent(torch.autograd.Function):
 
 def _jt(kernel, written, t, x, graph):
     """``J t``: `kernel(t, x)`, through :class:`_KernelTangent` where `graph`
-    and `t` or `x` requires a gradient."""
-    if graph and (t.requires_grad or x.requires_grad):
+    and `t` or `x` requires a gradient (always where `graph` is
+    ``_func.WRAPPED``: under torch.func)."""
+    if graph and (graph is _func.WRAPPED or t.requires_grad or x.requires_grad):
         return _KernelTangent.apply(kernel, written, t, x)
     return kernel(t, x)
 
@@ -306,7 +319,7 @@ def _times_weight(jt, weight, graph):
     for the weight's gradient)."""
     if weight is None:
         return jt
-    if _func.wrapped(weight) or (graph and (jt.requires_grad or weight.requires_grad)):
+    if _func.wrapped(weight) or (graph and (graph is _func.WRAPPED or jt.requires_grad or weight.requires_grad)):
         return jt * weight
     return jt.mul_(weight)
 
@@ -377,6 +390,7 @@ each output, through Keel's kernels, from the op's output, those arguments'
 primals and tangents (None where one has none), the op's arguments, the op
 called as the op (its twin; the op itself where a graph must be recorded) and
 whether one must), for :func:`kernel_parts` and :data:`DUAL_FUNCTIONS`."""
+_func.KERNEL_DUALS.update(KERNEL_DUALS)
 
 
 def _zero_dual(a):

@@ -7,17 +7,19 @@ kernels (``_twice.kernel_parts``: the op itself on the primals, its autograd
 recording the graph; ``J t`` by the backward kernel through
 ``_twice._KernelTangent``, whose backward is the written-out version's). Every
 derivative is the written-out version's: the output's and the tangent's
-gradients, and a gradient of those gradients. Under ``jvp`` such a tensor keeps
-the written-out version (test_forward_mode_kernels).
+gradients, and a gradient of those gradients. Under ``torch.func.jvp`` (and
+``vmap(jvp)``, ``jacfwd``) the typed API does the same through the op's
+Function for torch.func with a ``jvp`` (``_func.DUAL_FUNCTIONS``).
 """
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
 import keel
+from keel import _func
 from conftest import devices
 from test_forward_mode_kernels import _OPS, _PARAMS, _fn, _inputs, _names
-from test_torch_version import _t
+from test_torch_version import _JVP_STACKS, _t
 
 ops = torch.ops.keel
 
@@ -191,49 +193,98 @@ def _rotary_leaves(names, seed):
     return {k: (t.clone().requires_grad_() if k in names else t) for k, t in got.items()}
 
 
+def _rotary_dual_call(mode, fn, t):
+    if mode == "jvp":
+        return torch.func.jvp(lambda a: fn(a, t["cos"], t["sin"]), (t["x"],), (t["v"],))
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(fn(fwAD.make_dual(t["x"], t["v"]), t["cos"], t["sin"]))
+
+
+@pytest.mark.parametrize("mode", ["forward_ad", "jvp"])
 @pytest.mark.parametrize("call", ["typed", "bare"])
 @pytest.mark.parametrize("names", [("cos", "sin"), ("x",), ("v",), ("x", "v", "cos", "sin")], ids=" and ".join)
-def test_rotary_forward_ad_with_a_graph(names, call):
+def test_rotary_forward_mode_with_a_graph(names, call, mode, monkeypatch):
     """Rotary embedding, linear in ``x``: the op itself (its autograd) on the
-    primal and the tangent, no op of the written-out version; values and the
+    primal and the tangent, no op of the written-out version (under
+    ``forward_ad``, and under ``jvp`` through the typed API); values and the
     gradients of a loss of both as the written-out version's (float64)."""
     from keel import _twice
 
+    if mode == "jvp" and "v" in names:
+        pytest.skip("torch.func.jvp takes no tangent requiring a gradient")
+    _no_bound(monkeypatch)
     fn = {"typed": lambda x, c, s: keel.rotary_embedding(x, c, s), "bare": lambda x, c, s: ops.rotary_embedding(x, c, s, False)}[call]
     results = []
     for kind in (fn, lambda x, c, s: _twice.rotary(x, c, s, False)):
         t = _rotary_leaves(names, 101)
-        with fwAD.dual_level():
-            # once before counting: Keel's check on meta stand-ins runs the twin once per kind of arguments
-            kind(fwAD.make_dual(t["x"], t["v"]), t["cos"], t["sin"])
-        with fwAD.dual_level(), torch.autograd.profiler.profile() as prof:
-            primal, tangent = fwAD.unpack_dual(kind(fwAD.make_dual(t["x"], t["v"]), t["cos"], t["sin"]))
+        # once before counting: Keel's check on meta stand-ins runs the twin once per kind of arguments
+        _rotary_dual_call(mode, kind, t)
+        with torch.autograd.profiler.profile() as prof:
+            primal, tangent = _rotary_dual_call(mode, kind, t)
         keys = [k for k in names]
         grads = torch.autograd.grad(_loss(primal, tangent), [t[k] for k in keys])
         results.append((primal, tangent, grads, _names(prof)))
     (p, tg, g, names_run), (wp, wt, wg, _) = results
-    assert names_run.count("keel::_rotary_embedding_nograd") == 2, names_run
-    assert "aten::cat" not in names_run
+    if mode == "forward_ad" or call == "typed":
+        assert names_run.count("keel::_rotary_embedding_nograd") >= 2, names_run
+        assert "aten::cat" not in names_run, names_run
     torch.testing.assert_close(p, wp, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(tg, wt, atol=1e-12, rtol=1e-12)
     for a, b in zip(g, wg):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("op", list(_OPS))
-def test_jvp_with_a_weight_requiring_a_gradient_keeps_its_derivative(op):
-    """Under ``torch.func.jvp`` a weight requiring a gradient (a module's
-    parameter in grad mode) keeps the written-out version or torch's op: the
-    weight's gradient of a loss of the output and its tangent as the
-    written-out version's."""
-    if op == "softmax":
-        pytest.skip("softmax takes no weight")
-    x, v = _inputs(111)
-    w, b = _PARAMS["weight and bias"](8, 112)
+_JVP_LEAVES = {"weight": ("w",), "x": ("x",), "x and weight": ("x", "w")}
+
+
+def _jvp_cases():
+    for op in _OPS:
+        for leaves in _JVP_LEAVES:
+            if op != "softmax" or leaves == "x":
+                yield op, leaves
+
+
+def _no_bound(monkeypatch):
+    """Keel's kernels under ``jvp`` with a graph at every size (the tests' tensors
+    are below ``_func.JVP_GRAPH_MIN_ELEMENTS``)."""
+    monkeypatch.setattr(_func, "JVP_GRAPH_MIN_ELEMENTS", dict.fromkeys(_func.JVP_GRAPH_MIN_ELEMENTS, 0))
+
+
+@pytest.mark.parametrize("bound", ["none", "as set"])
+@pytest.mark.parametrize("stack", list(_JVP_STACKS))
+@pytest.mark.parametrize("call", ["typed", "bare"])
+@pytest.mark.parametrize("op, leaves", list(_jvp_cases()))
+def test_jvp_with_a_graph_below_keeps_every_derivative(op, leaves, call, stack, bound, monkeypatch):
+    """Under ``jvp`` (``vmap`` beside it: ``jacfwd``) with a tensor requiring
+    a gradient below the transform (a module's parameter in grad mode, an
+    input with a graph): outputs and the gradients of a loss of them (each
+    leaf) as the written-out version's (float64, to 1e-10). The typed API runs
+    Keel's kernels there (the op's Function for torch.func with a ``jvp``,
+    ``_func.DUAL_FUNCTIONS``) from ``_func.JVP_GRAPH_MIN_ELEMENTS`` on (here
+    with no bound, and with the bound as set: these tensors are below it, so
+    the paths of before); a bare op, whose autograd kernel cannot run a
+    Function under torch.func, keeps the paths of before."""
+    if bound == "none":
+        _no_bound(monkeypatch)
+    run = _JVP_STACKS[stack]
     got = []
-    for kind in ("typed", "written"):
-        wl = w.clone().requires_grad_()
-        primal, tangent = torch.func.jvp(_fn(op, kind, wl, b), (x,), (v,))
-        got.append((primal, tangent, torch.autograd.grad(_loss(primal, tangent), wl)[0]))
-    for a, c in zip(*got):
+    for kind in (call, "written"):
+        t = _leaves(op, _JVP_LEAVES[leaves], 111)
+        x, v = t["x"], t["v"]
+        if stack == "vmap(jvp)":
+            x, v = torch.stack([x, 2 * x]), torch.stack([v, -v])
+        with torch.autograd.profiler.profile() as prof:
+            outs = run(_fn(op, kind, t["w"], t["b"]), x, v)
+        keys = _required(t)
+        loss = sum((o * _t(*o.shape, seed=113 + i)).sum() for i, o in enumerate(outs))
+        got.append((outs, torch.autograd.grad(loss, [t[k] for k in keys]), _names(prof)))
+    (outs, grads, names), (want, want_g, _) = got
+    if call == "typed" and bound == "none":
+        assert f"keel::_{_OPS[op][2]}_nograd" in names, names
+        assert "aten::rsqrt" not in names and "aten::_softmax" not in names, names
+    else:
+        assert f"keel::_{_OPS[op][2]}_nograd" not in names, names
+    for a, c in zip(outs, want):
+        torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+    for a, c in zip(grads, want_g):
         torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
