@@ -38,8 +38,8 @@ def wanted(*tensors) -> bool:
     a tensor among `tensors`, the backward's gradients and saved tensors,
     carries a tangent). A backward run inside ``forward_ad.dual_level()`` on
     tensors without one keeps Keel's kernels: ``loss.backward()`` inside the
-    level, after the tangents were taken (rms_norm's backward ``[2048, 2048]``
-    f32: 23 against 48 ms, docs/BENCHMARKS.md session 117)."""
+    level, after the tangents were taken (rms_norm's backward ``[4096, 4096]``
+    f32: 23 against 87-95 ms, docs/BENCHMARKS.md session 117)."""
     return torch.is_grad_enabled() or (_fwad._current_level >= 0 and has_tangent(tensors))
 
 
@@ -67,8 +67,9 @@ def vmap_on_top() -> bool:
 
 def transformed() -> bool:
     """True where the typed API takes :func:`through_torch`: inside
-    ``forward_ad.dual_level()`` or :func:`functorch_on`, written out in one frame (the typed API asks on every
-    call; the two calls cost 0.1 us of its 0.2, measured)."""
+    ``forward_ad.dual_level()`` or :func:`functorch_on`, written out in one
+    frame (the typed API asks on every call; the two calls cost 0.1 us of its
+    0.2, measured)."""
     return _fwad._current_level >= 0 or (_peek is not None and _peek() is not None and not _compiling())
 
 
@@ -264,7 +265,9 @@ class _KernelTangent(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         t, x = ctx.saved_tensors
-        return (None, None, *vjp(ctx.written, (t, x), (grad,), ctx.needs_input_grad[2:]))
+        # A plain backward (no graph wanted) keeps none on the gradients.
+        got = vjp(ctx.written, (t, x), (grad,), ctx.needs_input_grad[2:], graph=wanted(grad, t, x))
+        return (None, None, *got)
 
 
 def _jt(kernel, written, t, x, graph):
@@ -278,10 +281,10 @@ def _jt(kernel, written, t, x, graph):
 
 def _symmetric_jt(f, t, x):
     """``J t`` of `f` (a map of rows whose Jacobian ``J`` is symmetric) at `x`,
-    written out: the gradient of `f` at `x` against `t`, with a graph."""
-    with torch.enable_grad():
-        leaf = x if x.requires_grad else x.detach().requires_grad_()
-        return torch.autograd.grad(f(leaf), leaf, t, create_graph=True)[0]
+    written out: the gradient of `f` at `x` against `t`, through
+    ``torch.func.vjp``, so a graph or a transform around it (a batched
+    backward) records it."""
+    return torch.func.vjp(f, x)[1](t)[0]
 
 
 def _rotary_tangent(out, primals, tangents, args, kernel, graph):
@@ -388,8 +391,10 @@ KERNEL_DUALS = {
 """Op name -> (how many leading arguments may carry a tangent, the tangent of
 each output, through Keel's kernels, from the op's output, those arguments'
 primals and tangents (None where one has none), the op's arguments, the op
-called as the op (its twin; the op itself where a graph must be recorded) and
-whether one must), for :func:`kernel_parts` and :data:`DUAL_FUNCTIONS`."""
+called as the op (its twin; where a graph must be recorded the op itself, or
+under torch.func its Function) and whether one must (False, True, or
+``_func.WRAPPED`` under torch.func), for :func:`kernel_parts` and
+:data:`DUAL_FUNCTIONS`."""
 _func.KERNEL_DUALS.update(KERNEL_DUALS)
 
 
@@ -501,11 +506,12 @@ PASSED_MAX = 1024
 _no_functorch = torch._C._DisableFuncTorch
 
 
-def vjp(fn, inputs, grads, needs):
+def vjp(fn, inputs, grads, needs, graph=True):
     """The gradients of `fn(*inputs)` (a tensor or a tuple) against `grads` (None
     where an output has no gradient), for the inputs whose `needs` is true, with
-    a graph; None for the others. (`needs` may be shorter than `inputs`: the
-    dispatcher drops trailing arguments equal to their defaults.)"""
+    a graph (without one where `graph` is false, outside the transforms); None
+    for the others. (`needs` may be shorter than `inputs`: the dispatcher drops
+    trailing arguments equal to their defaults.)"""
     if any(_func.wrapped(t) for t in (*inputs, *grads)):
         return _vjp_in_transform(fn, inputs, grads, needs)
     take = [
@@ -524,7 +530,7 @@ def vjp(fn, inputs, grads, needs):
         [o for o, _ in pairs],
         [inputs[i] for i in take],
         [g for _, g in pairs],
-        create_graph=True,
+        create_graph=graph,
         allow_unused=True,
     )
     for i, g in zip(take, got):

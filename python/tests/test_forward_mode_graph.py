@@ -288,3 +288,25 @@ def test_jvp_with_a_graph_below_keeps_every_derivative(op, leaves, call, stack, 
         torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
     for a, c in zip(grads, want_g):
         torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("op", list(_OPS))
+def test_tangents_gradient_plain_and_batched(op):
+    """The gradient of the tangent alone, ``x`` requiring one (through
+    ``_twice._KernelTangent``'s backward): a plain backward leaves no graph on
+    it (``requires_grad`` false, as the written-out version's), and a batched
+    one (``is_grads_batched``: the backward under vmap) gives each row of
+    gradients the written-out version's (float64, 1e-10)."""
+    got = []
+    for kind in ("typed", "written"):
+        t = _leaves(op, ("x",), 123)
+        _, tangent, _ = _dual_call(op, kind, t)
+        gs = _t(3, *tangent.shape, seed=121)
+        plain = torch.autograd.grad(tangent, t["x"], gs[1], retain_graph=True)[0]
+        batched = torch.autograd.grad(tangent, t["x"], gs, is_grads_batched=True)[0]
+        got.append((plain, batched))
+    (plain, batched), (want_plain, want_batched) = got
+    assert not plain.requires_grad and not batched.requires_grad
+    torch.testing.assert_close(plain, want_plain, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(batched, want_batched, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(batched[1], plain, atol=1e-12, rtol=1e-12)
